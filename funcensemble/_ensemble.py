@@ -1,0 +1,242 @@
+"""``Ensemble``: N members as one ``nn.Module`` holding stacked ``[N, ...]`` parameters."""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._architecture import Architecture, check_is_module, check_same_architecture
+from ._seeding import member_seed, seeded_cpu_rng
+from ._skeleton import meta_skeleton, replace_tensors
+from ._stack import FunctionalModule, member_module, stack
+from ._vmap import InDims, Randomness, vmap
+
+
+class Ensemble(nn.Module):
+    """N same-architecture modules run as one vectorized module.
+
+    Its parameters are the members' parameters stacked along a leading member axis
+    (``ens.stacked`` is a copy of the architecture holding them), so
+    ``torch.optim.Adam(ens.parameters())``, ``state_dict``, ``.to()``, ``.double()``,
+    ``.train()``/``.eval()``, hooks and ``torch.compile`` work as for any module.
+    Calling it runs every member on the inputs and stacks the outputs.
+
+    Args:
+        modules: A non-empty sequence of modules of one architecture (see
+            [`stack`][funcensemble.stack]). Their tensors are copied, not shared.
+        randomness: Passed to [`vmap`][funcensemble.vmap]: ``"different"`` dropout
+            masks per member, or ``"same"`` for all members.
+        chunk_size: Passed to [`vmap`][funcensemble.vmap]: run at most this many
+            members at a time to bound memory.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> ens = fe.Ensemble([torch.nn.Linear(8, 4) for _ in range(5)])
+        >>> len(ens), ens(torch.randn(32, 8)).shape
+        (5, torch.Size([5, 32, 4]))
+        >>> ens(torch.randn(5, 32, 8), in_dims=0).shape  # one batch per member
+        torch.Size([5, 32, 4])
+    """
+
+    stacked: nn.Module
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        *,
+        randomness: Randomness = "different",
+        chunk_size: int | None = None,
+    ) -> None:
+        fmodel, params, buffers = stack(modules)
+        super().__init__()
+        self._adopt(fmodel.skeleton, params, buffers, randomness, chunk_size)
+
+    def _adopt(
+        self,
+        skeleton: nn.Module,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        randomness: Randomness,
+        chunk_size: int | None,
+    ) -> None:
+        # Validate the vmap options once, here, rather than on the first call.
+        vmap(lambda p, b: None, randomness=randomness, chunk_size=chunk_size)
+        self.stacked = replace_tensors(
+            skeleton,
+            lambda name, t: nn.Parameter(params[name], requires_grad=t.requires_grad),
+            lambda name, _: buffers[name],
+        )
+        self.randomness: Randomness = randomness
+        self.chunk_size = chunk_size
+        self.fmodel = FunctionalModule(self.stacked)
+
+    @classmethod
+    def from_factory(
+        cls,
+        factory: Callable[[], nn.Module],
+        num_members: int,
+        *,
+        seed: int = 0,
+        randomness: Randomness = "different",
+        chunk_size: int | None = None,
+    ) -> "Ensemble":
+        """Build N members by calling ``factory()`` once per member, each freshly seeded.
+
+        Member i is built with the global CPU generator seeded from ``(seed, i)`` alone,
+        so it gets the factory's own default initialization, members differ, and
+        growing ``num_members`` keeps the existing members unchanged. Members are
+        copied into preallocated stacked tensors one at a time: peak memory is the
+        stacked tensors plus about two members, never N modules. The global generator
+        is restored afterwards. Build on the CPU and move the ensemble with ``.to()``.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> make = lambda: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh())
+            >>> ens = fe.Ensemble.from_factory(make, num_members=128, seed=0)
+            >>> small = fe.Ensemble.from_factory(make, num_members=4, seed=0)
+            >>> torch.equal(ens.member(3)[0].weight, small.member(3)[0].weight)
+            True
+        """
+        where = "Ensemble.from_factory"
+        if not callable(factory):
+            raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}.")
+        if isinstance(num_members, bool) or not isinstance(num_members, int) or num_members < 1:
+            raise ValueError(f"{where}: num_members must be a positive int, got {num_members!r}.")
+
+        def build(i: int) -> nn.Module:
+            with seeded_cpu_rng(member_seed(seed, i)):
+                return check_is_module(where, i, factory())
+
+        first = build(0)
+        ref = Architecture.of(first)
+        first_params, first_buffers = dict(first.named_parameters()), dict(first.named_buffers())
+        with torch.no_grad():
+            params = {
+                k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
+                for k, s in ref.params.items()
+            }
+            buffers = {
+                k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
+                for k, s in ref.buffers.items()
+            }
+
+            def put(i: int, own_params: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]):
+                for k, t in own_params.items():
+                    params[k][i].copy_(t)
+                for k, t in own_buffers.items():
+                    buffers[k][i].copy_(t)
+
+            put(0, first_params, first_buffers)
+            for i in range(1, num_members):
+                member = build(i)
+                check_same_architecture(where, i, ref, member)
+                put(i, dict(member.named_parameters()), dict(member.named_buffers()))
+                del member
+        for k, s in ref.params.items():
+            params[k].requires_grad_(s.requires_grad)
+        ens = cls.__new__(cls)
+        nn.Module.__init__(ens)
+        ens._adopt(meta_skeleton(first), params, buffers, randomness, chunk_size)
+        return ens
+
+    def __len__(self) -> int:
+        return self.num_members
+
+    @property
+    def num_members(self) -> int:
+        """N, the size of the leading member axis."""
+        for t in self.stacked_params().values():
+            return t.shape[0]
+        for t in self.stacked_buffers().values():
+            return t.shape[0]
+        raise ValueError("Ensemble: the architecture has no parameters or buffers.")
+
+    def stacked_params(self) -> dict[str, nn.Parameter]:
+        """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""
+        return dict(self.stacked.named_parameters())
+
+    def stacked_buffers(self) -> dict[str, Tensor]:
+        """The live stacked buffers ``[N, ...]`` by state-dict name."""
+        return dict(self.stacked.named_buffers())
+
+    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
+        """Run every member; outputs get a leading member axis.
+
+        Args:
+            *args: Positional inputs, shared by all members unless ``in_dims`` says
+                otherwise.
+            in_dims: As in [`vmap`][funcensemble.vmap]: ``0`` to give each member its
+                own slice of every positional input, or one entry per input.
+            **kwargs: Keyword inputs, shared by all members.
+        """
+        mapped = vmap(self.fmodel, in_dims, randomness=self.randomness, chunk_size=self.chunk_size)
+        return mapped(self.stacked_params(), self.stacked_buffers(), *args, **kwargs)
+
+    def member(self, index: int) -> nn.Module:
+        """An independent ordinary module holding member ``index`` (negative counts back).
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(4)])
+            >>> torch.equal(ens.member(-1).weight, ens.stacked.weight[3])
+            True
+        """
+        n = self.num_members
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"Ensemble.member: index must be an int, got {type(index).__name__}.")
+        if not -n <= index < n:
+            raise IndexError(
+                f"Ensemble.member: index {index} is out of range for an ensemble of {n} "
+                f"members (valid: {-n} to {n - 1})."
+            )
+        return member_module(self.stacked, self.stacked_params(), self.stacked_buffers(), index % n)
+
+    def unstack(self) -> list[nn.Module]:
+        """All members as independent ordinary modules (see [`unstack`][funcensemble.unstack])."""
+        return [self.member(i) for i in range(self.num_members)]
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}"
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """``nn.Module.load_state_dict``, checked in full before anything is copied.
+
+        Raises:
+            ValueError: Missing or unexpected keys (when ``strict``), a different
+                member count, or a shape or dtype that does not match this ensemble.
+        """
+        own = self.state_dict(keep_vars=True)
+        where = "Ensemble.load_state_dict"
+        if strict:
+            missing, extra = own.keys() - state_dict.keys(), state_dict.keys() - own.keys()
+            if missing or extra:
+                raise ValueError(
+                    f"{where}: the state_dict does not match this ensemble's architecture: "
+                    f"missing keys {sorted(missing)}, unexpected keys {sorted(extra)}."
+                )
+        n = self.num_members
+        for key, value in state_dict.items():
+            if key not in own or not isinstance(value, Tensor):
+                continue
+            mine = own[key]
+            if value.dim() == 0 or value.shape[0] != n:
+                got = value.shape[0] if value.dim() else "no member axis"
+                raise ValueError(
+                    f"{where}: `{key}` has {got} members in the state_dict; this "
+                    f"ensemble has {n}. Build an Ensemble with the same num_members."
+                )
+            if value.shape != mine.shape:
+                raise ValueError(
+                    f"{where}: `{key}` has shape {tuple(value.shape)} in the state_dict; "
+                    f"this ensemble has {tuple(mine.shape)}. It comes from a different "
+                    "architecture."
+                )
+            if value.dtype.is_floating_point != mine.dtype.is_floating_point:
+                raise ValueError(
+                    f"{where}: `{key}` has dtype {value.dtype} in the state_dict; this "
+                    f"ensemble has {mine.dtype}."
+                )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)

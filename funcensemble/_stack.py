@@ -1,0 +1,183 @@
+"""Stacking N same-architecture modules into one stateless function plus stacked state."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Shaped
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ._architecture import Architecture, check_is_module, check_same_architecture
+from ._skeleton import meta_skeleton, replace_tensors
+
+StackedTensors = dict[str, Shaped[Tensor, "member *_"]]
+
+
+class FunctionalModule:
+    """A module turned into a pure function of ``(params, buffers, *args, **kwargs)``.
+
+    It computes ONE member: ``params`` and ``buffers`` are dicts keyed by state-dict
+    names holding one member's tensors. Map it over members with
+    [`funcensemble.vmap`][]. The wrapped ``skeleton`` holds no weights of its own (its
+    tensors are on the meta device, or are the stacked tensors of an
+    [`Ensemble`][funcensemble.Ensemble]); its ``training`` flags decide train/eval
+    behaviour.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> one = {k: v[0] for k, v in params.items()}
+        >>> fmodel(one, {}, torch.ones(5, 3)).shape
+        torch.Size([5, 2])
+    """
+
+    def __init__(self, skeleton: nn.Module) -> None:
+        self.skeleton = skeleton
+
+    def __call__(
+        self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
+    ) -> Any:
+        return functional_call(
+            self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
+        )
+
+    def __repr__(self) -> str:
+        return f"FunctionalModule({self.skeleton!r})"
+
+
+def _stack_one(name: str, tensors: list[Tensor], requires_grad: bool) -> Tensor:
+    out = torch.stack([t.detach() for t in tensors])
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def stack(
+    modules: Sequence[nn.Module],
+) -> tuple[FunctionalModule, StackedTensors, StackedTensors]:
+    """Stack N same-architecture modules into one stateless function and its state.
+
+    Args:
+        modules: A non-empty sequence of modules of one architecture (same class,
+            parameter and buffer names, shapes, dtypes, devices and train/eval modes).
+
+    Returns:
+        ``(fmodel, params, buffers)``: ``fmodel`` is a [`FunctionalModule`][funcensemble.FunctionalModule]
+        computing one member; ``params`` and ``buffers`` are dicts keyed by state-dict
+        names whose tensors have a leading member axis of size N. Stacked parameters
+        are fresh autograd leaves: nothing aliases the input modules' tensors.
+
+    Raises:
+        ValueError: No modules, or members differing in names, shapes, dtypes,
+            devices, ``requires_grad`` or train/eval mode.
+        TypeError: A member that is not an ``nn.Module``, members of different
+            classes, or a layer that cannot run under ``vmap`` (fused RNNs).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> heads = [torch.nn.Linear(8, 4) for _ in range(16)]
+        >>> fmodel, params, buffers = fe.stack(heads)
+        >>> params["weight"].shape
+        torch.Size([16, 4, 8])
+        >>> fe.vmap(fmodel)(params, buffers, torch.randn(32, 8)).shape
+        torch.Size([16, 32, 4])
+    """
+    if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
+        raise TypeError(
+            "stack: Expected a sequence of modules (e.g. a list or nn.ModuleList), got a "
+            f"single {type(modules).__name__}."
+        )
+    modules = list(modules)
+    if not modules:
+        raise ValueError("stack: Expected at least one module, got 0.")
+    first = check_is_module("stack", 0, modules[0])
+    ref = Architecture.of(first)
+    for k, module in enumerate(modules[1:], start=1):
+        check_same_architecture("stack", k, ref, check_is_module("stack", k, module))
+    per_member = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in modules]
+    params = {
+        name: _stack_one(name, [p[name] for p, _ in per_member], spec.requires_grad)
+        for name, spec in ref.params.items()
+    }
+    buffers = {
+        name: _stack_one(name, [b[name] for _, b in per_member], False) for name in ref.buffers
+    }
+    return FunctionalModule(meta_skeleton(first)), params, buffers
+
+
+def _num_members(where: str, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> int:
+    sizes = {
+        name: (t.shape[0] if t.dim() else None)
+        for name, t in list(params.items()) + list(buffers.items())
+    }
+    if not sizes:
+        raise ValueError(
+            f"{where}: Expected stacked parameters or buffers with a leading member axis, "
+            "got none (the module has no state to map over)."
+        )
+    first_name, n = next(iter(sizes.items()))
+    for name, size in sizes.items():
+        if size != n or size is None:
+            raise ValueError(
+                f"{where}: `{name}` has leading size {size}, but `{first_name}` has {n}. "
+                "Every stacked tensor must have the member axis first, of one size N."
+            )
+    assert n is not None
+    return n
+
+
+def unstack(
+    fmodel: FunctionalModule, params: StackedTensors, buffers: StackedTensors
+) -> list[nn.Module]:
+    """Turn a stacked ensemble back into N ordinary modules.
+
+    Each returned module is an independent, contiguous copy (same class, hooks,
+    tied weights and train/eval flags as the stacked architecture) that shares no
+    storage with ``params`` or ``buffers``.
+
+    Args:
+        fmodel: The function returned by [`stack`][funcensemble.stack].
+        params: Stacked parameters, leading member axis first.
+        buffers: Stacked buffers, leading member axis first.
+
+    Returns:
+        A list of N modules; ``stack(unstack(fmodel, params, buffers))`` gives back
+        exactly ``params`` and ``buffers``.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> heads = fe.unstack(fmodel, params, buffers)
+        >>> len(heads), torch.equal(heads[2].weight, params["weight"][2])
+        (4, True)
+    """
+    if not isinstance(fmodel, FunctionalModule):
+        raise TypeError(
+            f"unstack: Expected the FunctionalModule returned by stack, got "
+            f"{type(fmodel).__name__}."
+        )
+    ref = Architecture.of(fmodel.skeleton)
+    for kind, expected, got in (
+        ("parameters", ref.params, params),
+        ("buffers", ref.buffers, buffers),
+    ):
+        if expected.keys() != got.keys():
+            raise ValueError(
+                f"unstack: {kind} {sorted(got)} do not match the architecture's {sorted(expected)}."
+            )
+    n = _num_members("unstack", params, buffers)
+    return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]
+
+
+def member_module(
+    skeleton: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], i: int
+) -> nn.Module:
+    """An independent module holding member ``i`` of the stacked tensors."""
+
+    def param(name: str, t: Tensor) -> Tensor:
+        value = params[name][i].detach().clone(memory_format=torch.contiguous_format)
+        return nn.Parameter(value, requires_grad=t.requires_grad)
+
+    def buffer(name: str, _: Tensor) -> Tensor:
+        return buffers[name][i].detach().clone(memory_format=torch.contiguous_format)
+
+    return replace_tensors(skeleton, param, buffer)

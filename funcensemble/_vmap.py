@@ -1,0 +1,209 @@
+"""Mapping a one-member function over the member axis of stacked state."""
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten
+
+from ._stack import _num_members
+
+Randomness = Literal["different", "same", "error"]
+InDims = int | None | tuple[Any, ...]
+
+_NO_RULE = re.compile(
+    r"Batching rule not implemented for (\S+?)\.? We could not generate"
+    r"|(\S+) hit the vmap fallback which is currently disabled"
+)
+
+
+@contextlib.contextmanager
+def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
+    """Forbid vmap's per-element fallback loop for one call, and avoid its usual causes.
+
+    Without this, ops lacking a batching rule silently run one member at a time. Two
+    such ops sit inside ordinary attention layers, so they are routed around:
+    ``nn.MultiheadAttention``'s fused inference fast path, and the CPU flash-attention
+    kernel of ``scaled_dot_product_attention`` (its math backend batches fine).
+    """
+    if torch.compiler.is_compiling():
+        yield
+        return
+    functorch = torch._C._functorch
+    fallback = functorch._is_vmap_fallback_enabled()
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    functorch._set_vmap_fallback_enabled(False)
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        if on_cpu:
+            with sdpa_kernel(SDPBackend.MATH):
+                yield
+        else:
+            yield
+    finally:
+        functorch._set_vmap_fallback_enabled(fallback)
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+def _on_cpu(params: Any, buffers: Any) -> bool:
+    for tree in (params, buffers):
+        for t in tree.values():
+            return t.device.type == "cpu"
+    return True
+
+
+def _arg_dims(in_dims: InDims, num_args: int) -> tuple[Any, ...]:
+    if isinstance(in_dims, tuple):
+        if len(in_dims) != num_args:
+            raise ValueError(
+                f"vmap: in_dims has {len(in_dims)} entries but the call passed {num_args} "
+                "positional argument(s) after params and buffers. Give one entry per "
+                "argument (None = shared by all members, 0 = one slice per member)."
+            )
+        return in_dims
+    if in_dims is None or isinstance(in_dims, int):
+        return (in_dims,) * num_args
+    raise TypeError(
+        f"vmap: in_dims must be None, an int or a tuple with one entry per argument, got "
+        f"{type(in_dims).__name__}."
+    )
+
+
+def _check_member_sizes(args: tuple[Any, ...], dims: tuple[Any, ...], n: int) -> None:
+    for index, (arg, dim) in enumerate(zip(args, dims, strict=True)):
+        leaves, spec = tree_flatten(arg)
+        flat_dims = _broadcast_to_and_flatten(dim, spec)
+        if flat_dims is None:
+            raise ValueError(
+                f"vmap: in_dims entry {index} ({dim!r}) does not match the structure of "
+                f"argument {index} ({type(arg).__name__})."
+            )
+        for leaf, d in zip(leaves, flat_dims, strict=True):
+            if d is None:
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"vmap: argument {index} is mapped (in_dims {d}) but holds a "
+                    f"{type(leaf).__name__}; only tensors can be split over members."
+                )
+            if not -leaf.dim() <= d < leaf.dim():
+                raise ValueError(
+                    f"vmap: argument {index} has {leaf.dim()} dimension(s); it cannot be "
+                    f"split over members along dim {d}."
+                )
+            if leaf.shape[d] != n:
+                raise ValueError(
+                    f"vmap: argument {index} has size {leaf.shape[d]} along its member "
+                    f"dim {d}, but the ensemble has {n} members. A per-member input needs "
+                    "one slice per member; pass in_dims=None for an input shared by all."
+                )
+
+
+def _explain(error: RuntimeError, randomness: str) -> Exception | None:
+    message = str(error)
+    match = _NO_RULE.search(message)
+    if match:
+        return RuntimeError(
+            f"vmap: the operator {match.group(1) or match.group(2)} has no vmap batching rule, so the members "
+            "cannot run as one vectorized call (funcensemble does not silently loop over "
+            "them). Replace the layer that calls it (fused RNN kernels are the usual "
+            "cause: write the recurrence with nn.Linear), or loop over the members yourself."
+        )
+    if "randomness" in message and randomness == "error":
+        return RuntimeError(
+            "vmap: the model draws random numbers (e.g. Dropout in train mode) but "
+            "randomness='error'. Pass randomness='different' for independent draws per "
+            "member, randomness='same' to share one draw across members, or call .eval()."
+        )
+    return None
+
+
+def vmap(
+    fn: Callable[..., Any],
+    in_dims: InDims = None,
+    *,
+    randomness: Randomness = "different",
+    chunk_size: int | None = None,
+) -> Callable[..., Any]:
+    """Map a one-member function over all members of stacked parameters and buffers.
+
+    ``fn(params, buffers, *args, **kwargs)`` is written for ONE member (e.g. the
+    ``fmodel`` from [`stack`][funcensemble.stack], or a loss built on it). The result
+    takes stacked ``params`` and ``buffers`` (member axis first) and returns ``fn``'s
+    outputs stacked along a new leading member axis, as a pytree if ``fn`` returns one.
+    Buffers that ``fn`` updates in place (BatchNorm running statistics in train mode)
+    are updated for every member in the stacked tensors.
+
+    Args:
+        fn: The one-member function.
+        in_dims: How the positional arguments after ``params`` and ``buffers`` are
+            split over members: ``None`` (shared by all members), an int (the member
+            dim of every mapped tensor), or a tuple with one entry per argument (each
+            ``None``, an int, or a pytree of those matching the argument). Keyword
+            arguments are always shared.
+        randomness: ``"different"``: each member draws its own random numbers
+            (independent dropout masks); ``"same"``: one draw shared by all members;
+            ``"error"``: refuse random operations.
+        chunk_size: Map at most this many members at a time, bounding peak memory
+            at the cost of speed. ``None`` maps all members at once.
+
+    Returns:
+        The mapped function ``(params, buffers, *args, **kwargs) -> outputs``.
+
+    Raises:
+        ValueError: A per-member argument whose size along its member dim is not N,
+            or a malformed ``in_dims``/``chunk_size``/``randomness``.
+        RuntimeError: An operator with no vmap batching rule (named in the message).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> fe.vmap(fmodel)(params, buffers, torch.randn(10, 3)).shape
+        torch.Size([4, 10, 2])
+        >>> xs = torch.randn(4, 10, 3)  # one batch per member
+        >>> fe.vmap(fmodel, in_dims=(0,))(params, buffers, xs).shape
+        torch.Size([4, 10, 2])
+    """
+    if not callable(fn):
+        raise TypeError(f"vmap: Expected a callable, got {type(fn).__name__}.")
+    if randomness not in ("different", "same", "error"):
+        raise ValueError(
+            f"vmap: randomness must be 'different', 'same' or 'error', got {randomness!r}."
+        )
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"vmap: chunk_size must be a positive int or None, got {chunk_size!r}.")
+    if not (in_dims is None or isinstance(in_dims, (int, tuple))) or isinstance(in_dims, bool):
+        raise TypeError(
+            f"vmap: in_dims must be None, an int or a tuple, got {type(in_dims).__name__}."
+        )
+
+    def one_member(params: Any, buffers: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        return fn(params, buffers, *args, **kwargs)
+
+    @functools.wraps(fn)
+    def mapped(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
+        n = _num_members("vmap", params, buffers)
+        dims = _arg_dims(in_dims, len(args))
+        _check_member_sizes(args, dims, n)
+        vmapped = torch.func.vmap(
+            one_member,
+            in_dims=(0, 0, dims, None),
+            randomness=randomness,
+            chunk_size=chunk_size,
+        )
+        try:
+            with _no_silent_loops(_on_cpu(params, buffers)):
+                return vmapped(params, buffers, args, kwargs)
+        except RuntimeError as error:
+            clear = _explain(error, randomness)
+            if clear is None:
+                raise
+            raise clear from error
+
+    return mapped
