@@ -11,7 +11,7 @@ from torch.func import functional_call
 from ._architecture import Architecture, check_is_module, check_same_architecture
 from ._skeleton import meta_skeleton, replace_tensors
 
-StackedTensors = dict[str, Shaped[Tensor, "member *_"]]
+StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
 
 
 class FunctionalModule:
@@ -61,9 +61,10 @@ def stack(
             parameter and buffer names, shapes, dtypes, devices and train/eval modes).
 
     Returns:
-        ``(fmodel, params, buffers)``: ``fmodel`` is a [`FunctionalModule`][funcensemble.FunctionalModule]
-        computing one member; ``params`` and ``buffers`` are dicts keyed by state-dict
-        names whose tensors have a leading member axis of size N. Stacked parameters
+        ``(fmodel, params, buffers)``: ``fmodel`` is a
+        [`FunctionalModule`][funcensemble.FunctionalModule] computing one member;
+        ``params`` and ``buffers`` are dicts keyed by state-dict names whose tensors
+        have a leading member axis of size N. Stacked parameters
         are fresh autograd leaves: nothing aliases the input modules' tensors.
 
     Raises:

@@ -107,8 +107,9 @@ def _explain(error: RuntimeError, randomness: str) -> Exception | None:
     message = str(error)
     match = _NO_RULE.search(message)
     if match:
+        op = match.group(1) or match.group(2)
         return RuntimeError(
-            f"vmap: the operator {match.group(1) or match.group(2)} has no vmap batching rule, so the members "
+            f"vmap: the operator {op} has no vmap batching rule, so the members "
             "cannot run as one vectorized call (funcensemble does not silently loop over "
             "them). Replace the layer that calls it (fused RNN kernels are the usual "
             "cause: write the recurrence with nn.Linear), or loop over the members yourself."
