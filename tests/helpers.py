@@ -1,0 +1,205 @@
+"""Shared test helpers: pytree comparisons, a model zoo, and a switch for runtime checks.
+
+Other test modules append their own helpers below the existing ones.
+"""
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jaxtyping
+import optree
+import torch
+from torch import Tensor, nn
+
+# Float64 equivalence tolerances: vmap and a loop run the same math through different
+# kernels (batched vs. per-member matmuls), so results agree to rounding, not bitwise.
+RTOL = 1e-10
+ATOL = 1e-12
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def assert_trees_close(a: Any, b: Any, *, rtol: float, atol: float) -> None:
+    """Assert two pytrees (dicts, tuples, lists, optree nodes) match leaf by leaf.
+
+    Structures must be equal; tensors must match in shape, dtype and device and be
+    close within ``rtol``/``atol`` (``0``/``0`` asks for exact equality); any other
+    leaf must compare equal. The failing leaf's path is in the message.
+    """
+    paths_a, leaves_a, spec_a = optree.tree_flatten_with_path(
+        a, is_leaf=_is_leaf, none_is_leaf=True
+    )
+    leaves_b, spec_b = optree.tree_flatten(b, is_leaf=_is_leaf, none_is_leaf=True)
+    assert spec_a == spec_b, f"pytree structures differ:\n{spec_a}\n{spec_b}"
+    for path, x, y in zip(paths_a, leaves_a, leaves_b, strict=True):
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            assert isinstance(x, Tensor) and isinstance(y, Tensor), f"at {path}: {x!r} vs {y!r}"
+            torch.testing.assert_close(
+                x.detach(),
+                y.detach(),
+                rtol=rtol,
+                atol=atol,
+                equal_nan=True,
+                msg=lambda m, path=path: f"at {path}: {m}",
+            )
+        else:
+            assert x == y, f"at {path}: {x!r} != {y!r}"
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    """``assert_trees_close`` with zero tolerance: bitwise-equal values, same dtypes."""
+    assert_trees_close(a, b, rtol=0.0, atol=0.0)
+
+
+def stack_trees(trees: list[Any]) -> Any:
+    """Stack a list of same-structure pytrees of tensors along a new leading axis."""
+    return optree.tree_map(lambda *xs: torch.stack(xs), *trees, is_leaf=_is_leaf)
+
+
+def loop_outputs(modules: list[nn.Module], *args: Any, **kwargs: Any) -> Any:
+    """The reference: call each ordinary module in a Python loop and stack the outputs."""
+    return stack_trees([m(*args, **kwargs) for m in modules])
+
+
+def stacked_state(modules: list[nn.Module]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The members' parameters and buffers stacked by hand, for comparison."""
+    params = [dict(m.named_parameters()) for m in modules]
+    buffers = [dict(m.named_buffers()) for m in modules]
+    return (
+        {k: torch.stack([p[k].detach() for p in params]) for k in params[0]},
+        {k: torch.stack([b[k] for b in buffers]) for k in buffers[0]},
+    )
+
+
+@contextlib.contextmanager
+def runtime_typecheck_off() -> Iterator[None]:
+    """Run a block as a user does: without the test run's jaxtyping+beartype checks.
+
+    funcensemble validates its own inputs; this lets a test see those messages for
+    wrong-typed inputs that beartype would otherwise reject first in the test run.
+    """
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+
+
+# --- model zoo -------------------------------------------------------------------------
+
+
+class TiedAutoencoder(nn.Module):
+    """Token embedding and output head sharing one weight (tied embeddings)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+class Tempered(nn.Module):
+    """A linear layer followed by a learnable 0-dim temperature."""
+
+    def __init__(self, d_in: int = 5, d_out: int = 3) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out)
+        self.log_temp = nn.Parameter(torch.rand(()) - 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) / self.log_temp.exp()
+
+
+class IntBuffers(nn.Module):
+    """Integer buffers: BatchNorm's ``num_batches_tracked``, a permutation, a counter."""
+
+    def __init__(self, features: int = 5) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(features)
+        self.linear = nn.Linear(features, 3)
+        self.register_buffer("perm", torch.randperm(features))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.calls.add_(1)
+        return self.linear(self.bn(x[:, self.perm])) * (1 + self.calls)
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def make_cnn(dropout: float = 0.0) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    )
+
+
+def make_transformer() -> nn.Module:
+    return nn.TransformerEncoderLayer(
+        d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True
+    )
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One architecture: how to build a member and a batch of inputs for it."""
+
+    name: str
+    make: Callable[[], nn.Module]
+    make_input: Callable[[torch.Generator], Tensor]
+
+    def members(self, n: int, *, train: bool, dtype: torch.dtype = torch.float64) -> list:
+        """``n`` distinct members (seeded by index) in train or eval mode."""
+        out = []
+        for i in range(n):
+            torch.manual_seed(1000 + i)
+            module = self.make().to(dtype)
+            # Give BatchNorm non-trivial statistics so eval mode exercises them.
+            for sub in module.modules():
+                if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+                    sub.running_mean.uniform_(-1, 1)
+                    sub.running_var.uniform_(0.5, 2)
+                    sub.weight.data.uniform_(0.5, 1.5)
+                    sub.bias.data.uniform_(-0.5, 0.5)
+            out.append(module.train(train))
+        return out
+
+    def input(self, seed: int = 0, *, dtype: torch.dtype = torch.float64) -> Tensor:
+        x = self.make_input(torch.Generator().manual_seed(seed))
+        return x.to(dtype) if x.is_floating_point() else x
+
+
+def _randn(*shape: int) -> Callable[[torch.Generator], Tensor]:
+    return lambda g: torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+ZOO = {
+    "mlp": ZooModel("mlp", make_mlp, _randn(7, 5)),
+    "cnn": ZooModel("cnn", make_cnn, _randn(4, 2, 6, 6)),
+    "transformer": ZooModel("transformer", make_transformer, _randn(3, 5, 8)),
+    "tied": ZooModel("tied", TiedAutoencoder, lambda g: torch.randint(0, 11, (3, 6), generator=g)),
+    "scalar_param": ZooModel("scalar_param", Tempered, _randn(7, 5)),
+    "int_buffers": ZooModel("int_buffers", IntBuffers, _randn(6, 5)),
+}
+
+
+def clone_modules(modules: list[nn.Module]) -> list[nn.Module]:
+    """Independent deep copies, so a reference loop cannot see another run's updates."""
+    return [copy.deepcopy(m) for m in modules]

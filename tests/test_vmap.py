@@ -1,0 +1,326 @@
+"""fe.vmap: outputs, buffer updates, gradients, randomness, in_dims, chunking, nesting.
+
+Every result is compared, in float64, with a plain Python loop over ordinary modules.
+"""
+
+import copy
+
+import pytest
+import torch
+from helpers import (
+    ATOL,
+    RTOL,
+    ZOO,
+    assert_trees_close,
+    assert_trees_equal,
+    clone_modules,
+    loop_outputs,
+    stacked_state,
+)
+from torch import Tensor, nn
+
+import funcensemble as fe
+
+MODES = ["train", "eval", "eval_no_grad"]
+
+
+def _grad_context(mode: str):
+    return torch.no_grad() if mode == "eval_no_grad" else torch.enable_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_outputs_and_buffers_match_loop(name: str, n: int, mode: str) -> None:
+    zoo = ZOO[name]
+    modules = zoo.members(n, train=mode == "train")
+    reference = clone_modules(modules)
+    fmodel, params, buffers = fe.stack(modules)
+    x = zoo.input()
+    with _grad_context(mode):
+        out = fe.vmap(fmodel)(params, buffers, x)
+        expected = loop_outputs(reference, x)
+        out_again = fe.vmap(fmodel)(params, buffers, x)  # a second step sees the updates
+        expected_again = loop_outputs(reference, x)
+    assert out.shape[0] == n
+    assert_trees_close(out, expected, rtol=RTOL, atol=ATOL)
+    assert_trees_close(out_again, expected_again, rtol=RTOL, atol=ATOL)
+    # Train mode updates BatchNorm statistics and counters per member exactly as the
+    # loop does; eval mode leaves them alone.
+    _, expected_buffers = stacked_state(reference)
+    assert_trees_close(buffers, expected_buffers, rtol=RTOL, atol=ATOL)
+    if mode != "train":
+        assert_trees_equal(buffers, stacked_state(modules)[1])
+    elif buffers:  # the comparison above is not vacuous: the statistics did move
+        assert any(not torch.equal(buffers[k], v) for k, v in stacked_state(modules)[1].items())
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_func_grad_matches_per_module_autograd(name: str, n: int, mode: str) -> None:
+    zoo = ZOO[name]
+    modules = zoo.members(n, train=mode == "train")
+    reference = clone_modules(modules)
+    fmodel, params, buffers = fe.stack(modules)
+    x = zoo.input()
+
+    def one_member_loss(p: dict, b: dict, x: Tensor) -> Tensor:
+        return (fmodel(p, b, x) ** 2).mean()
+
+    grads = fe.vmap(torch.func.grad(one_member_loss))(params, buffers, x)
+
+    expected = []
+    for module in reference:
+        named = dict(module.named_parameters())
+        g = torch.autograd.grad((module(x) ** 2).mean(), list(named.values()))
+        expected.append(dict(zip(named, g, strict=True)))
+    expected_grads = {k: torch.stack([e[k] for e in expected]) for k in expected[0]}
+    assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_autograd_backward_through_vmap(name: str) -> None:
+    zoo = ZOO[name]
+    modules = zoo.members(3, train=True)
+    reference = clone_modules(modules)
+    fmodel, params, buffers = fe.stack(modules)
+    x = zoo.input()
+    fe.vmap(fmodel)(params, buffers, x).pow(2).sum().backward()
+    for module in reference:
+        module(x).pow(2).sum().backward()
+    expected = {
+        k: torch.stack([dict(m.named_parameters())[k].grad for m in reference]) for k in params
+    }
+    assert_trees_close({k: p.grad for k, p in params.items()}, expected, rtol=RTOL, atol=ATOL)
+
+
+# --- randomness ------------------------------------------------------------------------
+
+
+def _dropout_members(n: int) -> tuple[fe.FunctionalModule, dict, dict]:
+    """``n`` identical members, so any difference between outputs is the dropout mask."""
+    torch.manual_seed(0)
+    one = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Dropout(0.5)).double()
+    with torch.no_grad():
+        one[0].bias.fill_(1.0)  # every unit positive before dropout: zeros are the mask
+    return fe.stack([copy.deepcopy(one) for _ in range(n)])
+
+
+def test_dropout_masks_differ_across_members_by_default() -> None:
+    fmodel, params, buffers = _dropout_members(4)
+    out = fe.vmap(fmodel)(params, buffers, torch.zeros(8, 4, dtype=torch.float64))
+    masks = out == 0
+    assert 0.3 < masks.double().mean() < 0.7
+    for i in range(1, 4):
+        assert not torch.equal(masks[0], masks[i])
+
+
+def test_dropout_mask_shared_with_randomness_same() -> None:
+    fmodel, params, buffers = _dropout_members(4)
+    out = fe.vmap(fmodel, randomness="same")(
+        params, buffers, torch.zeros(8, 4, dtype=torch.float64)
+    )
+    assert (out == 0).any()
+    for i in range(1, 4):
+        assert torch.equal(out[0], out[i])
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_dropout_reproducible_under_manual_seed(randomness: str) -> None:
+    fmodel, params, buffers = _dropout_members(3)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(fe.vmap(fmodel, randomness=randomness)(params, buffers, x))
+    torch.manual_seed(124)
+    other = fe.vmap(fmodel, randomness=randomness)(params, buffers, x)
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], other)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_randomness_error_gives_own_message(nested: bool) -> None:
+    fmodel, params, buffers = _dropout_members(2)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    mapped = fe.vmap(fmodel, randomness="error")
+    call = (
+        (lambda: torch.func.grad(lambda p: mapped(p, buffers, x).sum())(params))
+        if nested
+        else (lambda: mapped(params, buffers, x))
+    )
+    with pytest.raises(RuntimeError, match=r"randomness='error'.*'different'.*'same'") as info:
+        call()
+    assert "randomness error mode" not in str(info.value)
+    assert str(info.value).startswith("vmap: the model draws random numbers")
+    # Without randomness, "error" is harmless.
+    with torch.no_grad():
+        fmodel.skeleton.eval()
+        out = mapped(params, buffers, x)
+    assert out.shape == (2, 8, 64)
+
+
+# --- per-member inputs, kwargs, pytrees ------------------------------------------------
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, y: Tensor, *, scale: Tensor | float = 1.0) -> Tensor:
+        return (self.a(x) + self.b(y)) * scale
+
+
+class DictInDictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, inputs: dict) -> dict:
+        h = self.a(inputs["x"]) + self.b(inputs["pair"][1])
+        return {"h": h, "stats": (h.mean(), h.std()), "raw": [inputs["pair"][0] * 2]}
+
+
+def _members(cls: type, n: int) -> list[nn.Module]:
+    torch.manual_seed(n)
+    return [cls().double() for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_per_member_inputs_in_dims_zero(n: int) -> None:
+    modules = _members(TwoInputs, n)
+    fmodel, params, buffers = fe.stack(modules)
+    xs = torch.randn(n, 5, 3, dtype=torch.float64)
+    ys = torch.randn(n, 5, 4, dtype=torch.float64)
+    out = fe.vmap(fmodel, in_dims=0)(params, buffers, xs, ys)
+    expected = torch.stack([m(x, y) for m, x, y in zip(modules, xs, ys, strict=True)])
+    assert_trees_close(out, expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_per_arg_in_dims_tuple_and_shared_kwargs(n: int) -> None:
+    modules = _members(TwoInputs, n)
+    fmodel, params, buffers = fe.stack(modules)
+    x = torch.randn(5, 3, dtype=torch.float64)  # shared
+    ys = torch.randn(5, n, 4, dtype=torch.float64)  # per member along dim 1
+    scale = torch.tensor(0.5, dtype=torch.float64)
+    out = fe.vmap(fmodel, in_dims=(None, 1))(params, buffers, x, ys, scale=scale)
+    expected = torch.stack([m(x, ys[:, i], scale=scale) for i, m in enumerate(modules)])
+    assert_trees_close(out, expected, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_pytree_inputs_with_nested_in_dims_and_pytree_outputs(n: int) -> None:
+    modules = _members(DictInDictOut, n)
+    fmodel, params, buffers = fe.stack(modules)
+    x = torch.randn(n, 5, 3, dtype=torch.float64)
+    raw = torch.randn(7, dtype=torch.float64)
+    y = torch.randn(5, 4, dtype=torch.float64)
+    inputs = {"x": x, "pair": (raw, y)}
+    out = fe.vmap(fmodel, in_dims=({"x": 0, "pair": (None, None)},))(params, buffers, inputs)
+    expected = loop_outputs_per_member(modules, x, raw, y)
+    assert_trees_close(out, expected, rtol=RTOL, atol=ATOL)
+    assert isinstance(out["stats"], tuple) and isinstance(out["raw"], list)
+
+
+def loop_outputs_per_member(modules: list, x: Tensor, raw: Tensor, y: Tensor) -> dict:
+    outs = [m({"x": x[i], "pair": (raw, y)}) for i, m in enumerate(modules)]
+    return {
+        "h": torch.stack([o["h"] for o in outs]),
+        "stats": tuple(torch.stack([o["stats"][j] for o in outs]) for j in range(2)),
+        "raw": [torch.stack([o["raw"][0] for o in outs])],
+    }
+
+
+# --- chunking --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 5, 9])
+def test_chunk_size_matches_unchunked_including_batchnorm_updates(chunk_size: int) -> None:
+    zoo = ZOO["cnn"]
+    modules = zoo.members(5, train=True)
+    reference = clone_modules(modules)
+    fmodel, params, buffers = fe.stack(modules)
+    _, params_whole, buffers_whole = fe.stack(clone_modules(modules))
+    x = zoo.input()
+    for _ in range(2):
+        chunked = fe.vmap(fmodel, chunk_size=chunk_size)(params, buffers, x)
+        whole = fe.vmap(fmodel)(params_whole, buffers_whole, x)
+        expected = loop_outputs(reference, x)
+        assert_trees_close(chunked, whole, rtol=RTOL, atol=ATOL)
+        assert_trees_close(chunked, expected, rtol=RTOL, atol=ATOL)
+    assert_trees_close(buffers, buffers_whole, rtol=RTOL, atol=ATOL)
+    assert_trees_close(buffers, stacked_state(reference)[1], rtol=RTOL, atol=ATOL)
+    assert int(buffers["1.num_batches_tracked"][0]) == 2
+
+
+def test_chunk_size_with_per_member_inputs_and_grad() -> None:
+    modules = _members(TwoInputs, 5)
+    fmodel, params, buffers = fe.stack(modules)
+    xs = torch.randn(5, 6, 3, dtype=torch.float64)
+    ys = torch.randn(5, 6, 4, dtype=torch.float64)
+
+    def loss(p: dict, b: dict, x: Tensor, y: Tensor) -> Tensor:
+        return fmodel(p, b, x, y).pow(2).sum()
+
+    chunked = fe.vmap(torch.func.grad(loss), in_dims=0, chunk_size=2)(params, buffers, xs, ys)
+    whole = fe.vmap(torch.func.grad(loss), in_dims=0)(params, buffers, xs, ys)
+    assert_trees_close(chunked, whole, rtol=RTOL, atol=ATOL)
+
+
+# --- nested transforms -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_func_grad_of_function_calling_vmap(n: int) -> None:
+    zoo = ZOO["mlp"]
+    modules = zoo.members(n, train=True)
+    fmodel, params, buffers = fe.stack(modules)
+    x = zoo.input()
+    weights = torch.arange(1, n + 1, dtype=torch.float64)
+
+    def total_loss(p: dict) -> Tensor:
+        out = fe.vmap(fmodel)(p, buffers, x)  # [n, batch, out]
+        return (out.pow(2).mean(dim=(1, 2)) * weights).sum()
+
+    grads = torch.func.grad(total_loss)(params)
+    expected = []
+    for w, module in zip(weights, modules, strict=True):
+        named = dict(module.named_parameters())
+        g = torch.autograd.grad(module(x).pow(2).mean() * w, list(named.values()))
+        expected.append(dict(zip(named, g, strict=True)))
+    expected_grads = {k: torch.stack([e[k] for e in expected]) for k in params}
+    assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_jacrev_of_vmap_wrt_input_and_params(n: int) -> None:
+    zoo = ZOO["scalar_param"]
+    modules = zoo.members(n, train=False)
+    fmodel, params, buffers = fe.stack(modules)
+    x = zoo.input()[:3]
+
+    jac_x = torch.func.jacrev(lambda x: fe.vmap(fmodel)(params, buffers, x))(x)
+    expected_x = torch.stack(
+        [torch.autograd.functional.jacobian(m, x) for m in modules]
+    )  # [n, batch, out, batch, in]
+    assert_trees_close(jac_x, expected_x, rtol=RTOL, atol=ATOL)
+
+    jac_p = torch.func.jacrev(lambda p: fe.vmap(fmodel)(p, buffers, x))(params)
+    for k, j in jac_p.items():
+        assert j.shape == (n, 3, 3, *params[k].shape)
+        for i, module in enumerate(modules):
+            base = {name: t.detach() for name, t in module.named_parameters()}
+
+            def one(t: Tensor, module: nn.Module = module, k: str = k, base: dict = base):
+                return torch.func.functional_call(module, {**base, k: t}, (x,))
+
+            expected = torch.autograd.functional.jacobian(one, base[k])
+            # Member i's outputs depend only on member i's slice of the stacked tensor.
+            assert_trees_close(j[i][:, :, i], expected, rtol=RTOL, atol=ATOL)
+            others = [m for m in range(n) if m != i]
+            assert torch.all(j[i][:, :, others] == 0)
