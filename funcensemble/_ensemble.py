@@ -43,7 +43,7 @@ class Ensemble(nn.Module):
 
     def __init__(
         self,
-        modules: Sequence[nn.Module],
+        modules: Sequence[nn.Module] | nn.ModuleList,
         *,
         randomness: Randomness = "different",
         chunk_size: int | None = None,

@@ -52,7 +52,7 @@ def _stack_one(name: str, tensors: list[Tensor], requires_grad: bool) -> Tensor:
 
 
 def stack(
-    modules: Sequence[nn.Module],
+    modules: Sequence[nn.Module] | nn.ModuleList,
 ) -> tuple[FunctionalModule, StackedTensors, StackedTensors]:
     """Stack N same-architecture modules into one stateless function and its state.
 
