@@ -1,0 +1,61 @@
+"""The examples run, in quick mode, and check what they claim."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def test_multihead_quick_agrees_with_the_loop(capsys):
+    multihead = load("multihead")
+    results = multihead.main(["--quick"])
+    out = capsys.readouterr().out
+    assert len(results) == len(multihead.variants()) >= 2
+    for r in results:
+        assert r.losses.shape == (16,)
+        assert r.steps_per_s > 0
+        assert r.name in out
+    assert "agree with the loop" in out
+
+
+def test_multihead_options():
+    multihead = load("multihead")
+    results = multihead.main(["--heads", "3", "--steps", "2", "--batch", "5"])
+    assert [r.losses.shape for r in results] == [(3,)] * len(results)
+
+
+def test_multihead_fails_when_a_variant_disagrees(monkeypatch):
+    multihead = load("multihead")
+    loop = multihead.loop_variant
+
+    def off_by_a_step(heads, x, y):
+        step, trained = loop(heads, x, y)
+        step()  # one extra step: different final losses
+        return step, trained
+
+    found = multihead.variants()
+    monkeypatch.setattr(multihead, "variants", lambda: {**found, "broken": off_by_a_step})
+    with pytest.raises(AssertionError, match="broken: per-head final losses differ"):
+        multihead.main(["--heads", "4", "--steps", "3"])
+
+
+def test_multihead_rejects_bad_options():
+    multihead = load("multihead")
+    with pytest.raises(SystemExit):
+        multihead.main(["--heads", "0"])
