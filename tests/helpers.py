@@ -5,7 +5,7 @@ Other test modules append their own helpers below the existing ones.
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +24,24 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, Tensor)
 
 
+def _plain(tree: Any) -> Any:
+    """Mappings as plain dicts, so a state_dict's OrderedDict compares with a dict."""
+    if isinstance(tree, Mapping):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_plain(v) for v in tree)
+    return tree
+
+
 def assert_trees_close(a: Any, b: Any, *, rtol: float, atol: float) -> None:
     """Assert two pytrees (dicts, tuples, lists, optree nodes) match leaf by leaf.
 
-    Structures must be equal; tensors must match in shape, dtype and device and be
-    close within ``rtol``/``atol`` (``0``/``0`` asks for exact equality); any other
-    leaf must compare equal. The failing leaf's path is in the message.
+    Any mapping counts as a dict (key order ignored). Structures must be equal;
+    tensors must match in shape, dtype and device and be close within ``rtol``/``atol``
+    (``0``/``0`` asks for exact equality); any other leaf must compare equal. The
+    failing leaf's path is in the message.
     """
+    a, b = _plain(a), _plain(b)
     paths_a, leaves_a, spec_a = optree.tree_flatten_with_path(
         a, is_leaf=_is_leaf, none_is_leaf=True
     )
