@@ -3,7 +3,11 @@
 from . import reduce as reduce
 from ._bagging import BaggingSampler as BaggingSampler
 from ._bagging import bootstrap_indices as bootstrap_indices
+from ._checkpoint import load as load
+from ._checkpoint import save as save
 from ._ensemble import Ensemble as Ensemble
+from ._export import export_state_dicts as export_state_dicts
+from ._export import import_state_dicts as import_state_dicts
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._stack import FunctionalModule as FunctionalModule
@@ -18,7 +22,11 @@ __all__ = [
     "Ensemble",
     "FunctionalModule",
     "bootstrap_indices",
+    "export_state_dicts",
     "grad",
+    "import_state_dicts",
+    "load",
+    "save",
     "stack",
     "unstack",
     "value_and_grad",
