@@ -10,7 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten
 
-from ._stack import _num_members
+from ._fastpath import try_fast_call
+from ._stack import FunctionalModule, _num_members
 
 Randomness = Literal["different", "same", "error"]
 InDims = int | None | tuple[Any, ...]
@@ -192,6 +193,10 @@ def vmap(
         n = _num_members("vmap", params, buffers)
         dims = _arg_dims(in_dims, len(args))
         _check_member_sizes(args, dims, n)
+        if isinstance(fn, FunctionalModule):
+            fast = try_fast_call(fn.skeleton, params, args, kwargs, dims, chunk_size)
+            if fast is not None:
+                return fast
         vmapped = torch.func.vmap(
             one_member,
             in_dims=(0, 0, dims, None),

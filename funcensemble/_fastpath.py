@@ -1,0 +1,141 @@
+"""Direct batched kernels for plain MLPs, used instead of ``vmap`` where they apply.
+
+Under ``vmap`` a batched ``F.linear`` becomes ``bmm`` plus separate bias passes and
+copies. For the most common ensemble architecture, a chain of ``nn.Linear`` layers and
+elementwise activations, running ``torch.baddbmm`` on the stacked weights directly
+folds the bias into the GEMM and skips vmap's dispatch entirely. Anything this module
+does not recognise exactly (subclasses, hooks, parametrizations, dropout in train
+mode, other layers) returns ``None`` and the caller takes the general ``vmap`` path.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+_ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
+    nn.Identity: lambda m, x: x,
+    nn.Tanh: lambda m, x: torch.tanh(x),
+    nn.ReLU: lambda m, x: torch.relu(x),
+    nn.Sigmoid: lambda m, x: torch.sigmoid(x),
+    nn.SiLU: lambda m, x: F.silu(x),
+    nn.Mish: lambda m, x: F.mish(x),
+    nn.GELU: lambda m, x: F.gelu(x, approximate=m.approximate),
+    nn.LeakyReLU: lambda m, x: F.leaky_relu(x, m.negative_slope),
+    nn.ELU: lambda m, x: F.elu(x, m.alpha),
+    nn.Softplus: lambda m, x: F.softplus(x, m.beta, m.threshold),
+}
+
+# A step is (module, weight name, bias name) for a Linear, or (module, None, None).
+Plan = list[tuple[nn.Module, str | None, str | None]]
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as module_mod
+
+    return bool(
+        module_mod._global_forward_hooks
+        or module_mod._global_forward_pre_hooks
+        or module_mod._global_backward_hooks
+        or module_mod._global_backward_pre_hooks
+    )
+
+
+def plan(skeleton: nn.Module) -> Plan | None:
+    """The layer chain of ``skeleton`` if it is a plain MLP, else ``None``."""
+    steps: Plan = []
+
+    def visit(module: nn.Module, prefix: str) -> bool:
+        if _has_hooks(module):
+            return False
+        kind = type(module)
+        if kind is nn.Sequential:
+            # Sequential.forward runs _modules in order, repeats included (named_children
+            # would skip a module instance used twice).
+            return all(
+                child is not None and visit(child, f"{prefix}{name}.")
+                for name, child in module._modules.items()
+            )
+        if kind is nn.Linear:
+            bias = f"{prefix}bias" if module.bias is not None else None
+            steps.append((module, f"{prefix}weight", bias))
+            return True
+        if kind in _ELEMENTWISE or kind is nn.Dropout:
+            steps.append((module, None, None))
+            return True
+        return False
+
+    if not visit(skeleton, "") or not any(w for _, w, _ in steps):
+        return None
+    return steps
+
+
+def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | None) -> Tensor | None:
+    """Run the chain on stacked ``params``; ``x`` is shared or has ``member_dim``.
+
+    Returns ``[N, *lead, out]``, or ``None`` if this call needs the general path.
+    """
+    if _global_hooks() or x.dim() < 1:
+        return None
+    for module, weight, _ in steps:
+        if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
+            return None  # random masks follow vmap's randomness rules: general path
+    n = next(params[w].shape[0] for _, w, _ in steps if w is not None)
+    if member_dim is None:
+        lead = x.shape[:-1]
+        h = x.reshape(1, -1, x.shape[-1]).expand(n, -1, -1)
+    else:
+        x = x.movedim(member_dim, 0)
+        if x.dim() < 2:
+            return None
+        lead = x.shape[1:-1]
+        h = x.reshape(n, -1, x.shape[-1])
+    for module, weight, bias in steps:
+        if weight is None:
+            if type(module) is not nn.Dropout:
+                h = _ELEMENTWISE[type(module)](module, h)
+            continue
+        w = params[weight].transpose(1, 2)
+        if bias is None:
+            h = torch.bmm(h, w)
+        else:
+            h = torch.baddbmm(params[bias].unsqueeze(1), h, w)
+    return h.reshape(n, *lead, h.shape[-1])
+
+
+def try_fast_call(
+    skeleton: nn.Module,
+    params: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_dims: Any,
+    chunk_size: int | None,
+) -> Tensor | None:
+    """The fast path for ``vmap(fmodel)(params, buffers, x)``, or ``None``."""
+    if kwargs or chunk_size is not None or len(args) != 1:
+        return None
+    (x,) = args
+    dim = in_dims[0] if isinstance(in_dims, tuple) else in_dims
+    if not isinstance(x, Tensor) or not (dim is None or isinstance(dim, int)):
+        return None
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
+        return None  # inside another torch.func transform: let vmap compose with it
+    steps = plan(skeleton)
+    if steps is None or any(
+        name is not None and not isinstance(params.get(name), Tensor)
+        for _, weight, bias in steps
+        for name in (weight, bias)
+    ):
+        return None  # e.g. one Linear instance used twice: its second name is not a key
+    return run(steps, params, x, dim)

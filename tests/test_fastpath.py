@@ -1,0 +1,156 @@
+"""The direct baddbmm path for plain MLPs equals the vmap path and the loop."""
+
+import pytest
+import torch
+from torch import nn
+
+import funcensemble as fe
+from funcensemble import _fastpath
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+ACTIVATIONS = [
+    nn.Tanh(),
+    nn.ReLU(),
+    nn.Sigmoid(),
+    nn.SiLU(),
+    nn.Mish(),
+    nn.GELU(approximate="tanh"),
+    nn.GELU(),
+    nn.LeakyReLU(0.2),
+    nn.ELU(0.5),
+    nn.Softplus(2.0, 10.0),
+    nn.Identity(),
+]
+
+
+def mlp(act: nn.Module, bias: bool = True) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(5, 7, bias=bias),
+        act,
+        nn.Sequential(nn.Linear(7, 6), nn.Dropout(0.0)),
+        act,
+        nn.Linear(6, 3, bias=bias),
+    ).double()
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts calls that the fast path answered."""
+    calls = []
+    original = _fastpath.run
+
+    def counting(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_fastpath, "run", counting)
+    return calls
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("per_member", [False, True])
+def test_fast_path_matches_loop_outputs_and_grads(act, bias, per_member, spy):
+    torch.manual_seed(0)
+    n = 3
+    modules = [mlp(act, bias) for _ in range(n)]
+    ens = fe.Ensemble(modules)
+    x = torch.randn(*((n,) if per_member else ()), 2, 4, 5, dtype=torch.float64)
+    out = ens(x, in_dims=0 if per_member else None)
+    assert spy == [True]
+    ref = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(modules)])
+    torch.testing.assert_close(out, ref, **TOL)
+    out.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    for name, p in ens.stacked_params().items():
+        expected = torch.stack([dict(m.named_parameters())[name].grad for m in modules])
+        torch.testing.assert_close(p.grad, expected, **TOL)
+
+
+def test_fast_path_equals_general_vmap_path(spy):
+    torch.manual_seed(1)
+    fmodel, params, buffers = fe.stack([mlp(nn.Tanh()) for _ in range(4)])
+    x = torch.randn(16, 5, dtype=torch.float64)
+    fast = fe.vmap(fmodel)(params, buffers, x)
+    general = fe.vmap(fmodel, chunk_size=4)(params, buffers, x)  # chunking: vmap path
+    assert spy == [True]
+    torch.testing.assert_close(fast, general, **TOL)
+    # The member axis may sit elsewhere in a per-member input.
+    xs = torch.randn(16, 4, 5, dtype=torch.float64)
+    torch.testing.assert_close(
+        fe.vmap(fmodel, in_dims=1)(params, buffers, xs),
+        fe.vmap(fmodel, in_dims=1, chunk_size=4)(params, buffers, xs),
+        **TOL,
+    )
+
+
+class MyLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "subclass",
+        "hook",
+        "train_dropout",
+        "other_layer",
+        "kwargs",
+        "two_args",
+        "chunked",
+        "repeated_linear",
+    ],
+)
+def test_general_path_when_fast_path_does_not_apply(case, spy):
+    torch.manual_seed(2)
+
+    def make():
+        if case == "subclass":
+            return nn.Sequential(MyLinear(5, 3), nn.Tanh())
+        if case == "train_dropout":
+            return nn.Sequential(nn.Linear(5, 3), nn.Dropout(0.5))
+        if case == "other_layer":
+            return nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3))
+        if case == "repeated_linear":
+            shared = nn.Linear(5, 5)
+            return nn.Sequential(shared, nn.Tanh(), shared)
+        return nn.Sequential(nn.Linear(5, 3), nn.Tanh())
+
+    modules = [make().double().train() for _ in range(3)]
+    ens = fe.Ensemble(modules, chunk_size=2 if case == "chunked" else None)
+    seen = []
+    if case == "hook":
+        ens.stacked[0].register_forward_hook(lambda *a: seen.append(1))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    if case == "kwargs":
+        fmodel, params, buffers = fe.stack(modules)
+        out = fe.vmap(lambda p, b, x, *, scale: fmodel(p, b, x) * scale)(
+            params, buffers, x, scale=2.0
+        )
+        ref = torch.stack([m(x) * 2.0 for m in modules])
+    elif case == "two_args":
+        fmodel, params, buffers = fe.stack(modules)
+        out = fe.vmap(lambda p, b, x, y: fmodel(p, b, x) + y)(params, buffers, x, x[:, :3])
+        ref = torch.stack([m(x) + x[:, :3] for m in modules])
+    else:
+        out = ens(x)
+        ref = None if case == "train_dropout" else torch.stack([m(x) for m in modules])
+    assert not any(spy)
+    if case == "repeated_linear":
+        assert spy == []  # refused before running: "2.weight" is not a parameter name
+    if ref is not None:
+        torch.testing.assert_close(out, ref, **TOL)
+    if case == "hook":
+        assert seen == [1]
+    if case == "train_dropout":
+        # Dropout masks differ across members (vmap randomness="different").
+        assert not torch.equal(out[0] == 0, out[1] == 0)
+
+
+def test_plan_recognises_only_plain_mlps():
+    assert _fastpath.plan(nn.Linear(2, 3)) is not None
+    assert _fastpath.plan(nn.Sequential(nn.Tanh())) is None  # no Linear at all
+    assert _fastpath.plan(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))) is None
