@@ -6,6 +6,9 @@ import torch
 from jaxtyping import Float, Real
 from torch import Tensor
 
+# " member *rest" starts with a space so that linters do not parse it as the Python
+# expression `member * rest` (jaxtyping's advice); jaxtyping ignores the space.
+
 
 def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> Tensor:
     if not isinstance(values, Tensor):
@@ -32,7 +35,7 @@ def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> 
     return values
 
 
-def mean(values: Float[Tensor, " member *rest"]) -> Float[Tensor, " *rest"]:
+def mean(values: Float[Tensor, " member *rest"]) -> Float[Tensor, "*rest"]:
     """The mean over members.
 
     Example:
@@ -60,7 +63,7 @@ def _check_correction(where: str, correction: object, num_members: int) -> None:
 
 def var(
     values: Float[Tensor, " member *rest"], *, correction: int | float = 1
-) -> Float[Tensor, " *rest"]:
+) -> Float[Tensor, "*rest"]:
     """The variance over members, ``sum((x_i - mean)**2) / (N - correction)``.
 
     As in ``torch.var``, ``correction=1`` (the default) gives the unbiased sample
@@ -88,7 +91,7 @@ def var(
 
 def std(
     values: Float[Tensor, " member *rest"], *, correction: int | float = 1
-) -> Float[Tensor, " *rest"]:
+) -> Float[Tensor, "*rest"]:
     """The standard deviation over members: the square root of [`var`][funcensemble.reduce.var].
 
     For a regression ensemble this is its disagreement (epistemic uncertainty). Where
@@ -116,7 +119,7 @@ def std(
     return torch.where(positive, torch.where(positive, variance, 1).sqrt(), 0)
 
 
-def min(values: Real[Tensor, " member *rest"]) -> Real[Tensor, " *rest"]:
+def min(values: Real[Tensor, " member *rest"]) -> Real[Tensor, "*rest"]:
     """The elementwise minimum over members (values only).
 
     Ties share the gradient evenly. For the index of the minimizing member use
@@ -130,7 +133,7 @@ def min(values: Real[Tensor, " member *rest"]) -> Real[Tensor, " *rest"]:
     return _check("min", values, floating=False).amin(dim=0)
 
 
-def max(values: Real[Tensor, " member *rest"]) -> Real[Tensor, " *rest"]:
+def max(values: Real[Tensor, " member *rest"]) -> Real[Tensor, "*rest"]:
     """The elementwise maximum over members (values only).
 
     Ties share the gradient evenly. For the index of the maximizing member use
@@ -150,7 +153,7 @@ def subset_min(
     *,
     generator: torch.Generator | None = None,
     per_sample: bool = False,
-) -> Real[Tensor, " *rest"]:
+) -> Real[Tensor, "*rest"]:
     """The minimum over a random subset of ``k`` distinct members (REDQ's target).
 
     Each subset is drawn uniformly among all sets of ``k`` distinct members. The
