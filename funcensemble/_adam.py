@@ -1,0 +1,337 @@
+"""Adam and AdamW as in ``torch.optim``, over pytrees of stacked ``[N, ...]`` parameters."""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._hyper import Hyper, PerMember, hyperparameter
+from ._optim import (
+    GradientTransformation,
+    PyTree,
+    chain,
+    check_like,
+    flatten,
+    is_trainable,
+    leaves_like,
+    scatter,
+)
+from ._transforms import Schedule, decayed_weights, flip_sign, learning_rate
+
+
+class AdamState(NamedTuple):
+    """The state of [`scale_by_adam`][funcensemble.optim.scale_by_adam].
+
+    Each field is a pytree shaped like the parameters, holding ``None`` for leaves that
+    are not floating point. The names map to ``torch.optim.Adam``'s per-parameter
+    state: ``count`` is ``step``, ``mu`` is ``exp_avg``, ``nu`` is ``exp_avg_sq`` and
+    ``nu_max`` is ``max_exp_avg_sq``.
+
+    Attributes:
+        count: Per leaf, how many updates it has received (a 0-dim float32 tensor on
+            the leaf's device). A leaf whose gradient is None is not stepped, so
+            its count (and bias correction) falls behind, exactly like torch.optim.
+        mu: First-moment running averages, like the parameters.
+        nu: Second-moment running averages, like the parameters.
+        nu_max: With ``amsgrad``, the running maximum of ``nu``; otherwise all None.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> params = {"w": torch.zeros(4, 3), "steps": torch.zeros(4, dtype=torch.int64)}
+        >>> state = fe.optim.scale_by_adam(amsgrad=True).init(params)
+        >>> state.mu["w"].shape, state.mu["steps"], state.count["w"]
+        (torch.Size([4, 3]), None, tensor(0.))
+    """
+
+    count: PyTree
+    mu: PyTree
+    nu: PyTree
+    nu_max: PyTree
+
+
+def _betas(where: str, betas: object) -> tuple[Hyper, Hyper]:
+    if not isinstance(betas, Sequence) or isinstance(betas, str):
+        raise TypeError(
+            f"{where}: betas must be a pair (beta1, beta2), got {type(betas).__name__}."
+        )
+    if len(betas) != 2:
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {len(betas)} values.")
+    return tuple(  # type: ignore[return-value]
+        hyperparameter(where, f"betas[{k}]", b, label=f"beta parameter at index {k}", upper=1.0)
+        for k, b in enumerate(betas)
+    )
+
+
+def _flag(where: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}.")
+    return value
+
+
+def _bias_corrections(beta: Hyper, counts: list[Tensor], like: list[Tensor]) -> list[Tensor]:
+    """``1 - beta ** count`` per leaf, computed in at least float32."""
+    dtypes = [torch.promote_types(x.dtype, torch.float32) for x in like]
+    exponents = [c.to(d) for c, d in zip(counts, dtypes, strict=True)]
+    out = list(torch._foreach_pow(beta.per_leaf(like, dtypes), exponents))
+    torch._foreach_neg_(out)
+    torch._foreach_add_(out, 1.0)
+    return out
+
+
+def _adam_moments(
+    where: str, b1: Hyper, b2: Hyper, eps: Hyper, amsgrad: bool
+) -> GradientTransformation:
+    """``scale_by_adam`` from already validated hyperparameters."""
+    one_minus_b1 = b1.map(lambda b: 1 - b)
+    one_minus_b2 = b2.map(lambda b: 1 - b)
+    per_member = [h for h in (b1, b2, eps) if h.per_member]
+
+    def init(params: PyTree) -> AdamState:
+        leaves, spec = flatten(params)
+        train = [is_trainable(x) for x in leaves]
+        for h in per_member:
+            h.check_members(where, spec, leaves, [i for i, t in enumerate(train) if t])
+
+        def zeros(wanted: bool) -> PyTree:
+            return spec.unflatten(
+                [
+                    torch.zeros_like(x, memory_format=torch.preserve_format)
+                    if t and wanted
+                    else None
+                    for x, t in zip(leaves, train, strict=True)
+                ]
+            )
+
+        count = spec.unflatten(
+            [
+                torch.zeros((), dtype=torch.float32, device=x.device) if t else None
+                for x, t in zip(leaves, train, strict=True)
+            ]
+        )
+        return AdamState(count, zeros(True), zeros(True), zeros(amsgrad))
+
+    def update(
+        updates: PyTree, state: AdamState, params: PyTree = None
+    ) -> tuple[PyTree, AdamState]:
+        if not isinstance(state, AdamState):
+            raise TypeError(
+                f"{where}: expected an AdamState (from this transform's init), got "
+                f"{type(state).__name__}."
+            )
+        counts, spec = flatten(state.count)
+        grads = leaves_like(where, "updates", spec, updates)
+        mu = leaves_like(where, "state.mu", spec, state.mu)
+        nu = leaves_like(where, "state.nu", spec, state.nu)
+        nu_max = leaves_like(where, "state.nu_max", spec, state.nu_max)
+        active = [i for i, (g, c) in enumerate(zip(grads, counts, strict=True)) if g is not None]
+        active = [i for i in active if counts[i] is not None]
+        if not active:
+            return spec.unflatten([None] * len(counts)), state
+        for i in active:
+            check_like(where, "the update", spec, i, grads[i], mu[i])
+        for h in per_member:
+            h.check_members(where, spec, mu, active)
+
+        g = [grads[i] for i in active]
+        m = [mu[i] for i in active]
+        v = [nu[i] for i in active]
+        with torch.no_grad():
+            steps = list(torch._foreach_add([counts[i] for i in active], 1.0))
+            m_new = list(torch._foreach_lerp(m, g, one_minus_b1.per_leaf(m)))
+            v_new = list(torch._foreach_mul(v, b2.per_leaf(v)))
+            scaled = one_minus_b2.per_leaf(g)
+            if isinstance(scaled, float):
+                torch._foreach_addcmul_(v_new, g, g, scaled)
+            else:
+                torch._foreach_addcmul_(v_new, torch._foreach_mul(g, scaled), g)
+            if amsgrad:
+                v_max = list(torch._foreach_maximum([nu_max[i] for i in active], v_new))
+                root = list(torch._foreach_sqrt(v_max))
+            else:
+                root = list(torch._foreach_sqrt(v_new))
+            # torch.optim's order: m / (sqrt(v) / sqrt(1 - b2^t) + eps) / (1 - b1^t).
+            bc2 = _bias_corrections(b2, steps, m)
+            torch._foreach_sqrt_(bc2)
+            torch._foreach_div_(root, bc2)
+            torch._foreach_add_(root, eps.per_leaf(root))
+            direction = list(torch._foreach_div(m_new, root))
+            torch._foreach_div_(direction, _bias_corrections(b1, steps, m))
+
+        new_state = AdamState(
+            spec.unflatten(scatter(counts, active, steps)),
+            spec.unflatten(scatter(mu, active, m_new)),
+            spec.unflatten(scatter(nu, active, v_new)),
+            spec.unflatten(scatter(nu_max, active, v_max)) if amsgrad else state.nu_max,
+        )
+        return spec.unflatten(scatter([None] * len(counts), active, direction)), new_state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adam(
+    betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),
+    eps: float | PerMember = 1e-8,
+    *,
+    amsgrad: bool = False,
+) -> GradientTransformation:
+    """Rescale gradients into Adam's bias-corrected direction ``m̂ / (sqrt(v̂) + eps)``.
+
+    The building block of [`adam`][funcensemble.optim.adam]: the moments, bias
+    corrections and AMSGrad maximum of ``torch.optim.Adam``, without the learning
+    rate, weight decay or sign.
+
+    Args:
+        betas: Decay rates of the first and second moment averages; each a float or
+            a ``[N]`` tensor of per-member values.
+        eps: Added to the denominator; a float or a ``[N]`` tensor.
+        amsgrad: Normalize by the running maximum of the second moment.
+
+    Returns:
+        A transform whose state is an [`AdamState`][funcensemble.optim.AdamState].
+
+    Raises:
+        ValueError: A hyperparameter out of range (``torch.optim.Adam``'s messages).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> adam = fe.optim.scale_by_adam()
+        >>> params = {"w": torch.zeros(3, 2)}
+        >>> direction, state = adam.update({"w": torch.full((3, 2), 4.0)}, adam.init(params))
+        >>> torch.allclose(direction["w"], torch.ones(3, 2)), state.count["w"].item()
+        (True, 1.0)
+    """
+    where = "scale_by_adam"
+    b1, b2 = _betas(where, betas)
+    eps_ = hyperparameter(where, "eps", eps, label="epsilon value")
+    return _adam_moments(where, b1, b2, eps_, _flag(where, "amsgrad", amsgrad))
+
+
+def _adam(
+    where: str,
+    lr: object,
+    betas: object,
+    eps: object,
+    weight_decay: object,
+    amsgrad: object,
+    maximize: object,
+    *,
+    decoupled: bool,
+) -> GradientTransformation:
+    # Validate everything, in torch.optim.Adam's order, before building anything.
+    schedule = callable(lr) and not isinstance(lr, Tensor)
+    lr_ = lr if schedule else hyperparameter(where, "lr", lr, label="learning rate")
+    eps_ = hyperparameter(where, "eps", eps, label="epsilon value")
+    b1, b2 = _betas(where, betas)
+    wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")
+    amsgrad = _flag(where, "amsgrad", amsgrad)
+    maximize = _flag(where, "maximize", maximize)
+
+    decay = [decayed_weights(where, wd)] if wd.per_member or wd.value != 0 else []
+    # torch.optim negates the gradient first, then adds L2 decay to it (Adam) or
+    # shrinks the weights by lr * weight_decay beside the Adam step (AdamW).
+    steps = [flip_sign()] if maximize else []
+    steps += [] if decoupled else decay
+    steps.append(_adam_moments(where, b1, b2, eps_, amsgrad))
+    steps += decay if decoupled else []
+    steps.append(learning_rate(where, lr_))  # type: ignore[arg-type]
+    return chain(*steps)
+
+
+def adam(
+    lr: float | PerMember | Schedule = 1e-3,
+    betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),
+    eps: float | PerMember = 1e-8,
+    *,
+    weight_decay: float | PerMember = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adam, computing exactly what ``torch.optim.Adam`` computes for each member.
+
+    Any of ``lr``, each beta, ``eps`` and ``weight_decay`` may be a ``[N]`` tensor
+    giving each member its own value (e.g. ``lr=torch.logspace(-4, -2, N)``); it
+    broadcasts over every parameter's leading member axis. Leaves that are not
+    floating point (integer buffers) get no state and no update; a leaf whose
+    gradient is None is skipped like ``torch.optim`` skips a parameter whose
+    ``.grad`` is None (its moments and step count stay as they are). The update
+    runs as multi-tensor (``torch._foreach_*``) kernels over all leaves at once,
+    records no autograd history, and never reads a value back to Python, so it
+    works under ``torch.compile``.
+
+    Args:
+        lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``
+            (see [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate]).
+        betas: Decay rates of the first and second moment averages.
+        eps: Added to the denominator for numerical stability.
+        weight_decay: L2 penalty added to the gradient (after the sign flip of
+            ``maximize``), as in ``torch.optim.Adam``.
+        amsgrad: Use the AMSGrad variant (normalize by the running maximum of the
+            second moment).
+        maximize: Maximize the objective instead of minimizing it.
+
+    Returns:
+        A [`GradientTransformation`][funcensemble.optim.GradientTransformation] whose
+        state is a tuple with one entry per step of the chain; the
+        [`AdamState`][funcensemble.optim.AdamState] in it holds the moments.
+
+    Raises:
+        ValueError: A hyperparameter out of range, with ``torch.optim``'s wording
+            (``Invalid learning rate: -1.0``), or a per-member tensor not shaped ``[N]``.
+        TypeError: A hyperparameter of the wrong type.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 1) for _ in range(4)])
+        >>> opt = fe.optim.adam(lr=torch.tensor([0.1, 0.1, 0.0, 0.0]))  # per member
+        >>> state = opt.init(params)
+        >>> grads = {k: torch.ones_like(v) for k, v in params.items()}
+        >>> updates, state = opt.update(grads, state, params)
+        >>> new = fe.optim.apply_updates(params, updates)
+        >>> step = torch.tensor([[-0.1], [-0.1], [0.0], [0.0]])
+        >>> torch.allclose(new["bias"] - params["bias"], step)
+        True
+    """
+    return _adam("adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+
+
+def adamw(
+    lr: float | PerMember | Schedule = 1e-3,
+    betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),
+    eps: float | PerMember = 1e-8,
+    *,
+    weight_decay: float | PerMember = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """AdamW (decoupled weight decay), computing exactly what ``torch.optim.AdamW`` does.
+
+    Like [`adam`][funcensemble.optim.adam], except that weight decay shrinks the
+    weights by ``lr * weight_decay`` beside the Adam step instead of entering the
+    gradient. Everything else (per-member tensors, schedules, skipping) is the same.
+
+    Args:
+        lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``.
+        betas: Decay rates of the first and second moment averages.
+        eps: Added to the denominator for numerical stability.
+        weight_decay: Decoupled decay rate.
+        amsgrad: Use the AMSGrad variant.
+        maximize: Maximize the objective instead of minimizing it.
+
+    Returns:
+        A [`GradientTransformation`][funcensemble.optim.GradientTransformation].
+
+    Raises:
+        ValueError: A hyperparameter out of range (``torch.optim``'s wording), or a
+            per-member tensor not shaped ``[N]``.
+        TypeError: A hyperparameter of the wrong type.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.adamw(lr=0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> updates, _ = opt.update({"w": torch.zeros(2, 3)}, opt.init(params), params)
+        >>> torch.allclose(updates["w"], torch.full((2, 3), -0.05))  # -lr * wd * w
+        True
+    """
+    return _adam("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)

@@ -1,0 +1,192 @@
+"""Optimizers as pure ``(init, update)`` pairs over pytrees, and how they compose.
+
+The pytree plumbing shared by every transform lives here too: trees are flattened
+with ``none_is_leaf=True`` so a ``None`` (an unused parameter's gradient, a skipped
+leaf's state) keeps its slot and nothing downstream misaligns.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+# Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
+# `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
+# cannot be resolved by beartype at run time.
+PyTree = Any
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer: two pure functions over pytrees.
+
+    ``init(params) -> state`` builds the state; ``update(grads, state, params) ->
+    (updates, new_state)`` turns gradients into parameter updates. Neither mutates
+    its inputs. Apply the updates with [`apply_updates`][funcensemble.optim.apply_updates].
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.adam(lr=0.1)
+        >>> params = {"w": torch.ones(4, 3)}  # 4 members
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.ones(4, 3)}, state, params)
+        >>> params = fe.optim.apply_updates(params, updates)
+        >>> torch.allclose(params["w"], torch.full((4, 3), 0.9))
+        True
+    """
+
+    init: Callable[[PyTree], Any]
+    update: Callable[..., tuple[PyTree, Any]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a transform that keeps none.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fe.optim.add_decayed_weights(0.1).init({"w": torch.zeros(2, 3)})
+        EmptyState()
+    """
+
+
+def is_trainable(leaf: object) -> bool:
+    """Whether a transform updates this leaf: floating-point tensors only."""
+    if isinstance(leaf, Tensor) and leaf.is_complex():
+        raise TypeError(
+            "funcensemble.optim: complex parameters are not supported; store them as real "
+            "tensors (torch.view_as_real) in the parameter tree."
+        )
+    return isinstance(leaf, Tensor) and leaf.is_floating_point()
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Leaves and structure, with every ``None`` kept as a leaf of its own."""
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def leaves_like(where: str, what: str, spec: optree.PyTreeSpec, tree: PyTree) -> list[Any]:
+    """``tree``'s leaves aligned with ``spec``'s, or a clear error if the shapes differ."""
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError) as error:
+        got = optree.tree_structure(tree, none_is_leaf=True)
+        raise ValueError(
+            f"{where}: {what} do not match the structure of the parameters: expected "
+            f"{spec}, got {got}. Pass a pytree shaped like the params (None for a leaf "
+            "without a gradient)."
+        ) from error
+
+
+def leaf_name(spec: optree.PyTreeSpec, index: int) -> str:
+    """A readable name for leaf ``index``, e.g. ``params['net.0.weight']``."""
+    return optree.treespec_accessors(spec)[index].codify("params")
+
+
+def check_like(where: str, what: str, spec: optree.PyTreeSpec, index: int, x: Any, ref: Tensor):
+    """Check that ``x`` can stand in for ``ref`` (same shape, dtype and device)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(
+            f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
+            "expected a tensor or None."
+        )
+    if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
+        raise ValueError(
+            f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "
+            f"dtype {x.dtype}, device {x.device}; expected {tuple(ref.shape)}, {ref.dtype}, "
+            f"{ref.device} like the parameter."
+        )
+
+
+def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, ...]) -> list:
+    """A copy of ``base`` with ``values`` placed at ``indices``."""
+    out = list(base)
+    for i, v in zip(indices, values, strict=True):
+        out[i] = v
+    return out
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Run transforms one after the other, each on the previous one's updates.
+
+    The state is a tuple with one entry per transform.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.chain(fe.optim.add_decayed_weights(0.5),
+        ...                      fe.optim.scale_by_learning_rate(0.1))
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> updates, _ = opt.update({"w": torch.zeros(2, 3)}, opt.init(params), params)
+        >>> torch.allclose(updates["w"], torch.full((2, 3), -0.05))
+        True
+    """
+    for k, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain: transform {k} is a {type(t).__name__}, expected a "
+                "GradientTransformation such as fe.optim.scale_by_adam()."
+            )
+
+    def init(params: PyTree) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain: expected the state returned by this chain's init (a tuple of "
+                f"{len(transforms)} states), got {type(state).__name__}."
+            )
+        new_state = []
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Add updates to parameters, returning new tensors; the inputs are untouched.
+
+    A leaf whose update is ``None`` (no gradient, or not floating point) is returned
+    as it is, the same tensor. Updated leaves are fresh autograd leaves with their
+    parameter's ``requires_grad``: no history links them to the old parameters.
+
+    Args:
+        params: A pytree of tensors, e.g. stacked ``[N, ...]`` parameters.
+        updates: The updates from ``update``, shaped like ``params``.
+
+    Returns:
+        The new parameters, shaped like ``params``.
+
+    Raises:
+        ValueError: ``updates`` do not match ``params`` in structure or leaf shapes.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> params = {"w": torch.zeros(3, 2), "frozen": torch.ones(3)}
+        >>> new = fe.optim.apply_updates(params, {"w": torch.ones(3, 2), "frozen": None})
+        >>> new["w"].sum().item(), new["frozen"] is params["frozen"], params["w"].sum().item()
+        (6.0, True, 0.0)
+    """
+    where = "apply_updates"
+    leaves, spec = flatten(params)
+    ups = leaves_like(where, "updates", spec, updates)
+    active = [i for i, u in enumerate(ups) if u is not None]
+    for i in active:
+        if not isinstance(leaves[i], Tensor):
+            raise TypeError(
+                f"{where}: {leaf_name(spec, i)} is a {type(leaves[i]).__name__} but has an "
+                "update; only tensor leaves can be updated."
+            )
+        check_like(where, "the update", spec, i, ups[i], leaves[i])
+    if not active:
+        return spec.unflatten(leaves)
+    with torch.no_grad():
+        new = torch._foreach_add([leaves[i] for i in active], [ups[i] for i in active])
+    for i, t in zip(active, new, strict=True):
+        if leaves[i].requires_grad:
+            t.requires_grad_(True)
+    return spec.unflatten(scatter(leaves, active, new))

@@ -1,0 +1,207 @@
+"""Small gradient transforms: weight decay, learning-rate scaling (with schedules), sign flip."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from ._hyper import Hyper, PerMember, hyperparameter, schedule_value
+from ._optim import (
+    EmptyState,
+    GradientTransformation,
+    PyTree,
+    check_like,
+    flatten,
+    is_trainable,
+    leaves_like,
+    scatter,
+)
+
+Schedule = Callable[[Int[Tensor, ""]], Any]
+
+
+class ScheduleState(NamedTuple):
+    """The state of a scheduled learning rate.
+
+    Attributes:
+        count: How many times ``update`` has run (a 0-dim int64 CPU tensor); the
+            schedule is called with it.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.adam(lr=lambda count: 1e-3 * 0.9**count)
+        >>> opt.init({"w": torch.zeros(2, 3)})[-1]
+        ScheduleState(count=tensor(0))
+    """
+
+    count: Int[Tensor, ""]
+
+
+def _mul(xs: list[Tensor], factor: float | list[Tensor]) -> list[Tensor]:
+    return list(torch._foreach_mul(xs, factor))
+
+
+def _map_active(updates: PyTree, fn: Callable[[list[Tensor]], list[Tensor]]) -> PyTree:
+    """Apply ``fn`` to the floating-point update leaves; every other leaf becomes None."""
+    leaves, spec = flatten(updates)
+    active = [i for i, u in enumerate(leaves) if is_trainable(u)]
+    out = [None] * len(leaves)
+    if active:
+        with torch.no_grad():
+            out = scatter(out, active, fn([leaves[i] for i in active]))
+    return spec.unflatten(out)
+
+
+def flip_sign() -> GradientTransformation:
+    """Negate the updates (how ``maximize=True`` turns ascent into descent)."""
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        return _map_active(updates, lambda us: list(torch._foreach_neg(us))), state
+
+    return GradientTransformation(init, update)
+
+
+def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
+    """``add_decayed_weights`` from an already validated hyperparameter."""
+
+    def init(params: PyTree) -> EmptyState:
+        leaves, spec = flatten(params)
+        weight_decay.check_members(
+            where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
+        )
+        return EmptyState()
+
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        if params is None:
+            raise ValueError(
+                f"{where}: weight decay needs the parameters; call update(grads, state, params)."
+            )
+        leaves, spec = flatten(params)
+        ups = leaves_like(where, "updates", spec, updates)
+        active = [
+            i
+            for i, (u, p) in enumerate(zip(ups, leaves, strict=True))
+            if is_trainable(u) and is_trainable(p)
+        ]
+        for i in active:
+            check_like(where, "the update", spec, i, ups[i], leaves[i])
+        weight_decay.check_members(where, spec, leaves, active)
+        out = [None] * len(leaves)
+        if active:
+            us, ps = [ups[i] for i in active], [leaves[i] for i in active]
+            with torch.no_grad():
+                wd = weight_decay.per_leaf(ps)
+                if isinstance(wd, float):
+                    new = torch._foreach_add(us, ps, alpha=wd)
+                else:
+                    new = torch._foreach_addcmul(us, ps, wd)
+            out = scatter(out, active, new)
+        return spec.unflatten(out), state
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float | PerMember = 0.0) -> GradientTransformation:
+    """Add ``weight_decay * params`` to the updates (L2 regularization, or AdamW's decay).
+
+    Args:
+        weight_decay: The decay rate, one float or a ``[N]`` tensor of per-member rates.
+
+    Raises:
+        ValueError: A negative rate, or a per-member tensor not shaped ``[N]``.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> decay = fe.optim.add_decayed_weights(torch.tensor([0.0, 1.0]))  # per member
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> updates, _ = decay.update({"w": torch.zeros(2, 3)}, decay.init(params), params)
+        >>> updates["w"][:, 0].tolist()
+        [0.0, 1.0]
+    """
+    where = "add_decayed_weights"
+    wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")
+    return decayed_weights(where, wd)
+
+
+def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
+    """``scale_by_learning_rate`` from an already validated value or schedule."""
+
+    def scale(updates: PyTree, value: Hyper) -> PyTree:
+        leaves, spec = flatten(updates)
+        active = [i for i, u in enumerate(leaves) if is_trainable(u)]
+        value.check_members(where, spec, leaves, active)
+        neg = value.map(lambda v: -v)
+
+        def fn(us: list[Tensor]) -> list[Tensor]:
+            return _mul(us, neg.per_leaf(us))
+
+        return _map_active(updates, fn)
+
+    if isinstance(lr, Hyper):
+        constant = lr
+
+        def init(params: PyTree) -> EmptyState:
+            leaves, spec = flatten(params)
+            constant.check_members(
+                where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
+            )
+            return EmptyState()
+
+        def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+            return scale(updates, constant), state
+
+        return GradientTransformation(init, update)
+
+    schedule = lr
+
+    def init_schedule(params: PyTree) -> ScheduleState:
+        return ScheduleState(torch.zeros((), dtype=torch.int64))
+
+    def update_schedule(
+        updates: PyTree, state: ScheduleState, params: PyTree = None
+    ) -> tuple[PyTree, ScheduleState]:
+        if not isinstance(state, ScheduleState):
+            raise TypeError(
+                f"{where}: expected a ScheduleState (from this transform's init), got "
+                f"{type(state).__name__}."
+            )
+        value = schedule_value(where, "lr", schedule(state.count))
+        return scale(updates, value), ScheduleState(state.count + 1)
+
+    return GradientTransformation(init_schedule, update_schedule)
+
+
+def scale_by_learning_rate(lr: float | PerMember | Schedule = 1e-3) -> GradientTransformation:
+    """Multiply the updates by ``-lr``, turning a descent direction into a step.
+
+    Args:
+        lr: The learning rate: one float, a ``[N]`` tensor of per-member rates, or a
+            schedule ``lr(count) -> float | Tensor`` called with the number of
+            previous ``update`` calls (a 0-dim int64 tensor: 0, 1, 2, ...), like a
+            ``torch.optim.lr_scheduler.LambdaLR`` stepped once per iteration. The
+            count advances on every call, even one where every gradient is None.
+            A schedule may return a float, a 0-dim tensor or a ``[N]`` tensor; its
+            values are not range-checked (that would sync the device every step).
+
+    Raises:
+        ValueError: A negative rate, or a per-member tensor not shaped ``[N]``.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> sched = fe.optim.scale_by_learning_rate(lambda count: 0.5**count)
+        >>> params = {"w": torch.zeros(2, 3)}
+        >>> state = sched.init(params)
+        >>> for _ in range(3):
+        ...     updates, state = sched.update({"w": torch.ones(2, 3)}, state, params)
+        >>> updates["w"][0, 0].item(), state.count.item()
+        (-0.25, 3)
+    """
+    where = "scale_by_learning_rate"
+    if callable(lr) and not isinstance(lr, Tensor):
+        return learning_rate(where, lr)
+    return learning_rate(where, hyperparameter(where, "lr", lr, label="learning rate"))

@@ -1,0 +1,40 @@
+"""Optimizers over stacked ensemble parameters: ``fe.optim.adam`` etc.
+
+Optax-style: an optimizer is a pair of pure functions ``init(params)`` and
+``update(grads, state, params)`` over pytrees of ``[N, ...]`` tensors, computing what
+``torch.optim`` computes for each member.
+[`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] wraps one in a
+``torch.optim``-like object for ``loss.backward()`` loops.
+"""
+
+from ._adam import AdamState as AdamState
+from ._adam import adam as adam
+from ._adam import adamw as adamw
+from ._adam import scale_by_adam as scale_by_adam
+from ._ensemble_optimizer import EnsembleOptimizer as EnsembleOptimizer
+from ._optim import EmptyState as EmptyState
+from ._optim import GradientTransformation as GradientTransformation
+from ._optim import apply_updates as apply_updates
+from ._optim import chain as chain
+from ._polyak import polyak_update as polyak_update
+from ._polyak import polyak_update_ as polyak_update_
+from ._transforms import ScheduleState as ScheduleState
+from ._transforms import add_decayed_weights as add_decayed_weights
+from ._transforms import scale_by_learning_rate as scale_by_learning_rate
+
+__all__ = [
+    "AdamState",
+    "EmptyState",
+    "EnsembleOptimizer",
+    "GradientTransformation",
+    "ScheduleState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "polyak_update",
+    "polyak_update_",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+]
