@@ -139,3 +139,53 @@ def try_fast_call(
     ):
         return None  # e.g. one Linear instance used twice: its second name is not a key
     return run(steps, params, x, dim)
+
+
+def _unwrap_at(t: Tensor, level: int) -> tuple[Tensor, int | None] | None:
+    """``t``'s plain tensor and member dim if batched at ``level`` (``None`` dim if not)."""
+    functorch = torch._C._functorch
+    if not functorch.is_functorch_wrapped_tensor(t):
+        return t, None
+    if not functorch.is_batchedtensor(t) or functorch.maybe_get_level(t) != level:
+        return None
+    inner = functorch.get_unwrapped(t)
+    if functorch.is_functorch_wrapped_tensor(inner):
+        return None
+    return inner, functorch.maybe_get_bdim(t)
+
+
+def try_batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor | None:
+    """The fast path for ``fmodel(params, buffers, x)`` called inside ``fe.vmap``.
+
+    Inside ``vmap`` (e.g. in a loss given to ``fe.value_and_grad``) ``params`` are
+    BatchedTensors. When they are batched along dim 0 at the innermost level and no
+    other transform is involved, run the stacked kernels on the unwrapped tensors and
+    hand the result back to vmap as a BatchedTensor: this is a batching rule for the
+    whole MLP. Autograd sees ordinary ops on the unwrapped leaves.
+    """
+    if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() < 1:
+        return None
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is None or interpreter.key() != torch._C._functorch.TransformType.Vmap:
+        return None
+    level = interpreter.level()
+    steps = plan(skeleton)
+    if steps is None:
+        return None
+    unwrapped = {}
+    for _, weight, bias in steps:
+        for name in (weight, bias):
+            if name is None or name in unwrapped:
+                continue
+            value = params.get(name)
+            found = _unwrap_at(value, level) if isinstance(value, Tensor) else None
+            if found is None or found[1] != 0:
+                return None
+            unwrapped[name] = found[0]
+    found_x = _unwrap_at(x, level)
+    if found_x is None:
+        return None
+    out = run(steps, unwrapped, *found_x)
+    if out is None:
+        return None
+    return torch._C._functorch._add_batch_dim(out, 0, level)

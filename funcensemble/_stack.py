@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
+from ._fastpath import try_batched_call
 from ._skeleton import meta_skeleton, replace_tensors
 
 StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
@@ -38,6 +39,10 @@ class FunctionalModule:
     def __call__(
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
     ) -> Any:
+        if len(args) == 1 and not kwargs:
+            fast = try_batched_call(self.skeleton, params, args[0])
+            if fast is not None:
+                return fast
         return functional_call(
             self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
         )
