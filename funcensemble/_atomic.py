@@ -3,7 +3,7 @@
 import contextlib
 import os
 import secrets
-import shutil
+import stat
 from collections.abc import Callable
 
 
@@ -31,9 +31,11 @@ def atomic_write(where: str, path: str | os.PathLike, write: Callable[[str], Non
     # Created with mode 0o666 so the umask applies, as for a plain open(path, "wb").
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        if os.path.exists(target):
-            shutil.copymode(target, tmp)
+        mode = stat.S_IMODE(os.stat(target if os.path.exists(target) else tmp).st_mode)
         write(tmp)
+        # ``write`` may itself replace tmp (safetensors writes via its own temporary
+        # file, mode 0o600): give the result the mode the target has or would get.
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)

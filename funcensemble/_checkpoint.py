@@ -112,7 +112,7 @@ def _contents(where: str, obj: Any) -> _Contents:
     for path, leaf in zip(paths, leaves, strict=True):
         if not isinstance(leaf, (Tensor, *_VALUE_TYPES)):
             raise TypeError(
-                f"{where}: leaf `{path}` is a {type(leaf).__name__}; expected a Tensor or a "
+                f"{where}: leaf `{path}` is {_a(type(leaf).__name__)}; expected a Tensor or a "
                 "Python bool, int, float or str (None is kept as structure)."
             )
     return _Contents(kind, dict(zip(paths, leaves, strict=True)), treedef, this)
@@ -124,10 +124,14 @@ def _spec(leaf: Any) -> Spec:
     return (type(leaf).__name__,)
 
 
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeio' else 'a'} {noun}"
+
+
 def _describe(spec: Spec) -> str:
     if spec[0] == "tensor":
-        return f"{spec[2]} tensor of shape {spec[1]}"
-    return f"Python {spec[0]}"
+        return f"{_a(spec[2])} tensor of shape {spec[1]}"
+    return f"a Python {spec[0]}"
 
 
 def _structure_fingerprint(specs: dict[str, Spec]) -> str:
@@ -382,8 +386,8 @@ def _check_leaves(
                 )
             raise ValueError(
                 f"{where}: '{name}' does not match {contents.this}: "
-                f"{contents.label(key)} is a {_describe(got[key])} in the file; "
-                f"{contents.this} has a {_describe(spec)}. {hint}"
+                f"{contents.label(key)} is {_describe(got[key])} in the file; "
+                f"{contents.this} has {_describe(spec)}. {hint}"
             )
 
 

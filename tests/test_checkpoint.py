@@ -1,0 +1,591 @@
+"""fe.save / fe.load: round trips, the file format, atomic writes, bad files, determinism."""
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from helpers import ZOO, IntBuffers, assert_trees_equal
+from torch import Tensor, nn
+
+import funcensemble as fe
+from funcensemble._architecture import Architecture
+
+
+def snapshot(ens: fe.Ensemble) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in ens.state_dict().items()}
+
+
+def header_of(path: Path) -> dict[str, Any]:
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["funcensemble"])
+
+
+def rewrite(path: Path, mutate_header: Any = None, mutate_tensors: Any = None) -> None:
+    """Rewrite a checkpoint with its header or tensors changed, as a corrupted file would be."""
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        header = json.loads(f.metadata()["funcensemble"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if mutate_header is not None:
+        header = mutate_header(header)
+    if mutate_tensors is not None:
+        mutate_tensors(tensors)
+    raw = header if isinstance(header, str) else json.dumps(header)
+    safetensors.torch.save_file(tensors, str(path), metadata={"funcensemble": raw})
+
+
+def make_ensemble(name: str, n: int = 3, seed: int = 0) -> fe.Ensemble:
+    torch.manual_seed(seed)
+    return fe.Ensemble(ZOO[name].members(n, train=False))
+
+
+class MomentumState(NamedTuple):
+    """A hand-written optimizer state: tensors, Python numbers, a flag and a None."""
+
+    count: int
+    velocity: dict[str, Tensor]
+    lr: float
+    nesterov: bool
+    unused: None
+
+
+def momentum_init(params: dict[str, Tensor], lr: float = 0.05) -> MomentumState:
+    return MomentumState(0, {k: torch.zeros_like(v) for k, v in params.items()}, lr, False, None)
+
+
+def momentum_step(
+    params: dict[str, Tensor], grads: dict[str, Tensor], state: MomentumState
+) -> tuple[dict[str, Tensor], MomentumState]:
+    velocity = {k: 0.9 * state.velocity[k] + grads[k] for k in params}
+    new = {k: (params[k] - state.lr * velocity[k]).detach() for k in params}
+    return new, state._replace(count=state.count + 1, velocity=velocity)
+
+
+def make_net() -> nn.Module:
+    """A small CNN with BatchNorm (buffers that train) and dropout (randomness)."""
+    return ZOO["cnn"].make(0.2)
+
+
+def functional_tree(seed: int) -> dict[str, Any]:
+    """``{"params", "buffers", "opt_state"}`` of a freshly built functional-face run."""
+    torch.manual_seed(seed)
+    _, params, buffers = fe.stack([make_net().double() for _ in range(3)])
+    return {"params": params, "buffers": buffers, "opt_state": momentum_init(params)}
+
+
+# --- round trips -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_ensemble_round_trip_in_place(tmp_path: Path, name: str) -> None:
+    saved, fresh = make_ensemble(name, seed=0), make_ensemble(name, seed=1)
+    live = fresh.stacked_params()
+    fe.save(tmp_path / "ens.safetensors", saved)
+    assert fe.load(tmp_path / "ens.safetensors", fresh) is fresh
+    assert_trees_equal(snapshot(fresh), snapshot(saved))
+    for key, p in fresh.stacked_params().items():  # loaded in place: same Parameters
+        assert p is live[key] and p.is_leaf and p.requires_grad
+
+
+def test_pytree_round_trip_returns_new_tree(tmp_path: Path) -> None:
+    saved, template = functional_tree(0), functional_tree(1)
+    saved["opt_state"] = saved["opt_state"]._replace(count=7, lr=0.25, nesterov=True)
+    saved["note"] = "run 3"
+    template["note"] = ""
+    before = {k: v.clone() for k, v in template["params"].items()}
+    fe.save(tmp_path / "tree.safetensors", saved)
+    loaded = fe.load(tmp_path / "tree.safetensors", template)
+    assert_trees_equal(loaded, saved)
+    assert isinstance(loaded["opt_state"], MomentumState) and loaded["opt_state"].unused is None
+    # The template is untouched, and shares no tensor with the result.
+    assert_trees_equal(template["params"], before)
+    assert template["opt_state"].count == 0 and template["note"] == ""
+    assert all(loaded["params"][k] is not template["params"][k] for k in before)
+    # requires_grad follows the template: stacked params are leaves that need grads.
+    assert all(t.requires_grad and t.is_leaf for t in loaded["params"].values())
+    assert not any(t.requires_grad for t in loaded["buffers"].values())
+
+
+def test_load_takes_device_and_requires_grad_from_the_template(tmp_path: Path) -> None:
+    fe.save(tmp_path / "t.safetensors", {"w": torch.arange(6.0).reshape(2, 3)})
+    template = {"w": torch.zeros(2, 3, requires_grad=True)}
+    loaded = fe.load(tmp_path / "t.safetensors", template)
+    assert loaded["w"].requires_grad and loaded["w"].device == template["w"].device
+    assert torch.equal(loaded["w"].detach(), torch.arange(6.0).reshape(2, 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_round_trip(tmp_path: Path) -> None:
+    saved = make_ensemble("cnn").cuda()
+    fe.save(tmp_path / "ens.safetensors", saved)
+    fresh = make_ensemble("cnn", seed=1).cuda()
+    fe.load(tmp_path / "ens.safetensors", fresh)
+    assert fresh.stacked[0].weight.is_cuda
+    assert_trees_equal(snapshot(fresh), snapshot(saved))
+    template = {"w": torch.zeros(3, device="cuda")}
+    fe.save(tmp_path / "t.safetensors", {"w": torch.ones(3, device="cuda")})
+    assert fe.load(tmp_path / "t.safetensors", template)["w"].is_cuda
+
+
+def test_shared_and_viewed_tensors_are_saved_once_per_leaf(tmp_path: Path) -> None:
+    base = torch.arange(12.0).reshape(3, 4)
+    tree = {"a": base, "same": base, "row": base[1], "t": base.T}
+    fe.save(tmp_path / "t.safetensors", tree)
+    loaded = fe.load(tmp_path / "t.safetensors", {k: torch.zeros_like(v) for k, v in tree.items()})
+    assert_trees_equal(loaded, {k: v.contiguous() for k, v in tree.items()})
+
+
+def test_plain_state_dict_with_tied_weights_round_trips(tmp_path: Path) -> None:
+    module = ZOO["tied"].make()
+    fe.save(tmp_path / "sd.safetensors", module.state_dict())
+    loaded = fe.load(tmp_path / "sd.safetensors", ZOO["tied"].make().state_dict())
+    assert_trees_equal(dict(loaded), dict(module.state_dict()))
+
+
+# --- the file format -------------------------------------------------------------------
+
+
+def test_file_is_plain_safetensors_keyed_by_pytree_paths(tmp_path: Path) -> None:
+    ens = make_ensemble("int_buffers", n=4)
+    fe.save(tmp_path / "ens.safetensors", ens)
+    tensors = safetensors.torch.load_file(str(tmp_path / "ens.safetensors"))
+    assert torch.equal(tensors["['params']['linear.weight']"], ens.stacked.linear.weight)
+    assert torch.equal(tensors["['buffers']['perm']"], ens.stacked.perm)
+    header = header_of(tmp_path / "ens.safetensors")
+    assert header["format"] == "funcensemble.checkpoint" and header["version"] == 1
+    assert header["kind"] == "ensemble" and header["num_members"] == 4
+    member = ZOO["int_buffers"].members(1, train=False)[0]
+    assert header["architecture"] == {
+        "class": f"{IntBuffers.__module__}.IntBuffers",
+        "fingerprint": Architecture.of(member).fingerprint(),
+    }
+
+    state = momentum_init({"w": torch.ones(2, 3)})._replace(count=5)
+    fe.save(tmp_path / "tree.safetensors", {"opt": state})
+    header = header_of(tmp_path / "tree.safetensors")
+    assert header["kind"] == "pytree" and header["num_members"] is None
+    assert header["values"] == {"['opt'].count": 5, "['opt'].lr": 0.05, "['opt'].nesterov": False}
+    assert "MomentumState" in header["treedef"]
+    assert list(safetensors.torch.load_file(str(tmp_path / "tree.safetensors"))) == [
+        "['opt'].velocity['w']"
+    ]
+
+
+def test_fingerprints_depend_on_architecture_not_values(tmp_path: Path) -> None:
+    def fingerprints(obj: Any) -> tuple[Any, str]:
+        fe.save(tmp_path / "f.safetensors", obj)
+        header = header_of(tmp_path / "f.safetensors")
+        return header["architecture"], header["structure"]
+
+    arch_a, struct_a = fingerprints(make_ensemble("mlp", seed=0))
+    assert fingerprints(make_ensemble("mlp", seed=1)) == (arch_a, struct_a)
+    assert fingerprints(make_ensemble("mlp", n=5))[0] == arch_a  # the count is stored apart
+    assert fingerprints(make_ensemble("tied"))[0] != arch_a
+    wider = fe.Ensemble([nn.Sequential(nn.Linear(5, 17), nn.Tanh(), nn.Linear(17, 3))] * 3)
+    assert fingerprints(wider)[0]["fingerprint"] != arch_a["fingerprint"]
+
+    _, tree_a = fingerprints(functional_tree(0))
+    assert fingerprints(functional_tree(1))[1] == tree_a
+    changed = functional_tree(0)
+    changed["opt_state"] = changed["opt_state"]._replace(count=3)  # a value, not structure
+    assert fingerprints(changed)[1] == tree_a
+    changed["params"]["0.weight"] = changed["params"]["0.weight"].float()
+    assert fingerprints(changed)[1] != tree_a
+
+
+# --- atomic writes ---------------------------------------------------------------------
+
+
+def old_checkpoint(tmp_path: Path) -> tuple[Path, fe.Ensemble]:
+    old = make_ensemble("mlp", seed=0)
+    fe.save(tmp_path / "ens.safetensors", old)
+    return tmp_path / "ens.safetensors", old
+
+
+def assert_old_checkpoint_intact(path: Path, old: fe.Ensemble) -> None:
+    assert os.listdir(path.parent) == [path.name], "a temporary file was left behind"
+    fresh = make_ensemble("mlp", seed=5)
+    fe.load(path, fresh)
+    assert_trees_equal(snapshot(fresh), snapshot(old))
+
+
+def test_crash_while_writing_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    path, old = old_checkpoint(tmp_path)
+
+    def torn_write(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        with open(filename, "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{half a head")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", torn_write)
+    with pytest.raises(OSError, match="No space left"):
+        fe.save(path, make_ensemble("mlp", seed=1))
+    assert_old_checkpoint_intact(path, old)
+
+
+@pytest.mark.parametrize("fail_in", ["fsync", "replace"])
+def test_failure_after_writing_keeps_previous_checkpoint(
+    tmp_path: Path, monkeypatch, fail_in: str
+) -> None:
+    path, old = old_checkpoint(tmp_path)
+
+    def fail(*args: Any) -> None:
+        raise KeyboardInterrupt  # even an interrupt cleans up
+
+    monkeypatch.setattr(os, fail_in, fail)
+    with pytest.raises(KeyboardInterrupt):
+        fe.save(path, make_ensemble("mlp", seed=1))
+    monkeypatch.undo()
+    assert_old_checkpoint_intact(path, old)
+
+
+class Exploding(Tensor):
+    """A tensor that fails as soon as the saver reads it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is Tensor.detach:
+            raise RuntimeError("cannot read this tensor")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_leaf_that_raises_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    path, old = old_checkpoint(tmp_path)
+    bad = {"ok": torch.ones(2), "bad": torch.ones(2).as_subclass(Exploding)}
+    with pytest.raises(RuntimeError, match="cannot read"):
+        fe.save(path, bad)
+    assert_old_checkpoint_intact(path, old)
+
+
+def test_save_flushes_file_and_directory(tmp_path: Path, monkeypatch) -> None:
+    synced: list[bool] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
+    assert synced == [False, True]  # the data, then the rename
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX permission bits")
+def test_replacing_keeps_the_file_mode(tmp_path: Path) -> None:
+    path = tmp_path / "ens.safetensors"
+    fe.save(path, make_ensemble("mlp"))
+    os.chmod(path, 0o640)
+    fe.save(path, make_ensemble("mlp", seed=1))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+def test_save_path_errors(tmp_path: Path) -> None:
+    ens = make_ensemble("mlp")
+    with pytest.raises(FileNotFoundError, match=r"save: the directory .*missing.* does not exist"):
+        fe.save(tmp_path / "missing" / "ens.safetensors", ens)
+    with pytest.raises(IsADirectoryError, match=r"save: .* is a directory"):
+        fe.save(tmp_path, ens)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("obj", "error", "match"),
+    [
+        (nn.Linear(2, 2), TypeError, "got a Linear; expected an fe.Ensemble .*state_dict"),
+        ({"a": torch.ones(2), "b": object()}, TypeError, r"leaf `\['b'\]` is an object"),
+        ({"z": torch.ones(2, dtype=torch.complex64)}, TypeError, "complex64, which safetensors"),
+        ({"s": torch.eye(2).to_sparse()}, TypeError, "sparse_coo tensor; only dense"),
+        ({"m": torch.empty(2, device="meta")}, ValueError, "meta device"),
+    ],
+)
+def test_save_rejects_what_it_cannot_store(
+    tmp_path: Path, obj: Any, error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        fe.save(tmp_path / "x.safetensors", obj)
+    assert os.listdir(tmp_path) == []
+
+
+# --- loading bad files changes nothing ----------------------------------------------------
+
+
+UNREADABLE = "is not a readable safetensors file .* empty, truncated or corrupted"
+INVALID = "is not a valid funcensemble checkpoint"
+BAD_FILES: dict[str, tuple[Any, str]] = {
+    # case: (the file's new bytes from its old ones, or a header mutation; the message)
+    "empty": (lambda data: b"", UNREADABLE),
+    "garbage": (lambda data: b"PK\x03\x04 a zip file, not a checkpoint" * 4, UNREADABLE),
+    "huge header length": (lambda data: (2**40).to_bytes(8, "little") + b"{}", UNREADABLE),
+    "cut to 4 bytes": (lambda data: data[:4], UNREADABLE),
+    "cut to 8 bytes": (lambda data: data[:8], UNREADABLE),
+    "cut in the header": (lambda data: data[:40], UNREADABLE),
+    "cut in half": (lambda data: data[: len(data) // 2], UNREADABLE),
+    "last byte missing": (lambda data: data[:-1], UNREADABLE),
+    "header not JSON": ({"header": lambda h: "{not json"}, INVALID + ".*not valid JSON"),
+    "other format": ({"header": lambda h: {**h, "format": "x"}}, INVALID + ".*format"),
+    "newer version": ({"header": lambda h: {**h, "version": 2}}, "newer funcensemble.*Upgrade"),
+    "bad kind": ({"header": lambda h: {**h, "kind": "model"}}, INVALID + ".*kind is 'model'"),
+    "missing field": ({"header": lambda h: {**h, "values": None}}, INVALID + ".*'values'"),
+    "bad value": ({"header": lambda h: {**h, "values": {"x": [1]}}}, INVALID + ".*for `x`"),
+    "header lies": ({"header": lambda h: {**h, "structure": "0" * 16}}, "does not describe"),
+}
+
+
+def corrupt(path: Path, case: str) -> str:
+    """Damage the checkpoint at ``path`` as ``case`` says; return the expected message."""
+    change, match = BAD_FILES[case]
+    if isinstance(change, dict):
+        rewrite(path, mutate_header=change["header"])
+    else:
+        path.write_bytes(change(path.read_bytes()))
+    return match
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_file_raises_and_leaves_the_ensemble_unchanged(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "ens.safetensors"
+    fe.save(path, make_ensemble("cnn", seed=0))
+    match = corrupt(path, case)
+    target = make_ensemble("cnn", seed=1)
+    before = snapshot(target)
+    with pytest.raises(ValueError, match=f"load: '.*ens.safetensors' .*{match}"):
+        fe.load(path, target)
+    assert_trees_equal(snapshot(target), before)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_file_raises_for_a_template(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "tree.safetensors"
+    fe.save(path, functional_tree(0))
+    match = corrupt(path, case)
+    with pytest.raises(ValueError, match=f"load: '.*tree.safetensors' .*{match}"):
+        fe.load(path, functional_tree(1))
+
+
+def test_plain_safetensors_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    safetensors.torch.save_file({"weight": torch.ones(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match=r"no funcensemble header .*load_file"):
+        fe.load(tmp_path / "plain.safetensors", {"weight": torch.zeros(2)})
+
+
+def test_header_that_does_not_match_its_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "ens.safetensors"
+    fe.save(path, make_ensemble("mlp"))
+    rewrite(path, mutate_tensors=lambda ts: ts.update({"['params']['0.bias']": torch.ones(3, 2)}))
+    target = make_ensemble("mlp", seed=1)
+    before = snapshot(target)
+    with pytest.raises(ValueError, match="header does not describe the tensors it holds"):
+        fe.load(path, target)
+    assert_trees_equal(snapshot(target), before)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"load: no checkpoint file at '.*nope'"):
+        fe.load(tmp_path / "nope", make_ensemble("mlp"))
+
+
+class Scaled(nn.Linear):
+    """A different class with exactly Linear's parameters."""
+
+
+@pytest.mark.parametrize(
+    ("make_target", "match"),
+    [
+        (lambda: make_ensemble("mlp", n=4), "holds an ensemble of 3 members; this ensemble has 4"),
+        (lambda: make_ensemble("tied"), "holds an ensemble of torch.nn.*Sequential; this "),
+        (
+            lambda: fe.Ensemble(
+                [nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 4)).double()] * 3
+            ),
+            r"parameter `2.bias` is a float64 tensor of shape \(3, 3\) in the file; "
+            r"this ensemble has a float64 tensor of shape \(3, 4\). .*different architecture",
+        ),
+        (
+            lambda: make_ensemble("mlp").float(),
+            r"parameter `0.bias` is a float64 .* in the file; this ensemble has a float32 "
+            r".* Convert this ensemble to float64 before loading",
+        ),
+        (
+            lambda: fe.Ensemble([nn.Sequential(nn.Linear(5, 16), nn.Tanh()).double()] * 3),
+            "the file has extra parameter `2.bias`, parameter `2.weight`",
+        ),
+        (lambda: {"a": torch.ones(1)}, "holds an fe.Ensemble of 3 members of .*; got a dict"),
+    ],
+)
+def test_mismatched_ensemble_raises_and_changes_nothing(
+    tmp_path: Path, make_target: Any, match: str
+) -> None:
+    fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
+    target = make_target()
+    before = snapshot(target) if isinstance(target, fe.Ensemble) else None
+    with pytest.raises(ValueError, match=f"load: '.*ens.safetensors' .*{match}"):
+        fe.load(tmp_path / "ens.safetensors", target)
+    if before is not None:
+        assert_trees_equal(snapshot(target), before)
+
+
+def test_same_tensors_other_class_raises(tmp_path: Path) -> None:
+    fe.save(tmp_path / "ens.safetensors", fe.Ensemble([nn.Linear(3, 2) for _ in range(2)]))
+    target = fe.Ensemble([Scaled(3, 2) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"holds an ensemble of torch.nn.modules.linear.Linear; "):
+        fe.load(tmp_path / "ens.safetensors", target)
+
+
+def _without_leaf(tree: dict) -> dict:
+    del tree["params"]["0.bias"]
+    return tree
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (_without_leaf, r"the file has extra leaf `\['params'\]\['0.bias'\]`"),
+        (
+            lambda t: {**t, "extra": torch.ones(1)},
+            r"the file lacks leaf `\['extra'\]`\. Build the template",
+        ),
+        (
+            lambda t: {**t, "opt_state": t["opt_state"]._replace(unused=torch.ones(1))},
+            r"lacks leaf `\['opt_state'\].unused`",
+        ),
+        (
+            lambda t: {**t, "opt_state": t["opt_state"]._replace(count=0.0)},
+            r"leaf `\['opt_state'\].count` is a Python int in the file; the template has a "
+            r"Python float",
+        ),
+        (
+            lambda t: {**t, "buffers": {k: v[:2] for k, v in t["buffers"].items()}},
+            r"leaf `\['buffers'\]\['1.num_batches_tracked'\]` is an int64 tensor of shape "
+            r"\(3,\) in the file; the template has an int64 tensor of shape \(2,\)",
+        ),
+        (
+            lambda t: {**t, "params": {k: v.float() for k, v in t["params"].items()}},
+            "the template has a float32 tensor .* Convert the template to float64",
+        ),
+        (lambda t: make_ensemble("cnn"), "holds a pytree checkpoint; got an fe.Ensemble"),
+    ],
+)
+def test_mismatched_template_raises(tmp_path: Path, change: Any, match: str) -> None:
+    fe.save(tmp_path / "tree.safetensors", functional_tree(0))
+    template = change(functional_tree(1))
+    before = snapshot(template) if isinstance(template, fe.Ensemble) else None
+    with pytest.raises(ValueError, match=f"load: '.*tree.safetensors' .*{match}"):
+        fe.load(tmp_path / "tree.safetensors", template)
+    if before is not None:
+        assert_trees_equal(snapshot(template), before)
+
+
+def test_load_rejects_other_objects(tmp_path: Path) -> None:
+    fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
+    with pytest.raises(TypeError, match=r"load: got a Sequential; expected an fe.Ensemble"):
+        fe.load(tmp_path / "ens.safetensors", ZOO["mlp"].make())
+    with pytest.raises(TypeError, match="leaf `` is a complex; expected a Tensor"):
+        fe.load(tmp_path / "ens.safetensors", 3j)
+
+
+# --- determinism: 10 steps + save + load + 10 steps == 20 steps --------------------------
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(4, 2, 6, 6, generator=g, dtype=torch.float64)
+    return x, torch.randn(4, 3, generator=g, dtype=torch.float64)
+
+
+def _functional_steps(tree: dict[str, Any], steps: range, opt: Any = None) -> dict[str, Any]:
+    """Train ZOO["cnn"] (BatchNorm, dropout) on the functional face, from ``tree``."""
+    with torch.random.fork_rng(devices=[]):  # building it must not move the RNG
+        fmodel = fe.stack([make_net().double()])[0]
+
+    def loss_fn(p: dict, b: dict, x: Tensor, y: Tensor) -> Tensor:
+        return nn.functional.mse_loss(fmodel(p, b, x), y)
+
+    params, buffers, state = tree["params"], tree["buffers"], tree["opt_state"]
+    for step in steps:
+        _, grads, buffers = fe.value_and_grad(loss_fn)(params, buffers, *_batch(step))
+        if opt is None:
+            params, state = momentum_step(params, grads, state)
+        else:
+            updates, state = opt.update(grads, state, params)
+            params = fe.optim.apply_updates(params, updates)
+    return {"params": params, "buffers": buffers, "opt_state": state}
+
+
+def _checkpointed_equals_straight(tmp_path: Path, fresh: Any, steps: Any) -> None:
+    torch.manual_seed(0)
+    straight = steps(fresh(0), range(20))
+    torch.manual_seed(0)
+    half = steps(fresh(0), range(10))
+    fe.save(tmp_path / "run.safetensors", {**half, "rng": torch.get_rng_state()})
+    del half
+    torch.manual_seed(1234)  # the resumed run must not depend on what the process did before
+    template = {**fresh(1), "rng": torch.get_rng_state()}
+    resumed = fe.load(tmp_path / "run.safetensors", template)
+    torch.set_rng_state(resumed.pop("rng"))
+    assert_trees_equal(steps(resumed, range(10, 20)), straight)
+
+
+def test_functional_face_resumes_exactly(tmp_path: Path) -> None:
+    _checkpointed_equals_straight(tmp_path, functional_tree, _functional_steps)
+
+
+def _adam() -> Any:
+    return fe.optim.adam(1e-2, weight_decay=0.01)
+
+
+def _adam_tree(seed: int) -> dict[str, Any]:
+    tree = functional_tree(seed)
+    return {**tree, "opt_state": _adam().init(tree["params"])}
+
+
+def test_functional_face_with_fe_optim_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("funcensemble.optim")
+    opt = _adam()
+
+    def steps(tree: dict, r: range) -> dict:
+        return _functional_steps(tree, r, opt)
+
+    _checkpointed_equals_straight(tmp_path, _adam_tree, steps)
+
+
+def test_module_face_resumes_exactly(tmp_path: Path) -> None:
+    """An Ensemble trained with EnsembleOptimizer; its state saved as a pytree beside it."""
+    pytest.importorskip("funcensemble.optim")
+
+    def build(seed: int) -> tuple[fe.Ensemble, Any]:
+        ens = fe.Ensemble.from_factory(make_net, num_members=3, seed=seed)
+        ens.double().train()
+        return ens, fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+
+    def train(ens: fe.Ensemble, opt: Any, steps: range) -> None:
+        for step in steps:
+            x, y = _batch(step)
+            opt.zero_grad()
+            ((ens(x) - y) ** 2).mean(dim=(1, 2)).sum().backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    straight, opt_straight = build(0)
+    train(straight, opt_straight, range(20))
+
+    torch.manual_seed(0)
+    ens, opt = build(0)
+    train(ens, opt, range(10))
+    fe.save(tmp_path / "ens.safetensors", ens)
+    fe.save(tmp_path / "opt.safetensors", {"opt": opt.state, "rng": torch.get_rng_state()})
+    del ens, opt
+
+    torch.manual_seed(1234)
+    ens, opt = build(1)
+    fe.load(tmp_path / "ens.safetensors", ens)
+    loaded = fe.load(tmp_path / "opt.safetensors", {"opt": opt.state, "rng": torch.get_rng_state()})
+    opt.state = loaded["opt"]
+    torch.set_rng_state(loaded["rng"])
+    train(ens, opt, range(10, 20))
+    assert_trees_equal(snapshot(ens), snapshot(straight))
+    assert_trees_equal(opt.state, opt_straight.state)
