@@ -1,0 +1,178 @@
+"""fe.export_state_dicts / fe.import_state_dicts: plain per-member state_dicts, out and in."""
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import ZOO, assert_trees_equal, runtime_typecheck_off
+from torch import Tensor, nn
+
+import funcensemble as fe
+
+
+def snapshot(ens: fe.Ensemble) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in ens.state_dict().items()}
+
+
+class WithNonPersistent(nn.Module):
+    """A buffer left out of state_dict, as for a cached mask or positional table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.register_buffer("cache", torch.randn(4), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x + self.cache)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_export_loads_strictly_into_the_original_architecture(name: str) -> None:
+    zoo = ZOO[name]
+    members = zoo.members(3, train=False)
+    ens = fe.Ensemble(members)
+    state_dicts = fe.export_state_dicts(ens)
+    assert len(state_dicts) == 3
+    for original, state_dict in zip(members, state_dicts, strict=True):
+        # The same keys, in the same order, as the original module writes.
+        assert list(state_dict) == list(original.state_dict())
+        assert_trees_equal(dict(state_dict), dict(original.state_dict()))
+        plain = zoo.make().double().eval()
+        plain.load_state_dict(state_dict, strict=True)
+        assert_trees_equal(plain(zoo.input()), original(zoo.input()))
+
+
+def test_tied_weights_are_exported_under_every_name() -> None:
+    ens = fe.Ensemble(ZOO["tied"].members(2, train=False))
+    state_dict = fe.export_state_dicts(ens)[1]
+    assert {"emb.weight", "head.weight"} <= state_dict.keys()
+    assert state_dict.keys() == ZOO["tied"].make().state_dict().keys()
+    assert torch.equal(state_dict["head.weight"], ens.stacked.emb.weight[1])
+
+
+def test_non_persistent_buffers_stay_out() -> None:
+    ens = fe.Ensemble([WithNonPersistent() for _ in range(2)])
+    state_dict = fe.export_state_dicts(ens)[0]
+    assert set(state_dict) == {"linear.weight", "linear.bias"}
+    fresh = fe.Ensemble([WithNonPersistent() for _ in range(2)])
+    fe.import_state_dicts(fresh, fe.export_state_dicts(ens))
+    assert torch.equal(fresh.stacked.linear.weight, ens.stacked.linear.weight)
+
+
+def test_export_copies_and_detaches() -> None:
+    ens = fe.Ensemble(ZOO["mlp"].members(2, train=False))
+    before = snapshot(ens)
+    state_dicts = fe.export_state_dicts(ens)
+    for state_dict in state_dicts:
+        for t in state_dict.values():
+            assert not t.requires_grad
+            t.add_(1.0)
+    assert_trees_equal(snapshot(ens), before)
+
+
+def test_functional_face_exports_the_same() -> None:
+    members = ZOO["int_buffers"].members(3, train=True)
+    fmodel, params, buffers = fe.stack(members)
+    assert_trees_equal(
+        [dict(sd) for sd in fe.export_state_dicts(fmodel, params, buffers)],
+        [dict(sd) for sd in fe.export_state_dicts(fe.Ensemble(members))],
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_import_round_trips(name: str) -> None:
+    torch.manual_seed(0)
+    source = fe.Ensemble(ZOO[name].members(3, train=False))
+    torch.manual_seed(1)
+    target = fe.Ensemble([ZOO[name].make().double().eval() for _ in range(3)])
+    live = target.stacked_params()
+    assert fe.import_state_dicts(target, fe.export_state_dicts(source)) is target
+    assert_trees_equal(snapshot(target), snapshot(source))
+    assert all(p is live[k] for k, p in target.stacked_params().items())  # in place
+
+
+def test_import_from_separately_trained_modules() -> None:
+    members = ZOO["cnn"].members(4, train=False)
+    ens = fe.Ensemble.from_factory(lambda: ZOO["cnn"].make().double().eval(), num_members=4)
+    fe.import_state_dicts(ens, [m.state_dict() for m in members])
+    x = ZOO["cnn"].input()
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-10, atol=1e-12)
+
+
+def test_import_accepts_tensors_on_another_device_and_order() -> None:
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(2)])
+    state_dicts = [
+        {"bias": torch.full((2,), float(i)), "weight": torch.ones(2, 3)} for i in range(2)
+    ]
+    fe.import_state_dicts(ens, tuple(state_dicts))
+    assert torch.equal(ens.stacked.bias, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+
+
+def _good(n: int = 3) -> list[dict[str, Tensor]]:
+    return [dict(m.state_dict()) for m in ZOO["tied"].members(n, train=False)]
+
+
+def _change(i: int, fn: Any) -> list[dict[str, Any]]:
+    state_dicts = _good()
+    fn(state_dicts[i])
+    return state_dicts
+
+
+@pytest.mark.parametrize(
+    ("state_dicts", "error", "match"),
+    [
+        (_good(2), ValueError, "got 2 state_dicts; the ensemble has 3 members"),
+        (
+            _change(2, lambda sd: sd.pop("head.weight")),
+            ValueError,
+            "member 2 is missing `head.weight` compared with the ensemble's architecture",
+        ),
+        (
+            _change(1, lambda sd: sd.update(extra=torch.ones(1))),
+            ValueError,
+            "member 1 has extra `extra` compared",
+        ),
+        (
+            _change(2, lambda sd: sd.update({"mix.bias": torch.zeros(5, dtype=torch.float64)})),
+            ValueError,
+            r"member 2 has `mix.bias` with shape \(5,\); the ensemble has \(4,\)",
+        ),
+        (
+            _change(1, lambda sd: sd.update({"mix.bias": torch.zeros(4)})),
+            ValueError,
+            "member 1 has `mix.bias` with dtype torch.float32; the ensemble has torch.float64",
+        ),
+        (
+            _change(2, lambda sd: sd.update({"head.weight": sd["head.weight"] + 1})),
+            ValueError,
+            "member 2 has different values under `emb.weight` and `head.weight`, which are one "
+            "tied weight",
+        ),
+        (
+            _change(2, lambda sd: sd.update({"mix.bias": [0.0] * 4})),
+            TypeError,
+            "member 2 has `mix.bias` of type list, expected a Tensor",
+        ),
+        (_good()[0], TypeError, "expected a sequence .*got a dict. Wrap a single state_dict"),
+        ([*_good(2), [1, 2]], TypeError, r"state_dicts\[2\] is a list, expected a mapping"),
+    ],
+)
+def test_import_errors_change_nothing(state_dicts: Any, error: type, match: str) -> None:
+    ens = fe.Ensemble(ZOO["tied"].members(3, train=False, dtype=torch.float64))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in ens.parameters():
+            p.normal_()
+    before = snapshot(ens)
+    with runtime_typecheck_off(), pytest.raises(error, match=f"import_state_dicts: {match}"):
+        fe.import_state_dicts(ens, state_dicts)
+    assert_trees_equal(snapshot(ens), before)
+
+
+def test_export_argument_errors() -> None:
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 2) for _ in range(2)])
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(2)])
+    with pytest.raises(TypeError, match="export_state_dicts: pass an Ensemble alone"):
+        fe.export_state_dicts(ens, params, buffers)
+    with pytest.raises(TypeError, match=r"needs its stacked params and buffers"):
+        fe.export_state_dicts(fmodel)
