@@ -436,6 +436,18 @@ def test_same_tensors_other_class_raises(tmp_path: Path) -> None:
         fe.load(tmp_path / "ens.safetensors", target)
 
 
+class Linear(nn.Linear):
+    """torch.nn.Linear's name in another module, as `__main__.Net` is to `train.Net`."""
+
+
+def test_member_class_is_compared_by_name_not_module(tmp_path: Path) -> None:
+    saved = fe.Ensemble([nn.Linear(3, 2) for _ in range(2)])
+    fe.save(tmp_path / "ens.safetensors", saved)
+    target = fe.Ensemble([Linear(3, 2) for _ in range(2)])
+    fe.load(tmp_path / "ens.safetensors", target)
+    assert torch.equal(target.stacked.weight, saved.stacked.weight)
+
+
 def _without_leaf(tree: dict) -> dict:
     del tree["params"]["0.bias"]
     return tree
