@@ -58,9 +58,6 @@ _DTYPES = frozenset(
 )
 
 T = TypeVar("T")
-# Any optree pytree whose leaves are tensors or Python bool/int/float/str. (optree's
-# own PyTree[...] hint is not runtime-checkable.)
-TensorTree = Any
 Spec = tuple[Any, ...]
 
 
@@ -115,7 +112,8 @@ def _contents(where: str, obj: Any) -> _Contents:
             f"whose repr() differ. Paths: {paths}."
         )
     for path, leaf in zip(paths, leaves, strict=True):
-        if not isinstance(leaf, (Tensor, *_VALUE_TYPES)):
+        # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
+        if not isinstance(leaf, Tensor) and type(leaf) not in _VALUE_TYPES:
             raise TypeError(
                 f"{where}: leaf `{path}` is {_a(type(leaf).__name__)}; expected a Tensor or a "
                 "Python bool, int, float or str (None is kept as structure)."

@@ -6,6 +6,7 @@ import stat
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
@@ -298,6 +299,7 @@ def test_save_path_errors(tmp_path: Path) -> None:
     [
         (nn.Linear(2, 2), TypeError, "got a Linear; expected an fe.Ensemble .*state_dict"),
         ({"a": torch.ones(2), "b": object()}, TypeError, r"leaf `\['b'\]` is an object"),
+        ({"n": np.float64(0.5)}, TypeError, r"leaf `\['n'\]` is a float64; expected a Tensor"),
         ({"z": torch.ones(2, dtype=torch.complex64)}, TypeError, "complex64, which safetensors"),
         ({"s": torch.eye(2).to_sparse()}, TypeError, "sparse_coo tensor; only dense"),
         ({"m": torch.empty(2, device="meta")}, ValueError, "meta device"),
