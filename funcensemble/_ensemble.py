@@ -70,6 +70,9 @@ class Ensemble(nn.Module):
         self.randomness: Randomness = randomness
         self.chunk_size = chunk_size
         self.fmodel = FunctionalModule(self.stacked)
+        # Report the members' mode: an ensemble of eval-mode members is in eval mode.
+        # (Not self.train(...): that would overwrite submodules' own, possibly mixed, flags.)
+        self.training = skeleton.training
 
     @classmethod
     def from_factory(

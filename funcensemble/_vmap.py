@@ -32,7 +32,10 @@ def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
     kernel of ``scaled_dot_product_attention`` (its math backend batches fine).
     """
     if torch.compiler.is_compiling():
-        yield
+        # Dynamo cannot trace the global fallback/fast-path switches, but it does trace
+        # sdpa_kernel: without it the CPU flash kernel would loop over members.
+        with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
+            yield
         return
     functorch = torch._C._functorch
     fallback = functorch._is_vmap_fallback_enabled()

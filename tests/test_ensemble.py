@@ -1,0 +1,476 @@
+"""fe.Ensemble: the nn.Module face, compared with a loop over ordinary modules."""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    ATOL,
+    RTOL,
+    ZOO,
+    assert_trees_close,
+    assert_trees_equal,
+    clone_modules,
+    loop_outputs,
+    runtime_typecheck_off,
+    stacked_state,
+)
+from torch import nn
+
+import funcensemble as fe
+
+MODES = ["train", "eval", "eval_no_grad"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_matches_loop(name: str, n: int, mode: str) -> None:
+    zoo = ZOO[name]
+    modules = zoo.members(n, train=mode == "train")
+    reference = clone_modules(modules)
+    ens = fe.Ensemble(modules)
+    assert len(ens) == ens.num_members == n
+    assert ens.training == (mode == "train")
+    x = zoo.input()
+    with torch.no_grad() if mode == "eval_no_grad" else torch.enable_grad():
+        for _ in range(2):
+            assert_trees_close(ens(x), loop_outputs(reference, x), rtol=RTOL, atol=ATOL)
+    assert_trees_close(ens.stacked_buffers(), stacked_state(reference)[1], rtol=RTOL, atol=ATOL)
+    assert_trees_close(ens.stacked_params(), stacked_state(reference)[0], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_backward_matches_per_module_backward(name: str, n: int) -> None:
+    zoo = ZOO[name]
+    modules = zoo.members(n, train=True)
+    reference = clone_modules(modules)
+    ens = fe.Ensemble(modules)
+    x = zoo.input()
+    ens(x).pow(2).mean(dim=tuple(range(1, ens(x).dim()))).sum().backward()
+    for module in reference:
+        module(x).pow(2).mean().backward()
+    # Tied weights appear once, with the gradient of both uses accumulated.
+    expected = {
+        k: torch.stack([dict(m.named_parameters())[k].grad for m in reference])
+        for k in ens.stacked_params()
+    }
+    got = {k: p.grad for k, p in ens.stacked_params().items()}
+    assert_trees_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert {id(p) for p in ens.parameters()} == {id(p) for p in ens.stacked_params().values()}
+
+
+# --- members ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_member_and_unstack_round_trip(name: str, n: int) -> None:
+    modules = ZOO[name].members(n, train=True)
+    ens = fe.Ensemble(modules)
+    unstacked = ens.unstack()
+    stacked_storages = {t.untyped_storage().data_ptr() for t in ens.state_dict().values()}
+    for i, original in enumerate(modules):
+        for copy_ in (ens.member(i), ens.member(i - n), unstacked[i]):
+            assert type(copy_) is type(original)
+            assert_trees_equal(copy_.state_dict(), original.state_dict())
+            assert {k: s.training for k, s in copy_.named_modules()} == {
+                k: s.training for k, s in original.named_modules()
+            }
+            tensors = [*copy_.parameters(), *copy_.buffers()]
+            assert all(t.is_contiguous() and t.is_leaf for t in tensors)
+            assert not {t.untyped_storage().data_ptr() for t in tensors} & stacked_storages
+            if name == "tied":
+                assert copy_.head.weight is copy_.emb.weight
+
+
+# --- training with torch.optim ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", ["cnn", "tied", "scalar_param"])
+def test_adam_on_ensemble_matches_per_module_adam(name: str, n: int) -> None:
+    zoo = ZOO[name]
+    modules = zoo.members(n, train=True)
+    reference = clone_modules(modules)
+    ens = fe.Ensemble(modules)
+    opt = torch.optim.Adam(ens.parameters(), lr=1e-2, weight_decay=1e-3)
+    ref_opts = [torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-3) for m in reference]
+    for step in range(4):
+        x = zoo.input(seed=step)
+        opt.zero_grad()
+        # Summing per-member losses gives each member exactly its own gradient.
+        out = ens(x)
+        out.pow(2).mean(dim=tuple(range(1, out.dim()))).sum().backward()
+        opt.step()
+        for module, ref_opt in zip(reference, ref_opts, strict=True):
+            ref_opt.zero_grad()
+            module(x).pow(2).mean().backward()
+            ref_opt.step()
+    expected_params, expected_buffers = stacked_state(reference)
+    assert_trees_close(ens.stacked_params(), expected_params, rtol=1e-9, atol=1e-12)
+    assert_trees_close(ens.stacked_buffers(), expected_buffers, rtol=1e-9, atol=1e-12)
+    names = {id(p): k for k, p in ens.stacked_params().items()}
+    for p, state in opt.state.items():
+        k = names[id(p)]
+        for field in ("exp_avg", "exp_avg_sq"):
+            expected = torch.stack(
+                [
+                    o.state[dict(m.named_parameters())[k]][field]
+                    for m, o in zip(reference, ref_opts, strict=True)
+                ]
+            )
+            assert_trees_close(state[field], expected, rtol=1e-9, atol=1e-14)
+
+
+# --- state_dict, dtype, modes, hooks, copies -------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_state_dict_round_trip(name: str) -> None:
+    zoo = ZOO[name]
+    ens = fe.Ensemble(zoo.members(3, train=False))
+    other = fe.Ensemble([copy.deepcopy(m).apply(_reset) for m in zoo.members(3, train=False)[::-1]])
+    state = ens.state_dict()
+    assert all(t.shape[0] == 3 for t in state.values())
+    result = other.load_state_dict(state)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert_trees_equal(other.state_dict(), state)
+    x = zoo.input()
+    assert_trees_equal(other(x), ens(x))
+    # The loaded values are copies: the two ensembles stay independent.
+    with torch.no_grad():
+        next(other.parameters()).add_(1)
+    assert not torch.equal(next(other.parameters()), next(ens.parameters()))
+    if name == "tied":
+        assert {"stacked.emb.weight", "stacked.head.weight"} <= state.keys()
+
+
+def _reset(module: nn.Module) -> None:
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+@pytest.mark.parametrize("convert", ["to", "double"])
+@pytest.mark.parametrize("name", ["cnn", "int_buffers", "tied"])
+def test_to_float64_and_double(name: str, convert: str) -> None:
+    zoo = ZOO[name]
+    modules = zoo.members(3, train=False, dtype=torch.float32)
+    ens = fe.Ensemble(modules)
+    ens = ens.to(torch.float64) if convert == "to" else ens.double()
+    reference = [m.double() for m in modules]
+    for k, t in ens.state_dict().items():
+        expected_dtype = torch.float64 if t.is_floating_point() else torch.int64
+        assert t.dtype == expected_dtype, k
+    assert all(p.is_leaf and p.requires_grad for p in ens.parameters())
+    x = zoo.input()
+    assert_trees_close(ens(x), loop_outputs(reference, x), rtol=RTOL, atol=ATOL)
+    assert_trees_equal(ens.member(1).state_dict(), reference[1].state_dict())
+    if name == "tied":
+        assert ens.stacked.head.weight is ens.stacked.emb.weight
+
+
+def test_train_eval_switch_batchnorm_behaviour() -> None:
+    zoo = ZOO["cnn"]
+    modules = zoo.members(3, train=False)
+    reference = clone_modules(modules)
+    ens = fe.Ensemble(modules)
+    x = zoo.input()
+    before = {k: v.clone() for k, v in ens.stacked_buffers().items()}
+
+    assert ens.train() is ens
+    assert all(m.training for m in ens.modules())
+    for m in reference:
+        m.train()
+    assert_trees_close(ens(x), loop_outputs(reference, x), rtol=RTOL, atol=ATOL)
+    assert not torch.equal(ens.stacked_buffers()["1.running_mean"], before["1.running_mean"])
+    assert_trees_close(ens.stacked_buffers(), stacked_state(reference)[1], rtol=RTOL, atol=ATOL)
+
+    ens.eval()
+    assert not any(m.training for m in ens.modules())
+    for m in reference:
+        m.eval()
+    updated = {k: v.clone() for k, v in ens.stacked_buffers().items()}
+    assert_trees_close(ens(x), loop_outputs(reference, x), rtol=RTOL, atol=ATOL)
+    assert_trees_equal(ens.stacked_buffers(), updated)
+    assert not ens.member(0).training
+
+
+def test_forward_hooks_on_ensemble_fire() -> None:
+    ens = fe.Ensemble(ZOO["mlp"].members(3, train=True))
+    seen: list = []
+    pre = ens.register_forward_pre_hook(lambda _, args: seen.append(("pre", args[0].shape)))
+    post = ens.register_forward_hook(lambda _, args, out: seen.append(("post", out.shape)))
+    doubled = ens.register_forward_hook(lambda _, args, out: out * 2)
+    x = ZOO["mlp"].input()
+    plain = ens.member(0)(x)
+    out = ens(x)
+    assert seen == [("pre", x.shape), ("post", (3, 7, 3))]
+    assert_trees_close(out[0], plain * 2, rtol=RTOL, atol=ATOL)
+    for handle in (pre, post, doubled):
+        handle.remove()
+    assert_trees_close(ens(x)[0], plain, rtol=RTOL, atol=ATOL)
+
+
+def test_deepcopy_is_independent() -> None:
+    zoo = ZOO["cnn"]
+    ens = fe.Ensemble(zoo.members(3, train=True))
+    twin = copy.deepcopy(ens)
+    assert_trees_equal(twin.state_dict(), ens.state_dict())
+    x = zoo.input()
+    assert_trees_equal(twin(x), ens(x))  # both update their own statistics once
+    assert_trees_equal(twin.stacked_buffers(), ens.stacked_buffers())
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert all(p.abs().sum() > 0 for p in ens.parameters())
+    assert twin.randomness == ens.randomness and twin.chunk_size == ens.chunk_size
+
+
+def test_torch_compile_matches_eager() -> None:
+    # In-process, the test run's jaxtyping/beartype wrappers are switched off: Dynamo
+    # cannot trace them. The slow test below compiles in a clean interpreter instead.
+    torch._dynamo.reset()
+    zoo = ZOO["cnn"]
+    ens = fe.Ensemble(zoo.members(3, train=True))
+    twin = copy.deepcopy(ens)
+    compiled = torch.compile(ens, backend="aot_eager")
+    x = zoo.input()
+    with runtime_typecheck_off():
+        out = compiled(x)
+    assert_trees_close(out, twin(x), rtol=RTOL, atol=ATOL)
+    assert_trees_close(ens.stacked_buffers(), twin.stacked_buffers(), rtol=RTOL, atol=ATOL)
+    out.sum().backward()
+    assert all(p.grad is not None for p in ens.parameters())
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
+    import torch
+    sys.path.insert(0, "tests")
+    from helpers import ZOO, assert_trees_close
+    import funcensemble as fe
+
+    name, backend = sys.argv[1:]
+    zoo = ZOO[name]
+    ens = fe.Ensemble(zoo.members(3, train=True))
+    eager = fe.Ensemble(zoo.members(3, train=True))
+    # fullgraph: the whole forward is one graph; warnings are errors, so vmap's
+    # per-member fallback loop (which warns) cannot hide in it.
+    compiled = torch.compile(ens, backend=backend, fullgraph=True)
+    for _ in range(2):
+        x = zoo.input()
+        assert_trees_close(compiled(x), eager(x), rtol=1e-10, atol=1e-12)
+        assert_trees_close(ens.state_dict(), eager.state_dict(), rtol=1e-10, atol=1e-12)
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    assert_trees_close(
+        [p.grad for p in ens.parameters()], [p.grad for p in eager.parameters()],
+        rtol=1e-10, atol=1e-12,
+    )
+    print("ok")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [("mlp", "aot_eager"), ("cnn", "aot_eager"), ("transformer", "aot_eager"), ("mlp", "inductor")],
+)
+def test_torch_compile_fullgraph_in_clean_interpreter(name: str, backend: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, name, backend],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=Path(__file__).parent.parent,
+        timeout=300,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# --- options: per-member inputs, chunking, randomness ----------------------------------
+
+
+def test_in_dims_and_chunk_size_on_ensemble() -> None:
+    zoo = ZOO["cnn"]
+    modules = zoo.members(5, train=True)
+    reference = clone_modules(modules)
+    ens = fe.Ensemble(modules, chunk_size=2)
+    xs = torch.stack([zoo.input(seed=i) for i in range(5)])
+    out = ens(xs, in_dims=0)
+    expected = torch.stack([m(x) for m, x in zip(reference, xs, strict=True)])
+    assert_trees_close(out, expected, rtol=RTOL, atol=ATOL)
+    assert_trees_close(ens.stacked_buffers(), stacked_state(reference)[1], rtol=RTOL, atol=ATOL)
+
+
+def test_ensemble_randomness() -> None:
+    torch.manual_seed(0)
+    one = nn.Sequential(nn.Linear(4, 32), nn.Dropout(0.5)).double()
+    members = [copy.deepcopy(one) for _ in range(3)]
+    x = torch.randn(6, 4, dtype=torch.float64)
+    different, same = fe.Ensemble(members), fe.Ensemble(members, randomness="same")
+    torch.manual_seed(1)
+    out = different(x)
+    assert not torch.equal(out[0] == 0, out[1] == 0)
+    torch.manual_seed(1)
+    assert torch.equal(different(x), out)
+    out_same = same(x)
+    assert torch.equal(out_same[0], out_same[1]) and torch.equal(out_same[0], out_same[2])
+    strict = fe.Ensemble(members, randomness="error")
+    with pytest.raises(RuntimeError, match=r"draws random numbers.*randomness='error'") as info:
+        strict(x)
+    assert "randomness error mode" not in str(info.value)
+    assert strict.eval()(x).shape == (3, 6, 32)
+
+
+# --- from_factory ----------------------------------------------------------------------
+
+
+def _mlp_factory() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def test_from_factory_member_depends_only_on_seed_and_index() -> None:
+    torch.manual_seed(5)
+    small = fe.Ensemble.from_factory(_mlp_factory, 4, seed=7)
+    torch.manual_seed(99)  # the global RNG state plays no part
+    large = fe.Ensemble.from_factory(_mlp_factory, 8, seed=7)
+    assert_trees_equal({k: v[:4] for k, v in large.state_dict().items()}, dict(small.state_dict()))
+    other_seed = fe.Ensemble.from_factory(_mlp_factory, 4, seed=8)
+    for k, v in other_seed.stacked_params().items():
+        assert not torch.equal(v, small.stacked_params()[k]), k
+    # Members differ from one another.
+    w = large.stacked_params()["0.weight"]
+    for i in range(8):
+        for j in range(i + 1, 8):
+            assert not torch.equal(w[i], w[j])
+    assert all(p.is_leaf and p.requires_grad for p in large.parameters())
+    assert isinstance(large.member(0), nn.Sequential)
+
+
+def test_from_factory_leaves_global_rng_unchanged() -> None:
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    expected_next = torch.rand(5)
+    torch.set_rng_state(state)
+    fe.Ensemble.from_factory(_mlp_factory, 3, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(torch.rand(5), expected_next)
+
+
+def test_from_factory_matches_ensemble_of_same_members() -> None:
+    built = fe.Ensemble.from_factory(lambda: ZOO["cnn"].make().double(), 3, seed=1)
+    rebuilt = fe.Ensemble(built.unstack())
+    assert_trees_equal(rebuilt.state_dict(), built.state_dict())
+    x = ZOO["cnn"].input()
+    assert_trees_close(built(x), loop_outputs(built.unstack(), x), rtol=RTOL, atol=ATOL)
+
+
+def ks_statistic(samples: np.ndarray, cdf) -> float:
+    """One-sample Kolmogorov-Smirnov statistic sup |F_n(x) - F(x)|."""
+    x = np.sort(samples.ravel())
+    n = x.size
+    f = cdf(x)
+    i = np.arange(1, n + 1)
+    return float(max(np.max(i / n - f), np.max(f - (i - 1) / n)))
+
+
+def ks_critical(n: int, alpha: float) -> float:
+    """Asymptotic critical value of the KS statistic at significance ``alpha``."""
+    return math.sqrt(-0.5 * math.log(alpha / 2)) / math.sqrt(n)
+
+
+def _uniform_cdf(bound: float):
+    return lambda x: np.clip((x + bound) / (2 * bound), 0.0, 1.0)
+
+
+def test_from_factory_follows_default_init_distribution() -> None:
+    # Deterministic seeds: the statistic is the same on every run, so this cannot flake.
+    ens = fe.Ensemble.from_factory(_mlp_factory, 16, seed=2024)
+    alpha = 1e-4
+    checked = 0
+    for layer, fan_in in (("0", 64), ("2", 32)):
+        bound = 1 / math.sqrt(fan_in)
+        for kind in ("weight", "bias"):
+            samples = ens.stacked_params()[f"{layer}.{kind}"].detach().double().numpy()
+            assert np.abs(samples).max() <= bound
+            # Pooled over members, and member by member where there are enough samples.
+            groups = [samples] + (list(samples) if samples[0].size >= 256 else [])
+            for group in groups:
+                d = ks_statistic(group, _uniform_cdf(bound))
+                assert d < ks_critical(group.size, alpha), (layer, kind, d)
+                # The test has power: the same samples scaled by 2 are rejected.
+                d_wrong = ks_statistic(2 * group, _uniform_cdf(bound))
+                assert d_wrong > ks_critical(group.size, alpha), (layer, kind, d_wrong)
+                checked += 1
+            # Members are independent draws, not copies of one another.
+            flat = samples.reshape(16, -1)
+            corr = np.corrcoef(flat)[np.triu_indices(16, k=1)]
+            assert np.abs(corr).max() < 5 / math.sqrt(flat.shape[1]), (layer, kind)
+    assert checked == 4 + 16 + 16  # pooled x4, plus each member's two weight matrices
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from torch import nn
+    import funcensemble as fe
+
+    torch.set_num_threads(1)
+    N = 4096
+
+    def make():
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+    fe.Ensemble.from_factory(make, 2)  # builds members; warms up every code path
+    base = peak()
+    if sys.argv[1] == "from_factory":
+        ens = fe.Ensemble.from_factory(make, N)
+        tensors = list(ens.state_dict().values())
+    else:
+        _, params, buffers = fe.stack([make() for _ in range(N)])
+        tensors = list(params.values()) + list(buffers.values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(json.dumps({"delta": peak() - base, "nbytes": nbytes}))
+    """
+)
+
+
+def _peak_memory_ratio(how: str) -> float:
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, how],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    return figures["delta"] / figures["nbytes"]
+
+
+@pytest.mark.slow
+def test_from_factory_peak_memory_is_about_the_stacked_tensors() -> None:
+    ratio = _peak_memory_ratio("from_factory")
+    assert ratio <= 1.3, f"from_factory peaked at {ratio:.2f}x the stacked tensors"
+    # The measurement can tell: stacking prebuilt modules holds both copies at once.
+    baseline = _peak_memory_ratio("stack_prebuilt")
+    assert baseline >= 1.7, f"stacking prebuilt modules peaked at {baseline:.2f}x"
