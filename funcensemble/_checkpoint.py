@@ -1,64 +1,37 @@
 """``save`` and ``load``: ensembles and pytrees of tensors as safetensors checkpoints.
 
 A checkpoint is a plain safetensors file (no code runs on load; any safetensors tool
-can list it) holding:
+can list it; the header is described in ``_checkpoint_file``) holding one tensor per
+tensor leaf, keyed by its pytree path, e.g. ``['opt'].mu['net.0.weight']``. An
+[`Ensemble`][funcensemble.Ensemble] is stored as the pytree
+``{"params": ..., "buffers": ...}`` of its stacked ``[N, ...]`` tensors.
 
-- one tensor per tensor leaf, keyed by its pytree path, e.g. ``['opt'].mu['net.0.weight']``.
-  An [`Ensemble`][funcensemble.Ensemble] is stored as the pytree
-  ``{"params": ..., "buffers": ...}`` of its stacked ``[N, ...]`` tensors;
-- one metadata entry, ``"funcensemble"``: a JSON header with the format name and
-  version, the kind (``"ensemble"`` or ``"pytree"``), for ensembles the member count,
-  member class and architecture fingerprint (``Architecture.fingerprint`` of one
-  member: class, names, per-member shapes and dtypes; not values, not the member
-  count), a fingerprint of the structure (paths, shapes, dtypes, leaf types), the
-  non-tensor leaves (Python ``bool``, ``int``, ``float``, ``str``) by path, and the
-  treedef as text.
-
-``load`` checks the parts rather than the hashes, to name what differs. The treedef
-text is for people only (its wording depends on the optree version), and a member class
-is compared by name, not module (see ``_check_ensemble``).
+``load`` checks the parts rather than the header's hashes, to name what differs; a
+member class is compared by name, not module (see ``_check_ensemble``).
 """
 
 import ast
-import hashlib
-import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import optree
-import safetensors
-import safetensors.torch
 import torch
 from torch import Tensor, nn
 
 from ._architecture import Architecture
-from ._atomic import atomic_write
+from ._checkpoint_file import (
+    VALUE_TYPES,
+    Spec,
+    leaf_spec,
+    leaf_specs,
+    read_checkpoint,
+    savable,
+    write_checkpoint,
+)
 from ._ensemble import Ensemble
 
-FORMAT = "funcensemble.checkpoint"
-VERSION = 1
-_HEADER_KEY = "funcensemble"
-_VALUE_TYPES = (bool, int, float, str)
-# What every supported safetensors version (>= 0.4) can store.
-_DTYPES = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
-)
-
 T = TypeVar("T")
-Spec = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -113,18 +86,12 @@ def _contents(where: str, obj: Any) -> _Contents:
         )
     for path, leaf in zip(paths, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
-        if not isinstance(leaf, Tensor) and type(leaf) not in _VALUE_TYPES:
+        if not isinstance(leaf, Tensor) and type(leaf) not in VALUE_TYPES:
             raise TypeError(
                 f"{where}: leaf `{path}` is {_a(type(leaf).__name__)}; expected a Tensor or a "
                 "Python bool, int, float or str (None is kept as structure)."
             )
     return _Contents(kind, dict(zip(paths, leaves, strict=True)), treedef, this)
-
-
-def _spec(leaf: Any) -> Spec:
-    if isinstance(leaf, Tensor):
-        return ("tensor", tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."))
-    return (type(leaf).__name__,)
 
 
 def _a(noun: str) -> str:
@@ -135,11 +102,6 @@ def _describe(spec: Spec) -> str:
     if spec[0] == "tensor":
         return f"{_a(spec[2])} tensor of shape {spec[1]}"
     return f"a Python {spec[0]}"
-
-
-def _structure_fingerprint(specs: dict[str, Spec]) -> str:
-    desc = json.dumps(sorted(specs.items()))  # paths are unique: specs are never compared
-    return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
 def _member_architecture(ens: Ensemble) -> Architecture:
@@ -156,28 +118,6 @@ def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _savable(where: str, label: str, t: Tensor, storages: set[int]) -> Tensor:
-    if t.layout != torch.strided:
-        raise TypeError(
-            f"{where}: {label} is a {t.layout} tensor; only dense tensors can be saved. "
-            "Call .to_dense() first."
-        )
-    if t.dtype not in _DTYPES:
-        raise TypeError(
-            f"{where}: {label} has dtype {t.dtype}, which safetensors cannot store. Convert "
-            "it first (e.g. torch.view_as_real for a complex tensor)."
-        )
-    if t.device.type == "meta":
-        raise ValueError(f"{where}: {label} is on the meta device and holds no values.")
-    out = t.detach().to("cpu").contiguous()
-    # safetensors refuses tensors that share memory (tied or viewed leaves): copy those.
-    ptr = out.untyped_storage().data_ptr()
-    if out.numel() and ptr in storages:
-        out = out.clone()
-    storages.add(out.untyped_storage().data_ptr())
-    return out
-
-
 def save(path: str | os.PathLike, obj: Any) -> None:
     """Write an ensemble, or a pytree of tensors, to a checkpoint file, atomically.
 
@@ -185,8 +125,11 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     [`load`][funcensemble.load] for the checks). It is written to a temporary file in
     the same directory, flushed to disk and renamed over ``path``: a crash or an
     exception mid-save leaves any previous checkpoint at ``path`` intact and no
-    temporary file behind. Tensors are stored exactly (any device; read back on the
-    CPU); tensors shared between leaves are stored once per leaf.
+    temporary file behind. Each tensor is stored exactly under its pytree path (an
+    ensemble's as ``['params']['<name>']`` and ``['buffers']['<name>']``), so any
+    safetensors tool reads it; tensors shared between leaves are stored once per leaf.
+    Python leaves, the structure and, for an ensemble, the member count and an
+    architecture fingerprint go into a JSON header in the file's metadata.
 
     Args:
         path: The file to create or replace.
@@ -217,16 +160,13 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     storages: set[int] = set()
     for key, leaf in contents.leaves.items():
         if isinstance(leaf, Tensor):
-            tensors[key] = _savable(where, contents.label(key), leaf, storages)
+            tensors[key] = savable(where, contents.label(key), leaf, storages)
         else:
             values[key] = leaf
     header: dict[str, Any] = {
-        "format": FORMAT,
-        "version": VERSION,
         "kind": contents.kind,
         "num_members": None,
         "architecture": None,
-        "structure": _structure_fingerprint({k: _spec(v) for k, v in contents.leaves.items()}),
         "values": values,
         "treedef": str(contents.treedef),
     }
@@ -234,98 +174,7 @@ def save(path: str | os.PathLike, obj: Any) -> None:
         arch = _member_architecture(obj)
         header["num_members"] = obj.num_members
         header["architecture"] = {"class": _class_name(arch.cls), "fingerprint": arch.fingerprint()}
-    metadata = {_HEADER_KEY: json.dumps(header)}
-
-    def write(tmp: str) -> None:
-        safetensors.torch.save_file(tensors, tmp, metadata=metadata)
-
-    atomic_write(where, path, write)
-
-
-class _Corrupt(ValueError):
-    pass
-
-
-def _parse_header(raw: str) -> dict[str, Any]:
-    try:
-        header = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise _Corrupt(f"its funcensemble header is not valid JSON ({e})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise _Corrupt(f"its funcensemble header does not name the format {FORMAT!r}")
-    version = header.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise _Corrupt(f"its format version is {version!r}, expected a positive int")
-    if version > VERSION:
-        raise _Corrupt(
-            f"it was written by a newer funcensemble (checkpoint format version {version}; "
-            f"this one reads up to {VERSION}). Upgrade funcensemble"
-        )
-    fields: dict[str, tuple[type, ...]] = {
-        "kind": (str,),
-        "num_members": (int, type(None)),
-        "architecture": (dict, type(None)),
-        "structure": (str,),
-        "values": (dict,),
-        "treedef": (str,),
-    }
-    for field, types in fields.items():
-        if not isinstance(header.get(field), types) or isinstance(header.get(field), bool):
-            raise _Corrupt(f"its header field {field!r} is {header.get(field)!r}")
-    if header["kind"] not in ("ensemble", "pytree"):
-        raise _Corrupt(f"its kind is {header['kind']!r}, expected 'ensemble' or 'pytree'")
-    if header["kind"] == "ensemble":
-        arch = header["architecture"]
-        if (
-            not isinstance(header["num_members"], int)
-            or header["num_members"] < 1
-            or not isinstance(arch, dict)
-            or not all(isinstance(arch.get(k), str) for k in ("class", "fingerprint"))
-        ):
-            raise _Corrupt("its ensemble header lacks the member count or architecture")
-    for key, value in header["values"].items():
-        if not isinstance(value, _VALUE_TYPES):
-            raise _Corrupt(f"its value for `{key}` is {value!r}, not a bool, int, float or str")
-    return header
-
-
-def _read(
-    where: str, path: str | os.PathLike, check: Callable[[dict[str, Any]], None]
-) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The header and tensors of a checkpoint; ``check(header)`` runs before tensors load."""
-    name = os.fspath(path)
-    if not os.path.isfile(name):
-        raise FileNotFoundError(f"{where}: no checkpoint file at '{name}'.")
-    try:
-        with safetensors.safe_open(name, framework="pt", device="cpu") as f:
-            raw = (f.metadata() or {}).get(_HEADER_KEY)
-            if raw is None:
-                raise _Corrupt(
-                    "it has no funcensemble header (a safetensors file written by another "
-                    "tool? read those with safetensors.torch.load_file)"
-                )
-            header = _parse_header(raw)
-            check(header)
-            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
-    except safetensors.SafetensorError as e:
-        raise ValueError(
-            f"{where}: '{name}' is not a readable safetensors file ({e}). It may be empty, "
-            "truncated or corrupted, e.g. by an interrupted copy."
-        ) from None
-    except _Corrupt as e:
-        raise ValueError(
-            f"{where}: '{name}' is not a valid funcensemble checkpoint: {e}."
-        ) from None
-    overlap = tensors.keys() & header["values"].keys()
-    specs = {k: _spec(t) for k, t in tensors.items()} | {
-        k: _spec(v) for k, v in header["values"].items()
-    }
-    if overlap or _structure_fingerprint(specs) != header["structure"]:
-        raise ValueError(
-            f"{where}: '{name}' is not a valid funcensemble checkpoint: its header does not "
-            "describe the tensors it holds (the file was modified or corrupted)."
-        )
-    return header, tensors
+    write_checkpoint(where, path, tensors, header)
 
 
 def _check_kind(where: str, name: str, contents: _Contents, obj: Any, header: dict) -> None:
@@ -365,8 +214,8 @@ def _check_ensemble(where: str, name: str, ens: Ensemble, header: dict) -> None:
 def _check_leaves(
     where: str, name: str, contents: _Contents, tensors: dict[str, Tensor], values: dict
 ) -> None:
-    expected = {k: _spec(v) for k, v in contents.leaves.items()}
-    got = {k: _spec(t) for k, t in tensors.items()} | {k: _spec(v) for k, v in values.items()}
+    expected = {k: leaf_spec(v) for k, v in contents.leaves.items()}
+    got = leaf_specs(tensors, values)
     hint = (
         "It was saved from a different architecture."
         if contents.kind == "ensemble"
@@ -452,7 +301,7 @@ def load(path: str | os.PathLike, obj: T) -> T:
         if isinstance(obj, Ensemble):
             _check_ensemble(where, name, obj, header)
 
-    header, tensors = _read(where, path, check)
+    header, tensors = read_checkpoint(where, path, check)
     _check_leaves(where, name, contents, tensors, header["values"])
     if isinstance(obj, Ensemble):
         with torch.no_grad():
