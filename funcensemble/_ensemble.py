@@ -104,7 +104,11 @@ class Ensemble(nn.Module):
         where = "Ensemble.from_factory"
         if not callable(factory):
             raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}.")
-        if isinstance(num_members, bool) or not isinstance(num_members, int) or num_members < 1:
+        if isinstance(num_members, bool) or not isinstance(num_members, int):
+            raise TypeError(
+                f"{where}: num_members must be a positive int, got {type(num_members).__name__}."
+            )
+        if num_members < 1:
             raise ValueError(f"{where}: num_members must be a positive int, got {num_members!r}.")
 
         def build(i: int) -> nn.Module:

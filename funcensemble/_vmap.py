@@ -162,6 +162,7 @@ def vmap(
     Raises:
         ValueError: A per-member argument whose size along its member dim is not N,
             or a malformed ``in_dims``/``chunk_size``/``randomness``.
+        TypeError: A non-callable ``fn``, or ``in_dims``/``chunk_size`` of a wrong type.
         RuntimeError: An operator with no vmap batching rule (named in the message).
 
     Example:
@@ -179,9 +180,11 @@ def vmap(
         raise ValueError(
             f"vmap: randomness must be 'different', 'same' or 'error', got {randomness!r}."
         )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
+        raise TypeError(
+            f"vmap: chunk_size must be a positive int or None, got {type(chunk_size).__name__}."
+        )
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"vmap: chunk_size must be a positive int or None, got {chunk_size!r}.")
     if not (in_dims is None or isinstance(in_dims, (int, tuple))) or isinstance(in_dims, bool):
         raise TypeError(

@@ -236,6 +236,7 @@ def test_deepcopy_is_independent() -> None:
     assert twin.randomness == ens.randomness and twin.chunk_size == ens.chunk_size
 
 
+@pytest.mark.slow
 def test_torch_compile_matches_eager() -> None:
     # In-process, the test run's jaxtyping/beartype wrappers are switched off: Dynamo
     # cannot trace them. The slow test below compiles in a clean interpreter instead.

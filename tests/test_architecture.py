@@ -1,0 +1,482 @@
+"""Every bad input to the core: a clear error, of the right type, raised before any mutation.
+
+In the test run jaxtyping+beartype check every annotated funcensemble function, so a
+wrong-typed argument is rejected by beartype before funcensemble's own check runs.
+Tests of wrong *types* therefore check both: a ``TypeError`` in the test run, and
+funcensemble's own message with the runtime checker off (what users see).
+"""
+
+import copy
+
+import jaxtyping
+import pytest
+import torch
+from helpers import ZOO, assert_trees_equal, runtime_typecheck_off
+from torch import Tensor, nn
+
+import funcensemble as fe
+
+
+def snapshot(*modules: nn.Module) -> list[dict[str, Tensor]]:
+    """Deep copies of the modules' state and flags, to prove nothing was mutated."""
+    return [
+        {
+            **{k: v.clone() for k, v in m.state_dict(keep_vars=True).items()},
+            **{f"{k}:training": torch.tensor(s.training) for k, s in m.named_modules()},
+            **{
+                f"{k}:requires_grad": torch.tensor(p.requires_grad) for k, p in m.named_parameters()
+            },
+        }
+        for m in modules
+    ]
+
+
+def lin(d_in: int = 3, d_out: int = 2, **kwargs) -> nn.Linear:
+    return nn.Linear(d_in, d_out, **kwargs)
+
+
+# --- stack / Ensemble: members ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
+def test_no_members(build) -> None:
+    with pytest.raises(ValueError, match=r"Expected at least one module, got 0\."):
+        build([])
+
+
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
+def test_single_module_instead_of_a_sequence(build) -> None:
+    with pytest.raises(TypeError):
+        build(nn.Sequential(lin(), lin(2, 2)))
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            TypeError, match=r"Expected a sequence of modules .* got a single Sequential"
+        ),
+    ):
+        build(nn.Sequential(lin(), lin(2, 2)))
+
+
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
+def test_non_module_member(build) -> None:
+    with pytest.raises(TypeError, match=r"member 1 is a str, expected an nn\.Module|'modules'"):
+        build([lin(), "not a module"])
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=r"member 1 is a str, expected an nn\.Module\."),
+    ):
+        build([lin(), "not a module"])
+
+
+class MyLinear(nn.Linear):
+    pass
+
+
+def test_members_of_different_classes() -> None:
+    members = [lin(), MyLinear(3, 2)]
+    with pytest.raises(TypeError, match=r"member 1 is a MyLinear; member 0 is a Linear\."):
+        fe.stack(members)
+
+
+def test_different_train_eval_modes_name_the_submodule() -> None:
+    members = [nn.Sequential(lin(), nn.Dropout()) for _ in range(3)]
+    members[2][1].eval()
+    before = snapshot(*members)
+    with pytest.raises(
+        ValueError,
+        match=r"member 2 has submodule `1` in eval mode; member 0 has it in train mode\. "
+        r"Call \.train\(\) or \.eval\(\)",
+    ):
+        fe.Ensemble(members)
+    assert_trees_equal(snapshot(*members), before)
+    with pytest.raises(ValueError, match=r"member 1 has the root module in eval mode"):
+        fe.stack([lin(), lin().eval()])
+
+
+class WithExtra(nn.Module):
+    def __init__(self, extra_param: bool = False, extra_buffer: bool = False) -> None:
+        super().__init__()
+        self.fc = lin()
+        if extra_param:
+            self.gain = nn.Parameter(torch.ones(()))
+        if extra_buffer:
+            self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def test_missing_or_extra_parameters_and_buffers_are_listed() -> None:
+    with pytest.raises(ValueError, match=r"member 1 is missing parameters `bias` compared with"):
+        fe.stack([lin(), lin(bias=False)])
+    with pytest.raises(ValueError, match=r"member 2 has extra parameters `gain` compared with"):
+        fe.stack([WithExtra(), WithExtra(), WithExtra(extra_param=True)])
+    with pytest.raises(ValueError, match=r"member 1 has extra buffers `steps`"):
+        fe.stack([WithExtra(), WithExtra(extra_buffer=True)])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 is missing buffers `num_batches_tracked`, `running_mean`, "
+        r"`running_var` compared with member 0",
+    ):
+        fe.stack([nn.BatchNorm1d(4), nn.BatchNorm1d(4, track_running_stats=False)])
+    with pytest.raises(
+        ValueError, match=r"is missing parameters `fc.bias` and has extra parameters `gain`"
+    ):
+        other = WithExtra(extra_param=True)
+        other.fc = lin(bias=False)
+        fe.stack([WithExtra(), other])
+
+
+def test_shape_dtype_device_mismatch_name_parameter_member_and_values() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"member 2 has parameter `0.weight` with shape \(2, 4\); member 0 has \(2, 3\)\.",
+    ):
+        fe.stack([nn.Sequential(lin()), nn.Sequential(lin()), nn.Sequential(lin(4, 2))])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has parameter `weight` with dtype torch.float64; member 0 has "
+        r"torch.float32\..*module\.to",
+    ):
+        fe.stack([lin(), lin().double()])
+    with pytest.raises(
+        ValueError, match=r"member 1 has parameter `weight` with device meta; member 0 has cpu\."
+    ):
+        fe.stack([lin(), lin().to("meta")])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has buffer `running_mean` with dtype torch.float64; member 0 has",
+    ):
+        bn = nn.BatchNorm1d(3)
+        bn.running_mean = bn.running_mean.double()
+        fe.stack([nn.BatchNorm1d(3), bn])
+
+
+def test_mixed_requires_grad() -> None:
+    frozen = lin()
+    frozen.bias.requires_grad_(False)
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has parameter `bias` with requires_grad=False; member 0 has "
+        r"requires_grad=True\. Freeze or unfreeze",
+    ):
+        fe.Ensemble([lin(), frozen, lin()])
+    assert not frozen.bias.requires_grad
+
+
+class Recurrent(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(lin(3, 3), layer)
+
+
+@pytest.mark.parametrize(
+    ("layer", "label"),
+    [
+        (nn.LSTM(3, 4, batch_first=True), "LSTM"),
+        (nn.GRUCell(3, 4), "GRUCell"),
+        (nn.RNN(3, 4), "RNN"),
+    ],
+)
+def test_fused_rnn_layers_refused_at_stack_time(layer: nn.Module, label: str) -> None:
+    pattern = rf"member 0 contains {label} at `encoder.1`\. torch.func.vmap has no batching rule"
+    with pytest.raises(TypeError, match=pattern):
+        fe.stack([Recurrent(layer), Recurrent(copy.deepcopy(layer))])
+    with pytest.raises(TypeError, match=pattern):
+        fe.Ensemble([Recurrent(layer)])
+    with pytest.raises(TypeError, match=rf"member 0 contains {label} at the root module"):
+        fe.stack([layer])
+    with pytest.raises(TypeError, match=rf"from_factory: member 0 contains {label}"):
+        fe.Ensemble.from_factory(lambda: Recurrent(copy.deepcopy(layer)), 2)
+
+
+# --- vmap: inputs and options ----------------------------------------------------------
+
+
+@pytest.fixture
+def bn_train() -> tuple:
+    """A train-mode BatchNorm ensemble of 3 (its buffers change on every successful call)."""
+    modules = ZOO["int_buffers"].members(3, train=True)
+    fmodel, params, buffers = fe.stack(modules)
+    return fmodel, params, buffers
+
+
+def _unchanged_after(call, *trees) -> None:
+    before = copy.deepcopy(trees)
+    call()
+    assert_trees_equal(trees, before)
+
+
+@pytest.mark.parametrize("n_given", [2, 4])
+def test_per_member_input_with_wrong_leading_size(bn_train: tuple, n_given: int) -> None:
+    fmodel, params, buffers = bn_train
+    x = torch.randn(n_given, 6, 5, dtype=torch.float64)
+    pattern = rf"argument 0 has size {n_given} along its member dim 0, but the ensemble has 3"
+
+    def call() -> None:
+        with pytest.raises(ValueError, match=pattern):
+            fe.vmap(fmodel, in_dims=0)(params, buffers, x)
+
+    _unchanged_after(call, params, buffers)
+    ens = fe.Ensemble(ZOO["int_buffers"].members(3, train=True))
+    before = copy.deepcopy(ens.state_dict())
+    with pytest.raises(ValueError, match=pattern):
+        ens(x, in_dims=0)
+    assert_trees_equal(ens.state_dict(), before)
+    # Along another member dim, and inside a pytree argument.
+    with pytest.raises(ValueError, match=r"argument 1 has size 2 along its member dim 1, but"):
+        fe.vmap(lambda p, b, a, y: a, in_dims=(None, 1))(params, buffers, x, torch.ones(5, 2))
+    with pytest.raises(ValueError, match=r"argument 0 has size 4 along its member dim 0"):
+        fe.vmap(lambda p, b, d: d["x"], in_dims=({"x": 0},))(params, buffers, {"x": torch.ones(4)})
+
+
+def test_bad_in_dims(bn_train: tuple) -> None:
+    fmodel, params, buffers = bn_train
+    x = torch.randn(3, 6, 5, dtype=torch.float64)
+
+    def call(in_dims, *args) -> None:
+        _unchanged_after(lambda: fe.vmap(fmodel, in_dims)(params, buffers, *args), params, buffers)
+
+    with pytest.raises(
+        ValueError, match=r"in_dims has 2 entries but the call passed 1 positional argument"
+    ):
+        call((0, None), x)
+    with pytest.raises(ValueError, match=r"in_dims entry 0 \(\{'a': 0\}\) does not match"):
+        call(({"a": 0},), x)
+    with pytest.raises(TypeError, match=r"argument 0 is mapped \(in_dims 0\) but holds a float"):
+        fe.vmap(lambda p, b, s: s, in_dims=(0,))(params, buffers, 1.5)
+    with pytest.raises(ValueError, match=r"argument 0 has 3 dimension\(s\); it cannot be split"):
+        call((3,), x)
+    # Wrong types: beartype in the test run, funcensemble's own TypeError for users.
+    with pytest.raises(TypeError, match=r"in_dims"):
+        fe.vmap(fmodel, in_dims=[0])
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match=r"in_dims must be None, an int or a tuple, got list"):
+            fe.vmap(fmodel, in_dims=[0])
+        with pytest.raises(TypeError, match=r"in_dims must be None, an int or a tuple, got bool"):
+            fe.vmap(fmodel, in_dims=True)
+    with pytest.raises(TypeError, match=r"in_dims must be None, an int or a tuple, got bool"):
+        fe.vmap(fmodel, in_dims=True)
+
+
+@pytest.mark.parametrize("build", ["vmap", "Ensemble"])
+def test_bad_chunk_size(build: str) -> None:
+    def make(chunk_size) -> None:
+        if build == "vmap":
+            fe.vmap(lambda p, b: p, chunk_size=chunk_size)
+        else:
+            fe.Ensemble([lin()], chunk_size=chunk_size)
+
+    for bad in (0, -2):
+        with pytest.raises(
+            ValueError, match=rf"chunk_size must be a positive int or None, got {bad}"
+        ):
+            make(bad)
+    with pytest.raises(TypeError, match=r"chunk_size must be a positive int or None, got bool"):
+        make(True)
+    with pytest.raises(TypeError, match=r"chunk_size"):
+        make("2")
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=r"chunk_size must be a positive int or None, got str"),
+    ):
+        make("2")
+
+
+@pytest.mark.parametrize("build", ["vmap", "Ensemble"])
+def test_bad_randomness(build: str) -> None:
+    def make(randomness) -> None:
+        if build == "vmap":
+            fe.vmap(lambda p, b: p, randomness=randomness)
+        else:
+            fe.Ensemble([lin()], randomness=randomness)
+
+    with pytest.raises(TypeError, match=r"randomness"):
+        make("sometimes")
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            ValueError,
+            match=r"randomness must be 'different', 'same' or 'error', got 'sometimes'",
+        ),
+    ):
+        make("sometimes")
+
+
+def test_vmap_non_callable_and_bad_state() -> None:
+    with pytest.raises(TypeError, match=r"fn|Expected a callable"):
+        fe.vmap(3)
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"Expected a callable, got int"):
+        fe.vmap(3)
+    with pytest.raises(ValueError, match=r"got none \(the module has no state to map over\)"):
+        fe.vmap(lambda p, b, x: x)({}, {}, torch.ones(2))
+    with pytest.raises(ValueError, match=r"`b` has leading size 2, but `a` has 3"):
+        fe.vmap(lambda p, b: p)({"a": torch.ones(3, 1), "b": torch.ones(2, 1)}, {})
+    with pytest.raises(ValueError, match=r"`b` has leading size None, but `a` has 3"):
+        fe.vmap(lambda p, b: p)({"a": torch.ones(3)}, {"b": torch.tensor(1.0)})
+
+
+class FlashAttention(nn.Module):
+    """Calls an aten kernel that has no vmap batching rule (only vmap's slow fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = lin(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = self.proj(x).unsqueeze(1)  # [batch, heads=1, seq, dim]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)[0]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_op_without_batching_rule_raises_instead_of_looping(nested: bool) -> None:
+    modules = [FlashAttention() for _ in range(3)]
+    x = torch.randn(2, 5, 4)
+    modules[0](x)  # runs fine outside vmap
+    fmodel, params, buffers = fe.stack(modules)
+    functorch = torch._C._functorch
+    fallback_before = functorch._is_vmap_fallback_enabled()
+    pattern = (
+        r"vmap: the operator aten::_scaled_dot_product_flash_attention_for_cpu has no vmap "
+        r"batching rule, so the members cannot run as one vectorized call"
+    )
+    with pytest.raises(RuntimeError, match=pattern) as info:
+        if nested:
+            torch.func.grad(lambda p: fe.vmap(fmodel)(p, buffers, x).sum())(params)
+        else:
+            fe.Ensemble(modules)(x)
+    assert "We could not generate a fallback" not in str(info.value)
+    # The global switches are restored after the error.
+    assert functorch._is_vmap_fallback_enabled() == fallback_before
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
+# --- Ensemble.member, load_state_dict, from_factory, unstack ---------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_member_index_out_of_range_and_non_int(n: int) -> None:
+    ens = fe.Ensemble([lin() for _ in range(n)])
+    for bad in (n, -n - 1, 100):
+        with pytest.raises(
+            IndexError,
+            match=rf"index {bad} is out of range for an ensemble of {n} members "
+            rf"\(valid: -{n} to {n - 1}\)",
+        ):
+            ens.member(bad)
+    with pytest.raises(TypeError, match=r"index must be an int, got bool"):
+        ens.member(True)
+    for bad in ("0", 1.0):
+        with pytest.raises(TypeError, match=r"index"):
+            ens.member(bad)
+        with (
+            runtime_typecheck_off(),
+            pytest.raises(TypeError, match=rf"index must be an int, got {type(bad).__name__}"),
+        ):
+            ens.member(bad)
+
+
+def _ens(n: int = 3, d_in: int = 3, **kwargs) -> fe.Ensemble:
+    torch.manual_seed(0)
+    return fe.Ensemble([nn.Sequential(lin(d_in, 2, **kwargs), nn.BatchNorm1d(2)) for _ in range(n)])
+
+
+def _assert_load_fails(ens: fe.Ensemble, state: dict, pattern: str, **kwargs) -> None:
+    before = copy.deepcopy(ens.state_dict())
+    with pytest.raises(ValueError, match=pattern):
+        ens.load_state_dict(state, **kwargs)
+    assert_trees_equal(ens.state_dict(), before)
+
+
+def test_load_state_dict_from_another_architecture() -> None:
+    ens = _ens()
+    other = _ens(bias=False)
+    # Keys are checked before any value is copied, so a partly valid dict changes nothing.
+    _assert_load_fails(
+        ens,
+        other.state_dict(),
+        r"missing keys \['stacked.0.bias'\], unexpected keys \[\]",
+    )
+    extra = {**ens.state_dict(), "stacked.2.weight": torch.ones(3)}
+    _assert_load_fails(ens, extra, r"missing keys \[\], unexpected keys \['stacked.2.weight'\]")
+    one_member = nn.Sequential(lin(), nn.BatchNorm1d(2)).state_dict()
+    _assert_load_fails(ens, one_member, r"missing keys \['stacked.0.bias'.*unexpected keys \['0")
+    # Shapes are checked for every entry before the first one is copied.
+    wider = {k: v + 1 for k, v in _ens(d_in=4).state_dict().items()}
+    _assert_load_fails(
+        ens,
+        wider,
+        r"`stacked.0.weight` has shape \(3, 2, 4\) in the state_dict; this ensemble has "
+        r"\(3, 2, 3\)\. It comes from a different architecture\.",
+    )
+    _assert_load_fails(ens, wider, r"`stacked.0.weight` has shape", strict=False)
+    as_int = {**ens.state_dict()}
+    as_int["stacked.1.running_var"] = torch.ones(3, 2, dtype=torch.int64)
+    _assert_load_fails(ens, as_int, r"`stacked.1.running_var` has dtype torch.int64")
+
+
+@pytest.mark.parametrize("n_other", [1, 4])
+def test_load_state_dict_with_another_member_count(n_other: int) -> None:
+    ens = _ens(3)
+    state = {k: v + 1 for k, v in _ens(n_other).state_dict().items()}
+    _assert_load_fails(
+        ens,
+        state,
+        rf"has {n_other} members in the state_dict; this ensemble has 3\. Build an Ensemble "
+        r"with the same num_members",
+    )
+    state["stacked.1.num_batches_tracked"] = torch.tensor(5)  # a 0-dim entry
+    _assert_load_fails(ens, state, r"has (no member axis|\d) members in the state_dict")
+
+
+def test_from_factory_bad_inputs_restore_global_rng() -> None:
+    state = torch.get_rng_state()
+    with pytest.raises(TypeError, match=r"factory"):
+        fe.Ensemble.from_factory(3, 2)
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"factory must be callable"):
+        fe.Ensemble.from_factory(3, 2)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=rf"num_members must be a positive int, got {bad}"):
+            fe.Ensemble.from_factory(lin, bad)
+    with pytest.raises(TypeError, match=r"num_members must be a positive int, got bool"):
+        fe.Ensemble.from_factory(lin, True)
+    with pytest.raises(TypeError, match=r"from_factory: member 0 is a int, expected an nn\.Module"):
+        fe.Ensemble.from_factory(lambda: 3, 2)
+    sizes = iter([3, 3, 4])
+    with pytest.raises(
+        ValueError,
+        match=r"from_factory: member 2 has parameter `weight` with shape \(2, 4\); member 0 "
+        r"has \(2, 3\)",
+    ):
+        fe.Ensemble.from_factory(lambda: lin(next(sizes)), 3)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_unstack_bad_inputs() -> None:
+    fmodel, params, buffers = fe.stack([lin(), lin()])
+    with pytest.raises(TypeError, match=r"FunctionalModule"):
+        fe.unstack(lin(), params, buffers)
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            TypeError, match=r"Expected the FunctionalModule returned by stack, got Linear"
+        ),
+    ):
+        fe.unstack(lin(), params, buffers)
+    with pytest.raises(
+        ValueError, match=r"parameters \['weight'\] do not match the architecture's \['bias', 'w"
+    ):
+        fe.unstack(fmodel, {"weight": params["weight"]}, buffers)
+    with pytest.raises(ValueError, match=r"`bias` has leading size 3, but `weight` has 2"):
+        fe.unstack(fmodel, {"weight": params["weight"], "bias": torch.ones(3, 2)}, buffers)
+
+
+# --- the test run's runtime type checking is really on ---------------------------------
+
+
+def test_jaxtyping_beartype_runtime_checking_is_active() -> None:
+    # A wrong type is caught by beartype before funcensemble's own (ValueError) check.
+    with pytest.raises(jaxtyping.TypeCheckError, match=r"parameter 'randomness'"):
+        fe.vmap(lambda p, b: p, randomness="sometimes")
+    # jaxtyping shape annotations are checked too: stacked tensors need a member axis.
+    fmodel, _, _ = fe.stack([lin(3, 2, bias=False)])
+    with pytest.raises(jaxtyping.TypeCheckError, match=r"parameter 'params'"):
+        fe.unstack(fmodel, {"weight": torch.tensor(1.0)}, {})
+    assert hasattr(fe.stack, "__wrapped__")  # the import hook decorated the package
