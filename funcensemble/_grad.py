@@ -81,11 +81,13 @@ def value_and_grad(
     mapped_loss = vmap(loss_fn, in_dims, randomness=randomness, chunk_size=chunk_size)
 
     def one_member(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
-        def loss_and_aux(p: Any) -> tuple[Tensor, Any]:
-            out = loss_fn(p, buffers, *args, **kwargs)
+        # buffers go in as an argument, not a closure: torch.func.grad forbids in-place
+        # updates (BatchNorm statistics) of captured tensors.
+        def loss_and_aux(p: Any, b: Any) -> tuple[Tensor, Any]:
+            out = loss_fn(p, b, *args, **kwargs)
             return out if has_aux else (out, ())
 
-        return torch.func.grad_and_value(loss_and_aux, has_aux=True)(params)
+        return torch.func.grad_and_value(loss_and_aux, has_aux=True)(params, buffers)
 
     mapped_grad = vmap(one_member, in_dims, randomness=randomness, chunk_size=chunk_size)
 
