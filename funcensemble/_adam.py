@@ -6,7 +6,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._hyper import Hyper, PerMember, hyperparameter
+from ._hyper import (
+    Hyper,
+    PerMember,
+    check_members,
+    hyper_map,
+    hyperparameter,
+    is_per_member,
+    per_leaf,
+)
 from ._optim import (
     GradientTransformation,
     PyTree,
@@ -73,7 +81,7 @@ def _bias_corrections(beta: Hyper, counts: list[Tensor], like: list[Tensor]) -> 
     """``1 - beta ** count`` per leaf, computed in at least float32."""
     dtypes = [torch.promote_types(x.dtype, torch.float32) for x in like]
     exponents = [c.to(d) for c, d in zip(counts, dtypes, strict=True)]
-    out = list(torch._foreach_pow(beta.per_leaf(like, dtypes), exponents))
+    out = list(torch._foreach_pow(per_leaf(beta, like, dtypes), exponents))
     torch._foreach_neg_(out)
     torch._foreach_add_(out, 1.0)
     return out
@@ -83,15 +91,15 @@ def _adam_moments(
     where: str, b1: Hyper, b2: Hyper, eps: Hyper, amsgrad: bool
 ) -> GradientTransformation:
     """``scale_by_adam`` from already validated hyperparameters."""
-    one_minus_b1 = b1.map(lambda b: 1 - b)
-    one_minus_b2 = b2.map(lambda b: 1 - b)
-    per_member = [h for h in (b1, b2, eps) if h.per_member]
+    one_minus_b1 = hyper_map(b1, lambda b: 1 - b)
+    one_minus_b2 = hyper_map(b2, lambda b: 1 - b)
+    per_member = [h for h in (b1, b2, eps) if is_per_member(h)]
 
     def init(params: PyTree) -> AdamState:
         leaves, spec = flatten(params)
         train = [is_trainable(x) for x in leaves]
         for h in per_member:
-            h.check_members(where, spec, leaves, [i for i, t in enumerate(train) if t])
+            check_members(h, where, spec, leaves, [i for i, t in enumerate(train) if t])
 
         def zeros(wanted: bool) -> PyTree:
             return spec.unflatten(
@@ -131,16 +139,16 @@ def _adam_moments(
         for i in active:
             check_like(where, "the update", spec, i, grads[i], mu[i])
         for h in per_member:
-            h.check_members(where, spec, mu, active)
+            check_members(h, where, spec, mu, active)
 
         g = [grads[i] for i in active]
         m = [mu[i] for i in active]
         v = [nu[i] for i in active]
         with torch.no_grad():
             steps = list(torch._foreach_add([counts[i] for i in active], 1.0))
-            m_new = list(torch._foreach_lerp(m, g, one_minus_b1.per_leaf(m)))
-            v_new = list(torch._foreach_mul(v, b2.per_leaf(v)))
-            scaled = one_minus_b2.per_leaf(g)
+            m_new = list(torch._foreach_lerp(m, g, per_leaf(one_minus_b1, m)))
+            v_new = list(torch._foreach_mul(v, per_leaf(b2, v)))
+            scaled = per_leaf(one_minus_b2, g)
             if isinstance(scaled, float):
                 torch._foreach_addcmul_(v_new, g, g, scaled)
             else:
@@ -154,7 +162,7 @@ def _adam_moments(
             bc2 = _bias_corrections(b2, steps, m)
             torch._foreach_sqrt_(bc2)
             torch._foreach_div_(root, bc2)
-            torch._foreach_add_(root, eps.per_leaf(root))
+            torch._foreach_add_(root, per_leaf(eps, root))
             direction = list(torch._foreach_div(m_new, root))
             torch._foreach_div_(direction, _bias_corrections(b1, steps, m))
 
@@ -220,17 +228,19 @@ def _adam(
 ) -> GradientTransformation:
     # Validate everything, in torch.optim.Adam's order, before building anything.
     schedule = callable(lr) and not isinstance(lr, Tensor)
-    lr_ = lr if schedule else hyperparameter(where, "lr", lr, label="learning rate")
+    lr_ = (
+        lr if schedule else hyperparameter(where, "lr", lr, label="learning rate", schedule_ok=True)
+    )
     eps_ = hyperparameter(where, "eps", eps, label="epsilon value")
     b1, b2 = _betas(where, betas)
     wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")
     amsgrad = _flag(where, "amsgrad", amsgrad)
     maximize = _flag(where, "maximize", maximize)
 
-    decay = [decayed_weights(where, wd)] if wd.per_member or wd.value != 0 else []
+    decay = [decayed_weights(where, wd)] if is_per_member(wd) or wd.value != 0 else []
     # torch.optim negates the gradient first, then adds L2 decay to it (Adam) or
     # shrinks the weights by lr * weight_decay beside the Adam step (AdamW).
-    steps = [flip_sign()] if maximize else []
+    steps = [flip_sign(where)] if maximize else []
     steps += [] if decoupled else decay
     steps.append(_adam_moments(where, b1, b2, eps_, amsgrad))
     steps += decay if decoupled else []

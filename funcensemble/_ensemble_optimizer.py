@@ -160,10 +160,14 @@ class EnsembleOptimizer:
                 new.append(None)
                 continue
             if not isinstance(value, Tensor) or value.shape != mine.shape:
-                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                got = (
+                    f"has shape {tuple(value.shape)}"
+                    if isinstance(value, Tensor)
+                    else f"is a {type(value).__name__}"
+                )
                 raise ValueError(
-                    f"{where}: `{key}` is {got} in the state_dict; this optimizer has shape "
-                    f"{tuple(mine.shape)}."
+                    f"{where}: `{key}` {got} in the state_dict; this optimizer has shape "
+                    f"{tuple(mine.shape)} (a different member count or architecture)."
                 )
             new.append(value.detach().to(device=mine.device, dtype=mine.dtype, copy=True))
         self.state = spec.unflatten(new)

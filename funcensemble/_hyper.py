@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -12,71 +12,76 @@ from torch import Tensor
 from ._optim import leaf_name
 
 Number = float | int
-PerMember = Float[Tensor, "member"]
+# One value per member; a 0-dim tensor is accepted too, as one value shared by all.
+PerMember = Float[Tensor, "member"] | Float[Tensor, ""]
 
 
-class Hyper:
+class Hyper(NamedTuple):
     """A validated hyperparameter: a Python float, or a ``[N]`` tensor of per-member values.
 
     (A schedule may also give a 0-dim tensor, shared by all members.) Per-member
     values broadcast over each leaf's leading member axis: for a leaf of
     shape ``[N, d1, ..., dk]`` the tensor is viewed as ``[N, 1, ..., 1]``.
+    A NamedTuple, so that ``torch.compile`` can build one while tracing a schedule.
     """
 
-    def __init__(self, name: str, value: float | Tensor) -> None:
-        self.name = name
-        self.value = value
+    name: str
+    value: float | Tensor
 
-    @property
-    def per_member(self) -> bool:
-        return isinstance(self.value, Tensor)
 
-    def map(self, fn: Callable[[Any], Any]) -> "Hyper":
-        """The hyperparameter transformed value-wise, e.g. ``1 - beta``."""
-        return Hyper(self.name, fn(self.value))
+def is_per_member(h: Hyper) -> bool:
+    """Whether ``h`` holds a tensor (one value per member) rather than a float."""
+    return isinstance(h.value, Tensor)
 
-    def check_members(
-        self, where: str, spec: optree.PyTreeSpec, leaves: list, indices: list[int]
-    ) -> None:
-        """Check that a per-member value has one entry per member of every leaf."""
-        if not isinstance(self.value, Tensor) or self.value.dim() == 0:
-            return
-        n = self.value.shape[0]
-        for i in indices:
-            leaf = leaves[i]
-            size = leaf.shape[0] if leaf.dim() else None
-            if size != n:
-                got = f"leading size {size}" if size is not None else "no member axis (0-dim)"
-                raise ValueError(
-                    f"{where}: {self.name} has {n} per-member values but "
-                    f"{leaf_name(spec, i)} has {got}. A per-member {self.name} needs one "
-                    "value per member: a 1-D tensor as long as the leading axis of every "
-                    "parameter."
-                )
 
-    def per_leaf(
-        self, leaves: list[Tensor], dtypes: list[torch.dtype] | None = None
-    ) -> float | list[Tensor]:
-        """The value for each leaf: the float itself, or ``[N, 1, ..., 1]`` views.
+def hyper_map(h: Hyper, fn: Callable[[Any], Any]) -> Hyper:
+    """The hyperparameter transformed value-wise, e.g. ``1 - beta``."""
+    return Hyper(h.name, fn(h.value))
 
-        Views live on each leaf's device, in its dtype (or in ``dtypes``); leaves that
-        agree on device, dtype and rank share one view.
-        """
-        value = self.value
-        if not isinstance(value, Tensor):
-            return value
-        cache: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
-        out = []
-        for k, leaf in enumerate(leaves):
-            dtype = leaf.dtype if dtypes is None else dtypes[k]
-            key = (leaf.device, dtype, leaf.dim())
-            view = cache.get(key)
-            if view is None:
-                shape = [-1] + [1] * (leaf.dim() - 1) if value.dim() else [1] * leaf.dim()
-                view = value.to(device=leaf.device, dtype=dtype).reshape(shape)
-                cache[key] = view
-            out.append(view)
-        return out
+
+def check_members(
+    h: Hyper, where: str, spec: optree.PyTreeSpec, leaves: list, indices: list[int]
+) -> None:
+    """Check that a per-member value has one entry per member of every leaf."""
+    if not isinstance(h.value, Tensor) or h.value.dim() == 0:
+        return
+    n = h.value.shape[0]
+    for i in indices:
+        leaf = leaves[i]
+        size = leaf.shape[0] if leaf.dim() else None
+        if size != n:
+            got = f"leading size {size}" if size is not None else "no member axis (0-dim)"
+            raise ValueError(
+                f"{where}: {h.name} has {n} per-member values but "
+                f"{leaf_name(spec, i)} has {got}. A per-member {h.name} needs one "
+                "value per member: a 1-D tensor as long as the leading axis of every "
+                "parameter."
+            )
+
+
+def per_leaf(
+    h: Hyper, leaves: list[Tensor], dtypes: list[torch.dtype] | None = None
+) -> float | list[Tensor]:
+    """The value for each leaf: the float itself, or ``[N, 1, ..., 1]`` views.
+
+    Views live on each leaf's device, in its dtype (or in ``dtypes``); leaves that
+    agree on device, dtype and rank share one view.
+    """
+    value = h.value
+    if not isinstance(value, Tensor):
+        return value
+    cache: dict[tuple[torch.device, torch.dtype, int], Tensor] = {}
+    out = []
+    for k, leaf in enumerate(leaves):
+        dtype = leaf.dtype if dtypes is None else dtypes[k]
+        key = (leaf.device, dtype, leaf.dim())
+        view = cache.get(key)
+        if view is None:
+            shape = [-1] + [1] * (leaf.dim() - 1) if value.dim() else [1] * leaf.dim()
+            view = value.to(device=leaf.device, dtype=dtype).reshape(shape)
+            cache[key] = view
+        out.append(view)
+    return out
 
 
 def _describe(value: object) -> str:
@@ -90,6 +95,7 @@ def hyperparameter(
     *,
     label: str,
     upper: float | None = None,
+    schedule_ok: bool = False,
     upper_closed: bool = False,
 ) -> Hyper:
     """Validate ``value`` as a hyperparameter in ``[0, upper)`` (``[0, inf)`` if no upper).
@@ -104,8 +110,13 @@ def hyperparameter(
     constraint = f"0 <= {name}" + (f" {below} {upper:g}" if upper is not None else "")
     if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
         raise TypeError(
-            f"{where}: {name} must be a float or a 1-D tensor of per-member values, got "
-            f"{_describe(value)}."
+            f"{where}: {name} must be a float"
+            + (
+                ", a 1-D tensor of per-member values or a schedule lr(count)"
+                if schedule_ok
+                else " or a 1-D tensor of per-member values"
+            )
+            + f", got {_describe(value)}."
         )
     if isinstance(value, Tensor):
         if not value.is_floating_point():

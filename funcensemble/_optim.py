@@ -83,13 +83,18 @@ def leaf_name(spec: optree.PyTreeSpec, index: int) -> str:
     return optree.treespec_accessors(spec)[index].codify("params")
 
 
-def check_like(where: str, what: str, spec: optree.PyTreeSpec, index: int, x: Any, ref: Tensor):
-    """Check that ``x`` can stand in for ``ref`` (same shape, dtype and device)."""
-    if not isinstance(x, Tensor):
+def check_tensor(where: str, what: str, spec: optree.PyTreeSpec, index: int, x: Any) -> None:
+    """Check that ``x`` is a tensor or None."""
+    if x is not None and not isinstance(x, Tensor):
         raise TypeError(
             f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
             "expected a tensor or None."
         )
+
+
+def check_like(where: str, what: str, spec: optree.PyTreeSpec, index: int, x: Any, ref: Tensor):
+    """Check that ``x`` can stand in for ``ref`` (same shape, dtype and device)."""
+    check_tensor(where, what, spec, index, x)
     if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
         raise ValueError(
             f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "

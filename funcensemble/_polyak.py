@@ -7,7 +7,13 @@ import torch
 from torch import Tensor
 
 from ._ensemble import Ensemble
-from ._hyper import Hyper, PerMember, hyperparameter
+from ._hyper import (
+    Hyper,
+    PerMember,
+    check_members,
+    hyperparameter,
+    per_leaf,
+)
 from ._optim import PyTree, flatten, leaf_name
 
 
@@ -51,7 +57,7 @@ def _check(
             )
         if t.is_floating_point():
             floats.append(i)
-    tau_.check_members(where, spec, targets, floats)
+    check_members(tau_, where, spec, targets, floats)
     return targets, onlines, spec, tau_
 
 
@@ -97,7 +103,7 @@ def polyak_update_(
     with torch.no_grad():
         if floats:
             ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
-            torch._foreach_lerp_(ts, os, tau_.per_leaf(ts))
+            torch._foreach_lerp_(ts, os, per_leaf(tau_, ts))
         if others:
             torch._foreach_copy_([targets[i] for i in others], [onlines[i] for i in others])
 
@@ -141,7 +147,7 @@ def polyak_update(target: PyTree, online: PyTree, tau: float | PerMember) -> PyT
     with torch.no_grad():
         if floats:
             ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
-            for i, new in zip(floats, torch._foreach_lerp(ts, os, tau_.per_leaf(ts)), strict=True):
+            for i, new in zip(floats, torch._foreach_lerp(ts, os, per_leaf(tau_, ts)), strict=True):
                 out[i] = new.requires_grad_(targets[i].requires_grad)
         for i in others:
             out[i] = onlines[i].clone()

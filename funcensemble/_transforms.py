@@ -7,12 +7,21 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from ._hyper import Hyper, PerMember, hyperparameter, schedule_value
+from ._hyper import (
+    Hyper,
+    PerMember,
+    check_members,
+    hyper_map,
+    hyperparameter,
+    per_leaf,
+    schedule_value,
+)
 from ._optim import (
     EmptyState,
     GradientTransformation,
     PyTree,
     check_like,
+    check_tensor,
     flatten,
     is_trainable,
     leaves_like,
@@ -43,9 +52,11 @@ def _mul(xs: list[Tensor], factor: float | list[Tensor]) -> list[Tensor]:
     return list(torch._foreach_mul(xs, factor))
 
 
-def _map_active(updates: PyTree, fn: Callable[[list[Tensor]], list[Tensor]]) -> PyTree:
+def _map_active(where: str, updates: PyTree, fn: Callable[[list[Tensor]], list[Tensor]]) -> PyTree:
     """Apply ``fn`` to the floating-point update leaves; every other leaf becomes None."""
     leaves, spec = flatten(updates)
+    for i, u in enumerate(leaves):
+        check_tensor(where, "the update", spec, i, u)
     active = [i for i, u in enumerate(leaves) if is_trainable(u)]
     out = [None] * len(leaves)
     if active:
@@ -54,14 +65,14 @@ def _map_active(updates: PyTree, fn: Callable[[list[Tensor]], list[Tensor]]) -> 
     return spec.unflatten(out)
 
 
-def flip_sign() -> GradientTransformation:
+def flip_sign(where: str) -> GradientTransformation:
     """Negate the updates (how ``maximize=True`` turns ascent into descent)."""
 
     def init(params: PyTree) -> EmptyState:
         return EmptyState()
 
     def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        return _map_active(updates, lambda us: list(torch._foreach_neg(us))), state
+        return _map_active(where, updates, lambda us: list(torch._foreach_neg(us))), state
 
     return GradientTransformation(init, update)
 
@@ -71,8 +82,8 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
 
     def init(params: PyTree) -> EmptyState:
         leaves, spec = flatten(params)
-        weight_decay.check_members(
-            where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
+        check_members(
+            weight_decay, where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
         )
         return EmptyState()
 
@@ -83,6 +94,8 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
             )
         leaves, spec = flatten(params)
         ups = leaves_like(where, "updates", spec, updates)
+        for i, u in enumerate(ups):
+            check_tensor(where, "the update", spec, i, u)
         active = [
             i
             for i, (u, p) in enumerate(zip(ups, leaves, strict=True))
@@ -90,12 +103,12 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
         ]
         for i in active:
             check_like(where, "the update", spec, i, ups[i], leaves[i])
-        weight_decay.check_members(where, spec, leaves, active)
+        check_members(weight_decay, where, spec, leaves, active)
         out = [None] * len(leaves)
         if active:
             us, ps = [ups[i] for i in active], [leaves[i] for i in active]
             with torch.no_grad():
-                wd = weight_decay.per_leaf(ps)
+                wd = per_leaf(weight_decay, ps)
                 if isinstance(wd, float):
                     new = torch._foreach_add(us, ps, alpha=wd)
                 else:
@@ -134,21 +147,19 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
     def scale(updates: PyTree, value: Hyper) -> PyTree:
         leaves, spec = flatten(updates)
         active = [i for i, u in enumerate(leaves) if is_trainable(u)]
-        value.check_members(where, spec, leaves, active)
-        neg = value.map(lambda v: -v)
-
-        def fn(us: list[Tensor]) -> list[Tensor]:
-            return _mul(us, neg.per_leaf(us))
-
-        return _map_active(updates, fn)
+        check_members(value, where, spec, leaves, active)
+        neg = hyper_map(value, lambda v: -v)
+        # A lambda, not a nested def: annotated closures defined while torch.compile
+        # traces would be re-decorated by the test run's runtime type checker.
+        return _map_active(where, updates, lambda us: _mul(us, per_leaf(neg, us)))
 
     if isinstance(lr, Hyper):
         constant = lr
 
         def init(params: PyTree) -> EmptyState:
             leaves, spec = flatten(params)
-            constant.check_members(
-                where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
+            check_members(
+                constant, where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
             )
             return EmptyState()
 
@@ -204,4 +215,6 @@ def scale_by_learning_rate(lr: float | PerMember | Schedule = 1e-3) -> GradientT
     where = "scale_by_learning_rate"
     if callable(lr) and not isinstance(lr, Tensor):
         return learning_rate(where, lr)
-    return learning_rate(where, hyperparameter(where, "lr", lr, label="learning rate"))
+    return learning_rate(
+        where, hyperparameter(where, "lr", lr, label="learning rate", schedule_ok=True)
+    )

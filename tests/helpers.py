@@ -214,3 +214,42 @@ ZOO = {
 def clone_modules(modules: list[nn.Module]) -> list[nn.Module]:
     """Independent deep copies, so a reference loop cannot see another run's updates."""
     return [copy.deepcopy(m) for m in modules]
+
+
+# --- optimizers ------------------------------------------------------------------------
+
+
+class OptimNet(nn.Module):
+    """Everything an optimizer must handle: an unused parameter (its grad stays None),
+    a 0-dim parameter, and BatchNorm (float buffers and an integer one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6, bias=False)  # BatchNorm cancels a bias here
+        self.bn = nn.BatchNorm1d(6)
+        self.fc2 = nn.Linear(6, 2)
+        self.unused = nn.Linear(3, 3)
+        self.scale = nn.Parameter(torch.tensor(0.75))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x)))) * self.scale
+
+
+def optim_net_members(n: int, *, dtype: torch.dtype = torch.float64, seed: int = 0) -> list:
+    """``n`` distinct OptimNets in train mode."""
+    out = []
+    for i in range(n):
+        torch.manual_seed(seed * 1000 + i)
+        out.append(OptimNet().to(dtype))
+    return out
+
+
+def optim_batch(step: int, member: int, *, dtype: torch.dtype = torch.float64) -> tuple:
+    """Member ``member``'s regression batch ``(x, y)`` at ``step`` (deterministic)."""
+    g = torch.Generator().manual_seed(10_000 * step + member)
+    return torch.randn(5, 4, generator=g, dtype=dtype), torch.randn(5, 2, generator=g, dtype=dtype)
+
+
+def optim_loss(module: nn.Module, step: int, member: int) -> Tensor:
+    x, y = optim_batch(step, member, dtype=module.fc1.weight.dtype)
+    return ((module(x) - y) ** 2).mean()

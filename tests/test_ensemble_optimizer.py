@@ -1,0 +1,198 @@
+"""fe.optim.EnsembleOptimizer stepping an Ensemble in place, against per-module torch.optim."""
+
+import copy
+import io
+
+import pytest
+import torch
+from helpers import optim_batch, optim_loss, optim_net_members, runtime_typecheck_off
+from torch import nn
+
+import funcensemble as fe
+
+N = 3
+STEPS = 10
+TOL = {"rtol": 2.5e-6, "atol": 2.5e-6}
+PARTIAL, NONE = 3, 6
+SKIPPED = "fc2.bias"
+
+
+def backward_reference(modules: list[nn.Module], step: int) -> None:
+    for i, m in enumerate(modules):
+        m.zero_grad(set_to_none=True)
+        if step != NONE:
+            optim_loss(m, step, i).backward()
+            if step == PARTIAL:
+                m.get_parameter(SKIPPED).grad = None
+
+
+def ensemble_loss(ens: fe.Ensemble, step: int) -> torch.Tensor:
+    """The sum of the members' own losses: each member's gradient is its own loss's."""
+    xs, ys = zip(*[optim_batch(step, i) for i in range(N)], strict=True)
+    out = ens(torch.stack(xs), in_dims=0)
+    return ((out - torch.stack(ys)) ** 2).mean(dim=(1, 2)).sum()
+
+
+def backward_ensemble(ens: fe.Ensemble, opt: fe.optim.EnsembleOptimizer, step: int) -> None:
+    opt.zero_grad()
+    if step != NONE:
+        ensemble_loss(ens, step).backward()
+        if step == PARTIAL:
+            ens.stacked.get_parameter(SKIPPED).grad = None
+
+
+def stacked(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    each = [dict(m.named_parameters()) for m in modules]
+    return {k: torch.stack([p[k].detach() for p in each]) for k in each[0]}
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_matches_per_module_torch_optim(kind, maximize):
+    options = dict(lr=1e-2, weight_decay=1e-2, amsgrad=True, maximize=maximize)
+    reference = optim_net_members(N)
+    ens = fe.Ensemble(copy.deepcopy(reference))
+    opt = fe.optim.EnsembleOptimizer(ens, getattr(fe.optim, kind)(**options))
+    torch_cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+    torch_opts = [torch_cls(m.parameters(), **options) for m in reference]
+    start = {k: v.detach().clone() for k, v in ens.stacked_params().items()}
+    for step in range(STEPS):
+        backward_reference(reference, step)
+        for o in torch_opts:
+            o.step()
+        backward_ensemble(ens, opt, step)
+        opt.step()
+    theirs = stacked(reference)
+    for name, p in ens.stacked_params().items():
+        torch.testing.assert_close(p.detach() - start[name], theirs[name] - start[name], **TOL)
+    state = next(s for s in opt.state if isinstance(s, fe.optim.AdamState))
+    for name in theirs:
+        per_member = [
+            o.state[dict(m.named_parameters())[name]]
+            for o, m in zip(torch_opts, reference, strict=True)
+        ]
+        if not per_member[0]:
+            assert state.count[name].item() == 0
+            continue
+        assert state.count[name].item() == per_member[0]["step"].item()
+        torch.testing.assert_close(
+            state.mu[name], torch.stack([s["exp_avg"] for s in per_member]), **TOL
+        )
+        torch.testing.assert_close(
+            state.nu_max[name], torch.stack([s["max_exp_avg_sq"] for s in per_member]), **TOL
+        )
+
+
+def test_params_from_stack_and_a_closure():
+    fmodel, params, buffers = fe.stack([nn.Linear(4, 2).double() for _ in range(N)])
+    opt = fe.optim.EnsembleOptimizer(params, fe.optim.adam(0.1))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    before = params["weight"].detach().clone()
+
+    def closure():
+        opt.zero_grad()
+        loss = fe.vmap(fmodel)(params, buffers, x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.ndim == 0 and params["weight"].grad is not None
+    assert not torch.equal(params["weight"], before)
+    assert params["weight"].is_leaf  # updated in place
+
+
+def test_zero_grad_to_zeros():
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(N)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam())
+    ens(torch.randn(2, 3)).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    assert ens.stacked.weight.grad is not None and not ens.stacked.weight.grad.any()
+    opt.zero_grad()
+    assert ens.stacked.weight.grad is None
+
+
+def train(ens: fe.Ensemble, opt: fe.optim.EnsembleOptimizer, steps: range) -> None:
+    for step in steps:
+        backward_ensemble(ens, opt, step)
+        opt.step()
+
+
+def test_state_dict_round_trip_through_torch_save():
+    make = lambda: fe.optim.adamw(lambda c: 1e-2 * 0.9**c, amsgrad=True)  # noqa: E731
+    ens = fe.Ensemble(optim_net_members(N))
+    opt = fe.optim.EnsembleOptimizer(ens, make())
+    train(ens, opt, range(4))
+    buffer = io.BytesIO()
+    torch.save({"model": ens.state_dict(), "optim": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    resumed = fe.Ensemble(optim_net_members(N, seed=7))
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = fe.optim.EnsembleOptimizer(resumed, make())
+    resumed_opt.load_state_dict(saved["optim"])
+    train(ens, opt, range(4, 8))
+    train(resumed, resumed_opt, range(4, 8))
+    for name, p in ens.stacked_params().items():
+        torch.testing.assert_close(resumed.stacked_params()[name], p, rtol=0, atol=0)
+    assert set(opt.state_dict()["state"]) == set(resumed_opt.state_dict()["state"])
+
+
+def test_state_dict_is_readable():
+    ens = fe.Ensemble(optim_net_members(N))
+    keys = fe.optim.EnsembleOptimizer(ens, fe.optim.adam()).state_dict()["state"]
+    assert "state[0].mu['fc1.weight']" in keys and "state[0].count['scale']" in keys
+
+
+def test_load_state_dict_rejects_a_mismatch_before_changing_anything():
+    ens = fe.Ensemble(optim_net_members(N))
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(amsgrad=True))
+    train(ens, opt, range(2))
+    before = opt.state
+    other = fe.optim.EnsembleOptimizer(fe.Ensemble(optim_net_members(N)), fe.optim.adam())
+    with pytest.raises(ValueError, match=r"is None in the state_dict but a tensor here"):
+        opt.load_state_dict(other.state_dict())
+    bigger = fe.optim.EnsembleOptimizer(
+        fe.Ensemble(optim_net_members(N + 1)), fe.optim.adam(amsgrad=True)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"has shape \(4, .*\) in the state_dict; this optimizer "
+        r"has shape \(3, .*\) \(a different member count",
+    ):
+        opt.load_state_dict(bigger.state_dict())
+    chained = fe.optim.EnsembleOptimizer(
+        fe.Ensemble(optim_net_members(N)), fe.optim.adam(weight_decay=0.1, amsgrad=True)
+    )
+    with pytest.raises(ValueError, match=r"missing keys .* unexpected keys"):
+        opt.load_state_dict(chained.state_dict())
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"Expected the dict returned"):
+        opt.load_state_dict({"mu": 1})
+    assert opt.state is before
+
+
+def test_construction_errors():
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match=r"Expected an Ensemble or a mapping .* got list"):
+            fe.optim.EnsembleOptimizer([nn.Linear(2, 2)], fe.optim.adam())
+        ens = fe.Ensemble([nn.Linear(2, 2) for _ in range(N)])
+        with pytest.raises(TypeError, match=r"Expected a GradientTransformation .* got function"):
+            fe.optim.EnsembleOptimizer(ens, lambda g: g)
+    leaf = torch.zeros(N, 2, requires_grad=True)
+    with pytest.raises(TypeError, match=r"parameter `w` must be a leaf tensor"):
+        fe.optim.EnsembleOptimizer({"w": leaf * 2}, fe.optim.adam())
+
+
+def test_sparse_gradients_are_refused():
+    w = torch.zeros(N, 2, requires_grad=True)
+    opt = fe.optim.EnsembleOptimizer({"w": w}, fe.optim.adam())
+    w.grad = torch.zeros(N, 2).to_sparse()
+    with pytest.raises(RuntimeError, match=r"`w` has a sparse gradient"):
+        opt.step()
+
+
+def test_repr():
+    ens = fe.Ensemble([nn.Linear(2, 2) for _ in range(N)])
+    assert repr(fe.optim.EnsembleOptimizer(ens, fe.optim.adam())) == (
+        "EnsembleOptimizer(2 stacked parameters)"
+    )
