@@ -1,5 +1,6 @@
 """funcensemble: run an ensemble of PyTorch models as one vectorized model."""
 
+from . import distributed as distributed
 from . import optim as optim
 from . import reduce as reduce
 from ._bagging import BaggingSampler as BaggingSampler

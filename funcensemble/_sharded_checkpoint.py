@@ -1,0 +1,436 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at any world size.
+
+A checkpoint is a plain DCP directory: one ``.distcp`` file per rank and a ``.metadata``
+file. Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
+``['params']['net.0.weight']``; an [`Ensemble`][funcensemble.Ensemble] is saved as
+``{"params": ..., "buffers": ...}``):
+
+- a tensor with dimensions is *member-sharded*: each rank writes its rows as a chunk of
+  the global ``[N, ...]`` tensor, at the offset of its first member;
+- a 0-dim tensor or a Python ``bool``/``int``/``float`` (a step count) is *replicated*,
+  written once; Python values are stored as 0-dim tensors.
+
+DCP records each chunk's offset and size, so any world size can read any rows. DTensor's
+``Shard(0)`` would do the same with ``torch.chunk``'s sizes, which leave a rank empty
+(5 members on 4 ranks: 2, 2, 1, 0); funcensemble's own split never does, so the chunks
+are described to DCP directly, through its planner interface.
+"""
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import optree
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ._distributed import MemberShard, rank_and_world
+from ._ensemble import Ensemble
+
+T = TypeVar("T")
+_VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@dataclass(frozen=True)
+class _Flat:
+    """One object's leaves by key, and how to name them in messages."""
+
+    leaves: dict[str, Any]
+    treedef: optree.PyTreeSpec
+    ensemble: bool
+
+    def label(self, key: str) -> str:
+        if self.ensemble:
+            for group, word in (("params", "parameter"), ("buffers", "buffer")):
+                prefix = f"[{group!r}]["
+                if key.startswith(prefix):
+                    return f"{word} {key[len(prefix) : -1]}"
+        return f"leaf `{key}`"
+
+    def sharded(self) -> list[str]:
+        """Keys of the member-sharded leaves: tensors with at least one dimension."""
+        return [k for k, v in self.leaves.items() if isinstance(v, Tensor) and v.dim() > 0]
+
+
+def _key(accessor: optree.PyTreeAccessor) -> str:
+    # Written out by hand so that the keys in files do not change with optree's formatting.
+    parts = []
+    for entry in accessor:
+        if isinstance(entry, optree.NamedTupleEntry | optree.StructSequenceEntry):
+            parts.append(f".{entry.field}")
+        elif isinstance(entry, optree.GetAttrEntry):
+            parts.append(f".{entry.name}")
+        else:
+            parts.append(f"[{entry.entry!r}]")
+    return "".join(parts)
+
+
+def _flatten(where: str, obj: Any) -> _Flat:
+    if isinstance(obj, Ensemble):
+        tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
+    elif isinstance(obj, nn.Module):
+        raise TypeError(
+            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble or a pytree of "
+            "tensors. For an ordinary module, pass module.state_dict()."
+        )
+    else:
+        tree = obj
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
+    keys = [_key(a) for a in accessors]
+    if len(set(keys)) != len(keys):
+        raise ValueError(
+            f"{where}: two leaves of the pytree have the same path; use dict keys whose "
+            f"repr() differ. Paths: {keys}."
+        )
+    for key, leaf in zip(keys, leaves, strict=True):
+        if not isinstance(leaf, Tensor) and type(leaf) not in _VALUE_DTYPES:
+            raise TypeError(
+                f"{where}: leaf `{key}` is a {type(leaf).__name__}; a sharded checkpoint "
+                "holds tensors and Python bool, int or float values (None is kept as "
+                "structure). Save other things separately."
+            )
+    return _Flat(dict(zip(keys, leaves, strict=True)), treedef, isinstance(obj, Ensemble))
+
+
+def _chunk(offset: int, t: Tensor) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([offset] + [0] * (t.dim() - 1)), sizes=t.size())
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default planner, plus member-sharded entries at their members' offsets."""
+
+    def __init__(self, offsets: dict[str, int], num_members: int) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._offsets = offsets
+        self._num_members = num_members
+
+    def create_local_plan(self) -> SavePlan:
+        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
+        items = list(create_default_local_save_plan(replicated, self.is_coordinator).items)
+        for key, offset in self._offsets.items():
+            t = self.state_dict[key]
+            chunk = _chunk(offset, t)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk,
+                        properties=TensorProperties.create_from_tensor(t),
+                        size=torch.Size([self._num_members, *t.shape[1:]]),
+                    ),
+                )
+            )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.state_dict[index.fqn]
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading member-sharded entries at this rank's offsets."""
+
+    def __init__(self, offsets: dict[str, int]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
+        requests = list(create_default_local_load_plan(replicated, self.metadata).items)
+        for key, offset in self._offsets.items():
+            saved = self.metadata.state_dict_metadata[key]
+            chunk = _chunk(offset, self.state_dict[key])
+            requests += create_read_items_for_chunk_list(key, saved, [chunk])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        return self.state_dict[index.fqn]
+
+
+@contextlib.contextmanager
+def _dcp_call(shard: MemberShard) -> Iterator[None]:
+    """Silence DCP's note that it runs without a process group, which is intended here."""
+    with warnings.catch_warnings():
+        if shard.world_size == 1:
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        yield
+
+
+def _check_shard(where: str, shard: object) -> MemberShard:
+    if not isinstance(shard, MemberShard):
+        raise TypeError(
+            f"{where}: shard must be a fe.distributed.MemberShard, got {type(shard).__name__}."
+        )
+    return shard
+
+
+def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) -> None:
+    """Write this rank's members to a sharded checkpoint directory, with DCP.
+
+    Every rank calls it with the same path and a pytree of the same structure. Each
+    tensor with dimensions holds this rank's ``shard.size`` members first and is
+    written as its rows of the global ``[N, ...]`` tensor; 0-dim tensors and Python
+    ``bool``/``int``/``float`` values are replicated (written once: they must be equal
+    on every rank, like a step count). The checkpoint can be loaded at any world size,
+    and into a single-process [`Ensemble`][funcensemble.Ensemble], by
+    [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint keyed by
+    pytree paths. DCP writes ``.metadata`` last, so an interrupted save is refused on
+    load rather than read half-written.
+
+    Args:
+        path: The checkpoint directory (created if needed).
+        obj: This rank's [`Ensemble`][funcensemble.Ensemble] (e.g. from
+            [`MemberShard.from_factory`][funcensemble.distributed.MemberShard.from_factory]),
+            or a pytree such as ``{"params": params, "buffers": buffers,
+            "opt": opt_state, "step": 10}``.
+        shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
+            Optional in a single process, where ``obj`` holds all members.
+
+    Raises:
+        ValueError: A member-sharded tensor whose leading size is not this rank's
+            member count, or several ranks without ``shard``.
+        TypeError: ``obj`` is another ``nn.Module``, or has a leaf of another type.
+        NotADirectoryError: ``path`` is a file.
+
+    Example:
+        >>> import os, tempfile, torch, funcensemble as fe
+        >>> ens = fe.Ensemble.from_factory(lambda: torch.nn.Linear(3, 2), num_members=4)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     fe.distributed.save(os.path.join(tmp, "ckpt"), ens)
+        ...     sorted(os.listdir(os.path.join(tmp, "ckpt")))
+        ['.metadata', '__0_0.distcp']
+    """
+    where = "distributed.save"
+    flat = _flatten(where, obj)
+    keys = flat.sharded()
+    if shard is None:
+        _, world = rank_and_world(where)
+        if world > 1:
+            raise ValueError(
+                f"{where}: with {world} ranks, pass shard=fe.distributed.MemberShard(N) so "
+                "that each rank's rows are placed among all N members."
+            )
+        shard = MemberShard(flat.leaves[keys[0]].shape[0] if keys else 1)
+    shard = _check_shard(where, shard)
+    for key in keys:
+        size = flat.leaves[key].shape[0]
+        if size != shard.size:
+            raise ValueError(
+                f"{where}: {flat.label(key)} has leading size {size}, but rank {shard.rank} "
+                f"holds {shard.size} of the {shard.num_members} members. Every tensor with "
+                "dimensions is saved as this rank's members (first axis); save other "
+                "tensors separately, or as 0-dim tensors."
+            )
+    if os.path.isfile(path):
+        raise NotADirectoryError(
+            f"{where}: '{os.fspath(path)}' is a file; a sharded checkpoint is a directory."
+        )
+    state = {
+        key: leaf.detach()
+        if isinstance(leaf, Tensor)
+        else torch.tensor(leaf, dtype=_VALUE_DTYPES[type(leaf)])
+        for key, leaf in flat.leaves.items()
+    }
+    offsets = dict.fromkeys(keys, shard.members.start)
+    with _dcp_call(shard):
+        dcp.save(
+            state,
+            checkpoint_id=path,
+            planner=_SavePlanner(offsets, shard.num_members),
+            process_group=shard.group,
+            no_dist=shard.world_size == 1,
+        )
+
+
+def _metadata(where: str, path: str | os.PathLike) -> dict[str, Any]:
+    name = os.fspath(path)
+    if not os.path.isdir(name):
+        raise FileNotFoundError(f"{where}: no checkpoint directory at '{name}'.")
+    if not os.path.isfile(os.path.join(name, ".metadata")):
+        raise ValueError(
+            f"{where}: '{name}' has no .metadata file, so it is not a complete DCP "
+            "checkpoint (DCP writes it last: the save may have been interrupted)."
+        )
+    try:
+        return dict(dcp.FileSystemReader(name).read_metadata().state_dict_metadata)
+    except Exception as error:  # any unreadable file: report it as such
+        raise ValueError(
+            f"{where}: '{name}/.metadata' cannot be read as DCP metadata ({error})."
+        ) from None
+
+
+def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')} tensor of shape {shape}"
+
+
+def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) -> int | None:
+    sizes = {}
+    for key in flat.sharded():
+        md = saved[key]
+        if isinstance(md, TensorStorageMetadata) and len(md.size) > 0:
+            sizes[key] = md.size[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"{where}: '{name}' holds tensors with different member counts "
+            f"({', '.join(f'{flat.label(k)}: {n}' for k, n in sizes.items())}); it was "
+            "not written by fe.distributed.save from one ensemble."
+        )
+    return next(iter(sizes.values()), None)
+
+
+def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: MemberShard) -> None:
+    missing, extra = flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys()
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append("lacks " + ", ".join(flat.label(k) for k in sorted(missing)))
+        if extra:
+            parts.append("has extra " + ", ".join(flat.label(k) for k in sorted(extra)))
+        raise ValueError(
+            f"{where}: '{name}' does not match the object to load into: the checkpoint "
+            f"{' and '.join(parts)}. Load it into the structure that was saved (same "
+            "architecture, optimizer and keys)."
+        )
+    sharded = set(flat.sharded())
+    for key, leaf in flat.leaves.items():
+        md = saved[key]
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(
+                f"{where}: '{name}' stores {flat.label(key)} as pickled bytes; "
+                "fe.distributed.load reads tensors only."
+            )
+        got = (tuple(md.size), md.properties.dtype)
+        if isinstance(leaf, Tensor):
+            rows = (shard.num_members, *leaf.shape[1:]) if key in sharded else tuple(leaf.shape)
+            want = (rows, leaf.dtype)
+        else:
+            want = ((), _VALUE_DTYPES[type(leaf)])
+        if got != want:
+            raise ValueError(
+                f"{where}: '{name}' does not match the object to load into: "
+                f"{flat.label(key)} is a {_describe(*got)} in the checkpoint; loading "
+                f"needs a {_describe(*want)}"
+                + (f" (all {shard.num_members} members)." if key in sharded else ".")
+            )
+        if key in sharded and leaf.shape[0] != shard.size:
+            raise ValueError(
+                f"{where}: {flat.label(key)} has leading size {leaf.shape[0]}, but rank "
+                f"{shard.rank} of {shard.world_size} loads members "
+                f"{shard.members.start}:{shard.members.stop} ({shard.size}). Build this "
+                "rank's object for its members, e.g. with MemberShard.from_factory."
+            )
+
+
+def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T:
+    """Read a checkpoint written by [`save`][funcensemble.distributed.save], at any world size.
+
+    Each rank reads the rows of its own members, wherever they were saved: a
+    checkpoint written by 2 ranks loads on 4, or in one process into an ordinary
+    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked against
+    the checkpoint's metadata before anything is read (keys, member count, shapes,
+    dtypes); a mismatch raises and leaves ``obj`` untouched.
+
+    Args:
+        path: The checkpoint directory.
+        obj: This rank's [`Ensemble`][funcensemble.Ensemble], loaded **in place** and
+            returned; or a template pytree of the saved structure (e.g. fresh
+            ``params`` and ``opt.init(params)``), left untouched: a new pytree with the
+            saved values is returned, each tensor on its template's device with its
+            ``requires_grad``.
+        shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard];
+            by default one for the saved member count over the default group.
+
+    Returns:
+        ``obj`` itself for an ensemble; a new pytree for a template.
+
+    Raises:
+        FileNotFoundError: No directory at ``path``.
+        ValueError: An incomplete checkpoint, or one that does not match ``obj`` or
+            ``shard``.
+
+    Example:
+        >>> import os, tempfile, torch, funcensemble as fe
+        >>> make = lambda: torch.nn.Linear(3, 2)
+        >>> trained = fe.Ensemble.from_factory(make, num_members=4, seed=0)
+        >>> fresh = fe.Ensemble.from_factory(make, num_members=4, seed=1)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     fe.distributed.save(os.path.join(tmp, "ckpt"), trained)
+        ...     _ = fe.distributed.load(os.path.join(tmp, "ckpt"), fresh)
+        >>> torch.equal(fresh.stacked.weight, trained.stacked.weight)
+        True
+    """
+    where = "distributed.load"
+    name = os.fspath(path)
+    flat = _flatten(where, obj)
+    saved = _metadata(where, path)
+    missing = flat.leaves.keys() - saved.keys()
+    num_members = _saved_members(
+        where, name, flat, {k: v for k, v in saved.items() if k not in missing}
+    )
+    if shard is None:
+        shard = MemberShard(1 if num_members is None else num_members)
+    else:
+        shard = _check_shard(where, shard)
+        if num_members is not None and shard.num_members != num_members:
+            raise ValueError(
+                f"{where}: '{name}' holds {num_members} members; the shard describes "
+                f"{shard.num_members}. Pass MemberShard({num_members})."
+            )
+    _check(where, name, flat, saved, shard)
+
+    dest = {
+        key: torch.empty_like(leaf, memory_format=torch.contiguous_format).detach()
+        if isinstance(leaf, Tensor)
+        else torch.empty((), dtype=_VALUE_DTYPES[type(leaf)])
+        for key, leaf in flat.leaves.items()
+    }
+    offsets = dict.fromkeys(flat.sharded(), shard.members.start)
+    with _dcp_call(shard):
+        dcp.load(
+            dest,
+            checkpoint_id=path,
+            planner=_LoadPlanner(offsets),
+            process_group=shard.group,
+            no_dist=shard.world_size == 1,
+        )
+
+    if flat.ensemble:
+        with torch.no_grad():
+            for key, leaf in flat.leaves.items():
+                leaf.copy_(dest[key])
+        return obj
+    out = []
+    for key, leaf in flat.leaves.items():
+        value = dest[key]
+        if isinstance(leaf, Tensor):
+            out.append(value.requires_grad_(True) if leaf.requires_grad else value)
+        else:
+            out.append(type(leaf)(value.item()))
+    return flat.treedef.unflatten(out)
