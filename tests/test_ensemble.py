@@ -234,6 +234,10 @@ def test_deepcopy_is_independent() -> None:
             p.zero_()
     assert all(p.abs().sum() > 0 for p in ens.parameters())
     assert twin.randomness == ens.randomness and twin.chunk_size == ens.chunk_size
+    # The copy's function runs on the copy's own skeleton: its mode switches are its own.
+    assert twin.fmodel.skeleton is twin.stacked
+    twin.eval()
+    assert ens.training and ens.stacked[1].training and not twin.stacked[1].training
 
 
 @pytest.mark.slow

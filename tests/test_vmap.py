@@ -77,6 +77,8 @@ def test_zoo_func_grad_matches_per_module_autograd(name: str, n: int, mode: str)
         expected.append(dict(zip(named, g, strict=True)))
     expected_grads = {k: torch.stack([e[k] for e in expected]) for k in expected[0]}
     assert_trees_close(grads, expected_grads, rtol=RTOL, atol=ATOL)
+    # grad inside vmap still updates train-mode statistics per member, like the loop.
+    assert_trees_close(buffers, stacked_state(reference)[1], rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -124,6 +126,17 @@ def test_dropout_mask_shared_with_randomness_same() -> None:
     assert (out == 0).any()
     for i in range(1, 4):
         assert torch.equal(out[0], out[i])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2])
+def test_randomness_holds_across_chunks(chunk_size: int) -> None:
+    fmodel, params, buffers = _dropout_members(5)
+    x = torch.zeros(8, 4, dtype=torch.float64)
+    same = fe.vmap(fmodel, randomness="same", chunk_size=chunk_size)(params, buffers, x)
+    different = fe.vmap(fmodel, chunk_size=chunk_size)(params, buffers, x)
+    for i in range(1, 5):
+        assert torch.equal(same[0], same[i])
+        assert not torch.equal(different[0] == 0, different[i] == 0)
 
 
 @pytest.mark.parametrize("randomness", ["different", "same"])
