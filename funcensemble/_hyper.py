@@ -40,7 +40,12 @@ def hyper_map(h: Hyper, fn: Callable[[Any], Any]) -> Hyper:
 
 
 def check_members(
-    h: Hyper, where: str, spec: optree.PyTreeSpec, leaves: list, indices: list[int]
+    h: Hyper,
+    where: str,
+    spec: optree.PyTreeSpec,
+    leaves: list,
+    indices: list[int],
+    root: str = "params",
 ) -> None:
     """Check that a per-member value has one entry per member of every leaf."""
     if not isinstance(h.value, Tensor) or h.value.dim() == 0:
@@ -53,7 +58,7 @@ def check_members(
             got = f"leading size {size}" if size is not None else "no member axis (0-dim)"
             raise ValueError(
                 f"{where}: {h.name} has {n} per-member values but "
-                f"{leaf_name(spec, i)} has {got}. A per-member {h.name} needs one "
+                f"{leaf_name(spec, i, root)} has {got}. A per-member {h.name} needs one "
                 "value per member: a 1-D tensor as long as the leading axis of every "
                 "parameter."
             )

@@ -78,9 +78,9 @@ def leaves_like(where: str, what: str, spec: optree.PyTreeSpec, tree: PyTree) ->
         ) from error
 
 
-def leaf_name(spec: optree.PyTreeSpec, index: int) -> str:
+def leaf_name(spec: optree.PyTreeSpec, index: int, root: str = "params") -> str:
     """A readable name for leaf ``index``, e.g. ``params['net.0.weight']``."""
-    return optree.treespec_accessors(spec)[index].codify("params")
+    return optree.treespec_accessors(spec)[index].codify(root)
 
 
 def check_tensor(where: str, what: str, spec: optree.PyTreeSpec, index: int, x: Any) -> None:

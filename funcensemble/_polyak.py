@@ -46,18 +46,18 @@ def _check(
             continue
         if not isinstance(t, Tensor) or not isinstance(o, Tensor):
             raise TypeError(
-                f"{where}: {leaf_name(spec, i)} must be a tensor in both trees, got "
+                f"{where}: {leaf_name(spec, i, 'target')} must be a tensor in both trees, got "
                 f"{type(t).__name__} (target) and {type(o).__name__} (online)."
             )
         if t.shape != o.shape or t.dtype != o.dtype or t.device != o.device:
             raise ValueError(
-                f"{where}: {leaf_name(spec, i)} is {tuple(t.shape)} {t.dtype} on {t.device} in "
-                f"target but {tuple(o.shape)} {o.dtype} on {o.device} in online; they must "
-                "match."
+                f"{where}: {leaf_name(spec, i, 'target')} is {tuple(t.shape)} {t.dtype} on "
+                f"{t.device} in target but {tuple(o.shape)} {o.dtype} on {o.device} in "
+                "online; they must match."
             )
         if t.is_floating_point():
             floats.append(i)
-    check_members(tau_, where, spec, targets, floats)
+    check_members(tau_, where, spec, targets, floats, "target")
     return targets, onlines, spec, tau_
 
 

@@ -1,0 +1,191 @@
+"""fe.optim.polyak_update_ / polyak_update against a loop of p_t.mul_(1-tau).add_(tau*p_o)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_trees_equal, optim_net_members, runtime_typecheck_off
+from torch import nn
+
+import funcensemble as fe
+
+N = 3
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def reference_(target: list[nn.Module], online: list[nn.Module], taus: list[float]) -> None:
+    """The plain loop: per module, floating parameters and buffers; integer ones copied."""
+    with torch.no_grad():
+        for t, o, tau in zip(target, online, taus, strict=True):
+            pairs = list(zip(t.parameters(), o.parameters(), strict=True))
+            pairs += list(zip(t.buffers(), o.buffers(), strict=True))
+            for p_t, p_o in pairs:
+                if p_t.is_floating_point():
+                    p_t.mul_(1 - tau).add_(tau * p_o)
+                else:
+                    p_t.copy_(p_o)
+
+
+def trained(seed: int) -> list[nn.Module]:
+    """Members whose buffers (BatchNorm statistics, counters) have moved off their init."""
+    members = optim_net_members(N, seed=seed)
+    for k, m in enumerate(members):
+        for _ in range(k + seed + 1):
+            m(torch.randn(5, 4, dtype=torch.float64))
+    return members
+
+
+@pytest.mark.parametrize("per_member", [False, True])
+def test_ensembles_match_the_loop(per_member):
+    target_modules, online_modules = trained(1), trained(2)
+    target, online = fe.Ensemble(target_modules), fe.Ensemble(online_modules)
+    taus = [0.005, 0.3, 1.0] if per_member else [0.005] * N
+    tau = torch.tensor(taus, dtype=torch.float64) if per_member else 0.005
+    for _ in range(3):
+        fe.optim.polyak_update_(target, online, tau)
+        reference_(target_modules, online_modules, taus)
+    for i, expected in enumerate(target_modules):
+        got = target.member(i)
+        for (name, a), b in zip(
+            got.state_dict().items(), expected.state_dict().values(), strict=True
+        ):
+            torch.testing.assert_close(a, b, **TOL, msg=name)
+    # Integer buffers are copied from online.
+    assert torch.equal(target.stacked.bn.num_batches_tracked, online.stacked.bn.num_batches_tracked)
+
+
+@pytest.mark.parametrize("per_member", [False, True])
+def test_dicts_match_the_loop(per_member):
+    g = torch.Generator().manual_seed(0)
+    target = {
+        "w": torch.randn(N, 4, 3, generator=g, dtype=torch.float64),
+        "s": torch.randn(N, generator=g, dtype=torch.float64),
+        "nested": [torch.randn(N, 2, generator=g, dtype=torch.float32), None],
+    }
+    online = {
+        "w": torch.randn(N, 4, 3, generator=g, dtype=torch.float64),
+        "s": torch.randn(N, generator=g, dtype=torch.float64),
+        "nested": [torch.randn(N, 2, generator=g, dtype=torch.float32), None],
+    }
+    taus = [0.1, 0.5, 0.9] if per_member else [0.1] * N
+    tau = torch.tensor(taus) if per_member else 0.1
+    expected = copy.deepcopy(target)
+    with torch.no_grad():
+        for leaf_t, leaf_o in [
+            (expected["w"], online["w"]),
+            (expected["s"], online["s"]),
+            (expected["nested"][0], online["nested"][0]),
+        ]:
+            for i in range(N):
+                leaf_t[i].mul_(1 - taus[i]).add_(taus[i] * leaf_o[i])
+    pure = fe.optim.polyak_update(target, online, tau)
+    fe.optim.polyak_update_(target, online, tau)
+    tol = {"rtol": 1e-6, "atol": 1e-6}  # the float32 leaf
+    torch.testing.assert_close(target, expected, **tol)
+    torch.testing.assert_close(pure, expected, **tol)
+    assert target["nested"][1] is None and pure["nested"][1] is None
+
+
+def test_tau_zero_and_one():
+    target = {"w": torch.randn(N, 3, dtype=torch.float64)}
+    online = {"w": torch.randn(N, 3, dtype=torch.float64)}
+    before = target["w"].clone()
+    fe.optim.polyak_update_(target, online, 0.0)
+    assert torch.equal(target["w"], before)
+    fe.optim.polyak_update_(target, online, 1.0)
+    assert torch.equal(target["w"], online["w"])
+
+
+def test_in_place_update_is_one_foreach_kernel():
+    target, online = fe.Ensemble(trained(1)), fe.Ensemble(trained(2))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fe.optim.polyak_update_(target, online, 0.01)
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::_foreach_lerp_") == 1
+    assert "aten::mul_" not in names
+
+
+def test_in_place_update_records_no_history_and_keeps_parameters():
+    target, online = fe.Ensemble(trained(1)), fe.Ensemble(trained(2))
+    weight = target.stacked.fc1.weight
+    fe.optim.polyak_update_(target, online, 0.5)
+    assert target.stacked.fc1.weight is weight and weight.is_leaf and weight.grad_fn is None
+
+
+def test_pure_update_leaves_inputs_untouched_and_returns_fresh_leaves():
+    _, target, _ = fe.stack([nn.Linear(3, 2) for _ in range(N)])
+    _, online, _ = fe.stack([nn.Linear(3, 2) for _ in range(N)])
+    target["count"] = torch.zeros(N, dtype=torch.int64)
+    online["count"] = torch.ones(N, dtype=torch.int64)
+    snapshot = copy.deepcopy((target, online))
+    new = fe.optim.polyak_update(target, online, 0.25)
+    assert_trees_equal((target, online), snapshot)
+    assert new["weight"].requires_grad and new["weight"].is_leaf
+    assert torch.equal(new["count"], online["count"]) and new["count"] is not online["count"]
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def pair() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return {"w": torch.zeros(N, 2)}, {"w": torch.ones(N, 2)}
+
+
+@pytest.mark.parametrize("update", [fe.optim.polyak_update_, fe.optim.polyak_update])
+@pytest.mark.parametrize(
+    ("tau", "match"),
+    [
+        (-0.1, r"Invalid tau: -0\.1\. Expected 0 <= tau <= 1\."),
+        (1.5, r"Invalid tau: 1\.5"),
+        (float("nan"), r"Invalid tau: nan"),
+        (torch.tensor([0.1, 0.2, 1.5]), r"Invalid tau: 1\.5 \(member 2 of the per-member tau\)"),
+        (
+            torch.tensor([0.1, 0.2]),
+            r"tau has 2 per-member values but target\['w'\] has leading "
+            r"size 3",
+        ),
+    ],
+)
+def test_invalid_tau(update, tau, match):
+    target, online = pair()
+    with pytest.raises(ValueError, match=match):
+        update(target, online, tau)
+    assert not target["w"].any()
+
+
+@pytest.mark.parametrize("update", [fe.optim.polyak_update_, fe.optim.polyak_update])
+def test_mismatched_trees(update):
+    target, online = pair()
+    with pytest.raises(ValueError, match=r"target and online differ in structure"):
+        update(target, {"v": online["w"]}, 0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"target\['w'\] is \(3, 2\) torch.float32 on cpu in "
+        r"target but \(3, 3\)",
+    ):
+        update(target, {"w": torch.ones(N, 3)}, 0.1)
+    with pytest.raises(ValueError, match=r"torch.float64"):
+        update(target, {"w": torch.ones(N, 2, dtype=torch.float64)}, 0.1)
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"must be a tensor in both"):
+        update({"w": 1.0}, {"w": 2.0}, 0.1)
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"tau must be a float"):
+        update(target, online, "0.1")
+    assert not target["w"].any()
+
+
+def test_mixed_kinds_and_ensembles_in_the_pure_form():
+    ens = fe.Ensemble([nn.Linear(2, 2) for _ in range(N)])
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match=r"both be Ensembles or both be pytrees"):
+            fe.optim.polyak_update_(ens, ens.stacked_params(), 0.1)
+        with pytest.raises(TypeError, match=r"use polyak_update_ to update an Ensemble in place"):
+            fe.optim.polyak_update(ens, ens, 0.1)
+
+
+def test_ensembles_of_different_architectures():
+    a = fe.Ensemble([nn.Linear(2, 2) for _ in range(N)])
+    b = fe.Ensemble([nn.Linear(2, 3) for _ in range(N)])
+    before = a.stacked.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"target\['params'\]\['bias'\] is \(3, 2\)"):
+        fe.optim.polyak_update_(a, b, 0.1)
+    assert torch.equal(a.stacked.weight, before)
