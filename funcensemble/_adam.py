@@ -21,9 +21,9 @@ from ._optim import (
     chain,
     check_like,
     flatten,
-    is_trainable,
     leaves_like,
     scatter,
+    trainable,
 )
 from ._transforms import Schedule, decayed_weights, flip_sign, learning_rate
 
@@ -97,9 +97,12 @@ def _adam_moments(
 
     def init(params: PyTree) -> AdamState:
         leaves, spec = flatten(params)
-        train = [is_trainable(x) for x in leaves]
+        indices = trainable(leaves)
         for h in per_member:
-            check_members(h, where, spec, leaves, [i for i, t in enumerate(train) if t])
+            check_members(h, where, spec, leaves, indices)
+        train = [False] * len(leaves)
+        for i in indices:
+            train[i] = True
 
         def zeros(wanted: bool) -> PyTree:
             return spec.unflatten(
@@ -136,8 +139,7 @@ def _adam_moments(
         active = [i for i in active if counts[i] is not None]
         if not active:
             return spec.unflatten([None] * len(counts)), state
-        for i in active:
-            check_like(where, "the update", spec, i, grads[i], mu[i])
+        check_like(where, "the update", spec, active, grads, mu)
         for h in per_member:
             check_members(h, where, spec, mu, active)
 

@@ -50,14 +50,25 @@ class EmptyState(NamedTuple):
     """
 
 
-def is_trainable(leaf: object) -> bool:
-    """Whether a transform updates this leaf: floating-point tensors only."""
-    if isinstance(leaf, Tensor) and leaf.is_complex():
-        raise TypeError(
-            "funcensemble.optim: complex parameters are not supported; store them as real "
-            "tensors (torch.view_as_real) in the parameter tree."
-        )
-    return isinstance(leaf, Tensor) and leaf.is_floating_point()
+# The checks below take whole lists of leaves, not one leaf per call: a transform calls
+# them on every step, and one call per leaf would cost as much as the kernels for small
+# models (more still under the test run's runtime type checker).
+
+
+def trainable(leaves: list[Any]) -> list[int]:
+    """The indices of the leaves a transform updates: floating-point tensors."""
+    out = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            continue
+        if leaf.is_complex():
+            raise TypeError(
+                "funcensemble.optim: complex parameters are not supported; store them as real "
+                "tensors (torch.view_as_real) in the parameter tree."
+            )
+        if leaf.is_floating_point():
+            out.append(i)
+    return out
 
 
 def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
@@ -83,24 +94,38 @@ def leaf_name(spec: optree.PyTreeSpec, index: int, root: str = "params") -> str:
     return optree.treespec_accessors(spec)[index].codify(root)
 
 
-def check_tensor(where: str, what: str, spec: optree.PyTreeSpec, index: int, x: Any) -> None:
-    """Check that ``x`` is a tensor or None."""
-    if x is not None and not isinstance(x, Tensor):
-        raise TypeError(
-            f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
-            "expected a tensor or None."
-        )
+def check_tensors(where: str, what: str, spec: optree.PyTreeSpec, xs: list[Any]) -> None:
+    """Check that every leaf is a tensor or None."""
+    for index, x in enumerate(xs):
+        if x is not None and not isinstance(x, Tensor):
+            raise TypeError(
+                f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
+                "expected a tensor or None."
+            )
 
 
-def check_like(where: str, what: str, spec: optree.PyTreeSpec, index: int, x: Any, ref: Tensor):
-    """Check that ``x`` can stand in for ``ref`` (same shape, dtype and device)."""
-    check_tensor(where, what, spec, index, x)
-    if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
-        raise ValueError(
-            f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "
-            f"dtype {x.dtype}, device {x.device}; expected {tuple(ref.shape)}, {ref.dtype}, "
-            f"{ref.device} like the parameter."
-        )
+def check_like(
+    where: str,
+    what: str,
+    spec: optree.PyTreeSpec,
+    indices: list[int],
+    xs: list[Any],
+    refs: list[Any],
+) -> None:
+    """Check that ``xs[i]`` can stand in for ``refs[i]`` (same shape, dtype and device)."""
+    for index in indices:
+        x, ref = xs[index], refs[index]
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
+                "expected a tensor or None."
+            )
+        if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
+            raise ValueError(
+                f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "
+                f"dtype {x.dtype}, device {x.device}; expected {tuple(ref.shape)}, "
+                f"{ref.dtype}, {ref.device} like the parameter."
+            )
 
 
 def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, ...]) -> list:
@@ -186,7 +211,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
                 f"{where}: {leaf_name(spec, i)} is a {type(leaves[i]).__name__} but has an "
                 "update; only tensor leaves can be updated."
             )
-        check_like(where, "the update", spec, i, ups[i], leaves[i])
+    check_like(where, "the update", spec, active, ups, leaves)
     if not active:
         return spec.unflatten(leaves)
     with torch.no_grad():

@@ -21,11 +21,11 @@ from ._optim import (
     GradientTransformation,
     PyTree,
     check_like,
-    check_tensor,
+    check_tensors,
     flatten,
-    is_trainable,
     leaves_like,
     scatter,
+    trainable,
 )
 
 Schedule = Callable[[Int[Tensor, ""]], Any]
@@ -52,17 +52,16 @@ def _mul(xs: list[Tensor], factor: float | list[Tensor]) -> list[Tensor]:
     return list(torch._foreach_mul(xs, factor))
 
 
-def _map_active(where: str, updates: PyTree, fn: Callable[[list[Tensor]], list[Tensor]]) -> PyTree:
-    """Apply ``fn`` to the floating-point update leaves; every other leaf becomes None."""
+def _float_updates(where: str, updates: PyTree) -> tuple[list[Any], Any, list[int]]:
+    """The update leaves, their structure, and the indices of the floating-point ones."""
     leaves, spec = flatten(updates)
-    for i, u in enumerate(leaves):
-        check_tensor(where, "the update", spec, i, u)
-    active = [i for i, u in enumerate(leaves) if is_trainable(u)]
-    out = [None] * len(leaves)
-    if active:
-        with torch.no_grad():
-            out = scatter(out, active, fn([leaves[i] for i in active]))
-    return spec.unflatten(out)
+    check_tensors(where, "the update", spec, leaves)
+    return leaves, spec, trainable(leaves)
+
+
+def _only(spec: Any, size: int, active: list[int], new: list[Tensor]) -> PyTree:
+    """A tree with ``new`` at the ``active`` leaves and None everywhere else."""
+    return spec.unflatten(scatter([None] * size, active, new))
 
 
 def flip_sign(where: str) -> GradientTransformation:
@@ -72,7 +71,10 @@ def flip_sign(where: str) -> GradientTransformation:
         return EmptyState()
 
     def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        return _map_active(where, updates, lambda us: list(torch._foreach_neg(us))), state
+        leaves, spec, active = _float_updates(where, updates)
+        with torch.no_grad():
+            new = list(torch._foreach_neg([leaves[i] for i in active])) if active else []
+        return _only(spec, len(leaves), active, new), state
 
     return GradientTransformation(init, update)
 
@@ -82,9 +84,7 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
 
     def init(params: PyTree) -> EmptyState:
         leaves, spec = flatten(params)
-        check_members(
-            weight_decay, where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
-        )
+        check_members(weight_decay, where, spec, leaves, trainable(leaves))
         return EmptyState()
 
     def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
@@ -94,15 +94,10 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
             )
         leaves, spec = flatten(params)
         ups = leaves_like(where, "updates", spec, updates)
-        for i, u in enumerate(ups):
-            check_tensor(where, "the update", spec, i, u)
-        active = [
-            i
-            for i, (u, p) in enumerate(zip(ups, leaves, strict=True))
-            if is_trainable(u) and is_trainable(p)
-        ]
-        for i in active:
-            check_like(where, "the update", spec, i, ups[i], leaves[i])
+        check_tensors(where, "the update", spec, ups)
+        floats = set(trainable(leaves))
+        active = [i for i in trainable(ups) if i in floats]
+        check_like(where, "the update", spec, active, ups, leaves)
         check_members(weight_decay, where, spec, leaves, active)
         out = [None] * len(leaves)
         if active:
@@ -145,22 +140,21 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
     """``scale_by_learning_rate`` from an already validated value or schedule."""
 
     def scale(updates: PyTree, value: Hyper) -> PyTree:
-        leaves, spec = flatten(updates)
-        active = [i for i, u in enumerate(leaves) if is_trainable(u)]
+        leaves, spec, active = _float_updates(where, updates)
         check_members(value, where, spec, leaves, active)
-        neg = hyper_map(value, lambda v: -v)
-        # A lambda, not a nested def: annotated closures defined while torch.compile
-        # traces would be re-decorated by the test run's runtime type checker.
-        return _map_active(where, updates, lambda us: _mul(us, per_leaf(neg, us)))
+        if not active:
+            return _only(spec, len(leaves), active, [])
+        us = [leaves[i] for i in active]
+        with torch.no_grad():
+            new = _mul(us, per_leaf(hyper_map(value, lambda v: -v), us))
+        return _only(spec, len(leaves), active, new)
 
     if isinstance(lr, Hyper):
         constant = lr
 
         def init(params: PyTree) -> EmptyState:
             leaves, spec = flatten(params)
-            check_members(
-                constant, where, spec, leaves, [i for i, x in enumerate(leaves) if is_trainable(x)]
-            )
+            check_members(constant, where, spec, leaves, trainable(leaves))
             return EmptyState()
 
         def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
