@@ -34,7 +34,8 @@ test: $(STAMP)
 	$(BIN)/mkdocs build --strict --quiet
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m pip install --quiet -e '.[bench]' $(TORCH_DEV)
+	$(BIN)/python -m benchmarks.run $(ARGS)
 
 clean:
 	rm -rf $(VENV) site

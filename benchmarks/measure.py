@@ -1,0 +1,225 @@
+"""Measurements: equivalence checks, interleaved timing, matmul peak and step memory.
+
+``python -m benchmarks.measure WORKLOAD METHOD N`` is the child process that measures
+one method's training-step memory in a fresh interpreter (see `step_memory`).
+"""
+
+import argparse
+import gc
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.benchmark import Timer
+
+from .methods import METHODS, Runner
+from .workloads import WORKLOADS
+
+ROOT = Path(__file__).resolve().parent.parent  # where `python -m benchmarks...` runs
+CHECK_STEPS = 2  # training steps run by every method before its state is compared
+
+
+def tolerances(dtype: torch.dtype, train: bool) -> dict[str, float]:
+    """How close a method must come to the loop.
+
+    Batched kernels sum in another order than N separate ones; after a few Adam steps
+    (whose first update is about ``lr * sign(grad)``) float32 rounding shows in the
+    4th-5th digit. Float64 must agree to rounding.
+    """
+    if dtype == torch.float64:
+        return {"rtol": 1e-7, "atol": 1e-9}
+    return {"rtol": 1e-3, "atol": 1e-4} if train else {"rtol": 1e-4, "atol": 1e-5}
+
+
+def quiet_compile_logs() -> None:
+    """Silence dynamo's note that ``torch.optim``'s profiler annotations are not traced."""
+    logging.getLogger("torch._dynamo.variables.ctx_manager").setLevel(logging.ERROR)
+    logging.getLogger("torch._dynamo.variables.torch").setLevel(logging.ERROR)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Checked:
+    """What a method computed in its check: outputs (inference) or state (training)."""
+
+    value: Tensor | dict[str, Tensor]
+    first_call_s: float  # the first call alone: for compiled methods, mostly compilation
+
+
+def run_check(runner: Runner, *, train: bool, device: str) -> Checked:
+    """The first calls of a freshly built method, and what they computed."""
+    sync(device)
+    start = time.perf_counter()
+    out = runner.step()
+    sync(device)
+    first = time.perf_counter() - start
+    if not train:
+        return Checked(out.detach().clone(), first)
+    for _ in range(CHECK_STEPS - 1):
+        runner.step()
+    return Checked(runner.state(), first)
+
+
+def compare(got: Checked, ref: Checked, *, train: bool, dtype: torch.dtype) -> str | None:
+    """``None`` if ``got`` matches the loop's ``ref``, else what differs."""
+    tol = tolerances(dtype, train)
+    pairs: list[tuple[str, Tensor, Tensor]]
+    if isinstance(ref.value, Tensor):
+        pairs = [("output", got.value, ref.value)]  # type: ignore[list-item]
+    else:
+        assert isinstance(got.value, dict)
+        if got.value.keys() != ref.value.keys():
+            return f"state keys {sorted(got.value)} != loop's {sorted(ref.value)}"
+        pairs = [(k, got.value[k], ref.value[k]) for k in ref.value]
+    for name, a, b in pairs:
+        try:
+            torch.testing.assert_close(a, b, check_device=False, **tol)
+        except AssertionError as error:
+            return f"{name}: {str(error).splitlines()[0]} ({str(error).splitlines()[-2].strip()})"
+    return None
+
+
+@dataclass
+class Timing:
+    times: list[float] = field(default_factory=list)  # seconds per call, one per block
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.times))
+
+    @property
+    def iqr(self) -> float:
+        q25, q75 = np.percentile(self.times, [25, 75])
+        return float(q75 - q25)
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], Any]], *, rounds: int, min_run_time: float, threads: int
+) -> dict[str, Timing]:
+    """Time every step with ``Timer.blocked_autorange``, rounds interleaved across steps.
+
+    Interleaving spreads slow drifts of a shared machine (other jobs, clocks) over all
+    methods instead of loading them onto whichever ran at the wrong moment.
+    """
+    timers = {
+        k: Timer("step()", globals={"step": s}, num_threads=threads) for k, s in steps.items()
+    }
+    out = {k: Timing() for k in steps}
+    for _ in range(rounds):
+        for k, timer in timers.items():
+            out[k].times.extend(timer.blocked_autorange(min_run_time=min_run_time).times)
+    return out
+
+
+def matmul_peak_gflops(*, device: str, size: int, threads: int, min_run_time: float) -> float:
+    """This machine's float32 ``torch.mm`` throughput on one large square product."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    torch.mm(a, b)
+    timer = Timer("torch.mm(a, b)", globals={"a": a, "b": b, "torch": torch}, num_threads=threads)
+    seconds = timer.blocked_autorange(min_run_time=min_run_time).median
+    return 2 * size**3 / seconds / 1e9
+
+
+# -- memory of one training step, in a fresh process -----------------------------------
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak RSS (Linux >= 4.0), so ru_maxrss tracks from now on."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _maxrss_bytes() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _child(workload: str, method: str, n: int, device: str, threads: int) -> dict[str, Any]:
+    """Build, warm up (optimizer state, caches, compilation), then measure one step."""
+    torch.set_num_threads(threads)
+    quiet_compile_logs()
+    cuda = device.startswith("cuda")
+    w = WORKLOADS[workload]
+    x, y = w.data(n, device=device)
+    runner = METHODS[method].build(w, w.members(n, device=device), x, y, True)
+    for _ in range(2):
+        runner.step()
+    sync(device)
+    gc.collect()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        runner.step()
+        sync(device)
+        peak = torch.cuda.max_memory_allocated() - before
+        return {"step_peak_bytes": peak, "resting_bytes": before}
+    if not _reset_peak_rss():
+        return {"error": "cannot reset the peak RSS (needs Linux /proc/self/clear_refs)"}
+    before = _maxrss_bytes()
+    runner.step()
+    return {"step_peak_bytes": _maxrss_bytes() - before}
+
+
+def step_memory(
+    workload: str, method: str, n: int, *, device: str, threads: int, timeout: float = 600
+) -> dict[str, Any]:
+    """Peak memory of one training step above the resting state, in a fresh process.
+
+    The resting state is the memory held between steps (weights, gradients left from
+    the previous step, optimizer state, data), after two warm-up steps. On CPU the peak
+    is the rise of ``ru_maxrss`` over one step after resetting it; on GPU the rise of
+    ``max_memory_allocated``, which also gives the resting state itself.
+    """
+    cmd = [sys.executable, "-m", "benchmarks.measure", workload, method, str(n)]
+    cmd += ["--device", device, "--threads", str(threads)]
+    # With glibc's default (dynamic) mmap threshold, a step's buffers are served from
+    # heap memory the warm-up steps already touched, and RSS never rises again. A fixed
+    # page-sized threshold returns every buffer of a page or more to the OS when freed,
+    # so each step's transient allocations show up in its own peak RSS.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"exit {proc.returncode}: {tail[0]}"}
+    return json.loads(lines[-1])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Training-step memory of one method.")
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("method", choices=sorted(METHODS))
+    parser.add_argument("n", type=int)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    print(json.dumps(_child(args.workload, args.method, args.n, args.device, args.threads)))
+
+
+if __name__ == "__main__":
+    main()

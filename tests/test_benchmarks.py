@@ -1,0 +1,89 @@
+"""Smoke tests of the benchmark suite: every method still computes what the loop does.
+
+Tiny sizes, float64, one or two steps, no timing assertions: this only keeps
+``python -m benchmarks.run`` from rotting as the library changes.
+"""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import measure, run
+from benchmarks.methods import METHODS, Unsupported
+from benchmarks.workloads import WORKLOADS
+
+N, BATCH = 3, 4
+# Known limitations of other libraries, reported as such in the tables.
+UNSUPPORTED = {("tensordict", "C")}
+
+
+def _cases():
+    for wk, w in WORKLOADS.items():
+        for mode in ("infer", "train"):
+            for mk, m in METHODS.items():
+                if mk == "loop" or not m.applies(w, mode):
+                    continue
+                marks = [pytest.mark.slow] if m.compiled else []
+                yield pytest.param(wk, mode, mk, id=f"{wk}-{mode}-{mk}", marks=marks)
+
+
+def _checked(workload, mode, method):
+    w, train = WORKLOADS[workload], mode == "train"
+    x, y = w.data(N, batch=BATCH, dtype=torch.float64)
+    runner = METHODS[method].build(w, w.members(N, dtype=torch.float64), x, y, train)
+    return measure.run_check(runner, train=train, device="cpu")
+
+
+@pytest.mark.parametrize(("workload", "mode", "method"), list(_cases()))
+def test_method_matches_loop(workload, mode, method):
+    why = METHODS[method].unavailable(mode)
+    if why:
+        pytest.skip(why)
+    torch._dynamo.reset()
+    if (method, workload) in UNSUPPORTED:
+        with pytest.raises(Unsupported):
+            _checked(workload, mode, method)
+        return
+    ref = _checked(workload, mode, "loop")
+    got = _checked(workload, mode, method)
+    assert measure.compare(got, ref, train=mode == "train", dtype=torch.float64) is None
+
+
+def test_compare_reports_a_difference():
+    ref = measure.Checked({"w": torch.zeros(3, 2, dtype=torch.float64)}, 0.0)
+    got = measure.Checked({"w": torch.full((3, 2), 1e-3, dtype=torch.float64)}, 0.0)
+    assert "w" in measure.compare(got, ref, train=True, dtype=torch.float64)
+    other = measure.Checked({"v": torch.zeros(3, 2, dtype=torch.float64)}, 0.0)
+    assert "keys" in measure.compare(other, ref, train=True, dtype=torch.float64)
+
+
+def test_flops_of_the_heads():
+    # Linear(8,32)-Tanh-Linear(32,4) over 256 rows: 2*256*(8*32 + 32*4) per forward.
+    forward = 2 * 256 * (8 * 32 + 32 * 4)
+    assert WORKLOADS["S"].flops(5, train=False) == 5 * forward
+    # Training adds the weight gradients, and input gradients of the second layer only.
+    assert WORKLOADS["S"].flops(5, train=True) == 5 * (2 * forward + 2 * 256 * 32 * 4)
+
+
+def test_run_writes_the_report(tmp_path, capsys):
+    rows = run.main(
+        ["--quick", "--workloads", "S,C", "--methods", "fe.Ensemble,conv1d", "--sizes", "2",
+         "--threads", "1", "--rounds", "1", "--min-run-time", "0.001", "--no-memory",
+         "--name", "smoke", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert {(r.workload, r.method) for r in rows} == {
+        (w, m) for w in "SC" for m in ("loop", "fe.Ensemble")
+    } | {("S", "conv1d")}
+    assert all(r.ok and r.median_s > 0 for r in rows)
+    text = (tmp_path / "smoke.md").read_text()
+    assert "## S:" in text and "## C:" in text and "fe.Ensemble" in text
+    saved = json.loads((tmp_path / "smoke.json").read_text())
+    assert len(saved["rows"]) == len(rows)
+    assert "| 2 | loop" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_step_memory_in_a_subprocess():
+    found = measure.step_memory("S", "loop", 2, device="cpu", threads=1, timeout=120)
+    assert found.get("step_peak_bytes", -1) >= 0, found
