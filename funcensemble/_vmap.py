@@ -216,6 +216,7 @@ def vmap(
             clear = _explain(error, randomness)
             if clear is None:
                 raise
-            raise clear from error
+            # Keep the frames down to the offending op, but not torch's internal wording.
+            raise clear.with_traceback(error.__traceback__) from None
 
     return mapped

@@ -7,6 +7,7 @@ funcensemble's own message with the runtime checker off (what users see).
 """
 
 import copy
+import traceback
 
 import jaxtyping
 import pytest
@@ -342,7 +343,7 @@ def test_op_without_batching_rule_raises_instead_of_looping(nested: bool) -> Non
             torch.func.grad(lambda p: fe.vmap(fmodel)(p, buffers, x).sum())(params)
         else:
             fe.Ensemble(modules)(x)
-    assert "We could not generate a fallback" not in str(info.value)
+    assert "could not generate a fallback" not in "".join(traceback.format_exception(info.value))
     # The global switches are restored after the error.
     assert functorch._is_vmap_fallback_enabled() == fallback_before
     assert torch.backends.mha.get_fastpath_enabled()
