@@ -166,6 +166,10 @@ def test_load_state_dict_rejects_a_mismatch_before_changing_anything():
     )
     with pytest.raises(ValueError, match=r"missing keys .* unexpected keys"):
         opt.load_state_dict(chained.state_dict())
+    corrupt = opt.state_dict()
+    corrupt["state"] = {k: 1.0 if v is not None else v for k, v in corrupt["state"].items()}
+    with pytest.raises(ValueError, match=r"is a float in the state_dict; this optimizer has shape"):
+        opt.load_state_dict(corrupt)
     with runtime_typecheck_off(), pytest.raises(TypeError, match=r"Expected the dict returned"):
         opt.load_state_dict({"mu": 1})
     assert opt.state is before

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import (
     assert_trees_equal,
+    optim_batch,
     optim_loss,
     optim_net_members,
     runtime_typecheck_off,
@@ -280,6 +281,38 @@ def test_per_member_schedule():
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
 
     assert_matches_torch(run(fe.optim.adam(lambda c: lrs * 0.5**c), torch_opt), amsgrad=False)
+
+
+def test_functional_loop_with_fe_value_and_grad_matches_torch_optim():
+    """End to end: fe.value_and_grad's per-member grads (None for the unused layer)."""
+    reference = optim_net_members(N)
+    fmodel, params, buffers = fe.stack(copy.deepcopy(reference))
+    params = {k: v.detach() for k, v in params.items()}
+    start = {k: v.clone() for k, v in params.items()}
+    opt = fe.optim.adam(1e-2, weight_decay=1e-2, amsgrad=True)
+    state = opt.init(params)
+    torch_opts = [
+        torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-2, amsgrad=True)
+        for m in reference
+    ]
+
+    def loss_fn(p, b, x, y):
+        return ((fmodel(p, b, x) - y) ** 2).mean()
+
+    value_and_grad = fe.value_and_grad(loss_fn, in_dims=(0, 0))
+    for step in range(STEPS):
+        for i, (m, o) in enumerate(zip(reference, torch_opts, strict=True)):
+            o.zero_grad()
+            optim_loss(m, step, i).backward()
+            o.step()
+        xs, ys = zip(*[optim_batch(step, i) for i in range(N)], strict=True)
+        _, grads, buffers = value_and_grad(params, buffers, torch.stack(xs), torch.stack(ys))
+        assert grads["unused.weight"] is None
+        updates, state = opt.update(grads, state, params)
+        params = fe.optim.apply_updates(params, updates)
+    for name in params:
+        theirs = torch.stack([named(m)[name].detach() for m in reference])
+        torch.testing.assert_close(params[name] - start[name], theirs - start[name], **TOL)
 
 
 # --- the functional contract ------------------------------------------------------------
