@@ -105,9 +105,13 @@ def _check_tensors(
                 shown_b = tuple(b) if field == "shape" else b
                 raise ValueError(
                     f"{where}: member {index} has {kind[:-1]} `{name}` with {field} "
-                    f"{shown_a}; member 0 has {shown_b}. All members must share one "
-                    f"architecture{'' if field == 'shape' else ', dtype and device'}: "
-                    f"convert them first (e.g. module.to(...))."
+                    f"{shown_a}; member 0 has {shown_b}. "
+                    + (
+                        "All members must share one architecture."
+                        if field == "shape"
+                        else f"All members must share one {field}: convert them first "
+                        f"(e.g. module.to({shown_b!r}))."
+                    )
                 )
         if kind == "parameters" and other.requires_grad != spec.requires_grad:
             raise ValueError(

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from ._architecture import Architecture, check_is_module, check_same_architecture
 from ._seeding import member_seed, seeded_cpu_rng
 from ._skeleton import meta_skeleton, replace_tensors
-from ._stack import FunctionalModule, member_module, stack
+from ._stack import FunctionalModule, member_module, stack_as
 from ._vmap import InDims, Randomness, vmap
 
 
@@ -48,7 +48,7 @@ class Ensemble(nn.Module):
         randomness: Randomness = "different",
         chunk_size: int | None = None,
     ) -> None:
-        fmodel, params, buffers = stack(modules)
+        fmodel, params, buffers = stack_as("Ensemble", modules)
         super().__init__()
         self._adopt(fmodel.skeleton, params, buffers, randomness, chunk_size)
 

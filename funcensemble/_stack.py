@@ -87,18 +87,25 @@ def stack(
         >>> fe.vmap(fmodel)(params, buffers, torch.randn(32, 8)).shape
         torch.Size([16, 32, 4])
     """
+    return stack_as("stack", modules)
+
+
+def stack_as(
+    where: str, modules: Sequence[nn.Module] | nn.ModuleList
+) -> tuple[FunctionalModule, dict[str, Tensor], dict[str, Tensor]]:
+    """[`stack`][funcensemble.stack], with errors naming the public entry point ``where``."""
     if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
         raise TypeError(
-            "stack: Expected a sequence of modules (e.g. a list or nn.ModuleList), got a "
+            f"{where}: Expected a sequence of modules (e.g. a list or nn.ModuleList), got a "
             f"single {type(modules).__name__}."
         )
     modules = list(modules)
     if not modules:
-        raise ValueError("stack: Expected at least one module, got 0.")
-    first = check_is_module("stack", 0, modules[0])
+        raise ValueError(f"{where}: Expected at least one module, got 0.")
+    first = check_is_module(where, 0, modules[0])
     ref = Architecture.of(first)
     for k, module in enumerate(modules[1:], start=1):
-        check_same_architecture("stack", k, ref, check_is_module("stack", k, module))
+        check_same_architecture(where, k, ref, check_is_module(where, k, module))
     per_member = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in modules]
     params = {
         name: _stack_one(name, [p[name] for p, _ in per_member], spec.requires_grad)
