@@ -160,13 +160,21 @@ def _adam_moments(
                 root = list(torch._foreach_sqrt(v_max))
             else:
                 root = list(torch._foreach_sqrt(v_new))
-            # torch.optim's order: m / (sqrt(v) / sqrt(1 - b2^t) + eps) / (1 - b1^t).
+            # torch.optim computes m / (1 - b1^t) / (sqrt(v) / sqrt(1 - b2^t) + eps); the
+            # same, with both corrections folded into the small per-leaf factors, is
+            # m / (sqrt(v) * c + eps * bc1), c = bc1 / sqrt(bc2): one full pass fewer.
+            bc1 = _bias_corrections(b1, steps, m)
             bc2 = _bias_corrections(b2, steps, m)
             torch._foreach_sqrt_(bc2)
-            torch._foreach_div_(root, bc2)
-            torch._foreach_add_(root, per_leaf(eps, root))
+            torch._foreach_mul_(root, torch._foreach_div(bc1, bc2))
+            eps_ = per_leaf(eps, root)
+            torch._foreach_add_(
+                root,
+                torch._foreach_mul(bc1, eps_)
+                if isinstance(eps_, float)
+                else torch._foreach_mul(eps_, bc1),
+            )
             direction = list(torch._foreach_div(m_new, root))
-            torch._foreach_div_(direction, _bias_corrections(b1, steps, m))
 
         new_state = AdamState(
             spec.unflatten(scatter(counts, active, steps)),
