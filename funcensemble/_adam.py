@@ -100,27 +100,22 @@ def _adam_moments(
         indices = trainable(leaves)
         for h in per_member:
             check_members(h, where, spec, leaves, indices)
-        train = [False] * len(leaves)
-        for i in indices:
-            train[i] = True
+        # torch.optim's `step` is a float32 tensor too; here it lives on the leaf's device.
+        counts = [torch.zeros((), dtype=torch.float32, device=leaves[i].device) for i in indices]
+        none = [None] * len(leaves)
 
-        def zeros(wanted: bool) -> PyTree:
-            return spec.unflatten(
-                [
-                    torch.zeros_like(x, memory_format=torch.preserve_format)
-                    if t and wanted
-                    else None
-                    for x, t in zip(leaves, train, strict=True)
-                ]
-            )
-
-        count = spec.unflatten(
-            [
-                torch.zeros((), dtype=torch.float32, device=x.device) if t else None
-                for x, t in zip(leaves, train, strict=True)
+        def zeros() -> PyTree:
+            moments = [
+                torch.zeros_like(leaves[i], memory_format=torch.preserve_format) for i in indices
             ]
+            return spec.unflatten(scatter(none, indices, moments))
+
+        return AdamState(
+            spec.unflatten(scatter(none, indices, counts)),
+            zeros(),
+            zeros(),
+            zeros() if amsgrad else spec.unflatten(none),
         )
-        return AdamState(count, zeros(True), zeros(True), zeros(amsgrad))
 
     def update(
         updates: PyTree, state: AdamState, params: PyTree = None
@@ -135,8 +130,12 @@ def _adam_moments(
         mu = leaves_like(where, "state.mu", spec, state.mu)
         nu = leaves_like(where, "state.nu", spec, state.nu)
         nu_max = leaves_like(where, "state.nu_max", spec, state.nu_max)
-        active = [i for i, (g, c) in enumerate(zip(grads, counts, strict=True)) if g is not None]
-        active = [i for i in active if counts[i] is not None]
+        # Leaves without state (not floating point) or without a gradient are skipped.
+        active = [
+            i
+            for i, (g, c) in enumerate(zip(grads, counts, strict=True))
+            if g is not None and c is not None
+        ]
         if not active:
             return spec.unflatten([None] * len(counts)), state
         check_like(where, "the update", spec, active, grads, mu)

@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from jaxtyping import Int
 from torch import Tensor
@@ -48,18 +49,14 @@ class ScheduleState(NamedTuple):
     count: Int[Tensor, ""]
 
 
-def _mul(xs: list[Tensor], factor: float | list[Tensor]) -> list[Tensor]:
-    return list(torch._foreach_mul(xs, factor))
-
-
-def _float_updates(where: str, updates: PyTree) -> tuple[list[Any], Any, list[int]]:
+def _float_updates(where: str, updates: PyTree) -> tuple[list[Any], optree.PyTreeSpec, list[int]]:
     """The update leaves, their structure, and the indices of the floating-point ones."""
     leaves, spec = flatten(updates)
     check_tensors(where, "the update", spec, leaves)
     return leaves, spec, trainable(leaves)
 
 
-def _only(spec: Any, size: int, active: list[int], new: list[Tensor]) -> PyTree:
+def _only(spec: optree.PyTreeSpec, size: int, active: list[int], new: list[Tensor]) -> PyTree:
     """A tree with ``new`` at the ``active`` leaves and None everywhere else."""
     return spec.unflatten(scatter([None] * size, active, new))
 
@@ -146,7 +143,7 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
             return _only(spec, len(leaves), active, [])
         us = [leaves[i] for i in active]
         with torch.no_grad():
-            new = _mul(us, per_leaf(hyper_map(value, lambda v: -v), us))
+            new = list(torch._foreach_mul(us, per_leaf(hyper_map(value, lambda v: -v), us)))
         return _only(spec, len(leaves), active, new)
 
     if isinstance(lr, Hyper):
