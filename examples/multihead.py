@@ -10,8 +10,8 @@ steps) three ways and checks that every head ends at the same loss:
 
 * loop: ``nn.ModuleList`` and one ``torch.optim.Adam(foreach=True)`` (a fair baseline);
 * module face: ``fe.Ensemble(heads)`` and ``torch.optim.Adam(ens.parameters())``;
-* functional face: ``fe.value_and_grad`` and ``fe.optim.adam`` (when this version of
-  funcensemble has them).
+* functional face: ``fe.stack``, ``fe.value_and_grad`` and the pure optimizer
+  ``fe.optim.adam``.
 
 Run ``python examples/multihead.py`` (``--quick`` for a seconds-long smoke run).
 """
@@ -27,12 +27,17 @@ from torch import Tensor, nn
 import funcensemble as fe
 
 IN, HIDDEN, OUT = 8, 32, 4
-LR = 1e-2
+LR = 3e-3
 WARMUP = 3  # untimed first steps (allocator, caches, lazy init); they still train
-# The paths run the same float32 math, but a vectorized matmul sums in a different order
-# than N separate ones, so results differ in the last bits and Adam carries that through
-# the steps. Per-head final losses must agree to this relative tolerance.
-RTOL = 1e-4
+# All variants compute the same float32 math, but not always in the same order (a
+# vectorized matmul may sum differently than N separate ones; fe.optim.adam arranges
+# Adam's formula differently than torch.optim.Adam), so results can differ in the last
+# bits, and training amplifies such differences step after step. Measured here at the
+# default 300 steps: up to about 1e-5 relative. (At lr 1e-2 the heads reach a regime
+# where tiny gradients make Adam's normalized steps so sensitive that rounding grows to
+# about 1e-2 within 300 steps, even though the variants agree to 1e-16 per step in
+# float64; hence the moderate learning rate.) Per-head final losses must agree to:
+RTOL = 1e-3
 
 
 def make_heads(num_heads: int, *, seed: int) -> nn.ModuleList:
@@ -88,6 +93,25 @@ def ensemble_variant(heads: nn.ModuleList, x: Tensor, y: Tensor):
     return step, ens.unstack
 
 
+def functional_variant(heads: nn.ModuleList, x: Tensor, y: Tensor):
+    fmodel, params, buffers = fe.stack(heads)  # pure function + dicts of [N, ...] tensors
+
+    def loss_fn(params, buffers, x, y):  # ONE head's loss
+        return ((fmodel(params, buffers, x) - y) ** 2).mean()
+
+    losses_and_grads = fe.value_and_grad(loss_fn, in_dims=(None, 0))  # x shared, y per head
+    opt = fe.optim.adam(lr=LR)
+    state = opt.init(params)
+
+    def step() -> None:
+        nonlocal params, buffers, state
+        _, grads, buffers = losses_and_grads(params, buffers, x, y)
+        updates, state = opt.update(grads, state, params)
+        params = fe.optim.apply_updates(params, updates)
+
+    return step, lambda: fe.unstack(fmodel, params, buffers)
+
+
 @dataclass
 class Result:
     name: str
@@ -108,48 +132,29 @@ def run(name: str, variant: Variant, heads: nn.ModuleList, x: Tensor, y: Tensor,
 
 
 def variants() -> dict[str, Variant]:
-    found: dict[str, Variant] = {
+    return {
         "nn.ModuleList loop + torch.optim.Adam": loop_variant,
         "fe.Ensemble + torch.optim.Adam": ensemble_variant,
+        "fe.value_and_grad + fe.optim.adam": functional_variant,
     }
-    return found
 
 
-def main(argv: Sequence[str] | None = None) -> list[Result]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heads", type=int, default=128, help="number of heads (128)")
-    parser.add_argument("--steps", type=int, default=300, help="Adam steps per variant (300)")
-    parser.add_argument("--batch", type=int, default=256, help="shared batch size (256)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (0)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 16 heads, 20 steps")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.heads, args.steps = 16, 20
-    if args.heads < 1 or args.steps < 1 or args.batch < 1:
-        parser.error("--heads, --steps and --batch must be positive")
+def relative_gap(losses: Tensor, reference: Tensor) -> float:
+    return ((losses - reference).abs() / reference.abs()).max().item()
 
-    x, y = make_data(args.heads, args.batch, seed=args.seed)
-    print(
-        f"{args.heads} heads Linear({IN},{HIDDEN})-Tanh-Linear({HIDDEN},{OUT}), shared batch "
-        f"{args.batch}, {args.steps} Adam steps (lr {LR}), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s)\n"
-    )
-    results = [
-        run(name, variant, make_heads(args.heads, seed=args.seed), x, y, args.steps)
-        for name, variant in variants().items()
-    ]
 
+def print_table(results: list[Result]) -> None:
     base = results[0]
-    rows = [("variant", "steps/s", "speed-up", "mean loss", "max |Δ loss| vs loop")]
+    rows = [("variant", "steps/s", "speed-up", "mean loss", "max |Δ loss|", "max rel. Δ")]
     for r in results:
-        diff = (r.losses - base.losses).abs().max().item()
         rows.append(
             (
                 r.name,
                 f"{r.steps_per_s:.1f}",
-                f"{r.steps_per_s / base.steps_per_s:.2f}x",
+                f"{r.steps_per_s / base.steps_per_s:.1f}x",
                 f"{r.losses.mean().item():.5f}",
-                "-" if r is base else f"{diff:.2e}",
+                "-" if r is base else f"{(r.losses - base.losses).abs().max().item():.1e}",
+                "-" if r is base else f"{relative_gap(r.losses, base.losses):.1e}",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -160,14 +165,47 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         if k == 0:
             print("  ".join("-" * w for w in widths))
 
+
+def main(argv: Sequence[str] | None = None) -> list[Result]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", type=int, default=128, help="number of heads (128)")
+    parser.add_argument("--steps", type=int, default=300, help="Adam steps per variant (300)")
+    parser.add_argument("--batch", type=int, default=256, help="shared batch size (256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (0)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (torch's default)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16 heads, 20 steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.heads, args.steps = 16, 20
+    if min(args.heads, args.steps, args.batch, args.threads or 1) < 1:
+        parser.error("--heads, --steps, --batch and --threads must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    x, y = make_data(args.heads, args.batch, seed=args.seed)
+    print(
+        f"{args.heads} heads Linear({IN},{HIDDEN})-Tanh-Linear({HIDDEN},{OUT}), shared batch "
+        f"{args.batch}, {args.steps} Adam steps (lr {LR}); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU thread(s)\n"
+    )
+    results = [
+        run(name, variant, make_heads(args.heads, seed=args.seed), x, y, args.steps)
+        for name, variant in variants().items()
+    ]
+    print_table(results)
+
+    base = results[0]
     for r in results[1:]:
         if not torch.allclose(r.losses, base.losses, rtol=RTOL, atol=0.0):
-            worst = ((r.losses - base.losses).abs() / base.losses.abs()).max().item()
             raise AssertionError(
                 f"{r.name}: per-head final losses differ from the loop's by up to "
-                f"{worst:.2e} (relative), more than the float32 tolerance {RTOL:.0e}."
+                f"{relative_gap(r.losses, base.losses):.1e} (relative), more than the "
+                f"tolerance {RTOL:.0e}. (Very long runs amplify float32 rounding; see RTOL.)"
             )
-    print(f"\nAll {args.heads} per-head final losses agree with the loop (rtol {RTOL:.0e}).")
+    print(
+        f"\nAll {args.heads} heads end at the same loss in every variant "
+        f"(relative tolerance {RTOL:.0e})."
+    )
     return results
 
 

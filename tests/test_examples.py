@@ -31,7 +31,7 @@ def test_multihead_quick_agrees_with_the_loop(capsys):
         assert r.losses.shape == (16,)
         assert r.steps_per_s > 0
         assert r.name in out
-    assert "agree with the loop" in out
+    assert "end at the same loss in every variant" in out
 
 
 def test_multihead_options():
