@@ -1,0 +1,161 @@
+"""One rank of the multi-process tests in test_distributed.py (run as a script, not collected).
+
+``python distributed_worker.py OUTDIR [--train] [--save DIR] [--load DIR] [--fail MODE]``,
+with the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Rank 0
+writes what the test compares to OUTDIR as torch files. ``train_members`` is also what
+the test runs in a single process as the reference.
+"""
+
+import argparse
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import funcensemble as fe
+
+NUM_MEMBERS = 5  # uneven on 2 ranks (3 + 2), 3 ranks (2 + 2 + 1) and 4 ranks (2 + 1 + 1 + 1)
+STEPS = 3
+SAMPLES, BATCH = 32, 8
+SEED = 0
+
+
+def make_member() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+
+
+def dataset() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 4, generator=g, dtype=torch.float64)
+    return x, torch.sin(x @ torch.randn(4, 2, generator=g, dtype=torch.float64))
+
+
+def test_inputs() -> Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
+def train_members(ens: fe.Ensemble, shard: fe.distributed.MemberShard) -> dict[str, Any]:
+    """Bagging: each member trains on its own bootstrap sample, drawn from a shared seed."""
+    x, y = dataset()
+    # Every rank draws the indices of all N members from the same seed, then keeps its own.
+    indices = fe.bootstrap_indices(
+        shard.num_members, SAMPLES, generator=torch.Generator().manual_seed(3)
+    )
+    mine = shard.select(indices)  # [my members, SAMPLES]
+    fmodel = ens.fmodel
+    params = {k: v.detach() for k, v in ens.stacked_params().items()}
+    buffers = dict(ens.stacked_buffers())
+    opt = fe.optim.adam(1e-2)
+    state = opt.init(params)
+
+    def loss_fn(p, b, xb, yb):
+        return torch.nn.functional.mse_loss(fmodel(p, b, xb), yb)
+
+    step = fe.value_and_grad(loss_fn, in_dims=0)
+    for s in range(STEPS):
+        rows = mine[:, s * BATCH : (s + 1) * BATCH]  # [my members, BATCH]
+        _, grads, buffers = step(params, buffers, x[rows], y[rows])
+        updates, state = opt.update(grads, state, params)
+        params = fe.optim.apply_updates(params, updates)
+    return {"params": params, "buffers": buffers, "opt": state, "step": STEPS}
+
+
+def look_at_all_members(run: dict[str, Any], ens: fe.Ensemble, shard) -> dict[str, Tensor]:
+    """Predictions and reductions over all N members (collectives across ranks)."""
+    d = fe.distributed
+    preds = fe.vmap(ens.fmodel)(run["params"], run["buffers"], test_inputs())[..., 0]
+    return {
+        "params": d.all_gather(run["params"], shard),
+        "mu": d.all_gather(run["opt"][0].mu, shard),
+        "preds": d.all_gather(preds, shard),
+        "mean": d.mean(preds, shard),
+        "var": d.var(preds, shard),
+        "std": d.std(preds, shard, correction=0),
+        "min": d.min(preds, shard),
+        "max": d.max(preds, shard),
+        "subset_min": d.subset_min(preds, shard, 2, generator=torch.Generator().manual_seed(7)),
+        "subset_min_per_sample": d.subset_min(
+            preds, shard, 3, generator=torch.Generator().manual_seed(8), per_sample=True
+        ),
+    }
+
+
+def template(shard) -> dict[str, Any]:
+    """This rank's fresh structure to load into: other weights, zero optimizer state."""
+    ens = shard.from_factory(make_member, seed=123)
+    params = {k: v.detach() for k, v in ens.stacked_params().items()}
+    return {
+        "params": params,
+        "buffers": dict(ens.stacked_buffers()),
+        "opt": fe.optim.adam(1e-2).init(params),
+        "step": 0,
+    }
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--train", action="store_true")
+    parser.add_argument("--save", type=Path)
+    parser.add_argument("--load", type=Path)
+    parser.add_argument("--fail", choices=["raise", "hang"])
+    args = parser.parse_args(argv)
+
+    fe.distributed.init_process_group(timeout=timedelta(seconds=60))
+    try:
+        rank = dist.get_rank()
+        results: dict[str, Any] = {"world_size": dist.get_world_size()}
+        if args.fail:
+            fail(args.fail, rank)
+        shard = fe.distributed.MemberShard(NUM_MEMBERS)
+        results["sizes"] = shard.sizes
+        if args.train:
+            ens = shard.from_factory(make_member, seed=SEED)
+            run = train_members(ens, shard)
+            results["trained"] = look_at_all_members(run, ens, shard)
+            if args.save:  # the functional state, and the trained members as an Ensemble
+                fe.distributed.save(args.save / "run", run, shard)
+                with torch.no_grad():
+                    for name, t in ens.stacked_params().items():
+                        t.copy_(run["params"][name])
+                fe.distributed.save(args.save / "ensemble", ens, shard)
+        if args.load:
+            loaded = fe.distributed.load(args.load / "run", template(shard), shard)
+            ens = shard.from_factory(make_member, seed=9)
+            fe.distributed.load(args.load / "ensemble", ens)  # shard from the checkpoint
+            results["loaded"] = {
+                "params": fe.distributed.all_gather(loaded["params"], shard),
+                "mu": fe.distributed.all_gather(loaded["opt"][0].mu, shard),
+                "count": loaded["opt"][0].count,
+                "step": loaded["step"],
+                "ensemble": fe.distributed.all_gather(dict(ens.stacked_params()), shard),
+            }
+        if rank == 0:
+            torch.save(results, args.out / "results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def fail(mode: str, rank: int) -> None:
+    if mode == "raise":
+        if rank == 1:
+            raise ValueError("rank 1 fails on purpose")
+        shard = fe.distributed.MemberShard(NUM_MEMBERS)
+        fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
+    else:
+        # A group whose collectives wait 3 seconds at most; rank 1 never joins in.
+        group = dist.new_group(timeout=timedelta(seconds=3))
+        dist.barrier(group)
+        if rank == 1:
+            time.sleep(120)
+        shard = fe.distributed.MemberShard(NUM_MEMBERS, group=group)
+        fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,563 @@
+"""fe.distributed across processes: MemberShard, collectives, sharded checkpoints.
+
+Single-process tests run here, with no process group (one rank holding every member),
+or with "fake" shards standing for rank r of W. Multi-process tests start real ranks
+(``distributed_worker.py``) over gloo on the loopback interface, each run bounded by a
+timeout that kills every rank and shows their output; they compare with the same
+training run in this process.
+"""
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import distributed_worker as worker
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_trees_close, assert_trees_equal, runtime_typecheck_off
+
+import funcensemble as fe
+from funcensemble.distributed import MemberShard
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(worker.__file__)
+HARD_TIMEOUT = 120.0  # seconds for one multi-process run, start-up included, on a busy machine
+GRACE = 15.0  # how long the other ranks may take to fail after the first one did
+
+
+def fake_shard(num_members: int, rank: int, world_size: int) -> MemberShard:
+    """The MemberShard that rank ``rank`` of ``world_size`` would hold, in this process."""
+    shard = MemberShard(num_members)
+    shard.rank, shard.world_size = rank, world_size
+    shard.slices = tuple(fe.distributed.member_slices(num_members, world_size))
+    shard.members = shard.slices[rank]
+    return shard
+
+
+# --- one process -----------------------------------------------------------------------
+
+
+def test_one_process_is_one_rank_with_every_member():
+    shard = MemberShard(7)
+    assert (shard.rank, shard.world_size, shard.size, shard.sizes) == (0, 1, 7, (7,))
+    assert shard.members == slice(0, 7)
+    assert repr(shard) == "MemberShard(num_members=7, rank=0, world_size=1, members=0:7)"
+
+
+def test_a_launched_rank_without_a_process_group_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"launched as one of 2 ranks .*init_process_group"):
+        MemberShard(4)
+    with pytest.raises(RuntimeError, match="launched as one of 2 ranks"):
+        fe.distributed.broadcast(torch.zeros(2))
+
+
+def test_member_shard_errors():
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match="num_members must be an int, got str"):
+            MemberShard("4")
+        with pytest.raises(ValueError, match="num_members must be at least 1, got 0"):
+            MemberShard(0)
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (2, 3), (3, 4)])
+def test_from_factory_and_select_give_the_ranks_rows_of_the_whole(rank, world):
+    shard = fake_shard(5, rank, world)
+    full = fe.Ensemble.from_factory(worker.make_member, num_members=5, seed=4)
+    mine = shard.from_factory(worker.make_member, seed=4)
+    rows = {k: v[shard.members] for k, v in full.stacked_params().items()}
+    assert_trees_equal(mine.stacked_params(), rows)
+    assert_trees_equal(shard.select(full).stacked_params(), rows)
+    params = {k: v.detach() for k, v in full.stacked_params().items()}
+    assert_trees_equal(shard.select(params), {k: v.detach() for k, v in rows.items()})
+    indices = fe.bootstrap_indices(5, 10, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(shard.select({"i": indices, "tag": "kept"})["i"], indices[shard.members])
+
+
+def test_select_copies_and_checks_the_member_axis():
+    shard = MemberShard(3)
+    t = torch.zeros(3, 2, requires_grad=True)
+    out = shard.select({"t": t})["t"]
+    assert out.requires_grad and out.is_leaf and out.data_ptr() != t.data_ptr()
+    with pytest.raises(ValueError, match=r"leaf 0 has leading size 4; expected the ensemble's 3"):
+        shard.select([torch.zeros(4)])
+    with pytest.raises(ValueError, match="leaf 0 has leading size no member axis"):
+        shard.select([torch.zeros(())])
+    with runtime_typecheck_off(), pytest.raises(TypeError, match="factory must be callable"):
+        shard.from_factory(3)
+
+
+# --- collectives in one process ----------------------------------------------------------
+
+
+def test_collectives_in_one_process_equal_fe_reduce_exactly():
+    shard = MemberShard(4)
+    x = torch.randn(4, 3, 2, dtype=torch.float64)
+    d = fe.distributed
+    assert torch.equal(d.all_gather(x, shard), x)
+    assert d.all_gather(x, shard).data_ptr() != x.data_ptr()
+    assert torch.equal(d.mean(x, shard), fe.reduce.mean(x))
+    assert torch.equal(d.var(x, shard), fe.reduce.var(x))
+    assert torch.equal(d.var(x, shard, correction=0), fe.reduce.var(x, correction=0))
+    assert torch.equal(d.std(x, shard), fe.reduce.std(x))
+    assert torch.equal(d.min(x, shard), fe.reduce.min(x))
+    assert torch.equal(d.max(x, shard), fe.reduce.max(x))
+    for k in (1, 2, 4):
+        for per_sample in (False, True):
+            got = d.subset_min(
+                x, shard, k, generator=torch.Generator().manual_seed(k), per_sample=per_sample
+            )
+            want = fe.reduce.subset_min(
+                x, k, generator=torch.Generator().manual_seed(k), per_sample=per_sample
+            )
+            assert torch.equal(got, want)
+    ints = torch.randint(-5, 5, (4, 6))
+    assert torch.equal(
+        d.subset_min(ints, shard, 2, generator=torch.Generator().manual_seed(0)),
+        fe.reduce.subset_min(ints, 2, generator=torch.Generator().manual_seed(0)),
+    )
+    tree = {"a": x, "b": [torch.ones(4, dtype=torch.bool)]}
+    assert_trees_equal(d.all_gather(tree, shard), tree)
+    assert_trees_equal(d.broadcast(tree), tree)
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (1, 3), (2, 3)])
+def test_subset_min_selects_the_same_members_on_every_rank(rank, world):
+    # The minimum over this rank's selected members (+inf where it has none) is what the
+    # all-reduce combines; the minimum of those over ranks must be the single-process one.
+    x = torch.randn(5, 7, dtype=torch.float64)
+    parts = []
+    for r in range(world):
+        shard = fake_shard(5, r, world)
+        shard.world_size = 1  # compute this rank's contribution without communicating
+        parts.append(
+            fe.distributed.subset_min(
+                x[shard.members], shard, 3, generator=torch.Generator().manual_seed(rank)
+            )
+        )
+    want = fe.reduce.subset_min(x, 3, generator=torch.Generator().manual_seed(rank))
+    assert torch.equal(torch.stack(parts).amin(0), want)
+
+
+def test_collective_errors():
+    shard = MemberShard(4)
+    d = fe.distributed
+    with pytest.raises(
+        ValueError, match=r"leading size 3, but rank 0 holds 4 members \(0:4 of 4\)"
+    ):
+        d.mean(torch.zeros(3, 2), shard)
+    with runtime_typecheck_off():
+        with pytest.raises(
+            TypeError, match=r"Expected a floating-point tensor, got dtype torch\.int64"
+        ):
+            d.mean(torch.zeros(4, 2, dtype=torch.int64), shard)
+        with pytest.raises(TypeError, match=r"Expected a fe\.distributed\.MemberShard"):
+            d.all_gather(torch.zeros(4), 4)
+        with pytest.raises(TypeError, match="leaf 0 must be a tensor"):
+            d.all_gather(["x"], shard)
+        with pytest.raises(TypeError, match="k must be an int, got float"):
+            d.subset_min(torch.zeros(4, 2), shard, 2.0)
+    with pytest.raises(ValueError, match="with correction=4 the spread of 4 member"):
+        d.var(torch.zeros(4, 2), shard, correction=4)
+    with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= N = 4"):
+        d.subset_min(torch.zeros(4, 2), shard, 5)
+    with pytest.raises(ValueError, match="per_sample=True draws one subset per index of dim 1"):
+        d.subset_min(torch.zeros(4), shard, 2, per_sample=True)
+    with pytest.raises(ValueError, match=r"src must be a rank in 0..0, got 1"):
+        d.broadcast(torch.zeros(2), src=1)
+
+
+# --- sharded checkpoints in one process ---------------------------------------------------
+
+
+def _run_state(num_members: int = 5):
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=num_members, seed=0)
+    return worker.train_members(ens, MemberShard(num_members))
+
+
+def test_checkpoint_round_trip_pytree_and_ensemble(tmp_path):
+    run = _run_state()
+    run = {**run, "flags": (True, 2.5)}
+    fe.distributed.save(tmp_path / "run", run)
+    assert {p.name for p in (tmp_path / "run").iterdir()} == {".metadata", "__0_0.distcp"}
+    fresh = fe.Ensemble.from_factory(worker.make_member, num_members=5, seed=1)
+    params = {k: v.detach().requires_grad_(True) for k, v in fresh.stacked_params().items()}
+    template = {
+        "params": params,
+        "buffers": {},
+        "opt": fe.optim.adam(1e-2).init(params),
+        "step": 0,
+        "flags": (False, 0.0),
+    }
+    before = {k: v.clone() for k, v in params.items()}
+    loaded = fe.distributed.load(tmp_path / "run", template)
+    assert_trees_equal(template["params"], before)  # the template is untouched
+    assert loaded["step"] == 3 and type(loaded["step"]) is int
+    assert loaded["flags"] == (True, 2.5)
+    assert_trees_equal(
+        {k: v for k, v in loaded.items() if k != "flags"},
+        {k: v for k, v in run.items() if k != "flags"},
+    )
+    assert all(t.requires_grad for t in loaded["params"].values())
+
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=5, seed=2)
+    fe.distributed.save(tmp_path / "ens", ens)
+    other = fe.Ensemble.from_factory(worker.make_member, num_members=5, seed=3)
+    assert fe.distributed.load(tmp_path / "ens", other) is other
+    assert_trees_equal(other.state_dict(), ens.state_dict())
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (1, 3), (3, 4)])
+def test_checkpoint_rows_load_for_any_rank_of_any_world_size(tmp_path, rank, world):
+    run = _run_state()
+    fe.distributed.save(tmp_path / "run", run)
+    shard = fake_shard(5, rank, world)
+    template = {
+        "params": {
+            k: torch.zeros(shard.size, *v.shape[1:], dtype=v.dtype)
+            for k, v in run["params"].items()
+        },
+        "step": 0,
+    }
+    fe.distributed.save(tmp_path / "small", {"params": run["params"], "step": 3})
+    loaded = fe.distributed.load(tmp_path / "small", template, shard)
+    assert_trees_equal(loaded["params"], {k: v[shard.members] for k, v in run["params"].items()})
+
+
+def test_checkpoint_errors(tmp_path):
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=4, seed=0)
+    path = tmp_path / "ens"
+    fe.distributed.save(path, ens)
+    d = fe.distributed
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
+        d.load(tmp_path / "missing", ens)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"has no \.metadata file"):
+        d.load(tmp_path / "empty", ens)
+    five = fe.Ensemble.from_factory(worker.make_member, num_members=5, seed=0)
+    with pytest.raises(ValueError, match=r"holds 4 members; the object to load into has 5"):
+        d.load(path, five)
+    with pytest.raises(ValueError, match="holds 4 members; the shard describes 5"):
+        d.load(path, fe.Ensemble.from_factory(worker.make_member, num_members=4), MemberShard(5))
+    floats = fe.Ensemble.from_factory(lambda: worker.make_member().float(), num_members=4)
+    with pytest.raises(
+        ValueError, match=r"parameter '0\.bias' is a float64 tensor .* needs a float32 tensor"
+    ):
+        d.load(path, floats)
+    with pytest.raises(ValueError, match=r"the checkpoint lacks leaf `\['extra'\]`"):
+        d.load(
+            path,
+            {
+                "params": {k: v.detach() for k, v in ens.stacked_params().items()},
+                "buffers": {},
+                "extra": torch.zeros(4),
+            },
+        )
+    with pytest.raises(ValueError, match=r"has extra leaf `\['params'\]\['2\.bias'\]`"):
+        d.load(
+            path,
+            {
+                "params": {k: v.detach() for k, v in ens.stacked_params().items() if k != "2.bias"},
+                "buffers": {},
+            },
+        )
+    with pytest.raises(ValueError, match=r"rank 1 of 2 loads members 2:4 \(2\)"):
+        d.load(path, ens, fake_shard(4, 1, 2))
+    with pytest.raises(TypeError, match=r"got a Linear; expected an fe\.Ensemble"):
+        d.save(tmp_path / "x", torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"leaf `\['name'\]` is a str"):
+        d.save(tmp_path / "x", {"name": "run-1"})
+    with pytest.raises(ValueError, match="has leading size 4, but rank 1 holds 2 of the 4"):
+        d.save(tmp_path / "x", ens, fake_shard(4, 1, 2))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="is a file; a sharded checkpoint is a directory"):
+        d.save(tmp_path / "file", ens)
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=r"shard must be a fe\.distributed"),
+    ):
+        d.load(path, ens, 2)
+
+
+# --- init_process_group --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_init_process_group_checks_before_starting(monkeypatch):
+    init = fe.distributed.init_process_group
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta, got int"):
+            init(timeout=60)
+        with pytest.raises(ValueError, match="backend must be 'gloo', 'nccl' or None, got 'mpi'"):
+            init("mpi")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        init(timeout=timedelta(seconds=-1))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(
+        RuntimeError, match="MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE are not set"
+    ):
+        init()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="the NCCL backend needs CUDA"):
+            monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+            monkeypatch.setenv("MASTER_PORT", "1")
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "1")
+            init("nccl")
+
+
+def test_init_process_group_one_rank_in_this_process(monkeypatch):
+    for name, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    device = fe.distributed.init_process_group("gloo", timeout=timedelta(seconds=20))
+    try:
+        assert device == torch.device("cpu") and dist.get_backend() == "gloo"
+        with pytest.raises(RuntimeError, match=r"already initialized \(backend 'gloo', 1 ranks"):
+            fe.distributed.init_process_group()
+        shard = MemberShard(3)
+        x = torch.randn(3, 2, dtype=torch.float64)
+        assert torch.equal(fe.distributed.all_gather(x, shard), x)
+        assert torch.equal(fe.distributed.min(x, shard), x.amin(0))
+    finally:
+        dist.destroy_process_group()
+
+
+# --- several processes ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Rank:
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    output: str
+
+
+def launch(world: int, args: list[str], tmp: Path, *, grace: float = GRACE) -> list[Rank]:
+    """Run ``world`` ranks of the worker over gloo on the loopback interface.
+
+    Every rank is killed at the hard timeout, and the others ``grace`` seconds after
+    the first one fails, so a broken run never hangs the test suite.
+    """
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    procs, logs = [], []
+    for r in range(world):
+        log = open(tmp / f"rank{r}.log", "w+")  # noqa: SIM115 (closed below)
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        )
+    deadline = time.monotonic() + HARD_TIMEOUT
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.1)
+    finally:
+        killed = set()
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+                killed.add(r)
+            p.wait()
+    out = []
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        log.seek(0)
+        out.append(Rank(r, None if r in killed else p.returncode, log.read()))
+        log.close()
+    return out
+
+
+def report(ranks: list[Rank]) -> str:
+    def status(r: Rank) -> str:
+        return "killed at the deadline" if r.returncode is None else f"exit {r.returncode}"
+
+    return "\n".join(f"--- rank {r.rank}: {status(r)}\n{r.output[-3000:]}" for r in ranks)
+
+
+def check_all_succeeded(ranks: list[Rank]) -> None:
+    if any(r.returncode != 0 for r in ranks):
+        pytest.fail("a rank failed:\n" + report(ranks), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process run: the same members, data and steps, all N members at once."""
+    shard = MemberShard(worker.NUM_MEMBERS)
+    ens = fe.Ensemble.from_factory(
+        worker.make_member, num_members=worker.NUM_MEMBERS, seed=worker.SEED
+    )
+    run = worker.train_members(ens, shard)
+    return run, worker.look_at_all_members(run, ens, shard)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Train on 2 ranks (members 0:3 and 3:5), gather, reduce and save a sharded checkpoint."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    ranks = launch(2, [str(tmp), "--train", "--save", str(tmp / "ckpt")], tmp)
+    check_all_succeeded(ranks)
+    return torch.load(tmp / "results.pt"), tmp / "ckpt"
+
+
+def _check_training(results, reference, sizes):
+    run, looked = reference
+    assert results["sizes"] == sizes
+    trained = results["trained"]
+    # Members train independently and each rank runs the same kernels on its rows:
+    # the parameters and optimizer state are exactly those of the single-process run.
+    assert_trees_equal(trained["params"], run["params"])
+    assert_trees_equal(trained["mu"], run["opt"][0].mu)
+    for name in ("preds", "min", "max", "subset_min", "subset_min_per_sample"):
+        assert_trees_equal(trained[name], looked[name])
+    # Sums over members run in another order across ranks: equal up to rounding.
+    for name in ("mean", "var", "std"):
+        assert_trees_close(trained[name], looked[name], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.multiprocess
+def test_training_on_two_ranks_equals_one_process(two_ranks, reference):
+    results, _ = two_ranks
+    _check_training(results, reference, (3, 2))
+
+
+@pytest.mark.multiprocess
+def test_three_ranks_train_alike_and_reshard_a_two_rank_checkpoint(two_ranks, reference, tmp_path):
+    _, ckpt = two_ranks
+    ranks = launch(3, [str(tmp_path), "--train", "--load", str(ckpt)], tmp_path)
+    check_all_succeeded(ranks)
+    results = torch.load(tmp_path / "results.pt")
+    _check_training(results, reference, (2, 2, 1))
+    _check_loaded(results["loaded"], reference)
+
+
+def _check_loaded(loaded, reference):
+    run, _ = reference
+    assert loaded["step"] == worker.STEPS
+    assert_trees_equal(loaded["params"], run["params"])
+    assert_trees_equal(loaded["mu"], run["opt"][0].mu)
+    assert_trees_equal(loaded["count"], run["opt"][0].count)
+    assert_trees_equal(loaded["ensemble"], run["params"])
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_checkpoint_loads_on_four_ranks(two_ranks, reference, tmp_path):
+    _, ckpt = two_ranks
+    ranks = launch(4, [str(tmp_path), "--load", str(ckpt)], tmp_path)
+    check_all_succeeded(ranks)
+    results = torch.load(tmp_path / "results.pt")
+    assert results["sizes"] == (2, 1, 1, 1)
+    _check_loaded(results["loaded"], reference)
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_checkpoint_loads_into_a_single_process_ensemble(two_ranks, reference):
+    _, ckpt = two_ranks
+    run, _ = reference
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=worker.NUM_MEMBERS, seed=5)
+    fe.distributed.load(ckpt / "ensemble", ens)
+    assert_trees_equal({k: v.detach() for k, v in ens.stacked_params().items()}, run["params"])
+    params = {k: torch.zeros_like(v) for k, v in run["params"].items()}
+    template = {"params": params, "buffers": {}, "opt": fe.optim.adam(1e-2).init(params), "step": 0}
+    assert_trees_equal(fe.distributed.load(ckpt / "run", template), run)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_raises_makes_the_others_fail_fast(tmp_path):
+    start = time.monotonic()
+    ranks = launch(2, [str(tmp_path), "--fail", "raise"], tmp_path)
+    elapsed = time.monotonic() - start
+    assert all(r.returncode not in (None, 0) for r in ranks), report(ranks)
+    assert "ValueError: rank 1 fails on purpose" in ranks[1].output, report(ranks)
+    assert "all_gather: a collective over 2 ranks failed on rank 0" in ranks[0].output, report(
+        ranks
+    )
+    assert "Another rank has probably crashed" in ranks[0].output
+    assert elapsed < HARD_TIMEOUT - GRACE  # nobody waited for the 60 s process-group timeout
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_stops_answering_times_out_with_an_error(tmp_path):
+    ranks = launch(2, [str(tmp_path), "--fail", "hang"], tmp_path, grace=1.0)
+    assert ranks[0].returncode not in (None, 0), report(ranks)
+    assert "all_gather: a collective over 2 ranks failed on rank 0" in ranks[0].output, report(
+        ranks
+    )
+    assert ranks[1].returncode is None  # still asleep: killed by the harness
+
+
+@pytest.mark.multiprocess
+def test_example_runs_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with contextlib.suppress(KeyError):
+        del env["WORLD_SIZE"]
+    result = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "examples" / "distributed_ensemble.py"),
+            "--quick",
+            "--out",
+            str(tmp_path / "ckpt"),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HARD_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "members on 2 ranks" in result.stdout
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
+    example = _load_example()
+    ens = fe.Ensemble.from_factory(example.make_member, num_members=example.QUICK["members"])
+    before = ens.stacked_params()["0.weight"].clone()
+    fe.distributed.load(tmp_path / "ckpt", ens)  # the sharded checkpoint, in one process
+    assert not torch.equal(ens.stacked_params()["0.weight"], before)  # trained weights
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location(
+        "example_distributed_ensemble", ROOT / "examples" / "distributed_ensemble.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
