@@ -19,6 +19,7 @@ smoke run.
 import argparse
 import math
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +38,7 @@ def make_member(hidden: int = 32) -> nn.Module:
 
 
 def dataset(samples: int) -> tuple[Tensor, Tensor]:
-    """Noisy sin(3x) on two separate intervals: members disagree in the gap between."""
+    """Noisy sin(2x) on two separate intervals: members disagree in the gap between."""
     g = torch.Generator().manual_seed(0)
     x = torch.cat(
         [
@@ -45,13 +46,13 @@ def dataset(samples: int) -> tuple[Tensor, Tensor]:
             torch.rand(samples // 2, 1, generator=g) * 2 + 1,
         ]
     )
-    return x, torch.sin(3 * x) + 0.1 * torch.randn(x.shape, generator=g)
+    return x, torch.sin(2 * x) + 0.1 * torch.randn(x.shape, generator=g)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--members", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=32, help="samples per member per step")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("checkpoints/distributed_ensemble"))
@@ -79,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 def train(args: argparse.Namespace, device: torch.device) -> None:
     shard = fe.distributed.MemberShard(args.members)  # this rank's members
     say = print if shard.rank == 0 else (lambda *a, **k: None)
+    if shard.rank == 0 and args.out.exists():
+        # A checkpoint is never overwritten in place (a crash mid-save would corrupt it).
+        # The other ranks look at --out only when they save, many collectives later.
+        shutil.rmtree(args.out)
     say(
         f"{args.members} members on {shard.world_size} ranks "
         f"({', '.join(map(str, shard.sizes))} members each), device {device.type}"
@@ -121,7 +126,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     mean, spread = fe.distributed.mean(preds, shard), fe.distributed.std(preds, shard)
     say("     x   truth    mean  spread (members' std: large away from the data)")
     for xi, m, sd in zip(grid[:, 0].tolist(), mean.tolist(), spread.tolist(), strict=True):
-        say(f"{xi:6.1f} {math.sin(3 * xi):7.3f} {m:7.3f} {sd:7.3f}")
+        say(f"{xi:6.1f} {math.sin(2 * xi):7.3f} {m:7.3f} {sd:7.3f}")
 
     with torch.no_grad():
         for name, t in ens.stacked_params().items():

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import optree
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.default_planner import (
@@ -174,11 +175,15 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
 @contextlib.contextmanager
-def _dcp_call(shard: MemberShard) -> Iterator[None]:
+def _dcp_call() -> Iterator[None]:
     """Silence DCP's note that it runs without a process group, which is intended here."""
     with warnings.catch_warnings():
-        if shard.world_size == 1:
+        if _no_dist():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         yield
 
@@ -202,10 +207,12 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
     and into a single-process [`Ensemble`][funcensemble.Ensemble], by
     [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint keyed by
     pytree paths. DCP writes ``.metadata`` last, so an interrupted save is refused on
-    load rather than read half-written.
+    load rather than read half-written; for the same reason a directory that already
+    holds a checkpoint is refused rather than overwritten.
 
     Args:
-        path: The checkpoint directory (created if needed).
+        path: The checkpoint directory (created if needed; it must not hold a checkpoint
+            yet).
         obj: This rank's [`Ensemble`][funcensemble.Ensemble] (e.g. from
             [`MemberShard.from_factory`][funcensemble.distributed.MemberShard.from_factory]),
             or a pytree such as ``{"params": params, "buffers": buffers,
@@ -218,6 +225,7 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             member count, or several ranks without ``shard``.
         TypeError: ``obj`` is another ``nn.Module``, or has a leaf of another type.
         NotADirectoryError: ``path`` is a file.
+        FileExistsError: ``path`` already holds a checkpoint.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe
@@ -252,6 +260,13 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         raise NotADirectoryError(
             f"{where}: '{os.fspath(path)}' is a file; a sharded checkpoint is a directory."
         )
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileExistsError(
+            f"{where}: '{os.fspath(path)}' already holds a checkpoint. Write each "
+            "checkpoint to a new directory (e.g. one per step) and delete old ones once "
+            "the new one is complete: overwriting in place, a save that dies half-way "
+            "would leave the old .metadata describing half-written files."
+        )
     state = {
         key: leaf.detach()
         if isinstance(leaf, Tensor)
@@ -259,13 +274,13 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         for key, leaf in flat.leaves.items()
     }
     offsets = dict.fromkeys(keys, shard.members.start)
-    with _dcp_call(shard):
+    with _dcp_call():
         dcp.save(
             state,
             checkpoint_id=path,
             planner=_SavePlanner(offsets, shard.num_members),
             process_group=shard.group,
-            no_dist=shard.world_size == 1,
+            no_dist=_no_dist(),
         )
 
 
@@ -293,7 +308,7 @@ def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
 def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) -> int | None:
     sizes = {}
     for key in flat.sharded():
-        md = saved[key]
+        md = saved.get(key)  # a missing key is reported by _check
         if isinstance(md, TensorStorageMetadata) and len(md.size) > 0:
             sizes[key] = md.size[0]
     if len(set(sizes.values())) > 1:
@@ -338,6 +353,12 @@ def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: Mem
                 f"{flat.label(key)} is a {_describe(*got)} in the checkpoint; loading "
                 f"needs a {_describe(*want)}"
                 + (f" (all {shard.num_members} members)." if key in sharded else ".")
+            )
+        if key in sharded and leaf.shape[0] != shard.size and shard.world_size == 1:
+            raise ValueError(
+                f"{where}: '{name}' holds {shard.num_members} members; the object to load "
+                f"into has {leaf.shape[0]} ({flat.label(key)}). Build it with "
+                f"num_members={shard.num_members}."
             )
         if key in sharded and leaf.shape[0] != shard.size:
             raise ValueError(
@@ -390,10 +411,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     name = os.fspath(path)
     flat = _flatten(where, obj)
     saved = _metadata(where, path)
-    missing = flat.leaves.keys() - saved.keys()
-    num_members = _saved_members(
-        where, name, flat, {k: v for k, v in saved.items() if k not in missing}
-    )
+    num_members = _saved_members(where, name, flat, saved)
     if shard is None:
         shard = MemberShard(1 if num_members is None else num_members)
     else:
@@ -412,13 +430,13 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         for key, leaf in flat.leaves.items()
     }
     offsets = dict.fromkeys(flat.sharded(), shard.members.start)
-    with _dcp_call(shard):
+    with _dcp_call():
         dcp.load(
             dest,
             checkpoint_id=path,
             planner=_LoadPlanner(offsets),
             process_group=shard.group,
-            no_dist=shard.world_size == 1,
+            no_dist=_no_dist(),
         )
 
     if flat.ensemble:

@@ -277,6 +277,8 @@ def test_checkpoint_errors(tmp_path):
         d.save(tmp_path / "x", {"name": "run-1"})
     with pytest.raises(ValueError, match="has leading size 4, but rank 1 holds 2 of the 4"):
         d.save(tmp_path / "x", ens, fake_shard(4, 1, 2))
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        d.save(path, ens)
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match="is a file; a sharded checkpoint is a directory"):
         d.save(tmp_path / "file", ens)
