@@ -7,6 +7,7 @@ in the same order, with tensors of the same trailing shape and dtype. Results ca
 autograd history: members train independently, so nothing here is differentiated.
 """
 
+import builtins
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,7 @@ def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
         return t.clone()
     if t.dtype == torch.bool:  # not every backend reduces or gathers bools
         return _gather_one(where, shard, t.to(torch.uint8)).bool()
-    rows = max(shard.sizes)
+    rows = builtins.max(shard.sizes)
     rest = t.shape[1:]
     if t.shape[0] < rows:  # uneven shards: pad to equal sizes, cut the padding afterwards
         t = torch.cat([t, t.new_zeros((rows - t.shape[0], *rest))])
