@@ -82,6 +82,11 @@ def look_at_all_members(run: dict[str, Any], ens: fe.Ensemble, shard) -> dict[st
         "subset_min_per_sample": d.subset_min(
             preds, shard, 3, generator=torch.Generator().manual_seed(8), per_sample=True
         ),
+        "positive": d.all_gather(preds > 0, shard),  # bools travel as bytes
+        "int_min": d.min((preds * 100).long(), shard),
+        "int_subset_min": d.subset_min(
+            (preds * 100).long(), shard, 2, generator=torch.Generator().manual_seed(9)
+        ),
     }
 
 
@@ -114,6 +119,9 @@ def main(argv: list[str]) -> None:
             fail(args.fail, rank)
         shard = fe.distributed.MemberShard(NUM_MEMBERS)
         results["sizes"] = shard.sizes
+        # Rank 1's batch, everywhere (the others' values are ignored).
+        got = fe.distributed.broadcast({"x": torch.full((3,), float(rank))}, src=1)
+        assert torch.equal(got["x"], torch.ones(3)), f"rank {rank} received {got}"
         if args.train:
             ens = shard.from_factory(make_member, seed=SEED)
             run = train_members(ens, shard)

@@ -442,7 +442,8 @@ def _check_training(results, reference, sizes):
     # the parameters and optimizer state are exactly those of the single-process run.
     assert_trees_equal(trained["params"], run["params"])
     assert_trees_equal(trained["mu"], run["opt"][0].mu)
-    for name in ("preds", "min", "max", "subset_min", "subset_min_per_sample"):
+    exact = ("preds", "min", "max", "subset_min", "subset_min_per_sample", "positive")
+    for name in (*exact, "int_min", "int_subset_min"):
         assert_trees_equal(trained[name], looked[name])
     # Sums over members run in another order across ranks: equal up to rounding.
     for name in ("mean", "var", "std"):
