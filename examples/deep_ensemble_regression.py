@@ -148,10 +148,10 @@ def main(argv: Sequence[str] | None = None) -> Result:
     parser.add_argument("--seed", type=int, default=0, help="seed for data and weights (0)")
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="where to save the plot")
     parser.add_argument("--no-plot", action="store_true", help="do not save a plot")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 5 members, 300 steps")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 5 members, 150 steps")
     args = parser.parse_args(argv)
     if args.quick:
-        args.members, args.steps = 5, 300
+        args.members, args.steps = 5, 150
     if args.members < 2 or args.samples < 1 or args.steps < 1:
         parser.error("--members must be at least 2; --samples and --steps positive")
 
