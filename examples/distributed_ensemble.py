@@ -19,7 +19,6 @@ smoke run.
 import argparse
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,10 +79,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 def train(args: argparse.Namespace, device: torch.device) -> None:
     shard = fe.distributed.MemberShard(args.members)  # this rank's members
     say = print if shard.rank == 0 else (lambda *a, **k: None)
-    if shard.rank == 0 and args.out.exists():
-        # A checkpoint is never overwritten in place (a crash mid-save would corrupt it).
+    if shard.rank == 0 and (args.out / ".metadata").is_file():
+        # fe.distributed.save never overwrites a checkpoint in place (a crash mid-save
+        # would corrupt it): remove this example's previous one, and only its files.
         # The other ranks look at --out only when they save, many collectives later.
-        shutil.rmtree(args.out)
+        for old in [args.out / ".metadata", *args.out.glob("*.distcp")]:
+            old.unlink()
     say(
         f"{args.members} members on {shard.world_size} ranks "
         f"({', '.join(map(str, shard.sizes))} members each), device {device.type}"

@@ -476,6 +476,7 @@ def _check_loaded(loaded, reference):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # four ranks start up on two cores
 def test_a_two_rank_checkpoint_loads_on_four_ranks(two_ranks, reference, tmp_path):
     _, ckpt = two_ranks
     ranks = launch(4, [str(tmp_path), "--load", str(ckpt)], tmp_path)
