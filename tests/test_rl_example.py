@@ -36,8 +36,10 @@ def load() -> ModuleType:
 @pytest.mark.slow
 def test_quick_run_completes_and_logs_finite_numbers(capsys):
     ex = load()
+    threads = torch.get_num_threads()
     log = ex.main(["--quick", "--seed", "3"])
     out = capsys.readouterr().out
+    assert torch.get_num_threads() == threads  # the example restores torch's setting
     assert log.steps == [150, 300]
     for name in ("eval_return", "q_std", "critic_loss", "alpha"):
         values = getattr(log, name)
@@ -47,10 +49,14 @@ def test_quick_run_completes_and_logs_finite_numbers(capsys):
     assert "eval_return" in out and "q_std" in out and "final eval return" in out
 
 
-def test_rejects_inconsistent_options():
+@pytest.mark.parametrize(
+    "options",
+    [["--critics", "2", "--subset", "3"], ["--utd", "0"], ["--threads", "0"]],
+)
+def test_rejects_inconsistent_options(options):
     ex = load()
-    with pytest.raises(SystemExit, match="subset"):
-        ex.main(["--quick", "--critics", "2", "--subset", "3"])
+    with pytest.raises(SystemExit, match="need --subset <= --critics"):
+        ex.main(options)
 
 
 def copy_params(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
