@@ -30,15 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent  # where `python -m benchmarks...`
 CHECK_STEPS = 2  # training steps run by every method before its state is compared
 
 
-def tolerances(dtype: torch.dtype, train: bool) -> dict[str, float]:
+def tolerances(dtype: torch.dtype, train: bool, *, compiled: bool = False) -> dict[str, float]:
     """How close a method must come to the loop.
 
     Batched kernels sum in another order than N separate ones; after a few Adam steps
     (whose first update is about ``lr * sign(grad)``) float32 rounding shows in the
-    4th-5th digit. Float64 must agree to rounding.
+    4th-5th digit. Float64 agrees to rounding, except that ``torch.optim.Adam`` under
+    ``torch.compile`` computes its step scalars in float32 (eager uses Python floats):
+    its float64 parameters move up to ``1e-3 * lr`` away from eager's within two steps.
+    A wrong gradient or a skipped member moves them by about ``lr``.
     """
     if dtype == torch.float64:
-        return {"rtol": 1e-7, "atol": 1e-9}
+        return {"rtol": 1e-4, "atol": 1e-5} if compiled else {"rtol": 1e-7, "atol": 1e-9}
     return {"rtol": 1e-3, "atol": 1e-4} if train else {"rtol": 1e-4, "atol": 1e-5}
 
 
@@ -75,9 +78,11 @@ def run_check(runner: Runner, *, train: bool, device: str) -> Checked:
     return Checked(runner.state(), first)
 
 
-def compare(got: Checked, ref: Checked, *, train: bool, dtype: torch.dtype) -> str | None:
+def compare(
+    got: Checked, ref: Checked, *, train: bool, dtype: torch.dtype, compiled: bool = False
+) -> str | None:
     """``None`` if ``got`` matches the loop's ``ref``, else what differs."""
-    tol = tolerances(dtype, train)
+    tol = tolerances(dtype, train, compiled=compiled)
     pairs: list[tuple[str, Tensor, Tensor]]
     if isinstance(ref.value, Tensor):
         pairs = [("output", got.value, ref.value)]  # type: ignore[list-item]
@@ -92,6 +97,28 @@ def compare(got: Checked, ref: Checked, *, train: bool, dtype: torch.dtype) -> s
         except AssertionError as error:
             return f"{name}: {str(error).splitlines()[0]} ({str(error).splitlines()[-2].strip()})"
     return None
+
+
+def check_against_loop(
+    workload: str,
+    mode: str,
+    method: str,
+    *,
+    n: int = 3,
+    batch: int = 4,
+    dtype: torch.dtype = torch.float64,
+    device: str = "cpu",
+) -> str | None:
+    """Build the loop and ``method`` from the same members; ``None`` if they agree."""
+    w, train = WORKLOADS[workload], mode == "train"
+    x, y = w.data(n, batch=batch, dtype=dtype, device=device)
+
+    def checked(key: str) -> Checked:
+        runner = METHODS[key].build(w, w.members(n, dtype=dtype, device=device), x, y, train)
+        return run_check(runner, train=train, device=device)
+
+    compiled = METHODS[method].compiled
+    return compare(checked(method), checked("loop"), train=train, dtype=dtype, compiled=compiled)
 
 
 @dataclass

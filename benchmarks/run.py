@@ -86,7 +86,7 @@ def run_group(
         if ref is None:
             ref = checked
         else:
-            mismatch = compare(checked, ref, train=train, dtype=dtype)
+            mismatch = compare(checked, ref, train=train, dtype=dtype, compiled=m.compiled)
             if mismatch:
                 row.status = f"MISMATCH vs loop: {mismatch}"
                 continue
