@@ -30,6 +30,7 @@ from ._checkpoint_file import (
     write_checkpoint,
 )
 from ._ensemble import Ensemble
+from ._paths import path_key
 
 T = TypeVar("T")
 
@@ -52,20 +53,6 @@ class _Contents:
         return f"leaf `{path}`"
 
 
-def _path_string(accessor: optree.PyTreeAccessor) -> str:
-    # Written out by hand rather than with accessor.codify() so that keys in files do
-    # not change with optree's formatting.
-    parts = []
-    for entry in accessor:
-        if isinstance(entry, optree.NamedTupleEntry | optree.StructSequenceEntry):
-            parts.append(f".{entry.field}")
-        elif isinstance(entry, optree.GetAttrEntry):
-            parts.append(f".{entry.name}")
-        else:
-            parts.append(f"[{entry.entry!r}]")
-    return "".join(parts)
-
-
 def _contents(where: str, obj: Any) -> _Contents:
     if isinstance(obj, Ensemble):
         kind, this = "ensemble", "this ensemble"
@@ -78,7 +65,7 @@ def _contents(where: str, obj: Any) -> _Contents:
     else:
         kind, this, tree = "pytree", "the template", obj
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
-    paths = [_path_string(a) for a in accessors]
+    paths = [path_key(a) for a in accessors]
     if len(set(paths)) != len(paths):
         raise ValueError(
             f"{where}: two leaves of the pytree have the same path string; use dict keys "

@@ -291,21 +291,7 @@ def subset_min(
     shard = _check_shard(where, shard)
     values = _check_local(where, "local", local, shard)
     n = shard.num_members
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{where}: k must be an int, got {type(k).__name__}.")
-    if not 1 <= k <= n:
-        raise ValueError(f"{where}: k must satisfy 1 <= k <= N = {n} (the members), got {k}.")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"{where}: generator must be a torch.Generator or None, got {type(generator).__name__}."
-        )
-    if not isinstance(per_sample, bool):
-        raise TypeError(f"{where}: per_sample must be a bool, got {type(per_sample).__name__}.")
-    if per_sample and values.dim() < 2:
-        raise ValueError(
-            f"{where}: per_sample=True draws one subset per index of dim 1, but local has "
-            f"shape {tuple(values.shape)} with no dim after the member axis."
-        )
+    _reduce.check_subset_options(where, "local", values, n, k, generator, per_sample)
     if values.dtype == torch.bool or values.is_complex():
         raise TypeError(f"{where}: Expected a real-valued tensor, got dtype {values.dtype}.")
 

@@ -147,6 +147,33 @@ def max(values: Real[Tensor, " member *rest"]) -> Real[Tensor, "*rest"]:
     return _check("max", values, floating=False).amax(dim=0)
 
 
+def check_subset_options(
+    where: str,
+    name: str,
+    values: Tensor,
+    n: int,
+    k: object,
+    generator: object,
+    per_sample: object,
+) -> None:
+    """Validate ``subset_min``'s options (shared with the distributed variant)."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{where}: k must be an int, got {type(k).__name__}.")
+    if not 1 <= k <= n:
+        raise ValueError(f"{where}: k must satisfy 1 <= k <= N = {n} (the members), got {k}.")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{where}: generator must be a torch.Generator or None, got {type(generator).__name__}."
+        )
+    if not isinstance(per_sample, bool):
+        raise TypeError(f"{where}: per_sample must be a bool, got {type(per_sample).__name__}.")
+    if per_sample and values.dim() < 2:
+        raise ValueError(
+            f"{where}: per_sample=True draws one subset per index of dim 1, but {name} has "
+            f"shape {tuple(values.shape)} with no dim after the member axis."
+        )
+
+
 def subset_min(
     values: Real[Tensor, " member *rest"],
     k: int,
@@ -189,21 +216,7 @@ def subset_min(
     where = "subset_min"
     values = _check(where, values, floating=False)
     n = values.shape[0]
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{where}: k must be an int, got {type(k).__name__}.")
-    if not 1 <= k <= n:
-        raise ValueError(f"{where}: k must satisfy 1 <= k <= N = {n} (the members), got {k}.")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"{where}: generator must be a torch.Generator or None, got {type(generator).__name__}."
-        )
-    if not isinstance(per_sample, bool):
-        raise TypeError(f"{where}: per_sample must be a bool, got {type(per_sample).__name__}.")
-    if per_sample and values.dim() < 2:
-        raise ValueError(
-            f"{where}: per_sample=True draws one subset per index of dim 1, but values has "
-            f"shape {tuple(values.shape)} with no dim after the member axis."
-        )
+    check_subset_options(where, "values", values, n, k, generator, per_sample)
 
     device = values.device if generator is None else generator.device
     if not per_sample:

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
+from ._paths import path_key
 
 T = TypeVar("T")
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
@@ -78,19 +79,6 @@ class _Flat:
         return [k for k, v in self.leaves.items() if isinstance(v, Tensor) and v.dim() > 0]
 
 
-def _key(accessor: optree.PyTreeAccessor) -> str:
-    # Written out by hand so that the keys in files do not change with optree's formatting.
-    parts = []
-    for entry in accessor:
-        if isinstance(entry, optree.NamedTupleEntry | optree.StructSequenceEntry):
-            parts.append(f".{entry.field}")
-        elif isinstance(entry, optree.GetAttrEntry):
-            parts.append(f".{entry.name}")
-        else:
-            parts.append(f"[{entry.entry!r}]")
-    return "".join(parts)
-
-
 def _flatten(where: str, obj: Any) -> _Flat:
     if isinstance(obj, Ensemble):
         tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
@@ -102,7 +90,7 @@ def _flatten(where: str, obj: Any) -> _Flat:
     else:
         tree = obj
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
-    keys = [_key(a) for a in accessors]
+    keys = [path_key(a) for a in accessors]
     if len(set(keys)) != len(keys):
         raise ValueError(
             f"{where}: two leaves of the pytree have the same path; use dict keys whose "
