@@ -1,6 +1,5 @@
 """funcensemble: run an ensemble of PyTorch models as one vectorized model."""
 
-from . import distributed as distributed
 from . import optim as optim
 from . import reduce as reduce
 from ._bagging import BaggingSampler as BaggingSampler
@@ -18,6 +17,19 @@ from ._stack import unstack as unstack
 from ._vmap import vmap as vmap
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # fe.distributed pulls in torch.distributed.checkpoint (seconds of import time), so
+    # it is imported on first use rather than with the package.
+    if name == "distributed":
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.distributed")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BaggingSampler",

@@ -52,31 +52,35 @@ def _global_hooks() -> bool:
     )
 
 
-def plan(skeleton: nn.Module) -> Plan | None:
-    """The layer chain of ``skeleton`` if it is a plain MLP, else ``None``."""
-    steps: Plan = []
-
-    def visit(module: nn.Module, prefix: str) -> bool:
-        if _has_hooks(module):
-            return False
-        kind = type(module)
-        if kind is nn.Sequential:
-            # Sequential.forward runs _modules in order, repeats included (named_children
-            # would skip a module instance used twice).
-            return all(
-                child is not None and visit(child, f"{prefix}{name}.")
-                for name, child in module._modules.items()
-            )
-        if kind is nn.Linear:
-            bias = f"{prefix}bias" if module.bias is not None else None
-            steps.append((module, f"{prefix}weight", bias))
-            return True
-        if kind in _ELEMENTWISE or kind is nn.Dropout:
-            steps.append((module, None, None))
-            return True
+def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
+    if _has_hooks(module):
         return False
+    kind = type(module)
+    if kind is nn.Sequential:
+        # Sequential.forward runs _modules in order, repeats included (named_children
+        # would skip a module instance used twice).
+        return all(
+            child is not None and _visit(child, f"{prefix}{name}.", steps)
+            for name, child in module._modules.items()
+        )
+    if kind is nn.Linear:
+        bias = f"{prefix}bias" if module.bias is not None else None
+        steps.append((module, f"{prefix}weight", bias))
+        return True
+    if kind in _ELEMENTWISE or kind is nn.Dropout:
+        steps.append((module, None, None))
+        return True
+    return False
 
-    if not visit(skeleton, "") or not any(w for _, w, _ in steps):
+
+def plan(skeleton: nn.Module) -> Plan | None:
+    """The layer chain of ``skeleton`` if it is a plain MLP, else ``None``.
+
+    Recomputed on every call (about 10 us): hooks, train/eval flags and submodules
+    may change between calls.
+    """
+    steps: Plan = []
+    if not _visit(skeleton, "", steps) or not any(w for _, w, _ in steps):
         return None
     return steps
 
