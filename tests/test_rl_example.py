@@ -49,6 +49,17 @@ def test_quick_run_completes_and_logs_finite_numbers(capsys):
     assert "eval_return" in out and "q_std" in out and "final eval return" in out
 
 
+@pytest.mark.slow
+def test_same_seed_same_run():
+    ex = load()
+    tiny = ["--steps", "160", "--warmup", "60", "--hidden", "16", "--batch", "16"]
+    tiny += ["--eval-every", "80", "--eval-episodes", "1", "--no-progress"]
+    a, b = ex.main([*tiny, "--seed", "5"]), ex.main([*tiny, "--seed", "5"])
+    c = ex.main([*tiny, "--seed", "6"])
+    assert (a.eval_return, a.q_std, a.critic_loss) == (b.eval_return, b.q_std, b.critic_loss)
+    assert a.q_std != c.q_std
+
+
 @pytest.mark.parametrize(
     "options",
     [["--critics", "2", "--subset", "3"], ["--utd", "0"], ["--threads", "0"]],
