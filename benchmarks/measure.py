@@ -9,7 +9,6 @@ import gc
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -159,7 +158,7 @@ def matmul_peak_gflops(*, device: str, size: int, threads: int, min_run_time: fl
     b = torch.randn(size, size, device=device)
     torch.mm(a, b)
     timer = Timer("torch.mm(a, b)", globals={"a": a, "b": b, "torch": torch}, num_threads=threads)
-    seconds = timer.blocked_autorange(min_run_time=min_run_time).median
+    seconds = min(timer.blocked_autorange(min_run_time=min_run_time).times)  # the best: a peak
     return 2 * size**3 / seconds / 1e9
 
 
@@ -167,7 +166,7 @@ def matmul_peak_gflops(*, device: str, size: int, threads: int, min_run_time: fl
 
 
 def _reset_peak_rss() -> bool:
-    """Reset the process's peak RSS (Linux >= 4.0), so ru_maxrss tracks from now on."""
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS (Linux >= 4.0)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -176,9 +175,18 @@ def _reset_peak_rss() -> bool:
     return True
 
 
-def _maxrss_bytes() -> int:
-    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+def _peak_rss_bytes() -> int:
+    """``VmHWM``: the peak RSS of this process's memory since the last reset.
+
+    Not ``ru_maxrss``, which is the same figure floored by the parent's peak: a child
+    inherits the parent's high-water mark through fork and exec, and the reset does
+    not lower it.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _child(workload: str, method: str, n: int, device: str, threads: int) -> dict[str, Any]:
@@ -202,9 +210,9 @@ def _child(workload: str, method: str, n: int, device: str, threads: int) -> dic
         return {"step_peak_bytes": peak, "resting_bytes": before}
     if not _reset_peak_rss():
         return {"error": "cannot reset the peak RSS (needs Linux /proc/self/clear_refs)"}
-    before = _maxrss_bytes()
+    before = _peak_rss_bytes()
     runner.step()
-    return {"step_peak_bytes": _maxrss_bytes() - before}
+    return {"step_peak_bytes": _peak_rss_bytes() - before}
 
 
 def step_memory(
@@ -214,7 +222,7 @@ def step_memory(
 
     The resting state is the memory held between steps (weights, gradients left from
     the previous step, optimizer state, data), after two warm-up steps. On CPU the peak
-    is the rise of ``ru_maxrss`` over one step after resetting it; on GPU the rise of
+    is the rise of the peak RSS (``VmHWM``) over one step after resetting it; on GPU of
     ``max_memory_allocated``, which also gives the resting state itself.
     """
     cmd = [sys.executable, "-m", "benchmarks.measure", workload, method, str(n)]

@@ -37,6 +37,10 @@ def _ms(seconds: float | None) -> str:
     return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
 
 
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.2g}%" if fraction < 0.1 else f"{100 * fraction:.0f}%"
+
+
 def _mib(nbytes: float | None) -> str:
     return "" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
@@ -91,7 +95,7 @@ def timing_table(rows: Sequence[Row], peak_gflops: float) -> str:
                 _ms(r.iqr_s),
                 f"{base / r.median_s:.2f}x" if base else "",
                 f"{gflops:.3g}",
-                f"{100 * gflops / peak_gflops:.2g}%",
+                _percent(gflops / peak_gflops),
                 f"{r.first_call_s:.1f}" if METHODS[r.method].compiled else "",
                 "",
             ]
@@ -101,7 +105,7 @@ def timing_table(rows: Sequence[Row], peak_gflops: float) -> str:
 
 def memory_table(memory: dict[str, dict[str, Any]], n: int, device: str) -> str:
     cuda = device.startswith("cuda")
-    how = "max_memory_allocated" if cuda else "ru_maxrss"
+    how = "max_memory_allocated" if cuda else "peak RSS"
     header = ["method", f"step peak MiB ({how}, N={n})"] + (["resting MiB"] if cuda else [])
     out = []
     for method, m in memory.items():

@@ -228,9 +228,12 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
             print(f"### {MODES[mode]}\n\n{timing_table(sub, peak)}\n", flush=True)
         if not args.no_memory:
             memory[w.key] = {}
+            largest = {
+                r.method: r for r in rows if (r.workload, r.mode, r.n) == (w.key, "train", max(ns))
+            }
             for m in methods:
-                if not m.applies(w, "train") or m.unavailable("train"):
-                    continue
+                if m.key not in largest or not largest[m.key].ok:
+                    continue  # not applicable, unavailable, or failed its check
                 if m.compiled and args.quick:
                     memory[w.key][m.key] = {"error": "not measured with --quick"}
                     continue
