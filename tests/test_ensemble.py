@@ -477,5 +477,6 @@ def test_from_factory_peak_memory_is_about_the_stacked_tensors() -> None:
     ratio = _peak_memory_ratio("from_factory")
     assert ratio <= 1.3, f"from_factory peaked at {ratio:.2f}x the stacked tensors"
     # The measurement can tell: stacking prebuilt modules holds both copies at once.
+    # (Measured 1.5x-2.1x here: the allocator returns some freed module memory early.)
     baseline = _peak_memory_ratio("stack_prebuilt")
-    assert baseline >= 1.7, f"stacking prebuilt modules peaked at {baseline:.2f}x"
+    assert baseline >= max(1.4, ratio + 0.3), f"stacking prebuilt modules peaked at {baseline:.2f}x"
