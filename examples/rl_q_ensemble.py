@@ -25,14 +25,16 @@ Measured with the default settings (seed 0), on a 2-core Intel Xeon VM shared wi
 other busy jobs (load average 3 to 8), torch 2.13 CPU, gymnasium 1.4, one torch thread
 (the learning curve is docs/img/rl_q_ensemble.png):
 
-* evaluation return (10 episodes, deterministic policy): -1313 at 1,000 steps (random
-  policy), -480 at 3,500, **-275 at 4,000** (first above -300), -153 at 4,500,
-  -109 from 6,500 on; **-108.7 at 15,000** (final);
+* evaluation return (10 episodes, deterministic policy): -1313 at 1,000 steps
+  (untrained actor), -480 at 3,500, **-275 at 4,000** (first above -300), -153 at
+  4,500, between -124 and -108 from 6,000 on; **-108.7 at 15,000** (final);
 * the critics' Q standard deviation rises from 0.25 to 0.57 while the policy improves
   (about 8,000 steps), then slowly falls (0.50 at the end);
-* a full run (15,000 steps, 14,000 updates) took 657 s wall time on the shared machine
+* a full run (15,000 steps, 14,000 updates) took 656 s wall time on the shared machine
   and 357 s of CPU time (about 25 ms per environment step with its update), so about
-  6 minutes on an idle core. With seed 1: SEED1_FIGURES.
+  6 minutes on an idle core;
+* other seeds: seed 1 first above -300 at 4,500 steps (-213), final -131.2 (622 s wall,
+  345 s CPU); seed 2 at 4,500 steps (-283), final -120.0 (616 s wall, 346 s CPU).
 """
 
 import argparse
@@ -72,7 +74,7 @@ class Config:
     eval_episodes: int = 10
     seed: int = 0
     # The matmuls here are small: one thread does them about as fast as two, and extra
-    # threads only spin (and slow everything down badly) when the cores are busy.
+    # threads spin when the cores are busy (two threads ran ~4x slower on a loaded machine).
     threads: int = 1
 
 
