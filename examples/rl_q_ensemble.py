@@ -74,7 +74,7 @@ class Config:
     eval_episodes: int = 10
     seed: int = 0
     # The matmuls here are small: one thread does them about as fast as two, and extra
-    # threads spin when the cores are busy (two threads ran ~4x slower on a loaded machine).
+    # threads spin when the cores are busy (two threads ran 3x slower on a loaded machine).
     threads: int = 1
 
 
