@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.benchmark import Timer
 
-from .methods import METHODS, Runner
+from .methods import LR, METHODS, Runner
 from .workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent  # where `python -m benchmarks...` runs
@@ -77,6 +77,20 @@ def run_check(runner: Runner, *, train: bool, device: str) -> Checked:
     return Checked(runner.state(), first)
 
 
+def _outliers_allowed(dtype: torch.dtype, train: bool, numel: int) -> int:
+    """How many elements of a trained float32 tensor may miss the tolerance.
+
+    Where a parameter's true gradient is about zero (a ReLU at its kink, a weight
+    whose contributions cancel), the float32 gradient is rounding noise whose sign
+    depends on summation order, and Adam, which divides by the gradient's own
+    magnitude, turns that noise into a step of up to ``lr`` either way. A handful of
+    such elements is expected; a wrong gradient or a skipped member moves thousands.
+    """
+    if dtype == torch.float64 or not train:
+        return 0
+    return max(2, numel // 1000)
+
+
 def compare(
     got: Checked, ref: Checked, *, train: bool, dtype: torch.dtype, compiled: bool = False
 ) -> str | None:
@@ -91,10 +105,24 @@ def compare(
             return f"state keys {sorted(got.value)} != loop's {sorted(ref.value)}"
         pairs = [(k, got.value[k], ref.value[k]) for k in ref.value]
     for name, a, b in pairs:
-        try:
-            torch.testing.assert_close(a, b, check_device=False, **tol)
-        except AssertionError as error:
-            return f"{name}: {str(error).splitlines()[0]} ({str(error).splitlines()[-2].strip()})"
+        a, b = a.detach().cpu(), b.detach().cpu()
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{name}: {a.dtype}{tuple(a.shape)} != loop's {b.dtype}{tuple(b.shape)}"
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return f"{name}: differs from the loop's"
+            continue
+        diff = (a - b).abs()
+        missed = diff > tol["atol"] + tol["rtol"] * b.abs()
+        allowed = _outliers_allowed(dtype, train, a.numel())
+        worst = diff.max().item() if diff.numel() else 0.0
+        # Adam moves a parameter by at most about lr per step, whatever the gradient.
+        if int(missed.sum()) > allowed or (allowed and worst > 2 * LR * CHECK_STEPS):
+            return (
+                f"{name}: {int(missed.sum())} of {a.numel()} elements differ by more than "
+                f"atol {tol['atol']:g} + rtol {tol['rtol']:g} (largest {worst:.3g}; "
+                f"{allowed} allowed)"
+            )
     return None
 
 

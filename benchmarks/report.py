@@ -1,5 +1,7 @@
 """Results as Markdown tables (printed and written) and a log-log plot of time against N."""
 
+import argparse
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,8 +176,11 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> bool:
         return False
     keys = list(dict.fromkeys(r.workload for r in rows))
     fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.6 * len(keys)), squeeze=False)
-    methods = list(dict.fromkeys(r.method for r in rows))
-    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    methods = [m for m in METHODS if any(r.method == m for r in rows)]
+    # tab20's darker half, then its lighter half: 20 distinct colors in a stable order.
+    palette = plt.get_cmap("tab20")
+    colors = {m: palette((2 * i) % 20 + (2 * i) // 20) for i, m in enumerate(methods)}
+    markers = dict(zip(methods, "os^vDPX*<>h", strict=False))
     for i, key in enumerate(keys):
         for j, mode in enumerate(MODES):
             ax = axes[i][j]
@@ -188,13 +193,14 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> bool:
                 if not pts:
                     continue
                 ns, med, iqr = zip(*pts, strict=True)
-                style = "--" if method.startswith("loop") else "-"
+                ours = method.startswith("fe.")
                 ax.errorbar(
                     [*ns],
                     [1e3 * t for t in med],
-                    yerr=[5e2 * q for q in iqr],
-                    fmt=style + "o",
-                    ms=3,
+                    yerr=[5e2 * q for q in iqr],  # +- half the interquartile range
+                    fmt=("-" if ours else "--") + markers.get(method, "o"),
+                    lw=1.6 if ours else 1.0,
+                    ms=4,
                     capsize=2,
                     color=colors[method],
                     label=method,
@@ -205,12 +211,12 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> bool:
             ax.set_xlabel("members N")
             ax.set_ylabel("ms per call")
             ax.grid(True, which="both", alpha=0.3)
-    handles, labels = {}, {}
+    handles = {}
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(lab, h)
-            labels[lab] = lab
-    fig.legend(list(handles.values()), list(labels), loc="lower center", ncol=4, fontsize=8)
+    order = [m for m in methods if m in handles]
+    fig.legend([handles[m] for m in order], order, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(handles) // 4), 1, 0.97))
     fig.savefig(path, dpi=110)
@@ -220,3 +226,35 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> bool:
 
 def as_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]
+
+
+def write(
+    rows: Sequence[Row],
+    memory: dict[str, dict[str, dict[str, Any]]],
+    meta: dict[str, Any],
+    out: Path,
+) -> Path:
+    """Write ``<machine>.md``, ``.png`` and ``.json`` into ``out``; returns the ``.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    name = meta["machine"]
+    png = out / f"{name}.png"
+    plotted = plot(rows, png, f"{meta['device_name']}, {meta['threads']} thread(s)")
+    md = out / f"{name}.md"
+    md.write_text(markdown(rows, memory, meta, png.name if plotted else None) + "\n")
+    data = {"meta": meta, "rows": as_json(rows), "memory": memory}
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    return md
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m benchmarks.report RESULTS.json``: rewrite its tables and plot."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("results", type=Path, help="a .json written by benchmarks.run")
+    args = parser.parse_args(argv)
+    data = json.loads(args.results.read_text())
+    rows = [Row(**r) for r in data["rows"]]
+    print(f"wrote {write(rows, data['memory'], data['meta'], args.results.parent)}")
+
+
+if __name__ == "__main__":
+    main()

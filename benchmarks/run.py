@@ -8,7 +8,6 @@
 import argparse
 import datetime
 import gc
-import json
 import platform
 import re
 import sys
@@ -28,7 +27,7 @@ from .measure import (
     time_interleaved,
 )
 from .methods import METHODS, Method, Runner, Unsupported
-from .report import MODES, Row, as_json, markdown, memory_table, plot, timing_table
+from .report import MODES, Row, memory_table, timing_table, write
 from .workloads import WORKLOADS, Workload
 
 RESULTS = Path(__file__).parent / "results"
@@ -255,18 +254,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
         "check_steps": CHECK_STEPS,
         "compile_caches": "on (a quick run may reuse compiled code)" if args.quick else "off",
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / f"{name}.png"
-    plotted = plot(rows, png, f"{meta['device_name']}, {args.threads} thread(s)")
-    text = markdown(rows, memory, meta, png.name if plotted else None)
-    (args.out / f"{name}.md").write_text(text + "\n")
-    (args.out / f"{name}.json").write_text(
-        json.dumps({"meta": meta, "rows": as_json(rows), "memory": memory}, indent=1) + "\n"
-    )
+    md = write(rows, memory, meta, args.out)
     for key, per_method in memory.items():
         n = max(r.n for r in rows if r.workload == key)
         print(f"## {key}: memory of a training step\n\n{memory_table(per_method, n, device)}\n")
-    print(f"wrote {args.out / (name + '.md')}" + (f" and {png}" if plotted else ""))
+    print(f"wrote {md} (and .png, .json)")
     return rows
 
 
