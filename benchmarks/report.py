@@ -129,7 +129,8 @@ def markdown(
         f"`{meta['command']}` on {meta['date']}.",
         "",
         f"- device: {meta['device_name']}; torch {meta['torch']}, {meta['threads']} thread(s)",
-        f"- float32 `torch.mm` peak ({meta['mm_size']}x{meta['mm_size']}): "
+        f"- float32 `torch.mm` peak (best block of {meta['mm_size'] // 2} and "
+        f"{meta['mm_size']} square products, at the start and the end of the run): "
         f"{meta['peak_gflops']:.1f} GFLOP/s",
         f"- timing: `torch.utils.benchmark.Timer.blocked_autorange`, {meta['rounds']} rounds "
         f"interleaved across methods, min {meta['min_run_time']} s each; median and "
