@@ -198,7 +198,8 @@ def vmap(
     def mapped(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         n = _num_members("vmap", params, buffers)
         dims = _arg_dims(in_dims, len(args))
-        _check_member_sizes(args, dims, n)
+        if any(d is not None for d in dims):  # nothing to check for shared inputs
+            _check_member_sizes(args, dims, n)
         if isinstance(fn, FunctionalModule):
             fast = try_fast_call(fn.skeleton, params, args, kwargs, dims, chunk_size)
             if fast is not None:
