@@ -5,8 +5,12 @@ Other test modules append their own helpers below the existing ones.
 
 import contextlib
 import copy
+import importlib.util
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jaxtyping
@@ -253,3 +257,21 @@ def optim_batch(step: int, member: int, *, dtype: torch.dtype = torch.float64) -
 def optim_loss(module: nn.Module, step: int, member: int) -> Tensor:
     x, y = optim_batch(step, member, dtype=module.fc1.weight.dtype)
     return ((module(x) - y) ** 2).mean()
+
+
+# --- examples ----------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as a fresh module (its ``main`` is then callable)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module

@@ -6,7 +6,6 @@ finite and one of the swept ones. The notebook is executed top to bottom by a Ju
 kernel running this interpreter, and must be committed without outputs.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -16,6 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import load_example
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -23,15 +23,7 @@ NOTEBOOK = EXAMPLES / "quickstart.ipynb"
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_example(name)
 
 
 def test_deep_ensemble_quick_widens_away_from_the_data(tmp_path, capsys):

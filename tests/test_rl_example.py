@@ -1,15 +1,13 @@
 """examples/rl_q_ensemble.py: the quick run completes, and its critic update is the loop's."""
 
 import copy
-import importlib.util
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from helpers import assert_trees_close
+from helpers import assert_trees_close, load_example
 from torch import nn
 from torch.nn import functional as F
 
@@ -22,15 +20,7 @@ RTOL, ATOL = 1e-10, 1e-12  # float64: the vectorized and looped matmuls sum in o
 
 
 def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_rl_q_ensemble", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_example("rl_q_ensemble")
 
 
 @pytest.mark.slow
