@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import optree
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ._architecture import Architecture
 from ._checkpoint_file import (
@@ -30,7 +30,7 @@ from ._checkpoint_file import (
     write_checkpoint,
 )
 from ._ensemble import Ensemble
-from ._paths import path_key
+from ._paths import flatten_by_key
 
 T = TypeVar("T")
 
@@ -54,31 +54,15 @@ class _Contents:
 
 
 def _contents(where: str, obj: Any) -> _Contents:
+    leaves, treedef = flatten_by_key(
+        where,
+        obj,
+        VALUE_TYPES,
+        "a Tensor or a Python bool, int, float or str (None is kept as structure)",
+    )
     if isinstance(obj, Ensemble):
-        kind, this = "ensemble", "this ensemble"
-        tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
-    elif isinstance(obj, nn.Module):
-        raise TypeError(
-            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble or a pytree of "
-            "tensors. For an ordinary module, pass module.state_dict()."
-        )
-    else:
-        kind, this, tree = "pytree", "the template", obj
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
-    paths = [path_key(a) for a in accessors]
-    if len(set(paths)) != len(paths):
-        raise ValueError(
-            f"{where}: two leaves of the pytree have the same path string; use dict keys "
-            f"whose repr() differ. Paths: {paths}."
-        )
-    for path, leaf in zip(paths, leaves, strict=True):
-        # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
-        if not isinstance(leaf, Tensor) and type(leaf) not in VALUE_TYPES:
-            raise TypeError(
-                f"{where}: leaf `{path}` is {_a(type(leaf).__name__)}; expected a Tensor or a "
-                "Python bool, int, float or str (None is kept as structure)."
-            )
-    return _Contents(kind, dict(zip(paths, leaves, strict=True)), treedef, this)
+        return _Contents("ensemble", leaves, treedef, "this ensemble")
+    return _Contents("pytree", leaves, treedef, "the template")
 
 
 def _a(noun: str) -> str:

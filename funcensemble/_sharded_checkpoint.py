@@ -27,7 +27,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
-from ._paths import path_key
+from ._paths import flatten_by_key
 
 T = TypeVar("T")
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
@@ -80,30 +80,14 @@ class _Flat:
 
 
 def _flatten(where: str, obj: Any) -> _Flat:
-    if isinstance(obj, Ensemble):
-        tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
-    elif isinstance(obj, nn.Module):
-        raise TypeError(
-            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble or a pytree of "
-            "tensors. For an ordinary module, pass module.state_dict()."
-        )
-    else:
-        tree = obj
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
-    keys = [path_key(a) for a in accessors]
-    if len(set(keys)) != len(keys):
-        raise ValueError(
-            f"{where}: two leaves of the pytree have the same path; use dict keys whose "
-            f"repr() differ. Paths: {keys}."
-        )
-    for key, leaf in zip(keys, leaves, strict=True):
-        if not isinstance(leaf, Tensor) and type(leaf) not in _VALUE_DTYPES:
-            raise TypeError(
-                f"{where}: leaf `{key}` is a {type(leaf).__name__}; a sharded checkpoint "
-                "holds tensors and Python bool, int or float values (None is kept as "
-                "structure). Save other things separately."
-            )
-    return _Flat(dict(zip(keys, leaves, strict=True)), treedef, isinstance(obj, Ensemble))
+    leaves, treedef = flatten_by_key(
+        where,
+        obj,
+        _VALUE_DTYPES,
+        "a tensor or a Python bool, int or float value (None is kept as structure); "
+        "save other things separately",
+    )
+    return _Flat(leaves, treedef, isinstance(obj, Ensemble))
 
 
 def _chunk(offset: int, t: Tensor) -> ChunkStorageMetadata:
