@@ -5,8 +5,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
-from ._vmap import InDims, Randomness, vmap
+from ._stack import _num_members
+from ._vmap import InDims, Randomness, _arg_dims, _check_member_sizes, vmap
 
 
 def _differentiable(t: Tensor) -> bool:
@@ -30,6 +32,126 @@ def _check_losses(losses: Any) -> Tensor:
 
 def _detach(tree: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
+def _member_slice(args: tuple[Any, ...], dims: tuple[Any, ...], start: int, stop: int) -> Any:
+    """The batch arguments of members ``start:stop``: mapped leaves narrowed, others shared."""
+    sliced = []
+    for arg, dim in zip(args, dims, strict=True):
+        if dim is None:
+            sliced.append(arg)
+            continue
+        leaves, spec = tree_flatten(arg)
+        flat_dims = _broadcast_to_and_flatten(dim, spec)
+        assert flat_dims is not None  # checked by _check_member_sizes
+        leaves = [
+            x if d is None else x.narrow(d, start, stop - start)
+            for x, d in zip(leaves, flat_dims, strict=True)
+        ]
+        sliced.append(tree_unflatten(leaves, spec))
+    return tuple(sliced)
+
+
+def _rng_state(device: torch.device) -> list[Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_state(device: torch.device, states: list[Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def _autograd_step(
+    mapped_loss: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    buffers: Any,
+    args: tuple[Any, ...],
+    kwargs: Any,
+) -> tuple[Tensor, dict[str, Tensor | None], Any]:
+    """Autograd through one vectorized forward; the graph is freed on return."""
+    with torch.enable_grad():
+        leaves = {k: v.detach().requires_grad_(_differentiable(v)) for k, v in params.items()}
+        out = mapped_loss(leaves, buffers, *args, **kwargs)
+        losses, aux = out if has_aux else (out, None)
+        losses = _check_losses(losses)
+        wrt = [k for k, v in leaves.items() if v.requires_grad]
+        found = torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
+    grads: dict[str, Tensor | None] = dict.fromkeys(params)
+    grads.update(zip(wrt, found, strict=True))
+    return losses.detach(), grads, _detach(aux)
+
+
+def _chunked_step(
+    mapped_loss: Callable[..., Any],
+    params: Any,
+    buffers: Any,
+    args: tuple[Any, ...],
+    kwargs: Any,
+    *,
+    in_dims: InDims,
+    randomness: Randomness,
+    has_aux: bool,
+    chunk_size: int,
+    n: int,
+) -> tuple[Tensor, dict[str, Tensor | None], Any]:
+    """Forward AND backward of ``chunk_size`` members at a time, into ``[N, ...]`` results.
+
+    Only one chunk's graph (the tensors saved for its backward) is alive at a time, so
+    the memory of a step grows with ``chunk_size``, not N. Results are written into
+    preallocated ``[N, ...]`` tensors rather than concatenated, which would briefly
+    hold the gradients twice.
+    """
+    dims = _arg_dims(in_dims, len(args))
+    if any(d is not None for d in dims):
+        _check_member_sizes(args, dims, n)
+    # As torch.func.vmap's own chunking does: with randomness="same" every chunk
+    # replays one draw, so all members share it; with "different" the chunks draw in
+    # turn, exactly the numbers vmap(..., chunk_size=k) draws.
+    device = next(iter({**params, **buffers}.values())).device
+    replay = _rng_state(device) if randomness == "same" else None
+    losses: list[Tensor] = []
+    grads: dict[str, Tensor | None] = dict.fromkeys(params)
+    aux_leaves: list[Tensor] = []
+    aux_spec = None
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        if replay is not None:
+            _set_rng_state(device, replay)
+        c_losses, c_grads, c_aux = _autograd_step(
+            mapped_loss,
+            has_aux,
+            {k: v[start:stop] for k, v in params.items()},
+            {k: v[start:stop] for k, v in buffers.items()},  # views: updates land in place
+            _member_slice(args, dims, start, stop),
+            kwargs,
+        )
+        losses.append(c_losses)
+        for k, g in c_grads.items():
+            full = grads[k]
+            if g is None:
+                if full is not None:
+                    full[start:stop].zero_()
+                continue
+            if full is None:
+                # A parameter one chunk leaves unused cannot be used by another (the
+                # same function runs for all); if it were, its unused rows get zeros.
+                full = grads[k] = torch.empty_like(params[k])
+                full[:start].zero_()
+            full[start:stop].copy_(g)
+        if has_aux:
+            leaves, aux_spec = tree_flatten(c_aux)
+            if not aux_leaves:
+                aux_leaves = [x.new_empty((n, *x.shape[1:])) for x in leaves]
+            for full_aux, x in zip(aux_leaves, leaves, strict=True):
+                full_aux[start:stop].copy_(x)
+        del c_losses, c_grads, c_aux
+    aux = tree_unflatten(aux_leaves, aux_spec) if aux_spec is not None else None
+    return torch.cat(losses), grads, aux
 
 
 def value_and_grad(
@@ -61,7 +183,19 @@ def value_and_grad(
             [`vmap`][funcensemble.vmap] (``None``: shared, ``0``: one slice each).
         has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back stacked.
         randomness: As in [`vmap`][funcensemble.vmap].
-        chunk_size: As in [`vmap`][funcensemble.vmap].
+        chunk_size: Run the forward AND the backward of at most this many members
+            at a time, so a step's memory for activations and the tensors saved for
+            backward grows with ``chunk_size``, not N (the ``[N, ...]`` gradients
+            are still whole); each chunk is one more call, so smaller chunks are
+            slower. Results are the chunks' results in member order: the same
+            values as without chunking, ``None`` gradients included; with
+            ``randomness="different"`` the same draws as
+            ``vmap(..., chunk_size=chunk_size)``, with ``"same"`` one draw shared by
+            every chunk. Under ``torch.compile`` or another ``torch.func``
+            transform the chunks run ``torch.func.grad`` (forward and backward)
+            one after the other through [`vmap`][funcensemble.vmap]'s
+            ``chunk_size``. ``None`` runs all members at once. See the how-to page
+            "Chunking and memory".
 
     Returns:
         A function returning ``(losses, grads, buffers)``, or
@@ -90,29 +224,30 @@ def value_and_grad(
         return torch.func.grad_and_value(loss_and_aux, has_aux=True)(params, buffers)
 
     mapped_grad = vmap(one_member, in_dims, randomness=randomness, chunk_size=chunk_size)
+    chunk_loss = vmap(loss_fn, in_dims, randomness=randomness)
 
     def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         buffers = {k: v.clone() for k, v in buffers.items()}
         if torch.compiler.is_compiling() or _inside_functorch_transform():
             grads, (losses, aux) = mapped_grad(params, buffers, *args, **kwargs)
             losses = _check_losses(losses)
+        elif chunk_size is not None and chunk_size < (n := _num_members("vmap", params, buffers)):
+            losses, grads, aux = _chunked_step(
+                chunk_loss,
+                params,
+                buffers,
+                args,
+                kwargs,
+                in_dims=in_dims,
+                randomness=randomness,
+                has_aux=has_aux,
+                chunk_size=chunk_size,
+                n=n,
+            )
         else:
             # Autograd through one vectorized forward: cheaper than torch.func.grad at
             # small N, and it reports unused parameters as None like the loop would.
-            with torch.enable_grad():
-                leaves = {
-                    k: v.detach().requires_grad_(_differentiable(v)) for k, v in params.items()
-                }
-                out = mapped_loss(leaves, buffers, *args, **kwargs)
-                losses, aux = out if has_aux else (out, None)
-                losses = _check_losses(losses)
-                wrt = [k for k, v in leaves.items() if v.requires_grad]
-                found = torch.autograd.grad(
-                    losses.sum(), [leaves[k] for k in wrt], allow_unused=True
-                )
-            grads = dict.fromkeys(params)
-            grads.update(zip(wrt, found, strict=True))
-            losses, aux = losses.detach(), _detach(aux)
+            losses, grads, aux = _autograd_step(mapped_loss, has_aux, params, buffers, args, kwargs)
         return (losses, grads, buffers, aux) if has_aux else (losses, grads, buffers)
 
     return with_grads
