@@ -1,11 +1,12 @@
 """Adam and AdamW as in ``torch.optim``, over pytrees of stacked ``[N, ...]`` parameters."""
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from ._adam_step import Moments, Options, adam_step_, bias_corrections
 from ._hyper import (
     Hyper,
     PerMember,
@@ -14,18 +15,21 @@ from ._hyper import (
     hyperparameter,
     is_per_member,
     per_leaf,
+    schedule_value,
 )
 from ._optim import (
     GradientTransformation,
     PyTree,
     chain,
     check_like,
+    check_tensors,
     flatten,
+    leaf_name,
     leaves_like,
     scatter,
     trainable,
 )
-from ._transforms import Schedule, decayed_weights, flip_sign, learning_rate
+from ._transforms import Schedule, ScheduleState, decayed_weights, flip_sign, learning_rate
 
 
 class AdamState(NamedTuple):
@@ -75,16 +79,6 @@ def _flag(where: str, name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}.")
     return value
-
-
-def _bias_corrections(beta: Hyper, counts: list[Tensor], like: list[Tensor]) -> list[Tensor]:
-    """``1 - beta ** count`` per leaf, computed in at least float32."""
-    dtypes = [torch.promote_types(x.dtype, torch.float32) for x in like]
-    exponents = [c.to(d) for c, d in zip(counts, dtypes, strict=True)]
-    out = list(torch._foreach_pow(per_leaf(beta, like, dtypes), exponents))
-    torch._foreach_neg_(out)
-    torch._foreach_add_(out, 1.0)
-    return out
 
 
 def _adam_moments(
@@ -162,8 +156,8 @@ def _adam_moments(
             # torch.optim computes m / (1 - b1^t) / (sqrt(v) / sqrt(1 - b2^t) + eps); the
             # same, with both corrections folded into the small per-leaf factors, is
             # m / (sqrt(v) * c + eps * bc1), c = bc1 / sqrt(bc2): one full pass fewer.
-            bc1 = _bias_corrections(b1, steps, m)
-            bc2 = _bias_corrections(b2, steps, m)
+            bc1 = bias_corrections(b1, steps, m)
+            bc2 = bias_corrections(b2, steps, m)
             torch._foreach_sqrt_(bc2)
             torch._foreach_mul_(root, torch._foreach_div(bc1, bc2))
             eps_ = per_leaf(eps, root)
@@ -224,6 +218,82 @@ def scale_by_adam(
     return _adam_moments(where, b1, b2, eps_, _flag(where, "amsgrad", amsgrad))
 
 
+def _in_place(
+    where: str, lr: Hyper | Schedule, options: Options, size: int, at: int
+) -> Callable[[PyTree, Any, PyTree], Any]:
+    """The in-place step of the chain ``_adam`` builds: its state has ``size`` entries,
+    the AdamState at ``at`` and, for a schedule, the ScheduleState last."""
+    per_member = [h for h in options[1:5] if is_per_member(h)]
+
+    def update_(grads: PyTree, state: Any, params: PyTree) -> Any:
+        # Everything is checked first, with the pure path's messages: nothing is written
+        # until the step cannot fail half-way.
+        if not isinstance(state, tuple) or len(state) != size:
+            raise ValueError(
+                f"chain: expected the state returned by this chain's init (a tuple of "
+                f"{size} states), got {type(state).__name__}."
+            )
+        moments = state[at]
+        if not isinstance(moments, AdamState):
+            raise TypeError(
+                f"{where}: expected an AdamState (from this transform's init), got "
+                f"{type(moments).__name__}."
+            )
+        if not isinstance(lr, Hyper) and not isinstance(state[-1], ScheduleState):
+            raise TypeError(
+                f"{where}: expected a ScheduleState (from this transform's init), got "
+                f"{type(state[-1]).__name__}."
+            )
+        leaves, spec = flatten(params)
+        gs = leaves_like(where, "grads", spec, grads)
+        check_tensors(where, "the gradient", spec, gs)
+        counts = leaves_like(where, "state.count", spec, moments.count)
+        fields = [
+            leaves_like(where, f"state.{f}", spec, getattr(moments, f))
+            for f in AdamState._fields[1:]
+        ]
+        active = [
+            i
+            for i, (g, c) in enumerate(zip(gs, counts, strict=True))
+            if g is not None and c is not None
+        ]
+        for i in active:
+            p, c = leaves[i], counts[i]
+            if not isinstance(p, Tensor) or not p.is_floating_point():
+                raise TypeError(
+                    f"{where}: {leaf_name(spec, i)} has Adam state but is a "
+                    f"{type(p).__name__ if not isinstance(p, Tensor) else f'{p.dtype} tensor'}; "
+                    "pass the parameters the state was initialized with."
+                )
+            if not isinstance(c, Tensor) or c.dim() != 0:
+                raise ValueError(
+                    f"{where}: state.count for {leaf_name(spec, i)} must be a 0-dim tensor, "
+                    f"got {type(c).__name__ if not isinstance(c, Tensor) else tuple(c.shape)}."
+                )
+        check_like(where, "the gradient", spec, active, gs, leaves)
+        names = AdamState._fields[1:] if options.amsgrad else AdamState._fields[1:3]
+        for name, xs in zip(names, fields, strict=False):
+            check_like(where, f"state.{name}", spec, active, xs, leaves)
+        value = lr if isinstance(lr, Hyper) else schedule_value(where, "lr", lr(state[-1].count))
+        for h in [*per_member, value]:
+            check_members(h, where, spec, leaves, active)
+
+        with torch.no_grad():
+            if active:
+                mu, nu, nu_max = ([xs[i] for i in active] for xs in fields)
+                adam_step_(
+                    [leaves[i] for i in active],
+                    [gs[i] for i in active],
+                    Moments(mu, nu, nu_max if options.amsgrad else [], [counts[i] for i in active]),
+                    options._replace(lr=value),
+                )
+            if not isinstance(lr, Hyper):
+                state[-1].count.add_(1)
+        return state
+
+    return update_
+
+
 def _adam(
     where: str,
     lr: object,
@@ -251,10 +321,14 @@ def _adam(
     # shrinks the weights by lr * weight_decay beside the Adam step (AdamW).
     steps = [flip_sign(where)] if maximize else []
     steps += [] if decoupled else decay
+    at = len(steps)
     steps.append(_adam_moments(where, b1, b2, eps_, amsgrad))
     steps += decay if decoupled else []
     steps.append(learning_rate(where, lr_))  # type: ignore[arg-type]
-    return chain(*steps)
+    # Placeholder lr in the options: the step puts the current value in (a schedule's).
+    options = Options(Hyper("lr", 0.0), b1, b2, eps_, wd, amsgrad, maximize, decoupled)
+    in_place = _in_place(where, lr_, options, len(steps), at)  # type: ignore[arg-type]
+    return chain(*steps)._replace(update_inplace=in_place)
 
 
 def adam(

@@ -20,7 +20,9 @@ class EnsembleOptimizer:
 
     It behaves like a ``torch.optim.Optimizer`` over the ensemble's stacked ``[N, ...]``
     parameters: ``step()`` reads each parameter's ``.grad`` (skipping parameters whose
-    ``.grad`` is None), runs the functional optimizer and adds the updates in place.
+    ``.grad`` is None) and steps the parameters and the state in place with the
+    transform's [`update_`][funcensemble.optim.GradientTransformation.update_]
+    (``fe.optim.adam``'s runs ``torch.optim.Adam(fused=True)``'s kernel where it can).
     Its state is ``transform``'s state, in ``self.state``. Learning-rate schedules are
     given to the transform as a callable ``lr``; ``torch.optim.lr_scheduler`` classes
     do not apply.
@@ -105,19 +107,16 @@ class EnsembleOptimizer:
                 )
             grads[name] = p.grad
         with torch.no_grad():
-            updates, state = self.transform.update(grads, self.state, self.params)
-            names = [k for k, u in updates.items() if u is not None]
-            if names:
-                torch._foreach_add_([self.params[k] for k in names], [updates[k] for k in names])
-        self.state = state
+            self.state = self.transform.update_(grads, self.state, self.params)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state as ``{"state": {path: tensor or None}}``.
 
         Plain dicts and tensors only, so ``torch.save`` and ``torch.load(...,
-        weights_only=True)`` take it. The tensors are the live state's (not copies),
-        but ``step()`` replaces rather than mutates them.
+        weights_only=True)`` take it. As with ``torch.optim``, the tensors are the live
+        state's, not copies: ``step()`` updates them in place, so clone them to keep a
+        snapshot of this step's values.
         """
         leaves, spec = flatten(self.state)
         return {"state": dict(zip(_state_keys(spec), leaves, strict=True))}

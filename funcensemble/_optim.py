@@ -19,11 +19,17 @@ PyTree = Any
 
 
 class GradientTransformation(NamedTuple):
-    """An optimizer: two pure functions over pytrees.
+    """An optimizer: two pure functions over pytrees, and an in-place step.
 
     ``init(params) -> state`` builds the state; ``update(grads, state, params) ->
     (updates, new_state)`` turns gradients into parameter updates. Neither mutates
-    its inputs. Apply the updates with [`apply_updates`][funcensemble.optim.apply_updates].
+    its inputs. Apply the updates with [`apply_updates`][funcensemble.optim.apply_updates],
+    or do both at once, in place, with
+    [`update_`][funcensemble.optim.GradientTransformation.update_].
+
+    ``update_inplace`` is where a transform plugs in a dedicated in-place step
+    (``fe.optim.adam``'s runs ``torch.optim.Adam``'s fused kernel); leave it None
+    and ``update_`` derives one from ``update``. Call ``update_``, not this field.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -38,6 +44,46 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
+    update_inplace: Callable[[PyTree, Any, PyTree], Any] | None = None
+
+    def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
+        """Step ``params`` in place; return the new state.
+
+        Computes exactly what ``updates, state = update(grads, state, params)``
+        followed by ``params = apply_updates(params, updates)`` computes, but writes
+        the result into the ``params`` tensors (under ``torch.no_grad()``, so they may
+        be ``nn.Parameter``s) and into the state's tensors, instead of allocating new
+        ones. The returned state holds the same tensors as ``state`` wherever their
+        shapes allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need
+        the old values. Everything is checked before anything is written: a call that
+        raises leaves ``params`` and ``state`` as they were.
+
+        Args:
+            grads: Gradients shaped like ``params``; None for a leaf without one.
+            state: The state from ``init`` or the previous step.
+            params: The parameters to update in place.
+
+        Returns:
+            The new state.
+
+        Raises:
+            ValueError: ``grads`` or ``state`` do not match ``params``, with the
+                messages of ``update``.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> opt = fe.optim.adam(lr=0.1)
+            >>> params = {"w": torch.ones(4, 3)}
+            >>> state = opt.init(params)
+            >>> state = opt.update_({"w": torch.ones(4, 3)}, state, params)
+            >>> torch.allclose(params["w"], torch.full((4, 3), 0.9)), state[0].count["w"]
+            (True, tensor(1.))
+        """
+        if self.update_inplace is not None:
+            return self.update_inplace(grads, state, params)
+        updates, new_state = self.update(grads, state, params)
+        add_updates_("update_", params, updates)
+        return refill(state, new_state)
 
 
 class EmptyState(NamedTuple):
@@ -175,6 +221,47 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_state)
 
     return GradientTransformation(init, update)
+
+
+def add_updates_(where: str, params: PyTree, updates: PyTree) -> None:
+    """``params += updates`` in place, leaf by leaf, after checking every leaf."""
+    leaves, spec = flatten(params)
+    ups = leaves_like(where, "updates", spec, updates)
+    active = [i for i, u in enumerate(ups) if u is not None]
+    for i in active:
+        if not isinstance(leaves[i], Tensor):
+            raise TypeError(
+                f"{where}: {leaf_name(spec, i)} is a {type(leaves[i]).__name__} but has an "
+                "update; only tensor leaves can be updated."
+            )
+    check_like(where, "the update", spec, active, ups, leaves)
+    if active:
+        with torch.no_grad():
+            torch._foreach_add_([leaves[i] for i in active], [ups[i] for i in active])
+
+
+def refill(state: Any, new_state: Any) -> Any:
+    """``new_state``, its values copied into ``state``'s tensors where shapes allow.
+
+    So that a state's tensors stay the same objects from step to step (what
+    ``EnsembleOptimizer.state_dict`` hands out stays live), like ``torch.optim``'s.
+    """
+    old, spec = flatten(state)
+    new, new_spec = flatten(new_state)
+    if spec != new_spec:
+        return new_state
+    out = []
+    with torch.no_grad():
+        for o, n in zip(old, new, strict=True):
+            same = (
+                isinstance(o, Tensor)
+                and isinstance(n, Tensor)
+                and (o.shape, o.dtype, o.device) == (n.shape, n.dtype, n.device)
+            )
+            if same and o is not n:
+                o.copy_(n)
+            out.append(o if same else n)
+    return spec.unflatten(out)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
