@@ -107,3 +107,25 @@ def test_run_writes_the_report(tmp_path, capsys):
 def test_step_memory_in_a_subprocess():
     found = measure.step_memory("S", "loop", 2, device="cpu", threads=1, timeout=120)
     assert found.get("step_peak_bytes", -1) >= 0, found
+
+
+def test_chunking_table(tmp_path, capsys):
+    from benchmarks import chunking
+
+    results = chunking.main(
+        ["--members", "4", "--in-features", "3", "--hidden", "8", "--batch", "16",
+         "--chunks", "None,3,1", "--rounds", "1", "--min-run-time", "0.001", "--no-memory",
+         "--name", "smoke", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert [r.chunk_size for r in results["train"]] == [None, 3, 1]
+    assert all(r.median_s > 0 for rows in results.values() for r in rows)
+    text = (tmp_path / "smoke.md").read_text()
+    assert "## Training step" in text and "## Inference" in text
+    assert "| 3 | 2 | n/a |" in text  # 4 members in chunks of 3: two calls
+    assert text in capsys.readouterr().out
+    # One setting's memory, in a fresh process as in the full run.
+    setup = chunking.Setup(members=4, in_features=3, hidden=8, batch=16)
+    assert chunking.step_peak(setup, "train", 2, timeout=120).get("peak_bytes", -1) >= 0
+    rows = [chunking.Row(k, 10e6 + 2e6 * k, 1.0) for k in (1, 2, 4)]
+    fixed, per_member = chunking.fit([*rows, chunking.Row(None, 99e6, 1.0)], members=8)
+    assert abs(fixed - 10e6) < 1 and abs(per_member - 2e6) < 1
