@@ -87,9 +87,11 @@ def run(
     *,
     dtype: torch.dtype = torch.float64,
     steps: int = STEPS,
+    in_place: bool = False,
 ) -> Run:
     """Train N modules with ``torch_opt(i, params) -> (optimizer, scheduler | None)`` each,
-    and N copies with ``transform`` on their stacked parameters, from the same start."""
+    and N copies with ``transform`` on their stacked parameters, from the same start
+    (with ``update`` and ``apply_updates``, or with ``update_`` if ``in_place``)."""
     reference = optim_net_members(N, dtype=dtype)
     ours = copy.deepcopy(reference)
     made = [torch_opt(i, m.parameters()) for i, m in enumerate(reference)]
@@ -103,8 +105,11 @@ def run(
             if scheduler is not None:
                 scheduler.step()
         backward_all(ours, step)
-        updates, state = transform.update(stacked_grads(ours), state, params)
-        params = fe.optim.apply_updates(params, updates)
+        if in_place:
+            state = transform.update_(stacked_grads(ours), state, params)
+        else:
+            updates, state = transform.update(stacked_grads(ours), state, params)
+            params = fe.optim.apply_updates(params, updates)
         load(ours, params)
     return Run(reference, [opt for opt, _ in made], start, params, state)
 

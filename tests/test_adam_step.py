@@ -1,0 +1,386 @@
+"""The in-place step ``update_``: against N torch.optim optimizers and the pure path, in float64.
+
+``fe.optim.adam``'s dedicated step (``funcensemble/_adam_step.py``) runs torch's fused
+Adam kernel when every hyperparameter is one float, and in-place multi-tensor ops
+otherwise; other transforms get the generic step derived from ``update``.
+"""
+
+import copy
+import itertools
+from typing import Any
+
+import optree
+import pytest
+import torch
+from test_optim import (
+    PER_MEMBER,
+    SHARED,
+    STEPS,
+    N,
+    adam_state,
+    assert_matches_torch,
+    run,
+    small_tree,
+)
+
+import funcensemble as fe
+
+CLOSE = {"rtol": 1e-12, "atol": 1e-14}
+
+
+def torch_cls(kind: str) -> type[torch.optim.Optimizer]:
+    return torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many leaves each call of torch's fused Adam/AdamW kernel stepped."""
+    calls: list[int] = []
+    for name in ("_fused_adam_", "_fused_adamw_"):
+        kernel = getattr(torch, name)
+
+        def counted(params: list, *args: Any, _kernel: Any = kernel, **kwargs: Any) -> None:
+            calls.append(len(params))
+            _kernel(params, *args, **kwargs)
+
+        monkeypatch.setattr(torch, name, counted)
+    return calls
+
+
+GRID = list(itertools.product(["adam", "adamw"], [0.0, 1e-2], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize(("kind", "weight_decay", "amsgrad", "maximize"), GRID)
+def test_fused_step_matches_torch_optim(kind, weight_decay, amsgrad, maximize, fused_calls):
+    options = dict(weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+    transform = getattr(fe.optim, kind)(1e-2, (0.9, 0.999), **options)
+    r = run(
+        transform,
+        lambda i, p: (torch_cls(kind)(p, lr=1e-2, **options), None),
+        in_place=True,
+    )
+    assert_matches_torch(r, amsgrad=amsgrad)
+    assert fused_calls and max(fused_calls) == 6  # every parameter with a gradient
+
+
+def test_fused_step_in_float32_matches_torch_fused(fused_calls):
+    r = run(
+        fe.optim.adamw(1e-2, amsgrad=True),
+        lambda i, p: (torch.optim.AdamW(p, lr=1e-2, amsgrad=True, fused=True), None),
+        dtype=torch.float32,
+        in_place=True,
+    )
+    assert fused_calls
+    assert_matches_torch(r, amsgrad=True, tol={"rtol": 1e-5, "atol": 1e-6})
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("which", [*PER_MEMBER, "all"])
+def test_per_member_step_matches_separate_torch_optimizers(kind, which, fused_calls):
+    chosen = {k: (PER_MEMBER[k] if which in (k, "all") else v) for k, v in SHARED.items()}
+
+    def value(k: str, i: int) -> float:
+        v = chosen[k]
+        return float(v[i]) if isinstance(v, torch.Tensor) else v
+
+    transform = getattr(fe.optim, kind)(
+        chosen["lr"],
+        (chosen["beta1"], chosen["beta2"]),
+        chosen["eps"],
+        weight_decay=chosen["weight_decay"],
+        amsgrad=True,
+        maximize=True,
+    )
+
+    def torch_opt(i, params):
+        opt = torch_cls(kind)(
+            params,
+            lr=value("lr", i),
+            betas=(value("beta1", i), value("beta2", i)),
+            eps=value("eps", i),
+            weight_decay=value("weight_decay", i),
+            amsgrad=True,
+            maximize=True,
+        )
+        return opt, None
+
+    assert_matches_torch(run(transform, torch_opt, in_place=True), amsgrad=True)
+    assert not fused_calls
+
+
+def test_zero_per_member_lr_leaves_that_member_unchanged():
+    params = small_tree()
+    before = optree.tree_map(torch.clone, params)
+    opt = fe.optim.adamw(torch.tensor([1e-2, 0.0, 1e-3], dtype=torch.float64))
+    state = opt.update_(small_tree(), opt.init(params), params)
+    assert torch.equal(params["w"][1], before["w"][1])
+    assert not torch.equal(params["w"][0], before["w"][0])
+    assert adam_state(state).count["w"].item() == 1
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        lambda count: 1e-2 * 0.8**count,  # a 0-dim tensor: still the fused kernel
+        lambda count: 1e-2 if count < 4 else 1e-2 * 0.8**4,  # a float
+    ],
+    ids=["tensor", "float"],
+)
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_schedule_step_matches_lambda_lr(kind, schedule, fused_calls):
+    transform = getattr(fe.optim, kind)(schedule, amsgrad=True)
+
+    def torch_opt(i, params):
+        opt = torch_cls(kind)(params, lr=1.0, amsgrad=True)
+        factor = [float(schedule(torch.tensor(e))) for e in range(STEPS + 1)]
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda e: factor[e])
+
+    r = run(transform, torch_opt, in_place=True)
+    assert_matches_torch(r, amsgrad=True)
+    assert r.state[-1].count.item() == STEPS  # advanced on the all-None step too
+    assert fused_calls
+
+
+def test_per_member_schedule_step():
+    lrs = PER_MEMBER["lr"]
+
+    def torch_opt(i, params):
+        opt = torch.optim.Adam(params, lr=float(lrs[i]))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+
+    r = run(fe.optim.adam(lambda c: lrs * 0.5**c), torch_opt, in_place=True)
+    assert_matches_torch(r, amsgrad=False)
+
+
+# --- against the pure path ---------------------------------------------------------------
+
+LR = torch.tensor([1e-2, 3e-3, 1e-3], dtype=torch.float64)
+OPTIONS = list(
+    itertools.product(
+        ["adam", "adamw"],
+        [1e-2, LR, lambda c: 1e-2 * 0.9**c],
+        [0.0, 0.1, PER_MEMBER["weight_decay"]],
+        [0.9, PER_MEMBER["beta1"]],
+        [False, True],
+        [False, True],
+    )
+)
+
+
+def grads_at(step: int, *, transposed: bool = False) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(100 + step)
+    w = torch.randn(N, 2, 4, generator=g, dtype=torch.float64).transpose(1, 2)
+    return {
+        "w": w if transposed else w.contiguous(),
+        "b": None if step == 1 else torch.randn(N, 2, generator=g, dtype=torch.float64),
+        "steps": None,
+    }
+
+
+def int_tree() -> dict[str, Any]:
+    return {**small_tree(), "steps": torch.arange(N)}
+
+
+@pytest.mark.parametrize(("kind", "lr", "wd", "b1", "amsgrad", "maximize"), OPTIONS)
+def test_update_in_place_equals_update_then_apply_updates(kind, lr, wd, b1, amsgrad, maximize):
+    opt = getattr(fe.optim, kind)(
+        lr, (b1, 0.999), weight_decay=wd, amsgrad=amsgrad, maximize=maximize
+    )
+    pure, mutated = int_tree(), int_tree()
+    pure_state, state = opt.init(pure), opt.init(mutated)
+    ints = mutated["steps"]
+    for step in range(4):
+        updates, pure_state = opt.update(grads_at(step), pure_state, pure)
+        pure = fe.optim.apply_updates(pure, updates)
+        state = opt.update_(grads_at(step), state, mutated)
+    torch.testing.assert_close(mutated, pure, **CLOSE)
+    torch.testing.assert_close(state, pure_state, **CLOSE)
+    assert mutated["steps"] is ints and adam_state(state).mu["steps"] is None
+    assert adam_state(state).count["b"].item() == 3  # no gradient at step 1
+
+
+def test_non_contiguous_gradients_take_the_multi_tensor_path(fused_calls):
+    # torch's CPU fused kernel reads memory linearly: a transposed gradient would give
+    # wrong numbers, so such leaves are stepped with in-place multi-tensor ops instead.
+    opt = fe.optim.adam(1e-2, amsgrad=True)
+    pure, mutated = int_tree(), int_tree()
+    pure_state, state = opt.init(pure), opt.init(mutated)
+    for step in range(3):
+        updates, pure_state = opt.update(grads_at(step, transposed=True), pure_state, pure)
+        pure = fe.optim.apply_updates(pure, updates)
+        state = opt.update_(grads_at(step, transposed=True), state, mutated)
+    torch.testing.assert_close(mutated, pure, **CLOSE)
+    torch.testing.assert_close(state, pure_state, **CLOSE)
+    assert fused_calls == [1, 1]  # only "b", at the steps it has a gradient
+
+
+def test_state_tensors_are_updated_in_place():
+    opt = fe.optim.adam(1e-2, amsgrad=True)
+    params = small_tree()
+    state = opt.init(params)
+    before = optree.tree_leaves(state)
+    new = opt.update_(small_tree(), state, params)
+    after = optree.tree_leaves(new)
+    assert len(before) == len(after) and all(a is b for a, b in zip(before, after, strict=True))
+    assert adam_state(new).count["w"].item() == 1
+
+
+# --- the generic step of other transforms ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fe.optim.chain(
+            fe.optim.add_decayed_weights(0.1), fe.optim.scale_by_adam(amsgrad=True),
+            fe.optim.scale_by_learning_rate(lambda c: 0.1 * 0.5**c),
+        ),
+        lambda: fe.optim.scale_by_adam(),
+        lambda: fe.optim.scale_by_learning_rate(LR),
+    ],
+    ids=["chain", "scale_by_adam", "scale_by_learning_rate"],
+)  # fmt: skip
+def test_generic_step_equals_update_then_apply_updates(make):
+    opt = make()
+    assert opt.update_inplace is None
+    pure, mutated = int_tree(), int_tree()
+    pure_state, state = opt.init(pure), opt.init(mutated)
+    tensors = optree.tree_leaves(state)
+    for step in range(3):
+        updates, pure_state = opt.update(grads_at(step), pure_state, pure)
+        pure = fe.optim.apply_updates(pure, updates)
+        state = opt.update_(grads_at(step), state, mutated)
+    torch.testing.assert_close(mutated, pure, **CLOSE)
+    torch.testing.assert_close(state, pure_state, **CLOSE)
+    # The state's tensors were written into, not replaced.
+    assert all(a is b for a, b in zip(tensors, optree.tree_leaves(state), strict=True))
+
+
+def test_generic_step_checks_updates_before_writing():
+    def update(grads, state, params=None):
+        return {"w": torch.ones(3)}, state  # wrong shape
+
+    opt = fe.optim.GradientTransformation(lambda p: fe.optim.EmptyState(), update)
+    params = {"w": torch.zeros(2, 3)}
+    with pytest.raises(ValueError, match=r"update_: the update for params\['w'\] has shape"):
+        opt.update_({"w": torch.ones(2, 3)}, fe.optim.EmptyState(), params)
+    assert not params["w"].any()
+
+
+# --- errors: checked before anything is written ------------------------------------------
+
+
+def snapshot(tree: Any) -> Any:
+    return optree.tree_map(torch.clone, tree, none_is_leaf=False)
+
+
+GOOD = {"w": torch.ones(N, 4, 2, dtype=torch.float64), "b": torch.ones(N, 2, dtype=torch.float64)}
+OTHER = {
+    "w": torch.zeros(N, 5, 2, dtype=torch.float64),
+    "b": torch.zeros(N, 2, dtype=torch.float64),
+}
+
+
+def same(opt: Any, state: Any) -> Any:
+    return state
+
+
+BAD_CALLS = [
+    pytest.param(
+        lambda opt, s: (s[0],), GOOD, ValueError, r"chain: expected the state", id="length"
+    ),
+    pytest.param(
+        lambda opt, s: (fe.optim.EmptyState(), s[1]),
+        GOOD,
+        TypeError,
+        r"adam: expected an AdamState \(from this transform's init\), got EmptyState",
+        id="state-type",
+    ),
+    pytest.param(
+        same,
+        {"w": None},
+        ValueError,
+        r"adam: grads do not match the structure of the parameters",
+        id="grads-structure",
+    ),
+    pytest.param(
+        same,
+        {**GOOD, "b": torch.ones(N, 3, dtype=torch.float64)},
+        ValueError,
+        r"adam: the gradient for params\['b'\] has shape \(3, 3\)",
+        id="grad-shape",
+    ),
+    pytest.param(
+        same,
+        {**GOOD, "b": 1.0},
+        TypeError,
+        r"adam: the gradient for params\['b'\] is a float",
+        id="grad-type",
+    ),
+    pytest.param(
+        lambda opt, s: (s[0]._replace(nu=opt.init(OTHER)[0].nu), s[1]),
+        GOOD,
+        ValueError,
+        r"adam: state.nu for params\['w'\] has shape \(3, 5, 2\)",
+        id="state-shape",
+    ),
+]
+
+
+@pytest.mark.parametrize(("corrupt", "grads", "error", "match"), BAD_CALLS)
+def test_bad_call_changes_nothing(corrupt, grads, error, match):
+    opt = fe.optim.adam(1e-2)
+    params = small_tree()
+    state = opt.update_(GOOD, opt.init(params), params)  # non-zero moments
+    bad = corrupt(opt, state)
+    before = snapshot((params, state))
+    with pytest.raises(error, match=match):
+        opt.update_(grads, bad, params)
+    torch.testing.assert_close((params, state), before, rtol=0, atol=0)
+
+
+def test_per_member_size_mismatch_changes_nothing():
+    opt = fe.optim.adam(lambda c: torch.full((N + 1,), 1e-2))  # one value too many
+    params = small_tree()
+    state = opt.init(params)
+    before = snapshot((params, state))
+    with pytest.raises(ValueError, match=r"adam: lr has 4 per-member values but params\['b'\]"):
+        opt.update_(small_tree(), state, params)
+    torch.testing.assert_close((params, state), before, rtol=0, atol=0)
+
+
+def test_wrong_schedule_state_is_rejected():
+    opt = fe.optim.adam(lambda c: 1e-2)
+    params = small_tree()
+    state = opt.init(params)
+    with pytest.raises(TypeError, match=r"adam: expected a ScheduleState .* got EmptyState"):
+        opt.update_(small_tree(), (state[0], fe.optim.EmptyState()), params)
+    assert state[1].count.item() == 0
+
+
+# --- EnsembleOptimizer --------------------------------------------------------------------
+
+
+def test_ensemble_optimizer_state_dict_is_live_and_round_trips():
+    torch.manual_seed(0)
+    ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(N)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, amsgrad=True))
+    x = torch.randn(5, 3)
+
+    def train(e: fe.Ensemble, o: fe.optim.EnsembleOptimizer) -> None:
+        o.zero_grad()
+        e(x).pow(2).sum().backward()
+        o.step()
+
+    train(ens, opt)
+    live = opt.state_dict()
+    saved = copy.deepcopy(live)
+    resumed = copy.deepcopy(ens)
+    resumed_opt = fe.optim.EnsembleOptimizer(resumed, fe.optim.adamw(1e-2, amsgrad=True))
+    resumed_opt.load_state_dict(saved)
+    train(ens, opt)
+    train(resumed, resumed_opt)
+    key = next(k for k in live["state"] if "mu" in k)
+    assert not torch.equal(live["state"][key], saved["state"][key])  # stepped in place
+    torch.testing.assert_close(dict(resumed.named_parameters()), dict(ens.named_parameters()))
+    torch.testing.assert_close(resumed_opt.state_dict(), opt.state_dict())
