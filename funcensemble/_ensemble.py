@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
+from ._fastpath import try_module_call
 from ._seeding import member_seed, seeded_cpu_rng
 from ._skeleton import meta_skeleton, replace_tensors
 from ._stack import FunctionalModule, member_module, stack_as
@@ -177,6 +178,10 @@ class Ensemble(nn.Module):
                 own slice of every positional input, or one entry per input.
             **kwargs: Keyword inputs, shared by all members.
         """
+        if len(args) == 1 and not kwargs and self.chunk_size is None:
+            fast = try_module_call(self.stacked, args[0], in_dims)
+            if fast is not None:
+                return fast
         mapped = vmap(self.fmodel, in_dims, randomness=self.randomness, chunk_size=self.chunk_size)
         return mapped(self.stacked_params(), self.stacked_buffers(), *args, **kwargs)
 

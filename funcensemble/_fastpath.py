@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.nn import functional as F
 
 _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
@@ -85,6 +86,16 @@ def plan(skeleton: nn.Module) -> Plan | None:
     return steps
 
 
+# Activations autograd differentiates from their output alone: applied in place to the
+# fresh output of the layer before them, which saves one activation-sized tensor per
+# layer (the layer's backward does not need its own output).
+_IN_PLACE: dict[type, Callable[[Tensor], Tensor]] = {
+    nn.Tanh: torch.tanh_,
+    nn.Sigmoid: torch.sigmoid_,
+    nn.ReLU: torch.relu_,
+}
+
+
 def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | None) -> Tensor | None:
     """Run the chain on stacked ``params``; ``x`` is shared or has ``member_dim``.
 
@@ -96,26 +107,47 @@ def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | Non
         if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
             return None  # random masks follow vmap's randomness rules: general path
     n = next(params[w].shape[0] for _, w, _ in steps if w is not None)
+    if member_dim is not None:
+        x = x.movedim(member_dim, 0)
+        if x.dim() < 2 or x.shape[0] != n:
+            return None
+    if n == 1:
+        # One member: exactly the plain module's ops (addmm on 2-D inputs), on views of
+        # the stacked tensors, so a one-member ensemble costs what the module costs.
+        h = _chain(steps, params, x if member_dim is None else x[0], one=True)
+        return h.unsqueeze(0)
     if member_dim is None:
         lead = x.shape[:-1]
         h = x.reshape(1, -1, x.shape[-1]).expand(n, -1, -1)
     else:
-        x = x.movedim(member_dim, 0)
-        if x.dim() < 2:
-            return None
         lead = x.shape[1:-1]
         h = x.reshape(n, -1, x.shape[-1])
-    for module, weight, bias in steps:
-        if weight is None:
-            if type(module) is not nn.Dropout:
-                h = _ELEMENTWISE[type(module)](module, h)
-            continue
-        w = params[weight].transpose(1, 2)
-        if bias is None:
-            h = torch.bmm(h, w)
-        else:
-            h = torch.baddbmm(params[bias].unsqueeze(1), h, w)
+    h = _chain(steps, params, h, one=False)
     return h.reshape(n, *lead, h.shape[-1])
+
+
+def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, *, one: bool) -> Tensor:
+    fresh = False  # whether h is a layer output of ours that nothing else holds
+    for module, weight, bias in steps:
+        kind = type(module)
+        if weight is None:
+            if kind is nn.Dropout:
+                continue
+            if fresh and kind in _IN_PLACE:
+                h = _IN_PLACE[kind](h)
+            else:
+                h = _ELEMENTWISE[kind](module, h)
+            fresh = False
+            continue
+        w, b = params[weight], None if bias is None else params[bias]
+        if one:
+            h = F.linear(h, w.squeeze(0), None if b is None else b.squeeze(0))
+        elif b is None:
+            h = torch.bmm(h, w.transpose(1, 2))
+        else:
+            h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+        fresh = True
+    return h
 
 
 def try_fast_call(
@@ -142,6 +174,36 @@ def try_fast_call(
         for name in (weight, bias)
     ):
         return None  # e.g. one Linear instance used twice: its second name is not a key
+    return run(steps, params, x, dim)
+
+
+def try_module_call(skeleton: nn.Module, x: Any, in_dims: Any) -> Tensor | None:
+    """The fast path for ``Ensemble.forward(x)``, or ``None``.
+
+    Reads the stacked tensors straight off ``skeleton``'s layers (no name-to-tensor
+    dicts, no ``vmap`` wrapper): for a small MLP this per-call overhead is what
+    separates one vectorized member from one plain module.
+    """
+    dim = in_dims[0] if isinstance(in_dims, tuple) and len(in_dims) == 1 else in_dims
+    if (
+        not isinstance(x, Tensor)
+        or isinstance(dim, bool)
+        or not (dim is None or isinstance(dim, int))
+    ):
+        return None
+    if dim is not None and not -x.dim() <= dim < x.dim():
+        return None  # the general path explains
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
+        return None
+    steps = plan(skeleton)
+    if steps is None:
+        return None
+    params: dict[str, Tensor] = {}
+    for module, weight, bias in steps:
+        if weight is not None:
+            params[weight] = module.weight
+            if bias is not None:
+                params[bias] = module.bias
     return run(steps, params, x, dim)
 
 
@@ -189,7 +251,10 @@ def try_batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Ten
     found_x = _unwrap_at(x, level)
     if found_x is None:
         return None
-    out = run(steps, unwrapped, *found_x)
+    # Step out of this vmap level while running on its unwrapped tensors: our kernels
+    # (and their autograd.Function) then see no transform at all.
+    with retrieve_current_functorch_interpreter().lower():
+        out = run(steps, unwrapped, *found_x)
     if out is None:
         return None
     return torch._C._functorch._add_batch_dim(out, 0, level)

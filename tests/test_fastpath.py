@@ -52,9 +52,9 @@ def spy(monkeypatch):
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda m: type(m).__name__)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("per_member", [False, True])
-def test_fast_path_matches_loop_outputs_and_grads(act, bias, per_member, spy):
+@pytest.mark.parametrize("n", [1, 3])  # one member: the plain module's ops on views
+def test_fast_path_matches_loop_outputs_and_grads(act, bias, per_member, n, spy):
     torch.manual_seed(0)
-    n = 3
     modules = [mlp(act, bias) for _ in range(n)]
     ens = fe.Ensemble(modules)
     x = torch.randn(*((n,) if per_member else ()), 2, 4, 5, dtype=torch.float64)
@@ -137,12 +137,15 @@ def test_general_path_when_fast_path_does_not_apply(case, spy):
     else:
         out = ens(x)
         ref = None if case == "train_dropout" else torch.stack([m(x) for m in modules])
-    if case not in ("chunked", "kwargs", "two_args"):
+    if case not in ("chunked", "kwargs", "two_args", "repeated_linear"):
         # (Chunks, and fmodel called inside a vmapped lambda, still run the stacked
         # kernels, through vmap: what must hold there is equality with the loop.)
         assert not any(spy)
     if case == "repeated_linear":
-        assert spy == []  # refused before running: "2.weight" is not a parameter name
+        # The module face reads each layer's own tensors: a Linear used twice is one
+        # weight used twice, as in the loop. (fmodel's name-keyed path refuses it:
+        # "2.weight" is not a parameter name; see the test below.)
+        assert spy == [True]
     if ref is not None:
         torch.testing.assert_close(out, ref, **TOL)
     if case == "hook":
@@ -197,3 +200,47 @@ def test_no_batched_fast_path_under_other_transforms(spy):
     )(one, x)
     for k in one:
         torch.testing.assert_close(g[k], ref[k], **TOL)
+
+
+def test_linear_used_twice_gradients_match_loop(spy):
+    torch.manual_seed(3)
+
+    def make():
+        shared = nn.Linear(5, 5)
+        return nn.Sequential(shared, nn.Tanh(), shared).double()
+
+    modules = [make() for _ in range(3)]
+    ens = fe.Ensemble(modules)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    ens(x).pow(2).sum().backward()
+    sum(m(x).pow(2).sum() for m in modules).backward()
+    assert spy == [True]
+    for name, p in ens.stacked.named_parameters():
+        ref = torch.stack([dict(m.named_parameters())[name].grad for m in modules])
+        torch.testing.assert_close(p.grad, ref, **TOL)
+    fmodel, params, buffers = fe.stack(modules)
+    out = fe.vmap(fmodel)(params, buffers, x)
+    assert spy == [True]  # refused before running: "2.weight" is not a parameter name
+    torch.testing.assert_close(out, torch.stack([m(x) for m in modules]), **TOL)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_in_place_activations_keep_double_backward(n):
+    # Tanh/ReLU/Sigmoid run in place on the layer's fresh output; second-order
+    # gradients (e.g. a gradient penalty) must still equal the loop's.
+    torch.manual_seed(4)
+    modules = [mlp(nn.Tanh()) for _ in range(n)]
+    ens = fe.Ensemble(modules)
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(ens(x).sum(), x, create_graph=True)
+    gx.pow(2).sum().backward()
+    x_ref = x.detach().requires_grad_()
+    (gx_ref,) = torch.autograd.grad(sum(m(x_ref).sum() for m in modules), x_ref, create_graph=True)
+    gx_ref.pow(2).sum().backward()
+    torch.testing.assert_close(gx, gx_ref, **TOL)
+    for name, p in ens.stacked_params().items():
+        grads = [dict(m.named_parameters())[name].grad for m in modules]
+        if grads[0] is None:  # the last bias does not enter d(out)/dx
+            assert p.grad is None and name == "4.bias"
+            continue
+        torch.testing.assert_close(p.grad, torch.stack(grads), **TOL)
