@@ -8,6 +8,7 @@
 import argparse
 import datetime
 import gc
+import os
 import platform
 import re
 import sys
@@ -31,6 +32,26 @@ from .report import MODES, Row, memory_table, timing_table, write
 from .workloads import WORKLOADS, Workload
 
 RESULTS = Path(__file__).parent / "results"
+
+# glibc's malloc moves its mmap and trim thresholds as a program runs, so whether a
+# multi-megabyte activation gets memory that is already mapped or fresh pages (a page
+# fault per 4 KiB, about 1 ms per 4 MiB here) depends on the allocation history: the
+# same method then times 2x apart from one process to the next. Fixed thresholds make
+# every method reuse freed memory, so the ranking does not depend on that luck.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+
+
+def pin_malloc(argv: Sequence[str]) -> None:
+    """Re-run this command with fixed glibc malloc thresholds (Linux; once)."""
+    if (
+        sys.platform != "linux"
+        or "--system-malloc" in argv
+        or "GLIBC_TUNABLES" in os.environ
+        or platform.libc_ver()[0] != "glibc"
+    ):
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES)
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.run", *argv], env)
 
 
 def _first_line(error: BaseException) -> str:
@@ -158,6 +179,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--min-run-time", type=float, help="seconds per method per round (quick 0.05, full 0.2)"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="keep glibc's adaptive malloc thresholds (default: fixed, see MALLOC_TUNABLES)",
+    )
     parser.add_argument("--name", help="results file name (default: from device and threads)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = parser.parse_args(argv)
@@ -261,6 +287,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
         "min_run_time": args.min_run_time,
         "check_steps": CHECK_STEPS,
         "compile_caches": "on (a quick run may reuse compiled code)" if args.quick else "off",
+        "malloc": os.environ.get("GLIBC_TUNABLES", "system default"),
     }
     md = write(rows, memory, meta, args.out)
     for key, per_method in memory.items():
@@ -271,4 +298,5 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
 
 
 if __name__ == "__main__":
+    pin_malloc(sys.argv[1:])
     main()

@@ -104,6 +104,22 @@ def test_run_writes_the_report(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_pin_malloc_reruns_once_with_fixed_thresholds(monkeypatch):
+    calls = []
+    monkeypatch.setattr(run.os, "execve", lambda *args: calls.append(args))
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    run.pin_malloc(["--quick"])
+    run.pin_malloc(["--quick", "--system-malloc"])  # opted out: no re-run
+    monkeypatch.setenv("GLIBC_TUNABLES", "set.by.the.user=1")
+    run.pin_malloc(["--quick"])  # already pinned (or the user's own): no re-run
+    if sys.platform != "linux" or run.platform.libc_ver()[0] != "glibc":
+        assert calls == []
+        return
+    ((_, argv, env),) = calls
+    assert argv[1:] == ["-m", "benchmarks.run", "--quick"]
+    assert env["GLIBC_TUNABLES"] == run.MALLOC_TUNABLES
+
+
 def test_step_memory_in_a_subprocess():
     found = measure.step_memory("S", "loop", 2, device="cpu", threads=1, timeout=120)
     assert found.get("step_peak_bytes", -1) >= 0, found
