@@ -3,6 +3,7 @@
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 
@@ -218,12 +219,57 @@ def scale_by_adam(
     return _adam_moments(where, b1, b2, eps_, _flag(where, "amsgrad", amsgrad))
 
 
+def _check_leaves(
+    where: str,
+    spec: optree.PyTreeSpec,
+    active: list[int],
+    leaves: list[Any],
+    grads: list[Any],
+    counts: list[Any],
+    moments: dict[str, list[Any]],
+) -> None:
+    """Check that each stepped leaf is a float tensor with a like gradient and state.
+
+    One pass comparing (shape, dtype, device) keys: this runs on every step, and the
+    per-field checks would cost as much as the fused kernel on small ensembles.
+    """
+    for i in active:
+        p, c = leaves[i], counts[i]
+        if not isinstance(p, Tensor) or not p.is_floating_point():
+            raise TypeError(
+                f"{where}: {leaf_name(spec, i)} has Adam state but is a "
+                f"{type(p).__name__ if not isinstance(p, Tensor) else f'{p.dtype} tensor'}; "
+                "pass the parameters the state was initialized with."
+            )
+        if not isinstance(c, Tensor) or c.dim() != 0:
+            raise ValueError(
+                f"{where}: state.count for {leaf_name(spec, i)} must be a 0-dim tensor, "
+                f"got {type(c).__name__ if not isinstance(c, Tensor) else tuple(c.shape)}."
+            )
+        key = (p.shape, p.dtype, p.device)
+        for what, xs in (("the gradient", grads), *moments.items()):
+            x = xs[i]
+            if not isinstance(x, Tensor) or (x.shape, x.dtype, x.device) != key:
+                check_like(
+                    where,
+                    what if what == "the gradient" else f"state.{what}",
+                    spec,
+                    [i],
+                    xs,
+                    leaves,
+                )
+
+
 def _in_place(
     where: str, lr: Hyper | Schedule, options: Options, size: int, at: int
 ) -> Callable[[PyTree, Any, PyTree], Any]:
     """The in-place step of the chain ``_adam`` builds: its state has ``size`` entries,
     the AdamState at ``at`` and, for a schedule, the ScheduleState last."""
     per_member = [h for h in options[1:5] if is_per_member(h)]
+    moment_fields = AdamState._fields[1:] if options.amsgrad else AdamState._fields[1:3]
+    constant = isinstance(lr, Hyper)
+    if constant:
+        options = options._replace(lr=lr)
 
     def update_(grads: PyTree, state: Any, params: PyTree) -> Any:
         # Everything is checked first, with the pure path's messages: nothing is written
@@ -239,56 +285,45 @@ def _in_place(
                 f"{where}: expected an AdamState (from this transform's init), got "
                 f"{type(moments).__name__}."
             )
-        if not isinstance(lr, Hyper) and not isinstance(state[-1], ScheduleState):
+        if not constant and not isinstance(state[-1], ScheduleState):
             raise TypeError(
                 f"{where}: expected a ScheduleState (from this transform's init), got "
                 f"{type(state[-1]).__name__}."
             )
         leaves, spec = flatten(params)
         gs = leaves_like(where, "grads", spec, grads)
-        check_tensors(where, "the gradient", spec, gs)
         counts = leaves_like(where, "state.count", spec, moments.count)
-        fields = [
-            leaves_like(where, f"state.{f}", spec, getattr(moments, f))
-            for f in AdamState._fields[1:]
-        ]
-        active = [
-            i
-            for i, (g, c) in enumerate(zip(gs, counts, strict=True))
-            if g is not None and c is not None
-        ]
-        for i in active:
-            p, c = leaves[i], counts[i]
-            if not isinstance(p, Tensor) or not p.is_floating_point():
-                raise TypeError(
-                    f"{where}: {leaf_name(spec, i)} has Adam state but is a "
-                    f"{type(p).__name__ if not isinstance(p, Tensor) else f'{p.dtype} tensor'}; "
-                    "pass the parameters the state was initialized with."
-                )
-            if not isinstance(c, Tensor) or c.dim() != 0:
-                raise ValueError(
-                    f"{where}: state.count for {leaf_name(spec, i)} must be a 0-dim tensor, "
-                    f"got {type(c).__name__ if not isinstance(c, Tensor) else tuple(c.shape)}."
-                )
-        check_like(where, "the gradient", spec, active, gs, leaves)
-        names = AdamState._fields[1:] if options.amsgrad else AdamState._fields[1:3]
-        for name, xs in zip(names, fields, strict=False):
-            check_like(where, f"state.{name}", spec, active, xs, leaves)
-        value = lr if isinstance(lr, Hyper) else schedule_value(where, "lr", lr(state[-1].count))
+        fields = {
+            f: leaves_like(where, f"state.{f}", spec, getattr(moments, f)) for f in moment_fields
+        }
+        active = []
+        for i, g in enumerate(gs):
+            if g is not None:
+                if not isinstance(g, Tensor):
+                    check_tensors(where, "the gradient", spec, gs)
+                if counts[i] is not None:
+                    active.append(i)
+        _check_leaves(where, spec, active, leaves, gs, counts, fields)
+        value = lr if constant else schedule_value(where, "lr", lr(state[-1].count))
         for h in [*per_member, value]:
             check_members(h, where, spec, leaves, active)
 
-        with torch.no_grad():
+        # torch.no_grad() as a context manager costs as much as a small kernel here.
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             if active:
-                mu, nu, nu_max = ([xs[i] for i in active] for xs in fields)
+                mu, nu, *nu_max = ([xs[i] for i in active] for xs in fields.values())
                 adam_step_(
                     [leaves[i] for i in active],
                     [gs[i] for i in active],
-                    Moments(mu, nu, nu_max if options.amsgrad else [], [counts[i] for i in active]),
-                    options._replace(lr=value),
+                    Moments(mu, nu, nu_max[0] if nu_max else [], [counts[i] for i in active]),
+                    options if constant else options._replace(lr=value),
                 )
-            if not isinstance(lr, Hyper):
+            if not constant:
                 state[-1].count.add_(1)
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
         return state
 
     return update_

@@ -58,17 +58,6 @@ def bias_corrections(beta: Hyper, counts: list[Tensor], like: list[Tensor]) -> l
     return out
 
 
-def _fusable(p: Tensor, tensors: list[Tensor], count: Tensor) -> bool:
-    # The CPU kernel walks raw memory: a transposed gradient gives wrong numbers, silently.
-    return (
-        p.device.type in _fused_devices()
-        and p.dtype in _FUSED_DTYPES
-        and count.device == p.device
-        and count.dtype == torch.float32
-        and all(t.is_contiguous() for t in tensors)
-    )
-
-
 def _fused_lr(lr: Hyper, device: torch.device) -> float | Tensor | None:
     """``lr`` as the fused kernel takes it, or None if it cannot."""
     value = lr.value
@@ -91,25 +80,41 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
     lrs: dict[torch.device, float | Tensor | None] = {}
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest = []
+    devices = _fused_devices()
     for k, p in enumerate(params):
-        tensors = [p, grads[k], state.mu[k], state.nu[k]]
-        tensors += [state.nu_max[k]] if o.amsgrad else []
         if p.device not in lrs:
-            lrs[p.device] = _fused_lr(o.lr, p.device) if shared and kernel else None
-        if lrs[p.device] is not None and _fusable(p, tensors, state.counts[k]):
+            fusable = shared and kernel is not None and p.device.type in devices
+            lrs[p.device] = _fused_lr(o.lr, p.device) if fusable else None
+        count = state.counts[k]
+        if (
+            lrs[p.device] is not None
+            and p.dtype in _FUSED_DTYPES
+            and count.device == p.device
+            and count.dtype == torch.float32
+            # The CPU kernel walks raw memory: a transposed gradient gives wrong numbers.
+            and p.is_contiguous()
+            and grads[k].is_contiguous()
+            and state.mu[k].is_contiguous()
+            and state.nu[k].is_contiguous()
+            and (not o.amsgrad or state.nu_max[k].is_contiguous())
+        ):
             groups.setdefault((p.device, p.dtype), []).append(k)
         else:
             rest.append(k)
     for (device, _), ks in groups.items():
-        counts = [state.counts[k] for k in ks]
-        torch._foreach_add_(counts, 1.0)
+        if len(ks) == len(params):  # the usual case: one device and dtype, all fusable
+            ps, gs, group = params, grads, state
+        else:
+            ps, gs = [params[k] for k in ks], [grads[k] for k in ks]
+            group = Moments(*([field[k] for k in ks] if field else [] for field in state))
+        torch._foreach_add_(group.counts, 1.0)
         kernel(  # type: ignore[misc]
-            [params[k] for k in ks],
-            [grads[k] for k in ks],
-            [state.mu[k] for k in ks],
-            [state.nu[k] for k in ks],
-            [state.nu_max[k] for k in ks] if o.amsgrad else [],
-            counts,
+            ps,
+            gs,
+            group.mu,
+            group.nu,
+            group.nu_max,
+            group.counts,
             lr=lrs[device],
             beta1=o.b1.value,
             beta2=o.b2.value,

@@ -106,8 +106,7 @@ class EnsembleOptimizer:
                     "supported; use dense gradients (e.g. nn.Embedding(sparse=False))."
                 )
             grads[name] = p.grad
-        with torch.no_grad():
-            self.state = self.transform.update_(grads, self.state, self.params)
+        self.state = self.transform.update_(grads, self.state, self.params)
         return loss
 
     def state_dict(self) -> dict[str, Any]:

@@ -81,9 +81,10 @@ class GradientTransformation(NamedTuple):
         """
         if self.update_inplace is not None:
             return self.update_inplace(grads, state, params)
-        updates, new_state = self.update(grads, state, params)
-        add_updates_("update_", params, updates)
-        return refill(state, new_state)
+        with torch.no_grad():
+            updates, new_state = self.update(grads, state, params)
+            add_updates_("update_", params, updates)
+            return refill(state, new_state)
 
 
 class EmptyState(NamedTuple):
