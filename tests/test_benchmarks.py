@@ -145,3 +145,25 @@ def test_chunking_table(tmp_path, capsys):
     rows = [chunking.Row(k, 10e6 + 2e6 * k, 1.0) for k in (1, 2, 4)]
     fixed, per_member = chunking.fit([*rows, chunking.Row(None, 99e6, 1.0)], members=8)
     assert abs(fixed - 10e6) < 1 and abs(per_member - 2e6) < 1
+
+
+def test_optimizer_step_methods_agree_and_time():
+    from benchmarks import optimizer_step
+
+    steps = optimizer_step.step_functions(*optimizer_step.stacked_case("S", 2))
+    for step, _ in steps.values():
+        step()
+        step()
+    reference = steps[optimizer_step.FUSED][1]()
+    for method, (_, params) in steps.items():
+        torch.testing.assert_close(
+            {k: v.detach() for k, v in params().items()},
+            {k: v.detach() for k, v in reference.items()},
+            rtol=1e-5,
+            atol=1e-6,
+            msg=method,
+        )
+    rows = optimizer_step.optimizer_step_rows([("S", 2)], rounds=1, min_run_time=0.001)
+    assert [r.method for r in rows] == list(optimizer_step.METHODS)
+    assert all(r.seconds > 0 for r in rows)
+    assert "| S | 2 | torch.optim.Adam(fused=True) |" in optimizer_step.markdown(rows)
