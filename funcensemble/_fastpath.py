@@ -111,22 +111,17 @@ def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | Non
         x = x.movedim(member_dim, 0)
         if x.dim() < 2 or x.shape[0] != n:
             return None
-    if n == 1:
-        # One member: exactly the plain module's ops (addmm on 2-D inputs), on views of
-        # the stacked tensors, so a one-member ensemble costs what the module costs.
-        h = _chain(steps, params, x if member_dim is None else x[0], one=True)
-        return h.unsqueeze(0)
     if member_dim is None:
         lead = x.shape[:-1]
         h = x.reshape(1, -1, x.shape[-1]).expand(n, -1, -1)
     else:
         lead = x.shape[1:-1]
         h = x.reshape(n, -1, x.shape[-1])
-    h = _chain(steps, params, h, one=False)
+    h = _chain(steps, params, h)
     return h.reshape(n, *lead, h.shape[-1])
 
 
-def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, *, one: bool) -> Tensor:
+def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor) -> Tensor:
     fresh = False  # whether h is a layer output of ours that nothing else holds
     for module, weight, bias in steps:
         kind = type(module)
@@ -139,13 +134,11 @@ def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, *, one: bool) -> T
                 h = _ELEMENTWISE[kind](module, h)
             fresh = False
             continue
-        w, b = params[weight], None if bias is None else params[bias]
-        if one:
-            h = F.linear(h, w.squeeze(0), None if b is None else b.squeeze(0))
-        elif b is None:
-            h = torch.bmm(h, w.transpose(1, 2))
+        w = params[weight].transpose(1, 2)
+        if bias is None:
+            h = torch.bmm(h, w)
         else:
-            h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+            h = torch.baddbmm(params[bias].unsqueeze(1), h, w)
         fresh = True
     return h
 

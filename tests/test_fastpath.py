@@ -52,7 +52,7 @@ def spy(monkeypatch):
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda m: type(m).__name__)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("per_member", [False, True])
-@pytest.mark.parametrize("n", [1, 3])  # one member: the plain module's ops on views
+@pytest.mark.parametrize("n", [1, 3])
 def test_fast_path_matches_loop_outputs_and_grads(act, bias, per_member, n, spy):
     torch.manual_seed(0)
     modules = [mlp(act, bias) for _ in range(n)]
