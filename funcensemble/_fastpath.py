@@ -111,17 +111,30 @@ def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | Non
         x = x.movedim(member_dim, 0)
         if x.dim() < 2 or x.shape[0] != n:
             return None
+    # Activations run feature-major, [N, features, rows]: each layer is then
+    # W @ h + b on the weights exactly as stored ([N, out, in]), so no operand is
+    # transposed and the weight gradients g @ h^T come out in the weights' own layout
+    # (row-major activations would hand autograd transposed gradients to copy).
     if member_dim is None:
         lead = x.shape[:-1]
-        h = x.reshape(1, -1, x.shape[-1]).expand(n, -1, -1)
+        h = x.reshape(-1, x.shape[-1]).t()  # shared by all members: [in, rows]
     else:
         lead = x.shape[1:-1]
-        h = x.reshape(n, -1, x.shape[-1])
-    h = _chain(steps, params, h)
-    return h.reshape(n, *lead, h.shape[-1])
+        h = x.reshape(n, -1, x.shape[-1]).transpose(1, 2)
+    h = _chain(steps, params, h, n, shared=member_dim is None)
+    h = h.view(n, -1, h.shape[-1]) if h.dim() == 2 else h
+    return h.transpose(1, 2).contiguous().view(n, *lead, h.shape[1])
 
 
-def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor) -> Tensor:
+def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared: bool) -> Tensor:
+    """The layers on feature-major ``h``; returns ``[N, out, rows]`` or ``[N * out, rows]``.
+
+    ``h`` is ``[N, in, rows]``, or ``[in, rows]`` when every member sees the same
+    input (``shared``): the first Linear then runs as ONE matrix product of all
+    members' weights, ``[N * out, in] @ [in, rows]``, whose ``[N * out, rows]`` result
+    is already member-major (one large GEMM instead of N small ones, in the forward
+    and for the weight gradient).
+    """
     fresh = False  # whether h is a layer output of ours that nothing else holds
     for module, weight, bias in steps:
         kind = type(module)
@@ -129,17 +142,28 @@ def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor) -> Tensor:
             if kind is nn.Dropout:
                 continue
             if fresh and kind in _IN_PLACE:
+                # In place on h itself, never on a view of it: autograd would record
+                # a copy of the whole base for an in-place op on a view.
                 h = _IN_PLACE[kind](h)
             else:
                 h = _ELEMENTWISE[kind](module, h)
             fresh = False
             continue
-        w = params[weight].transpose(1, 2)
-        if bias is None:
-            h = torch.bmm(h, w)
+        w = params[weight]
+        if shared:
+            w2 = w.reshape(-1, w.shape[-1])
+            b = None if bias is None else params[bias].reshape(-1, 1)
+            h = torch.mm(w2, h) if b is None else torch.addmm(b, w2, h)
+            shared = False
         else:
-            h = torch.baddbmm(params[bias].unsqueeze(1), h, w)
+            h = h.view(n, -1, h.shape[-1]) if h.dim() == 2 else h
+            if bias is None:
+                h = torch.bmm(w, h)
+            else:
+                h = torch.baddbmm(params[bias].unsqueeze(2), w, h)
         fresh = True
+    if shared:  # no Linear ran (plan() refuses such chains; kept for safety)
+        h = h.expand(n, -1, -1)
     return h
 
 
