@@ -236,15 +236,23 @@ def write(
     memory: dict[str, dict[str, dict[str, Any]]],
     meta: dict[str, Any],
     out: Path,
+    *,
+    optimizer_step: str | None = None,
 ) -> Path:
-    """Write ``<machine>.md``, ``.png`` and ``.json`` into ``out``; returns the ``.md``."""
+    """Write ``<machine>.md``, ``.png`` and ``.json`` into ``out``; returns the ``.md``.
+
+    ``optimizer_step``: the Markdown table of `benchmarks.optimizer_step`, if it ran.
+    """
     out.mkdir(parents=True, exist_ok=True)
     name = meta["machine"]
     png = out / f"{name}.png"
     plotted = plot(rows, png, f"{meta['device_name']}, {meta['threads']} thread(s)")
     md = out / f"{name}.md"
-    md.write_text(markdown(rows, memory, meta, png.name if plotted else None) + "\n")
-    data = {"meta": meta, "rows": as_json(rows), "memory": memory}
+    text = markdown(rows, memory, meta, png.name if plotted else None)
+    if optimizer_step:
+        text += "\n\n## The optimizer step alone\n\n" + optimizer_step
+    md.write_text(text + "\n")
+    data = {"meta": meta, "rows": as_json(rows), "memory": memory, "optimizer_step": optimizer_step}
     (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     return md
 
@@ -256,7 +264,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     data = json.loads(args.results.read_text())
     rows = [Row(**r) for r in data["rows"]]
-    print(f"wrote {write(rows, data['memory'], data['meta'], args.results.parent)}")
+    md = write(
+        rows,
+        data["memory"],
+        data["meta"],
+        args.results.parent,
+        optimizer_step=data.get("optimizer_step"),
+    )
+    print(f"wrote {md}")
 
 
 if __name__ == "__main__":

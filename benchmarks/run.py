@@ -28,6 +28,9 @@ from .measure import (
     time_interleaved,
 )
 from .methods import METHODS, Method, Runner, Unsupported
+from .optimizer_step import CASES as OPTIMIZER_CASES
+from .optimizer_step import markdown as markdown_optimizer_step
+from .optimizer_step import optimizer_step_rows
 from .report import MODES, Row, memory_table, timing_table, write
 from .workloads import WORKLOADS, Workload
 
@@ -180,6 +183,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     parser.add_argument(
+        "--no-optimizer-step",
+        action="store_true",
+        help="skip the optimizer-step-alone table (benchmarks.optimizer_step)",
+    )
+    parser.add_argument(
         "--system-malloc",
         action="store_true",
         help="keep glibc's adaptive malloc thresholds (default: fixed, see MALLOC_TUNABLES)",
@@ -289,7 +297,25 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
         "compile_caches": "on (a quick run may reuse compiled code)" if args.quick else "off",
         "malloc": os.environ.get("GLIBC_TUNABLES", "system default"),
     }
-    md = write(rows, memory, meta, args.out)
+    # The optimizer step alone, on the stacked parameters of the selected workloads.
+    cases = [
+        (k, max(sizes) if sizes else n)
+        for k, n in OPTIMIZER_CASES
+        if k in {w.key for w in workloads}
+    ]
+    optimizer_md = None
+    if cases and not args.no_optimizer_step:
+        optimizer_md = markdown_optimizer_step(
+            optimizer_step_rows(
+                cases,
+                threads=args.threads,
+                rounds=args.rounds,
+                min_run_time=args.min_run_time,
+                device=device,
+            )
+        )
+        print(f"## The optimizer step alone\n\n{optimizer_md}\n")
+    md = write(rows, memory, meta, args.out, optimizer_step=optimizer_md)
     for key, per_method in memory.items():
         n = max(r.n for r in rows if r.workload == key)
         print(f"## {key}: memory of a training step\n\n{memory_table(per_method, n, device)}\n")

@@ -152,7 +152,7 @@ class ShardedEnsemble:
         >>> sharded.sizes
         (3, 2)
         >>> x = torch.randn(8, 3)
-        >>> torch.equal(sharded(x), ens(x))
+        >>> torch.allclose(sharded(x), ens(x))
         True
     """
 

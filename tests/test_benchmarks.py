@@ -101,9 +101,10 @@ def test_run_writes_the_report(tmp_path, capsys):
     saved = json.loads((tmp_path / "smoke.json").read_text())
     assert len(saved["rows"]) == len(rows)
     assert "| 2 | loop" in capsys.readouterr().out
+    assert "## The optimizer step alone" in text and "| S | 2 | fe.optim.adam update_ |" in text
+    assert saved["optimizer_step"] in text
 
 
-@pytest.mark.slow
 def test_pin_malloc_reruns_once_with_fixed_thresholds(monkeypatch):
     calls = []
     monkeypatch.setattr(run.os, "execve", lambda *args: calls.append(args))
@@ -120,6 +121,7 @@ def test_pin_malloc_reruns_once_with_fixed_thresholds(monkeypatch):
     assert env["GLIBC_TUNABLES"] == run.MALLOC_TUNABLES
 
 
+@pytest.mark.slow
 def test_step_memory_in_a_subprocess():
     found = measure.step_memory("S", "loop", 2, device="cpu", threads=1, timeout=120)
     assert found.get("step_peak_bytes", -1) >= 0, found
