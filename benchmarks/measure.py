@@ -268,7 +268,11 @@ def step_memory(
     # heap memory the warm-up steps already touched, and RSS never rises again. A fixed
     # page-sized threshold returns every buffer of a page or more to the OS when freed,
     # so each step's transient allocations show up in its own peak RSS.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
+    # Every allocation mmapped and every free returned to the system, so the peak RSS
+    # of the step is the step's own: not the fixed thresholds that `benchmarks.run`
+    # pins for timing (GLIBC_TUNABLES would override these, and keep freed memory).
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env.update(MALLOC_MMAP_THRESHOLD_="4096", MALLOC_TRIM_THRESHOLD_="0")
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env, cwd=ROOT
