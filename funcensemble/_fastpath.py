@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.nn import functional as F
 
+from . import _mlp_op
+
 _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
     nn.Identity: lambda m, x: x,
     nn.Tanh: lambda m, x: torch.tanh(x),
@@ -111,6 +113,11 @@ def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | Non
         x = x.movedim(member_dim, 0)
         if x.dim() < 2 or x.shape[0] != n:
             return None
+    if torch.compiler.is_compiling():
+        out = _compiled_chain(steps, params, x, n, shared=member_dim is None)
+        if out is not None:
+            lead = x.shape[:-1] if member_dim is None else x.shape[1:-1]
+            return out.view(n, *lead, out.shape[-1])
     # Activations run feature-major, [N, features, rows]: each layer is then
     # W @ h + b on the weights exactly as stored ([N, out, in]), so no operand is
     # transposed and the weight gradients g @ h^T come out in the weights' own layout
@@ -165,6 +172,25 @@ def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared:
     if shared:  # no Linear ran (plan() refuses such chains; kept for safety)
         h = h.expand(n, -1, -1)
     return h
+
+
+def _compiled_chain(
+    steps: Plan, params: dict[str, Tensor], x: Tensor, n: int, *, shared: bool
+) -> Tensor | None:
+    """The chain as one opaque op for ``torch.compile`` (see ``_mlp_op``), or ``None``."""
+    found = _mlp_op.layers(steps)
+    if found is None:
+        return None
+    weights, biases, acts = found
+    x = x.reshape(-1, x.shape[-1]) if shared else x.reshape(n, -1, x.shape[-1])
+    outputs = _mlp_op.mlp_forward(
+        x,
+        [params[w] for w in weights],
+        [params[b] for b in biases if b is not None],
+        [b is not None for b in biases],
+        acts,
+    )
+    return outputs[0]
 
 
 def try_fast_call(

@@ -71,6 +71,61 @@ def module_face_training_step() -> None:
         torch.testing.assert_close(ens.state_dict()[k], v, rtol=1e-5, atol=1e-6)
 
 
+def mlp_training_step() -> None:
+    """A plain MLP compiles into funcensemble's opaque MLP ops (see _mlp_op)."""
+    torch.manual_seed(0)
+
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8, bias=False), nn.ReLU(), nn.Linear(8, 2)
+        )
+
+    modules = [make() for _ in range(3)]
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    for in_dims in (None, 0):
+        ens = fe.Ensemble(copy.deepcopy(modules))
+        ref = fe.Ensemble(copy.deepcopy(modules))
+        opt = torch.optim.Adam(ens.parameters(), lr=1e-2, foreach=True)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=True)
+        x = torch.randn(*((3,) if in_dims == 0 else ()), 32, 4, requires_grad=True)
+        y = torch.randn(3, 32, 2)
+
+        def step(model, o, x=x, y=y, in_dims=in_dims):
+            o.zero_grad()
+            out = model(x, in_dims=in_dims)
+            ((out - y).pow(2).mean() + out.pow(2).mean()).backward()
+            o.step()
+            return out.detach()
+
+        compiled = torch.compile(ens, fullgraph=True, backend=recording)
+        for _ in range(3):
+            x.grad = None
+            got = step(compiled, opt)
+            gx = x.grad.clone()
+            x.grad = None
+            want = step(ref, ref_opt)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(ens.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            infer = torch.compile(ens, fullgraph=True, backend=recording)
+            torch.testing.assert_close(infer(x, in_dims=in_dims), ens(x, in_dims=in_dims))
+    assert graphs and all("mlp_forward" in g for g in graphs), graphs
+
+
 if __name__ == "__main__":
-    {"functional": functional_training_step, "module": module_face_training_step}[sys.argv[1]]()
+    faces = {
+        "functional": functional_training_step,
+        "module": module_face_training_step,
+        "mlp": mlp_training_step,
+    }
+    faces[sys.argv[1]]()
     print("OK")
