@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
+from ._batchnorm import fold_batch_norm, has_batch_norm
 from ._fastpath import try_batched_call
 from ._skeleton import meta_skeleton, replace_tensors
 
@@ -43,6 +44,15 @@ class FunctionalModule:
             fast = try_batched_call(self.skeleton, params, args[0])
             if fast is not None:
                 return fast
+        if (
+            not torch.compiler.is_compiling()
+            and torch._C._functorch.peek_interpreter_stack() is not None
+            and has_batch_norm(self.skeleton)
+        ):
+            with fold_batch_norm():  # BatchNorm of all members as one, under vmap
+                return functional_call(
+                    self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
+                )
         return functional_call(
             self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
         )
