@@ -13,8 +13,6 @@ time per step relative to ``chunk_size=None``. Prints Markdown and writes
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -27,7 +25,7 @@ from torch.nn import functional as F
 
 import funcensemble as fe
 
-from .measure import ROOT, _peak_rss_bytes, _reset_peak_rss, sync, time_interleaved
+from .measure import ROOT, _peak_rss_bytes, _reset_peak_rss, run_child, sync, time_interleaved
 from .run import machine_name
 from .workloads import mlp
 
@@ -116,20 +114,7 @@ def step_peak(
     """`_child` in a fresh process, with the allocator settings of ``step_memory``."""
     cmd = [sys.executable, "-m", "benchmarks.chunking", "--child", mode, str(chunk_size)]
     cmd += ["--setup", json.dumps(asdict(setup))]
-    # As in measure.step_memory: every freed buffer of a page or more goes back to the
-    # OS, so each step's transient allocations show in its own peak RSS.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "MALLOC_TRIM_THRESHOLD_": "0"}
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        return {"error": f"exit {proc.returncode}: {tail[0]}"}
-    return json.loads(lines[-1])
+    return run_child(cmd, timeout=timeout)
 
 
 @dataclass

@@ -264,13 +264,18 @@ def step_memory(
     """
     cmd = [sys.executable, "-m", "benchmarks.measure", workload, method, str(n)]
     cmd += ["--device", device, "--threads", str(threads)]
-    # With glibc's default (dynamic) mmap threshold, a step's buffers are served from
-    # heap memory the warm-up steps already touched, and RSS never rises again. A fixed
-    # page-sized threshold returns every buffer of a page or more to the OS when freed,
-    # so each step's transient allocations show up in its own peak RSS.
-    # Every allocation mmapped and every free returned to the system, so the peak RSS
-    # of the step is the step's own: not the fixed thresholds that `benchmarks.run`
-    # pins for timing (GLIBC_TUNABLES would override these, and keep freed memory).
+    return run_child(cmd, timeout=timeout)
+
+
+def run_child(cmd: list[str], *, timeout: float) -> dict[str, Any]:
+    """Run a memory-measuring child process; its last stdout line is a JSON dict.
+
+    With glibc's default (dynamic) mmap threshold, a step's buffers are served from
+    heap memory the warm-up steps already touched, and RSS never rises again. A fixed
+    page-sized threshold returns every buffer of a page or more to the OS when freed,
+    so each step's transient allocations show up in its own peak RSS. GLIBC_TUNABLES
+    (which `benchmarks.run` pins for timing, keeping freed memory) would override it.
+    """
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env.update(MALLOC_MMAP_THRESHOLD_="4096", MALLOC_TRIM_THRESHOLD_="0")
     try:

@@ -224,8 +224,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def add_updates_(where: str, params: PyTree, updates: PyTree) -> None:
-    """``params += updates`` in place, leaf by leaf, after checking every leaf."""
+def _checked_updates(
+    where: str, params: PyTree, updates: PyTree
+) -> tuple[list[Any], optree.PyTreeSpec, list[Any], list[int]]:
+    """Params' leaves and spec, the updates' leaves, and which leaves have an update.
+
+    Every updated leaf must be a tensor shaped like its update; checked before anything
+    is applied.
+    """
     leaves, spec = flatten(params)
     ups = leaves_like(where, "updates", spec, updates)
     active = [i for i, u in enumerate(ups) if u is not None]
@@ -236,6 +242,12 @@ def add_updates_(where: str, params: PyTree, updates: PyTree) -> None:
                 "update; only tensor leaves can be updated."
             )
     check_like(where, "the update", spec, active, ups, leaves)
+    return leaves, spec, ups, active
+
+
+def add_updates_(where: str, params: PyTree, updates: PyTree) -> None:
+    """``params += updates`` in place, leaf by leaf, after checking every leaf."""
+    leaves, _, ups, active = _checked_updates(where, params, updates)
     if active:
         with torch.no_grad():
             torch._foreach_add_([leaves[i] for i in active], [ups[i] for i in active])
@@ -290,16 +302,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
         (6.0, True, 0.0)
     """
     where = "apply_updates"
-    leaves, spec = flatten(params)
-    ups = leaves_like(where, "updates", spec, updates)
-    active = [i for i, u in enumerate(ups) if u is not None]
-    for i in active:
-        if not isinstance(leaves[i], Tensor):
-            raise TypeError(
-                f"{where}: {leaf_name(spec, i)} is a {type(leaves[i]).__name__} but has an "
-                "update; only tensor leaves can be updated."
-            )
-    check_like(where, "the update", spec, active, ups, leaves)
+    leaves, spec, ups, active = _checked_updates(where, params, updates)
     if not active:
         return spec.unflatten(leaves)
     with torch.no_grad():
