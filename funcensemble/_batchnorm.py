@@ -10,8 +10,6 @@ intercepts ``F.batch_norm`` inside funcensemble's own ``vmap`` calls and does th
 whenever the tensors are laid out for it; anything else goes to vmap as before.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,7 +70,9 @@ def _fold(
     return torch._C._functorch._add_batch_dim(out.view(b, n, c, *spatial), 1, level)
 
 
-class _FoldBatchNorm(TorchFunctionMode):
+class FoldBatchNorm(TorchFunctionMode):
+    """Within this mode, ``F.batch_norm`` under ``vmap`` folds members into channels."""
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.batch_norm:
@@ -80,10 +80,3 @@ class _FoldBatchNorm(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
-
-
-@contextmanager
-def fold_batch_norm() -> Iterator[None]:
-    """Within this block, ``F.batch_norm`` under ``vmap`` folds members into channels."""
-    with _FoldBatchNorm():
-        yield

@@ -193,6 +193,23 @@ def _compiled_chain(
     return outputs[0]
 
 
+def _direct_plan(skeleton: nn.Module, x: Any, in_dims: Any) -> tuple[Plan, int | None] | None:
+    """The chain and member dim for a direct (not inside a transform) call on ``x``."""
+    dim = in_dims[0] if isinstance(in_dims, tuple) and len(in_dims) == 1 else in_dims
+    if (
+        not isinstance(x, Tensor)
+        or isinstance(dim, bool)
+        or not (dim is None or isinstance(dim, int))
+    ):
+        return None
+    if dim is not None and not -x.dim() <= dim < x.dim():
+        return None  # the general path explains
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
+        return None  # inside another torch.func transform: let vmap compose with it
+    steps = plan(skeleton)
+    return None if steps is None else (steps, dim)
+
+
 def try_fast_call(
     skeleton: nn.Module,
     params: dict[str, Any],
@@ -204,20 +221,17 @@ def try_fast_call(
     """The fast path for ``vmap(fmodel)(params, buffers, x)``, or ``None``."""
     if kwargs or chunk_size is not None or len(args) != 1:
         return None
-    (x,) = args
-    dim = in_dims[0] if isinstance(in_dims, tuple) else in_dims
-    if not isinstance(x, Tensor) or not (dim is None or isinstance(dim, int)):
+    found = _direct_plan(skeleton, args[0], in_dims)
+    if found is None:
         return None
-    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
-        return None  # inside another torch.func transform: let vmap compose with it
-    steps = plan(skeleton)
-    if steps is None or any(
+    steps, dim = found
+    if any(
         name is not None and not isinstance(params.get(name), Tensor)
         for _, weight, bias in steps
         for name in (weight, bias)
     ):
         return None  # e.g. one Linear instance used twice: its second name is not a key
-    return run(steps, params, x, dim)
+    return run(steps, params, args[0], dim)
 
 
 def try_module_call(skeleton: nn.Module, x: Any, in_dims: Any) -> Tensor | None:
@@ -227,20 +241,10 @@ def try_module_call(skeleton: nn.Module, x: Any, in_dims: Any) -> Tensor | None:
     dicts, no ``vmap`` wrapper): for a small MLP this per-call overhead is what
     separates one vectorized member from one plain module.
     """
-    dim = in_dims[0] if isinstance(in_dims, tuple) and len(in_dims) == 1 else in_dims
-    if (
-        not isinstance(x, Tensor)
-        or isinstance(dim, bool)
-        or not (dim is None or isinstance(dim, int))
-    ):
+    found = _direct_plan(skeleton, x, in_dims)
+    if found is None:
         return None
-    if dim is not None and not -x.dim() <= dim < x.dim():
-        return None  # the general path explains
-    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
-        return None
-    steps = plan(skeleton)
-    if steps is None:
-        return None
+    steps, dim = found
     params: dict[str, Tensor] = {}
     for module, weight, bias in steps:
         if weight is not None:

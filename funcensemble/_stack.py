@@ -1,6 +1,7 @@
 """Stacking N same-architecture modules into one stateless function plus stacked state."""
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
-from ._batchnorm import fold_batch_norm, has_batch_norm
+from ._batchnorm import FoldBatchNorm, has_batch_norm
 from ._fastpath import try_batched_call
 from ._skeleton import meta_skeleton, replace_tensors
 
@@ -44,18 +45,16 @@ class FunctionalModule:
             fast = try_batched_call(self.skeleton, params, args[0])
             if fast is not None:
                 return fast
-        if (
+        # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
+        fold = (
             not torch.compiler.is_compiling()
             and torch._C._functorch.peek_interpreter_stack() is not None
             and has_batch_norm(self.skeleton)
-        ):
-            with fold_batch_norm():  # BatchNorm of all members as one, under vmap
-                return functional_call(
-                    self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
-                )
-        return functional_call(
-            self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
         )
+        with FoldBatchNorm() if fold else nullcontext():
+            return functional_call(
+                self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
+            )
 
     def __repr__(self) -> str:
         return f"FunctionalModule({self.skeleton!r})"
