@@ -14,11 +14,11 @@ import pytest
 import torch
 from test_optim import (
     PER_MEMBER,
-    SHARED,
     STEPS,
     N,
     adam_state,
     assert_matches_torch,
+    per_member_case,
     run,
     small_tree,
 )
@@ -77,33 +77,7 @@ def test_fused_step_in_float32_matches_torch_fused(fused_calls):
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 @pytest.mark.parametrize("which", [*PER_MEMBER, "all"])
 def test_per_member_step_matches_separate_torch_optimizers(kind, which, fused_calls):
-    chosen = {k: (PER_MEMBER[k] if which in (k, "all") else v) for k, v in SHARED.items()}
-
-    def value(k: str, i: int) -> float:
-        v = chosen[k]
-        return float(v[i]) if isinstance(v, torch.Tensor) else v
-
-    transform = getattr(fe.optim, kind)(
-        chosen["lr"],
-        (chosen["beta1"], chosen["beta2"]),
-        chosen["eps"],
-        weight_decay=chosen["weight_decay"],
-        amsgrad=True,
-        maximize=True,
-    )
-
-    def torch_opt(i, params):
-        opt = torch_cls(kind)(
-            params,
-            lr=value("lr", i),
-            betas=(value("beta1", i), value("beta2", i)),
-            eps=value("eps", i),
-            weight_decay=value("weight_decay", i),
-            amsgrad=True,
-            maximize=True,
-        )
-        return opt, None
-
+    transform, torch_opt = per_member_case(kind, which, amsgrad=True, maximize=True)
     assert_matches_torch(run(transform, torch_opt, in_place=True), amsgrad=True)
     assert not fused_calls
 

@@ -205,9 +205,8 @@ PER_MEMBER = {
 SHARED = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
 
 
-@pytest.mark.parametrize("kind", ["adam", "adamw"])
-@pytest.mark.parametrize("which", [*PER_MEMBER, "all"])
-def test_per_member_hyperparameters_match_separate_torch_optimizers(kind, which):
+def per_member_case(kind: str, which: str, **flags: bool):
+    """``(transform, torch_opt)`` with ``which`` hyperparameter(s) per member, else shared."""
     chosen = {k: (PER_MEMBER[k] if which in (k, "all") else v) for k, v in SHARED.items()}
 
     def value(k: str, i: int) -> float:
@@ -219,7 +218,7 @@ def test_per_member_hyperparameters_match_separate_torch_optimizers(kind, which)
         (chosen["beta1"], chosen["beta2"]),
         chosen["eps"],
         weight_decay=chosen["weight_decay"],
-        amsgrad=True,
+        **flags,
     )
     torch_cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
 
@@ -230,10 +229,17 @@ def test_per_member_hyperparameters_match_separate_torch_optimizers(kind, which)
             betas=(value("beta1", i), value("beta2", i)),
             eps=value("eps", i),
             weight_decay=value("weight_decay", i),
-            amsgrad=True,
+            **flags,
         )
         return opt, None
 
+    return transform, torch_opt
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("which", [*PER_MEMBER, "all"])
+def test_per_member_hyperparameters_match_separate_torch_optimizers(kind, which):
+    transform, torch_opt = per_member_case(kind, which, amsgrad=True)
     assert_matches_torch(run(transform, torch_opt), amsgrad=True)
 
 
