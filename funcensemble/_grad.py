@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
-from ._stack import _num_members
+from ._stack import _num_members, check_state_dicts
 from ._vmap import InDims, Randomness, _arg_dims, _check_member_sizes, vmap
 
 
@@ -19,6 +19,27 @@ def _inside_functorch_transform() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def _requires_grad(t: Tensor) -> bool:
+    """``t.requires_grad``, read through ``torch.func`` wrappers to the tensor inside.
+
+    A tensor batched by an enclosing ``torch.func.vmap`` reports ``requires_grad=False``
+    at that level whatever the tensor it wraps says.
+    """
+    if t.requires_grad:
+        return True
+    functorch = torch._C._functorch
+    if not torch.compiler.is_compiling() and functorch.is_functorch_wrapped_tensor(t):
+        return _requires_grad(functorch.get_unwrapped(t))
+    return False
+
+
+def _trainable(params: dict[str, Tensor]) -> set[str]:
+    """The names of the leaves to differentiate: see value_and_grad's docstring."""
+    floating = {k for k, v in params.items() if _differentiable(v)}
+    marked = {k for k in floating if _requires_grad(params[k])}
+    return marked or floating
+
+
 def _check_losses(losses: Any) -> Tensor:
     if not isinstance(losses, Tensor) or losses.dim() != 1:
         shape = tuple(losses.shape[1:]) if isinstance(losses, Tensor) else type(losses).__name__
@@ -28,6 +49,24 @@ def _check_losses(losses: Any) -> Tensor:
             "return (loss, aux)."
         )
     return losses
+
+
+def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` from loss_fn's output, or a clear error if it is not a pair."""
+    if not has_aux:
+        return out, None
+    if not isinstance(out, (tuple, list)):
+        raise TypeError(
+            "value_and_grad: with has_aux=True loss_fn must return a pair (loss, aux), got "
+            f"a single {type(out).__name__}. Return (loss, aux), or pass has_aux=False."
+        )
+    if len(out) != 2:
+        raise ValueError(
+            "value_and_grad: with has_aux=True loss_fn must return a pair (loss, aux), got "
+            f"a {type(out).__name__} of {len(out)} values. Return (loss, aux), with several "
+            "aux values gathered in one tuple or dict."
+        )
+    return out[0], out[1]
 
 
 def _detach(tree: Any) -> Any:
@@ -72,12 +111,13 @@ def _autograd_step(
     buffers: Any,
     args: tuple[Any, ...],
     kwargs: Any,
+    trainable: set[str],
 ) -> tuple[Tensor, dict[str, Tensor | None], Any]:
     """Autograd through one vectorized forward; the graph is freed on return."""
     with torch.enable_grad():
-        leaves = {k: v.detach().requires_grad_(_differentiable(v)) for k, v in params.items()}
+        leaves = {k: v.detach().requires_grad_(k in trainable) for k, v in params.items()}
         out = mapped_loss(leaves, buffers, *args, **kwargs)
-        losses, aux = out if has_aux else (out, None)
+        losses, aux = _split_aux(out, has_aux)
         losses = _check_losses(losses)
         wrt = [k for k, v in leaves.items() if v.requires_grad]
         found = torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
@@ -98,6 +138,7 @@ def _chunked_step(
     has_aux: bool,
     chunk_size: int,
     n: int,
+    trainable: set[str],
 ) -> tuple[Tensor, dict[str, Tensor | None], Any]:
     """Forward AND backward of ``chunk_size`` members at a time, into ``[N, ...]`` results.
 
@@ -129,6 +170,7 @@ def _chunked_step(
             {k: v[start:stop] for k, v in buffers.items()},  # views: updates land in place
             _member_slice(args, dims, start, stop),
             kwargs,
+            trainable,
         )
         losses.append(c_losses)
         for k, g in c_grads.items():
@@ -171,11 +213,20 @@ def value_and_grad(
     ``buffers`` are not modified; buffers updated by the forward (BatchNorm running
     statistics in train mode) come back out.
 
-    Every floating-point leaf of ``params`` is differentiated (as in
-    ``torch.func.grad``); a parameter the loss does not use gets ``None``, exactly as
-    ``torch.autograd.grad(..., allow_unused=True)`` gives, so optimizers skip it.
-    Under ``torch.compile`` or inside another ``torch.func`` transform the gradients
-    are computed with ``torch.func.grad``, where unused parameters get zeros instead.
+    The floating-point leaves of ``params`` that require grad are differentiated;
+    a frozen one (``requires_grad=False``, as [`stack`][funcensemble.stack] keeps a
+    member's ``requires_grad_(False)``) gets ``None``, on every path (chunked,
+    compiled, inside another ``torch.func`` transform, the MLP fast path), as the
+    loop's ``torch.autograd.grad`` over its trainable parameters gives nothing for it:
+    every ``fe.optim`` optimizer, ``EnsembleOptimizer`` and ``torch.optim`` then
+    leave it and its state alone. If no leaf requires grad (plain tensors, such as
+    detached copies), every floating-point leaf is differentiated, as
+    ``torch.func.grad`` does: keep the flags ``stack`` gives (``apply_updates`` and
+    the checkpoint functions keep them) for frozen layers to stay frozen. A
+    trainable parameter the loss does not use gets ``None``, exactly as
+    ``torch.autograd.grad(..., allow_unused=True)`` gives, so optimizers skip it;
+    under ``torch.compile`` or inside another ``torch.func`` transform the gradients
+    are computed with ``torch.func.grad``, where it gets zeros instead.
 
     Args:
         loss_fn: The one-member loss.
@@ -214,23 +265,38 @@ def value_and_grad(
     """
     mapped_loss = vmap(loss_fn, in_dims, randomness=randomness, chunk_size=chunk_size)
 
-    def one_member(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
+    def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:
         # buffers go in as an argument, not a closure: torch.func.grad forbids in-place
-        # updates (BatchNorm statistics) of captured tensors.
+        # updates (BatchNorm statistics) of captured tensors. Frozen parameters are an
+        # argument too, one torch.func.grad does not differentiate.
         def loss_and_aux(p: Any, b: Any) -> tuple[Tensor, Any]:
-            out = loss_fn(p, b, *args, **kwargs)
-            return out if has_aux else (out, ())
+            out = loss_fn({**p, **frozen}, b, *args, **kwargs)
+            return _split_aux(out, True) if has_aux else (out, ())
 
         return torch.func.grad_and_value(loss_and_aux, has_aux=True)(params, buffers)
 
-    mapped_grad = vmap(one_member, in_dims, randomness=randomness, chunk_size=chunk_size)
     chunk_loss = vmap(loss_fn, in_dims, randomness=randomness)
 
     def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        check_state_dicts("value_and_grad", params, buffers)
+        trainable = _trainable(params)
         buffers = {k: v.clone() for k, v in buffers.items()}
         if torch.compiler.is_compiling() or _inside_functorch_transform():
-            grads, (losses, aux) = mapped_grad(params, buffers, *args, **kwargs)
+            mapped_grad = vmap(
+                one_member,
+                (0, *_arg_dims(in_dims, len(args))),
+                randomness=randomness,
+                chunk_size=chunk_size,
+            )
+            grads, (losses, aux) = mapped_grad(
+                {k: v for k, v in params.items() if k in trainable},
+                buffers,
+                {k: v for k, v in params.items() if k not in trainable},
+                *args,
+                **kwargs,
+            )
             losses = _check_losses(losses)
+            grads = {k: grads.get(k) for k in params}
         elif chunk_size is not None and chunk_size < (n := _num_members("vmap", params, buffers)):
             losses, grads, aux = _chunked_step(
                 chunk_loss,
@@ -243,11 +309,14 @@ def value_and_grad(
                 has_aux=has_aux,
                 chunk_size=chunk_size,
                 n=n,
+                trainable=trainable,
             )
         else:
             # Autograd through one vectorized forward: cheaper than torch.func.grad at
             # small N, and it reports unused parameters as None like the loop would.
-            losses, grads, aux = _autograd_step(mapped_loss, has_aux, params, buffers, args, kwargs)
+            losses, grads, aux = _autograd_step(
+                mapped_loss, has_aux, params, buffers, args, kwargs, trainable
+            )
         return (losses, grads, buffers, aux) if has_aux else (losses, grads, buffers)
 
     return with_grads

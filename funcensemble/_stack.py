@@ -1,7 +1,7 @@
 """Stacking N same-architecture modules into one stateless function plus stacked state."""
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
 from ._batchnorm import FoldBatchNorm, has_batch_norm
+from ._embedding import PerMemberEmbedding, needs_embedding_rule
 from ._fastpath import try_batched_call
 from ._skeleton import meta_skeleton, replace_tensors
 
@@ -45,13 +46,14 @@ class FunctionalModule:
             fast = try_batched_call(self.skeleton, params, args[0])
             if fast is not None:
                 return fast
-        # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
-        fold = (
-            not torch.compiler.is_compiling()
-            and torch._C._functorch.peek_interpreter_stack() is not None
-            and has_batch_norm(self.skeleton)
-        )
-        with FoldBatchNorm() if fold else nullcontext():
+        inside = torch._C._functorch.peek_interpreter_stack() is not None
+        with ExitStack() as modes:
+            # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
+            if inside and not torch.compiler.is_compiling() and has_batch_norm(self.skeleton):
+                modes.enter_context(FoldBatchNorm())
+            # Embedding's padding_idx and max_norm per member (see _embedding).
+            if inside and needs_embedding_rule(self.skeleton):
+                modes.enter_context(PerMemberEmbedding())
             return functional_call(
                 self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
             )
@@ -126,7 +128,26 @@ def stack_as(
     return FunctionalModule(meta_skeleton(first)), params, buffers
 
 
+def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
+    """Check that ``params`` and ``buffers`` are dicts of tensors, as ``stack`` returns."""
+    for argument, tree in (("params", params), ("buffers", buffers)):
+        if not isinstance(tree, dict):
+            raise TypeError(
+                f"{where}: {argument} must be a dict of stacked tensors keyed by state-dict "
+                f"names (as fe.stack returns), got {type(tree).__name__}. Pass the "
+                f"{argument} dict from fe.stack"
+                + (" ({} for a module without buffers)." if argument == "buffers" else ".")
+            )
+        for name, t in tree.items():
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, expected a "
+                    "tensor with the member axis first. Pass the dicts from fe.stack."
+                )
+
+
 def _num_members(where: str, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> int:
+    check_state_dicts(where, params, buffers)
     sizes = {
         name: (t.shape[0] if t.dim() else None)
         for name, t in list(params.items()) + list(buffers.items())
