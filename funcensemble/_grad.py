@@ -222,8 +222,8 @@ def value_and_grad(
     leave it and its state alone. If no leaf requires grad (plain tensors, such as
     detached copies), every floating-point leaf is differentiated, as
     ``torch.func.grad`` does: keep the flags ``stack`` gives (``apply_updates`` and
-    the checkpoint functions keep them) for frozen layers to stay frozen. A
-    trainable parameter the loss does not use gets ``None``, exactly as
+    ``update_`` keep them, ``load`` gives its template's) for frozen layers to stay
+    frozen. A trainable parameter the loss does not use gets ``None``, exactly as
     ``torch.autograd.grad(..., allow_unused=True)`` gives, so optimizers skip it;
     under ``torch.compile`` or inside another ``torch.func`` transform the gradients
     are computed with ``torch.func.grad``, where it gets zeros instead.
@@ -252,6 +252,12 @@ def value_and_grad(
         A function returning ``(losses, grads, buffers)``, or
         ``(losses, grads, buffers, aux)`` with ``has_aux``: ``losses`` has shape
         ``[N]``, ``grads`` is shaped like ``params``.
+
+    Raises:
+        TypeError: ``params`` or ``buffers`` not a dict of tensors, or with
+            ``has_aux`` a ``loss_fn`` that does not return a pair.
+        ValueError: A loss that is not one scalar per member, a ``(loss, aux)``
+            tuple of another length, and [`vmap`][funcensemble.vmap]'s errors.
 
     Example:
         >>> import torch, funcensemble as fe

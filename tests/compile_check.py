@@ -121,8 +121,35 @@ def mlp_training_step() -> None:
     assert graphs and all("mlp_forward" in g for g in graphs), graphs
 
 
+def frozen_gradients() -> None:
+    """Frozen parameters get None compiled as eagerly; the others the same gradients."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)) for _ in range(3)]
+    for m in members:
+        m[0].requires_grad_(False)
+    fmodel, params, buffers = fe.stack(members)
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    def grads_of(params, buffers, x, y):
+        return fe.value_and_grad(loss_fn, (None, 0))(params, buffers, x, y)[1]
+
+    x, y = torch.randn(32, 4), torch.randn(3, 32, 2)
+    eager = grads_of(params, buffers, x, y)
+    compiled = torch.compile(grads_of, fullgraph=True)(params, buffers, x, y)
+    assert eager["0.weight"] is None and eager["0.bias"] is None
+    assert compiled.keys() == eager.keys()
+    for k, g in eager.items():
+        if g is None:
+            assert compiled[k] is None, k
+        else:
+            torch.testing.assert_close(compiled[k], g, rtol=1e-5, atol=1e-6)
+
+
 if __name__ == "__main__":
     faces = {
+        "frozen": frozen_gradients,
         "functional": functional_training_step,
         "module": module_face_training_step,
         "mlp": mlp_training_step,

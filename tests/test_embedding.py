@@ -1,0 +1,154 @@
+"""``nn.Embedding`` members (padding_idx, max_norm, scale_grad_by_freq) against the loop."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import funcensemble as fe
+
+N, ROWS, DIM, STEPS = 3, 7, 4, 3
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+
+
+def make_members(**options) -> list[nn.Module]:
+    torch.manual_seed(0)
+    members = []
+    for _ in range(N):
+        m = nn.Sequential(nn.Embedding(ROWS, DIM, **options), nn.Tanh(), nn.Linear(DIM, 1))
+        with torch.no_grad():  # rows well outside max_norm, padding rows not zero
+            m[0].weight.normal_(0.0, 2.0)
+        members.append(m.double())
+    return members
+
+
+def indices(per_member: bool) -> torch.Tensor:
+    """Indices hitting the padding rows 0 and ROWS - 1, and repeats (for the frequencies)."""
+    torch.manual_seed(1)
+    idx = torch.randint(0, ROWS, (N, 10) if per_member else (10,))
+    idx[..., :2] = 0
+    idx[..., 2] = ROWS - 1
+    idx[..., 3:5] = 3
+    return idx
+
+
+def targets() -> torch.Tensor:
+    torch.manual_seed(2)
+    return torch.randn(N, 10, 1, dtype=torch.float64)
+
+
+def loop_grads(members, idx, y, per_member):
+    out = []
+    for i, m in enumerate(members):
+        loss = F.mse_loss(m(idx[i] if per_member else idx), y[i])
+        names = [k for k, _ in m.named_parameters()]
+        out.append(dict(zip(names, torch.autograd.grad(loss, list(m.parameters())), strict=True)))
+    return {k: torch.stack([g[k] for g in out]) for k in out[0]}
+
+
+def stacked(members) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.stack([dict(m.named_parameters())[k].detach() for m in members])
+        for k, _ in members[0].named_parameters()
+    }
+
+
+OPTIONS = [
+    {},
+    {"padding_idx": 0},
+    {"padding_idx": -1},
+    {"padding_idx": 0, "scale_grad_by_freq": True},
+    {"scale_grad_by_freq": True},
+    {"max_norm": 1.0},
+    {"max_norm": 1.5, "norm_type": 1.0, "padding_idx": 0},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_value_and_grad_training_matches_loop(options, per_member, chunk_size):
+    members = make_members(**options)
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+    idx, y = indices(per_member), targets()
+    loop_opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in members]
+    opt = fe.optim.adam(lr=0.1)
+    state = opt.init(params)
+
+    def loss_fn(p, b, idx, y):
+        return F.mse_loss(fmodel(p, b, idx), y)
+
+    step = fe.value_and_grad(loss_fn, (0 if per_member else None, 0), chunk_size=chunk_size)
+    for _ in range(STEPS):
+        ref = loop_grads(members, idx, y, per_member)  # max_norm renormalises in place here
+        _, grads, buffers = step(params, buffers, idx, y)  # and here, member by member
+        torch.testing.assert_close(params, stacked(members), **TOL)
+        torch.testing.assert_close(grads, ref, **TOL)
+        for i, (m, o) in enumerate(zip(members, loop_opts, strict=True)):
+            o.zero_grad()
+            F.mse_loss(m(idx[i] if per_member else idx), y[i]).backward()
+            o.step()
+        state = opt.update_(grads, state, params)
+    torch.testing.assert_close(params, stacked(members), **TOL)
+    padding = options.get("padding_idx")
+    if padding is not None:  # the padding row never moved (max_norm may rescale it)
+        assert not grads["0.weight"][:, padding].any()
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
+def test_module_face_training_matches_loop(options, per_member):
+    members = make_members(**options)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    opt = torch.optim.Adam(ens.parameters(), lr=0.1)
+    loop_opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in members]
+    idx, y = indices(per_member), targets()
+    for _ in range(STEPS):
+        opt.zero_grad()
+        out = ens(idx, in_dims=0 if per_member else None)
+        sum(F.mse_loss(out[i], y[i]) for i in range(N)).backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(members, loop_opts, strict=True)):
+            o.zero_grad()
+            F.mse_loss(m(idx[i] if per_member else idx), y[i]).backward()
+            o.step()
+    got = {k: v.detach() for k, v in ens.stacked_params().items()}
+    torch.testing.assert_close(got, stacked(members), **TOL)
+
+
+def test_padding_rows_of_every_member_get_no_gradient():
+    """The regression: members 1..N-1 trained their padding row (0.72 apart after a step)."""
+    fmodel, params, buffers = fe.stack(make_members(padding_idx=0))
+    idx = indices(per_member=True)
+    _, grads, _ = fe.value_and_grad(lambda p, b, i: fmodel(p, b, i).sum(), 0)(params, buffers, idx)
+    assert torch.equal(grads["0.weight"][:, 0], torch.zeros(N, DIM, dtype=torch.float64))
+    assert grads["0.weight"][:, 3].abs().min() > 0  # other rows do train
+
+
+def test_sparse_gradients_are_refused_for_training_but_inference_runs():
+    members = make_members(sparse=True)
+    fmodel, params, buffers = fe.stack(members)
+    idx = indices(per_member=False)
+    before = {k: v.clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"sparse=True is not supported .* expected sparse=False"):
+        fe.value_and_grad(lambda p, b, i: fmodel(p, b, i).sum())(params, buffers, idx)
+    torch.testing.assert_close(params, before, rtol=0, atol=0)
+    with torch.no_grad():
+        out = fe.vmap(fmodel)(params, buffers, idx)
+    ref = torch.stack([m(idx) for m in members]).detach()
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_max_norm_inside_another_transform_is_refused_before_anything_changes():
+    fmodel, params, buffers = fe.stack(make_members(max_norm=1.0))
+    before = {k: v.clone() for k, v in params.items()}
+    idx = indices(per_member=False)
+
+    def losses(i):
+        return fe.value_and_grad(lambda p, b, i: fmodel(p, b, i).sum())(params, buffers, i)[0]
+
+    with pytest.raises(NotImplementedError, match=r"max_norm.*not under torch.compile, inside"):
+        torch.func.vmap(losses)(idx.unsqueeze(0))
+    torch.testing.assert_close(params, before, rtol=0, atol=0)
