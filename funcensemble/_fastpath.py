@@ -98,7 +98,47 @@ _IN_PLACE: dict[type, Callable[[Tensor], Tensor]] = {
 }
 
 
-def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | None) -> Tensor | None:
+def width_error(where: str, weight: str, shape: tuple[int, ...], got: int, *, first: bool) -> str:
+    """The message for a Linear (weight ``weight``, one member's ``shape``) fed ``got``
+    input features; ``first``: the layer the input itself reaches."""
+    layer = weight.removesuffix("weight").rstrip(".") or "(the module itself)"
+    head = f"{where}: layer `{layer}` (Linear, weight `{weight}` of shape {shape} per member)"
+    expected = shape[-1]
+    if first:
+        return (
+            f"{head} expects {expected} input features (expected an input of shape "
+            f"(..., {expected}), got (..., {got})). Pass inputs whose last dim is {expected}."
+        )
+    return (
+        f"{head} expects {expected} input features, but is given {got}. Each member's own "
+        "module fails the same way: fix the width of what feeds it."
+    )
+
+
+def check_widths(where: str, steps: Plan, params: dict[str, Tensor], width: int) -> None:
+    """Check each Linear's ``in_features`` against the width reaching it, before any GEMM.
+
+    Otherwise a wrong input width surfaces as the shapes of our internal matrix
+    products (``(20x3 and 4x10)``), which name neither the input nor the layer.
+    """
+    first = True
+    for _, weight, _ in steps:
+        if weight is None:
+            continue
+        w = params[weight]
+        if w.shape[-1] != width:
+            raise ValueError(width_error(where, weight, tuple(w.shape[1:]), width, first=first))
+        width = w.shape[-2]
+        first = False
+
+
+def run(
+    steps: Plan,
+    params: dict[str, Tensor],
+    x: Tensor,
+    member_dim: int | None,
+    where: str = "vmap",
+) -> Tensor | None:
     """Run the chain on stacked ``params``; ``x`` is shared or has ``member_dim``.
 
     Returns ``[N, *lead, out]``, or ``None`` if this call needs the general path.
@@ -113,6 +153,7 @@ def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | Non
         x = x.movedim(member_dim, 0)
         if x.dim() < 2 or x.shape[0] != n:
             return None
+    check_widths(where, steps, params, x.shape[-1])
     if torch.compiler.is_compiling():
         out = _compiled_chain(steps, params, x, n, shared=member_dim is None)
         if out is not None:
@@ -129,8 +170,14 @@ def run(steps: Plan, params: dict[str, Tensor], x: Tensor, member_dim: int | Non
         lead = x.shape[1:-1]
         h = x.reshape(n, -1, x.shape[-1]).transpose(1, 2)
     h = _chain(steps, params, h, n, shared=member_dim is None)
-    h = h.view(n, -1, h.shape[-1]) if h.dim() == 2 else h
+    h = _members_first(h, n)
     return h.transpose(1, 2).contiguous().view(n, *lead, h.shape[1])
+
+
+def _members_first(h: Tensor, n: int) -> Tensor:
+    """``[N * features, rows]`` as ``[N, features, rows]`` (sizes spelled out: with no
+    rows, a ``-1`` would be ambiguous); a 3-d ``h`` is returned as it is."""
+    return h.view(n, h.shape[0] // n, h.shape[-1]) if h.dim() == 2 else h
 
 
 def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared: bool) -> Tensor:
@@ -163,7 +210,7 @@ def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared:
             h = torch.mm(w2, h) if b is None else torch.addmm(b, w2, h)
             shared = False
         else:
-            h = h.view(n, -1, h.shape[-1]) if h.dim() == 2 else h
+            h = _members_first(h, n)
             if bias is None:
                 h = torch.bmm(w, h)
             else:
@@ -251,7 +298,7 @@ def try_module_call(skeleton: nn.Module, x: Any, in_dims: Any) -> Tensor | None:
             params[weight] = module.weight
             if bias is not None:
                 params[bias] = module.bias
-    return run(steps, params, x, dim)
+    return run(steps, params, x, dim, "Ensemble")
 
 
 def _unwrap_at(t: Tensor, level: int) -> tuple[Tensor, int | None] | None:

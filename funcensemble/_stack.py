@@ -11,6 +11,7 @@ from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
 from ._batchnorm import FoldBatchNorm, has_batch_norm
+from ._diagnose import linear_width_error
 from ._embedding import PerMemberEmbedding, needs_embedding_rule
 from ._fastpath import try_batched_call
 from ._skeleton import meta_skeleton, replace_tensors
@@ -54,9 +55,18 @@ class FunctionalModule:
             # Embedding's padding_idx and max_norm per member (see _embedding).
             if inside and needs_embedding_rule(self.skeleton):
                 modes.enter_context(PerMemberEmbedding())
-            return functional_call(
-                self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
-            )
+            try:
+                return functional_call(
+                    self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
+                )
+            except RuntimeError:
+                if torch.compiler.is_compiling():
+                    raise
+                where = "vmap" if inside else "FunctionalModule"
+                clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
+                if clear is None:
+                    raise
+        raise clear from None
 
     def __repr__(self) -> str:
         return f"FunctionalModule({self.skeleton!r})"
