@@ -82,7 +82,7 @@ def mlp_forward(
         if i == 0 and shared:
             w2 = w.reshape(-1, w.shape[-1])
             z = torch.mm(w2, h) if bias is None else torch.addmm(bias.reshape(-1, 1), w2, h)
-            z = z.view(n, -1, z.shape[-1])
+            z = z.view(n, w.shape[1], z.shape[-1])  # sizes spelled out: rows may be 0
         else:
             z = torch.bmm(w, h) if bias is None else torch.baddbmm(bias.unsqueeze(2), w, h)
         h = _activate_(z, act)
@@ -123,7 +123,7 @@ def mlp_backward(
         if has_bias[i]:
             grad_b.append(g.sum(-1))
         if i == 0 and shared:
-            g2 = g.reshape(-1, g.shape[-1])  # [N * out, rows]
+            g2 = g.reshape(g.shape[0] * g.shape[1], g.shape[-1])  # [N * out, rows]
             grad_w[i] = torch.mm(g2, h.t()).view_as(w)
             if need_x:
                 grad_x = torch.mm(g2.t(), w.reshape(-1, w.shape[-1]))  # [rows, in]

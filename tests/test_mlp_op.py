@@ -47,11 +47,12 @@ CASES = [
 
 @pytest.mark.parametrize(("acts", "bias"), CASES)
 @pytest.mark.parametrize("shared", [True, False])
-def test_op_matches_the_loop_outputs_and_gradients(acts, bias, shared):
+@pytest.mark.parametrize("rows", [6, 0])  # 0: an empty batch gives empty outputs, zero grads
+def test_op_matches_the_loop_outputs_and_gradients(acts, bias, shared, rows):
     modules = members(acts, bias)
     fmodel, params, _ = fe.stack(modules)
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
-    x = torch.randn(*(() if shared else (4,)), 6, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(*(() if shared else (4,)), rows, 5, dtype=torch.float64, requires_grad=True)
     out = _mlp_op.mlp_forward(*op_args(fmodel, params, x))[0]
     ref = torch.stack([m(x if shared else x[i]) for i, m in enumerate(modules)])
     torch.testing.assert_close(out, ref, **TOL)
