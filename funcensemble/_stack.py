@@ -156,7 +156,7 @@ def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
                 )
 
 
-def _num_members(where: str, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> int:
+def _num_members(where: str, params: Any, buffers: Any) -> int:
     check_state_dicts(where, params, buffers)
     sizes = {
         name: (t.shape[0] if t.dim() else None)

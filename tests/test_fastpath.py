@@ -244,3 +244,63 @@ def test_in_place_activations_keep_double_backward(n):
             assert p.grad is None and name == "4.bias"
             continue
         torch.testing.assert_close(p.grad, torch.stack(grads), **TOL)
+
+
+# (shape of x, in_dims): an empty shared batch, an empty batch with a lead dim, and
+# an empty batch per member.
+EMPTY = [((0, 5), None), ((0, 2, 5), None), ((2, 0, 5), None), ((3, 0, 5), 0)]
+
+
+@pytest.mark.parametrize(("shape", "in_dims"), EMPTY, ids=str)
+def test_empty_batch_matches_loop(shape, in_dims, spy):
+    """No rows: the loop's empty outputs, and zero gradients (what autograd gives)."""
+    torch.manual_seed(0)
+    modules = [mlp(nn.Tanh()) for _ in range(3)]
+    x = torch.randn(*shape, dtype=torch.float64)
+    ref = torch.stack([m(x if in_dims is None else x[i]) for i, m in enumerate(modules)])
+    ref.sum().backward()
+    ens = fe.Ensemble(modules)
+    out = ens(x, in_dims=in_dims)
+    assert out.shape == ref.shape
+    out.sum().backward()
+    fmodel, params, buffers = fe.stack(modules)
+    mapped = fe.vmap(fmodel, in_dims)(params, buffers, x)
+    losses, grads, _ = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum(), in_dims)(
+        params, buffers, x
+    )
+    assert spy == [True, True, True]
+    assert mapped.shape == ref.shape
+    assert torch.equal(losses, torch.zeros(3, dtype=torch.float64))
+    for name, p in ens.stacked_params().items():
+        expected = torch.stack([dict(m.named_parameters())[name].grad for m in modules])
+        assert torch.equal(expected, torch.zeros_like(expected))
+        assert torch.equal(p.grad, expected) and torch.equal(grads[name], expected)
+
+
+@pytest.mark.parametrize("in_dims", [None, 0])
+def test_wrong_input_width_names_the_input_and_the_layer(in_dims, spy):
+    """Not the internal GEMM's shapes: which layer, expected and got width."""
+    fmodel, params, buffers = fe.stack([mlp(nn.Tanh()) for _ in range(3)])
+    ens = fe.Ensemble([mlp(nn.Tanh()) for _ in range(3)])
+    x = torch.randn(*((3,) if in_dims == 0 else ()), 20, 4, dtype=torch.float64)
+    expected = (
+        r"layer `0` \(Linear, weight `0.weight` of shape \(7, 5\) per member\) expects 5 "
+        r"input features \(expected an input of shape \(\.\.\., 5\), got \(\.\.\., 4\)\)"
+    )
+    with pytest.raises(ValueError, match="vmap: " + expected):
+        fe.vmap(fmodel, in_dims)(params, buffers, x)
+    with pytest.raises(ValueError, match="Ensemble: " + expected):
+        ens(x, in_dims=in_dims)
+    with pytest.raises(ValueError, match="vmap: " + expected):  # inside vmap: the batched call
+        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum(), in_dims)(params, buffers, x)
+    assert spy == []  # refused before the chain ran
+
+
+def test_wrong_width_inside_the_architecture_is_named():
+    """A member whose own Linear widths do not chain (its module alone fails too)."""
+    torch.manual_seed(0)
+    bad = [nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(6, 3)) for _ in range(2)]
+    with pytest.raises(RuntimeError):
+        bad[0](torch.randn(4, 5))
+    with pytest.raises(ValueError, match=r"layer `2` .* expects 6 input features, but is given 7"):
+        fe.Ensemble(bad)(torch.randn(4, 5))

@@ -391,3 +391,55 @@ def test_chunk_size_bounds_the_memory_of_a_training_step():
         del losses, grads
     assert peaks[2] < peaks[None] / 4, peaks
     assert peaks[2] > grad_bytes  # it did see the step
+
+
+# -- errors that name the argument -----------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["plain", "chunked", "inside a transform"])
+def test_has_aux_without_a_pair_is_a_clear_error(path):
+    fmodel, params, buffers = fe.stack([nn.Linear(2, 1) for _ in range(3)])
+    x = torch.randn(5, 2)
+    chunk_size = 2 if path == "chunked" else None
+
+    def run(loss_fn):
+        step = fe.value_and_grad(loss_fn, has_aux=True, chunk_size=chunk_size)
+        if path == "inside a transform":
+            return torch.func.vmap(lambda x: step(params, buffers, x)[0])(x.unsqueeze(0))
+        return step(params, buffers, x)
+
+    with pytest.raises(
+        TypeError,
+        match=r"has_aux=True loss_fn must return a pair \(loss, aux\), got a single Tensor",
+    ):
+        run(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
+    with pytest.raises(
+        ValueError, match=r"must return a pair \(loss, aux\), got a tuple of 3 values"
+    ):
+        run(lambda p, b, x: (fmodel(p, b, x).pow(2).mean(), x, x))
+
+
+@pytest.mark.parametrize("argument", ["params", "buffers"])
+@pytest.mark.parametrize("function", [fe.value_and_grad, fe.grad])
+def test_params_or_buffers_not_a_dict_is_a_type_error(argument, function):
+    fmodel, params, buffers = fe.stack([nn.BatchNorm1d(2) for _ in range(3)])
+    state = {"params": params, "buffers": buffers}
+    state[argument] = list(state[argument].values())
+    step = function(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
+    with pytest.raises(
+        TypeError,
+        match=rf"value_and_grad: {argument} must be a dict of stacked tensors .* got list",
+    ):
+        step(state["params"], state["buffers"], torch.randn(5, 2))
+
+
+def test_wrong_input_width_inside_value_and_grad_names_the_layer():
+    """The general path (BatchNorm): the layer by its state-dict path, not GEMM shapes."""
+    modules = make_members(3)
+    fmodel, params, buffers = fe.stack(modules)
+    step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
+    with pytest.raises(
+        ValueError,
+        match=r"layer `body.0` .*expected an input of shape \(\.\.\., 4\), got \(\.\.\., 3\)",
+    ):
+        step(params, buffers, torch.randn(8, 3, dtype=torch.float64))

@@ -342,3 +342,60 @@ def test_jacrev_of_vmap_wrt_input_and_params(n: int) -> None:
             assert_trees_close(j[i][:, :, i], expected, rtol=RTOL, atol=ATOL)
             others = [m for m in range(n) if m != i]
             assert torch.all(j[i][:, :, others] == 0)
+
+
+class _Residual(nn.Module):
+    """Not a plain MLP (BatchNorm, a custom forward): the general vmap path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 10), nn.BatchNorm1d(10), nn.Linear(10, 2))
+        self.head = nn.Linear(3, 1)  # fed the body's 2 features: a broken architecture
+
+    def forward(self, x: Tensor, *, use_head: bool = False) -> Tensor:
+        out = self.body(x)
+        return self.head(out) if use_head else out
+
+
+@pytest.mark.parametrize("in_dims", [None, 0])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_wrong_input_width_on_the_general_path_names_the_layer(in_dims, chunk_size) -> None:
+    members = [_Residual().double() for _ in range(3)]
+    fmodel, params, buffers = fe.stack(members)
+    before = {k: v.clone() for k, v in buffers.items()}
+    x = torch.randn(*((3,) if in_dims == 0 else ()), 20, 3, dtype=torch.float64)
+    expected = (
+        r"vmap: layer `body.0` \(Linear, weight `body.0.weight` of shape \(10, 4\) per "
+        r"member\) expects 4 input features \(expected an input of shape \(\.\.\., 4\), "
+        r"got \(\.\.\., 3\)\)\. Pass inputs whose last dim is 4\."
+    )
+    with pytest.raises(ValueError, match=expected):
+        fe.vmap(fmodel, in_dims, chunk_size=chunk_size)(params, buffers, x)
+    with pytest.raises(ValueError, match=expected):
+        fe.Ensemble(members, chunk_size=chunk_size)(x, in_dims=in_dims)
+    assert_trees_equal(buffers, before)  # the BatchNorm statistics did not move
+    good = torch.randn(*((3,) if in_dims == 0 else ()), 20, 4, dtype=torch.float64)
+    with pytest.raises(
+        ValueError, match=r"layer `head` .* expects 3 input features, but is given 2"
+    ):
+        fe.vmap(fmodel, in_dims)(params, buffers, good, use_head=True)
+
+
+def test_other_failures_keep_their_own_error() -> None:
+    """The layer search only rewords a wrong Linear width."""
+    fmodel, params, buffers = fe.stack([_Residual() for _ in range(2)])
+    with pytest.raises(RuntimeError, match="running_mean should contain 10 elements not 5"):
+        fe.vmap(fmodel)(
+            params, {**buffers, "body.1.running_mean": torch.zeros(2, 5)}, torch.randn(8, 4)
+        )
+
+
+@pytest.mark.parametrize("argument", ["params", "buffers"])
+def test_params_or_buffers_not_a_dict_is_a_type_error(argument) -> None:
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 2) for _ in range(2)])
+    state = {"params": params, "buffers": buffers}
+    state[argument] = list(state[argument].values())
+    with pytest.raises(TypeError, match=rf"vmap: {argument} must be a dict .* got list"):
+        fe.vmap(fmodel)(state["params"], state["buffers"], torch.randn(5, 3))
+    with pytest.raises(TypeError, match=r"vmap: params\['weight'\] is a list, expected a tensor"):
+        fe.vmap(fmodel)({**params, "weight": [1.0]}, buffers, torch.randn(5, 3))
