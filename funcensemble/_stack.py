@@ -48,24 +48,24 @@ class FunctionalModule:
             if fast is not None:
                 return fast
         inside = torch._C._functorch.peek_interpreter_stack() is not None
-        with ExitStack() as modes:
-            # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
-            if inside and not torch.compiler.is_compiling() and has_batch_norm(self.skeleton):
-                modes.enter_context(FoldBatchNorm())
-            # Embedding's padding_idx and max_norm per member (see _embedding).
-            if inside and needs_embedding_rule(self.skeleton):
-                modes.enter_context(PerMemberEmbedding())
-            try:
+        try:
+            with ExitStack() as modes:
+                # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
+                if inside and not torch.compiler.is_compiling() and has_batch_norm(self.skeleton):
+                    modes.enter_context(FoldBatchNorm())
+                # Embedding's padding_idx and max_norm per member (see _embedding).
+                if inside and needs_embedding_rule(self.skeleton):
+                    modes.enter_context(PerMemberEmbedding())
                 return functional_call(
                     self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
                 )
-            except RuntimeError:
-                if torch.compiler.is_compiling():
-                    raise
-                where = "vmap" if inside else "FunctionalModule"
-                clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
-                if clear is None:
-                    raise
+        except RuntimeError:
+            if torch.compiler.is_compiling():
+                raise
+            where = "vmap" if inside else "FunctionalModule"
+            clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
+            if clear is None:
+                raise
         raise clear from None
 
     def __repr__(self) -> str:
@@ -91,7 +91,9 @@ def stack(
         [`FunctionalModule`][funcensemble.FunctionalModule] computing one member;
         ``params`` and ``buffers`` are dicts keyed by state-dict names whose tensors
         have a leading member axis of size N. Stacked parameters
-        are fresh autograd leaves: nothing aliases the input modules' tensors.
+        are fresh autograd leaves: nothing aliases the input modules' tensors. They
+        keep the members' ``requires_grad``: a frozen parameter stays frozen (see
+        [`value_and_grad`][funcensemble.value_and_grad]).
 
     Raises:
         ValueError: No modules, or members differing in names, shapes, dtypes,
