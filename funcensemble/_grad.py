@@ -51,18 +51,18 @@ def _check_losses(losses: Any) -> Tensor:
     return losses
 
 
-def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+def _split_aux(where: str, out: Any, has_aux: bool) -> tuple[Any, Any]:
     """``(loss, aux)`` from loss_fn's output, or a clear error if it is not a pair."""
     if not has_aux:
         return out, None
     if not isinstance(out, (tuple, list)):
         raise TypeError(
-            "value_and_grad: with has_aux=True loss_fn must return a pair (loss, aux), got "
+            f"{where}: with has_aux=True loss_fn must return a pair (loss, aux), got "
             f"a single {type(out).__name__}. Return (loss, aux), or pass has_aux=False."
         )
     if len(out) != 2:
         raise ValueError(
-            "value_and_grad: with has_aux=True loss_fn must return a pair (loss, aux), got "
+            f"{where}: with has_aux=True loss_fn must return a pair (loss, aux), got "
             f"a {type(out).__name__} of {len(out)} values. Return (loss, aux), with several "
             "aux values gathered in one tuple or dict."
         )
@@ -112,12 +112,13 @@ def _autograd_step(
     args: tuple[Any, ...],
     kwargs: Any,
     trainable: set[str],
+    where: str,
 ) -> tuple[Tensor, dict[str, Tensor | None], Any]:
     """Autograd through one vectorized forward; the graph is freed on return."""
     with torch.enable_grad():
         leaves = {k: v.detach().requires_grad_(k in trainable) for k, v in params.items()}
         out = mapped_loss(leaves, buffers, *args, **kwargs)
-        losses, aux = _split_aux(out, has_aux)
+        losses, aux = _split_aux(where, out, has_aux)
         losses = _check_losses(losses)
         wrt = [k for k, v in leaves.items() if v.requires_grad]
         found = torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
@@ -139,6 +140,7 @@ def _chunked_step(
     chunk_size: int,
     n: int,
     trainable: set[str],
+    where: str,
 ) -> tuple[Tensor, dict[str, Tensor | None], Any]:
     """Forward AND backward of ``chunk_size`` members at a time, into ``[N, ...]`` results.
 
@@ -171,6 +173,7 @@ def _chunked_step(
             _member_slice(args, dims, start, stop),
             kwargs,
             trainable,
+            where,
         )
         losses.append(c_losses)
         for k, g in c_grads.items():
@@ -269,6 +272,18 @@ def value_and_grad(
         >>> losses.shape, grads["weight"].shape
         (torch.Size([4]), torch.Size([4, 1, 3]))
     """
+    return _value_and_grad("value_and_grad", loss_fn, in_dims, has_aux, randomness, chunk_size)
+
+
+def _value_and_grad(
+    where: str,
+    loss_fn: Callable[..., Any],
+    in_dims: InDims,
+    has_aux: bool,
+    randomness: Randomness,
+    chunk_size: int | None,
+) -> Callable[..., tuple[Any, ...]]:
+    """[`value_and_grad`][funcensemble.value_and_grad], with errors naming ``where``."""
     mapped_loss = vmap(loss_fn, in_dims, randomness=randomness, chunk_size=chunk_size)
 
     def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:
@@ -277,14 +292,14 @@ def value_and_grad(
         # argument too, one torch.func.grad does not differentiate.
         def loss_and_aux(p: Any, b: Any) -> tuple[Tensor, Any]:
             out = loss_fn({**p, **frozen}, b, *args, **kwargs)
-            return _split_aux(out, True) if has_aux else (out, ())
+            return _split_aux(where, out, True) if has_aux else (out, ())
 
         return torch.func.grad_and_value(loss_and_aux, has_aux=True)(params, buffers)
 
     chunk_loss = vmap(loss_fn, in_dims, randomness=randomness)
 
     def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        check_state_dicts("value_and_grad", params, buffers)
+        check_state_dicts(where, params, buffers)
         trainable = _trainable(params)
         buffers = {k: v.clone() for k, v in buffers.items()}
         if torch.compiler.is_compiling() or _inside_functorch_transform():
@@ -316,12 +331,13 @@ def value_and_grad(
                 chunk_size=chunk_size,
                 n=n,
                 trainable=trainable,
+                where=where,
             )
         else:
             # Autograd through one vectorized forward: cheaper than torch.func.grad at
             # small N, and it reports unused parameters as None like the loop would.
             losses, grads, aux = _autograd_step(
-                mapped_loss, has_aux, params, buffers, args, kwargs, trainable
+                mapped_loss, has_aux, params, buffers, args, kwargs, trainable, where
             )
         return (losses, grads, buffers, aux) if has_aux else (losses, grads, buffers)
 
@@ -352,9 +368,7 @@ def grad(
         >>> grads["bias"].shape
         torch.Size([4, 1])
     """
-    both = value_and_grad(
-        loss_fn, in_dims, has_aux=has_aux, randomness=randomness, chunk_size=chunk_size
-    )
+    both = _value_and_grad("grad", loss_fn, in_dims, has_aux, randomness, chunk_size)
 
     def grads_only(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         return both(params, buffers, *args, **kwargs)[1:]

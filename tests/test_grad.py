@@ -428,7 +428,7 @@ def test_params_or_buffers_not_a_dict_is_a_type_error(argument, function):
     step = function(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
     with pytest.raises(
         TypeError,
-        match=rf"value_and_grad: {argument} must be a dict of stacked tensors .* got list",
+        match=rf"{function.__name__}: {argument} must be a dict of stacked tensors .* got list",
     ):
         step(state["params"], state["buffers"], torch.randn(5, 2))
 
