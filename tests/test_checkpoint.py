@@ -1,8 +1,14 @@
 """fe.save / fe.load: round trips, the file format, atomic writes, bad files, determinism."""
 
+import hashlib
 import json
 import os
+import random
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,7 +21,11 @@ from helpers import ZOO, IntBuffers, assert_trees_equal
 from torch import Tensor, nn
 
 import funcensemble as fe
+import funcensemble._checkpoint_file as checkpoint_file
 from funcensemble._architecture import Architecture
+from funcensemble._atomic import TEMP_TAG
+from funcensemble._checksum import tensor_digest
+from funcensemble._safetensors_file import write_safetensors
 
 
 def snapshot(ens: fe.Ensemble) -> dict[str, Tensor]:
@@ -28,16 +38,22 @@ def header_of(path: Path) -> dict[str, Any]:
 
 
 def rewrite(path: Path, mutate_header: Any = None, mutate_tensors: Any = None) -> None:
-    """Rewrite a checkpoint with its header or tensors changed, as a corrupted file would be."""
+    """Rewrite a checkpoint with its header or tensors changed and its checksums redone.
+
+    As a hand edit (or a bug in fe.save) would make it: the checksums hold, so what is
+    tested is the check of the header's contents.
+    """
     with safetensors.safe_open(str(path), framework="pt") as f:
         header = json.loads(f.metadata()["funcensemble"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    if mutate_header is not None:
-        header = mutate_header(header)
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
     if mutate_tensors is not None:
         mutate_tensors(tensors)
+        header["checksums"] = {k: tensor_digest(t) for k, t in tensors.items()}
+    if mutate_header is not None:
+        header = mutate_header(header)
     raw = header if isinstance(header, str) else json.dumps(header)
-    safetensors.torch.save_file(tensors, str(path), metadata={"funcensemble": raw})
+    with open(path, "wb") as f:
+        write_safetensors(f, tensors, {"funcensemble": raw})
 
 
 def make_ensemble(name: str, n: int = 3, seed: int = 0) -> fe.Ensemble:
@@ -158,7 +174,18 @@ def test_file_is_plain_safetensors_keyed_by_pytree_paths(tmp_path: Path) -> None
     assert torch.equal(tensors["['params']['linear.weight']"], ens.stacked.linear.weight)
     assert torch.equal(tensors["['buffers']['perm']"], ens.stacked.perm)
     header = header_of(tmp_path / "ens.safetensors")
-    assert header["format"] == "funcensemble.checkpoint" and header["version"] == 1
+    assert header["format"] == "funcensemble.checkpoint" and header["version"] == 2
+    assert header["checksums"] == {  # the SHA-256 of each tensor's bytes, as stored
+        k: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for k, t in tensors.items()
+    }
+    data = (tmp_path / "ens.safetensors").read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    with safetensors.safe_open(str(tmp_path / "ens.safetensors"), framework="pt") as f:
+        signature = f.metadata()["funcensemble.sha256"]  # the header's, with itself zeroed
+    assert hashlib.sha256(data[: 8 + length].replace(signature.encode(), b"0" * 64)).hexdigest() == (
+        signature
+    )
     assert header["kind"] == "ensemble" and header["num_members"] == 4
     member = ZOO["int_buffers"].members(1, train=False)[0]
     assert header["architecture"] == {
@@ -218,12 +245,11 @@ def assert_old_checkpoint_intact(path: Path, old: fe.Ensemble) -> None:
 def test_crash_while_writing_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     path, old = old_checkpoint(tmp_path)
 
-    def torn_write(tensors: dict, filename: str, metadata: dict | None = None) -> None:
-        with open(filename, "wb") as f:
-            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{half a head")
+    def torn_write(f: Any, tensors: dict, metadata: dict) -> None:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{half a head")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", torn_write)
+    monkeypatch.setattr(checkpoint_file, "write_safetensors", torn_write)
     with pytest.raises(OSError, match="No space left"):
         fe.save(path, make_ensemble("mlp", seed=1))
     assert_old_checkpoint_intact(path, old)
@@ -318,19 +344,52 @@ def test_save_rejects_what_it_cannot_store(
 
 UNREADABLE = "is not a readable safetensors file .* empty, truncated or corrupted"
 INVALID = "is not a valid funcensemble checkpoint"
+CORRUPT = "is corrupt: "
+SHORT = CORRUPT + "it is .* bytes long, too short"
+PAST_END = CORRUPT + "its first 8 bytes give a header of .* bytes; the file has"
+NESTED = "[" * 100_000 + "]" * 100_000
 BAD_FILES: dict[str, tuple[Any, str]] = {
     # case: (the file's new bytes from its old ones, or a header mutation; the message)
-    "empty": (lambda data: b"", UNREADABLE),
-    "garbage": (lambda data: b"PK\x03\x04 a zip file, not a checkpoint" * 4, UNREADABLE),
-    "huge header length": (lambda data: (2**40).to_bytes(8, "little") + b"{}", UNREADABLE),
-    "cut to 4 bytes": (lambda data: data[:4], UNREADABLE),
-    "cut to 8 bytes": (lambda data: data[:8], UNREADABLE),
-    "cut in the header": (lambda data: data[:40], UNREADABLE),
+    "empty": (lambda data: b"", SHORT),
+    "garbage": (lambda data: b"PK\x03\x04 a zip file, not a checkpoint" * 4, PAST_END),
+    "huge header length": (lambda data: (2**40).to_bytes(8, "little") + b"{}", PAST_END),
+    "cut to 4 bytes": (lambda data: data[:4], SHORT),
+    "cut to 8 bytes": (lambda data: data[:8], PAST_END),
+    "cut in the header": (lambda data: data[:40], PAST_END),
     "cut in half": (lambda data: data[: len(data) // 2], UNREADABLE),
     "last byte missing": (lambda data: data[:-1], UNREADABLE),
+    "header byte changed": (
+        lambda data: data[:30] + bytes([data[30] ^ 1]) + data[31:],
+        CORRUPT + r"its header \(bytes 0 to .*\) does not match its SHA-256 checksum",
+    ),
+    "data byte changed": (
+        lambda data: data[:-3] + bytes([data[-3] ^ 0x10]) + data[-2:],
+        CORRUPT + r"the bytes of tensor `\[.*\]` do not match their SHA-256 checksum",
+    ),
+    "header checksum removed": (
+        lambda data: data.replace(b"funcensemble.sha256", b"funcensemble.sha257"),
+        CORRUPT + "its header has no checksum entry, though its format version 2 writes one",
+    ),
+    "header checksum not hex": (
+        lambda data: data.replace(b'sha256":"', b'sha256":"x'),
+        CORRUPT + "its header checksum entry is damaged",
+    ),
+    "tensor checksums missing": (
+        {"header": lambda h: {k: v for k, v in h.items() if k != "checksums"}},
+        CORRUPT + "its header does not hold one checksum per tensor",
+    ),
+    "tensor checksum not hex": (
+        {"header": lambda h: {**h, "checksums": dict.fromkeys(h["checksums"], "x")}},
+        CORRUPT + "its checksum of tensor `.*` is 'x', not a SHA-256",
+    ),
     "header not JSON": ({"header": lambda h: "{not json"}, INVALID + ".*not valid JSON"),
+    "header nested": ({"header": lambda h: NESTED}, INVALID + ".*nests lists or objects too deeply"),
+    "value nested": (
+        {"header": lambda h: json.dumps({**h, "values": {"x": 1}})[:-1] + f', "v": {NESTED}}}'},
+        INVALID + ".*nests lists or objects too deeply",
+    ),
     "other format": ({"header": lambda h: {**h, "format": "x"}}, INVALID + ".*format"),
-    "newer version": ({"header": lambda h: {**h, "version": 2}}, "newer funcensemble.*Upgrade"),
+    "newer version": ({"header": lambda h: {**h, "version": 3}}, "newer funcensemble.*Upgrade"),
     "bad kind": ({"header": lambda h: {**h, "kind": "model"}}, INVALID + ".*kind is 'model'"),
     "missing field": ({"header": lambda h: {**h, "values": None}}, INVALID + ".*'values'"),
     "bad value": ({"header": lambda h: {**h, "values": {"x": [1]}}}, INVALID + ".*for `x`"),
@@ -355,7 +414,7 @@ def test_bad_file_raises_and_leaves_the_ensemble_unchanged(tmp_path: Path, case:
     match = corrupt(path, case)
     target = make_ensemble("cnn", seed=1)
     before = snapshot(target)
-    with pytest.raises(ValueError, match=f"load: '.*ens.safetensors' .*{match}"):
+    with pytest.raises(ValueError, match=f"load: (checkpoint )?'.*ens.safetensors' .*{match}"):
         fe.load(path, target)
     assert_trees_equal(snapshot(target), before)
 
@@ -365,7 +424,7 @@ def test_bad_file_raises_for_a_template(tmp_path: Path, case: str) -> None:
     path = tmp_path / "tree.safetensors"
     fe.save(path, functional_tree(0))
     match = corrupt(path, case)
-    with pytest.raises(ValueError, match=f"load: '.*tree.safetensors' .*{match}"):
+    with pytest.raises(ValueError, match=f"load: (checkpoint )?'.*tree.safetensors' .*{match}"):
         fe.load(path, functional_tree(1))
 
 
