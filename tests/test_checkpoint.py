@@ -4,11 +4,9 @@ import hashlib
 import json
 import os
 import random
-import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -183,9 +181,9 @@ def test_file_is_plain_safetensors_keyed_by_pytree_paths(tmp_path: Path) -> None
     length = int.from_bytes(data[:8], "little")
     with safetensors.safe_open(str(tmp_path / "ens.safetensors"), framework="pt") as f:
         signature = f.metadata()["funcensemble.sha256"]  # the header's, with itself zeroed
-    assert hashlib.sha256(data[: 8 + length].replace(signature.encode(), b"0" * 64)).hexdigest() == (
-        signature
-    )
+    assert hashlib.sha256(
+        data[: 8 + length].replace(signature.encode(), b"0" * 64)
+    ).hexdigest() == (signature)
     assert header["kind"] == "ensemble" and header["num_members"] == 4
     member = ZOO["int_buffers"].members(1, train=False)[0]
     assert header["architecture"] == {
@@ -383,7 +381,10 @@ BAD_FILES: dict[str, tuple[Any, str]] = {
         CORRUPT + "its checksum of tensor `.*` is 'x', not a SHA-256",
     ),
     "header not JSON": ({"header": lambda h: "{not json"}, INVALID + ".*not valid JSON"),
-    "header nested": ({"header": lambda h: NESTED}, INVALID + ".*nests lists or objects too deeply"),
+    "header nested": (
+        {"header": lambda h: NESTED},
+        INVALID + ".*nests lists or objects too deeply",
+    ),
     "value nested": (
         {"header": lambda h: json.dumps({**h, "values": {"x": 1}})[:-1] + f', "v": {NESTED}}}'},
         INVALID + ".*nests lists or objects too deeply",
@@ -662,3 +663,177 @@ def test_module_face_resumes_exactly(tmp_path: Path) -> None:
     train(ens, opt, range(10, 20))
     assert_trees_equal(snapshot(ens), snapshot(straight))
     assert_trees_equal(opt.state, opt_straight.state)
+
+
+# --- checksums: every changed byte is found --------------------------------------------
+
+
+def flip_positions(data: bytes) -> list[int]:
+    """Every 13th byte of the header and every 89th of the data, and both ends of the file."""
+    end = 8 + int.from_bytes(data[:8], "little")
+    positions = {*range(8), *range(8, end, 13), *range(end, len(data), 89)}
+    positions |= {*range(end - 8, end + 8), *range(len(data) - 16, len(data))}
+    return sorted(positions)
+
+
+@pytest.mark.slow
+def test_every_flipped_byte_is_refused(tmp_path: Path) -> None:
+    """One bit flipped at a time, all over a real checkpoint: never a silent load."""
+    saved = {**functional_tree(0), "lr": 0.001, "step": 7, "run": "a"}
+    template = {**functional_tree(1), "lr": 0.0, "step": 0, "run": ""}
+    fe.save(tmp_path / "good.safetensors", saved)
+    data = (tmp_path / "good.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    path = tmp_path / "flipped.safetensors"
+    path.write_bytes(data)
+    refused = {"header": 0, "data": 0}
+    silent = []
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for i, pos in enumerate(flip_positions(data)):
+            os.pwrite(fd, bytes([data[pos] ^ (1 << (i % 8))]), pos)
+            try:
+                fe.load(path, template)
+            except ValueError as e:
+                assert "corrupt" in str(e), str(e)
+                refused["header" if pos < header_end else "data"] += 1
+            else:
+                silent.append(pos)
+            os.pwrite(fd, data[pos : pos + 1], pos)
+    finally:
+        os.close(fd)
+    print(f"byte flips refused: {refused}; silent loads: {len(silent)}")
+    assert silent == []
+    assert refused["header"] > 250 and refused["data"] > 250
+    assert_trees_equal(fe.load(tmp_path / "good.safetensors", template), saved)
+
+
+def write_version_1(path: Path, obj: Any) -> None:
+    """The file the previous release wrote for ``obj``: no checksums, format version 1."""
+    fe.save(path, obj)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        header = json.loads(f.metadata()["funcensemble"])
+        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
+    del header["checksums"]
+    header["version"] = 1
+    safetensors.torch.save_file(tensors, str(path), metadata={"funcensemble": json.dumps(header)})
+
+
+def test_version_1_file_loads_with_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "old.safetensors"
+    saved = make_ensemble("cnn", seed=0)
+    write_version_1(path, saved)
+    fresh = make_ensemble("cnn", seed=1)
+    with pytest.warns(UserWarning, match=r"load: '.*old.safetensors' was written before .*checks"):
+        fe.load(path, fresh)
+    assert_trees_equal(snapshot(fresh), snapshot(saved))
+    # Refusals come before the warning: a mismatch is an error, with nothing loaded.
+    five = make_ensemble("cnn", n=5)
+    before = snapshot(five)
+    with pytest.raises(ValueError, match="holds an ensemble of 3 members"):
+        fe.load(path, five)
+    assert_trees_equal(snapshot(five), before)
+    fe.save(path, fresh)  # saving again adds the checksums
+    assert header_of(path)["version"] == 2
+    fe.load(path, make_ensemble("cnn", seed=2))
+
+
+def test_load_refuses_meta_tensors(tmp_path: Path) -> None:
+    fmodel, params, _ = fe.stack([nn.Linear(3, 2) for _ in range(2)])
+    fe.save(tmp_path / "p.safetensors", params)
+    with pytest.raises(ValueError, match=r"load: leaf `\['bias'\]` of the template is on the meta"):
+        fe.load(tmp_path / "p.safetensors", dict(fmodel.skeleton.named_parameters()))
+    with pytest.raises(ValueError, match=r"save: leaf `\['bias'\]` is on the meta .*fe.stack"):
+        fe.save(tmp_path / "s.safetensors", dict(fmodel.skeleton.named_parameters()))
+
+
+# --- temporary files: named, removed, and cleaned after a kill ----------------------------
+
+
+def temp_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if TEMP_TAG in p.name)
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_stale_temporary_files_of_dead_writers_are_removed_on_the_next_save(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    from funcensemble._atomic import _host
+
+    fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
+    host = _host()
+    dead = f".ens.safetensors{TEMP_TAG}{host}-{dead_pid()}-0123456789ab"
+    alive = f".ens.safetensors{TEMP_TAG}{host}-{os.getppid()}-0123456789ab"  # e.g. the shell
+    other_host = f".ens.safetensors{TEMP_TAG}elsewhere{'x' if socket.gethostname() else ''}-1-ab"
+    other_target = f".other.safetensors{TEMP_TAG}{host}-{dead_pid()}-0123456789ab"
+    for name in (dead, alive, other_host, other_target):
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp", seed=1))
+    if os.name == "nt":
+        assert dead in temp_files(tmp_path)  # no cleaning without a safe process probe
+    else:
+        assert temp_files(tmp_path) == sorted([alive, other_host, other_target])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks the saving process")
+def test_kill_during_save_never_loses_the_checkpoint(tmp_path: Path) -> None:
+    """20 saves of a 20 MB checkpoint killed (SIGKILL) at random points.
+
+    After each kill the checkpoint loads, verified by its checksums, and holds the last
+    save that returned, or the one being renamed into place when the kill came. The
+    temporary files left are the killed process's, and the next save removes them.
+    """
+    import kill_during_save as writer
+
+    path = tmp_path / "run.safetensors"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.getcwd()])}
+    values = writer.base()
+    template = {"w": torch.zeros_like(values), "generation": -1}
+    rng = random.Random(0)
+    counts = {"previous checkpoint intact": 0, "new checkpoint complete": 0, "temp files left": 0}
+    with subprocess.Popen(
+        [sys.executable, writer.__file__, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as helper:
+        assert helper.stdin is not None and helper.stdout is not None
+        ready, seconds = helper.stdout.readline().split()
+        assert ready == "ready"
+        latest, killed_pids = 0, set()
+        for trial in range(1, 21):
+            helper.stdin.write(f"{trial} {rng.uniform(0.0, 3 * float(seconds))}\n")
+            helper.stdin.flush()
+            killed, pid, saves = helper.stdout.readline().split()
+            assert killed == "killed"
+            killed_pids.add(pid)
+            # Verified by its checksums: the last save that returned, or the one that
+            # was being written when the kill came, if it had been renamed into place.
+            loaded = fe.load(path, template)
+            returned = trial * 1000 + int(saves) if int(saves) else latest
+            in_flight = trial * 1000 + int(saves) + 1
+            assert loaded["generation"] in (returned, in_flight)
+            assert torch.equal(loaded["w"], values + loaded["generation"])
+            latest = loaded["generation"]
+            counts[
+                "new checkpoint complete" if latest == in_flight else "previous checkpoint intact"
+            ] += 1
+            temps = temp_files(tmp_path)
+            writers = [name.split("-")[-2] for name in temps]
+            assert len(set(writers)) == len(writers) and set(writers) <= killed_pids, temps
+            if int(saves):  # its saves removed what earlier killed processes left
+                assert set(writers) <= {pid}, temps
+            counts["temp files left"] += pid in writers
+        helper.stdin.close()
+    fe.save(path, {"w": values, "generation": 0})  # removes the last kill's temporary file
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+    print(f"kill-during-save: 20 trials, 0 checkpoints lost; {counts}")
