@@ -31,3 +31,18 @@ def tensor_digest(t: Tensor) -> str:
 
 def is_digest(value: object) -> bool:
     return isinstance(value, str) and DIGEST.fullmatch(value) is not None
+
+
+def file_range_digest(path: str, start: int, length: int, *, block: int = 1 << 24) -> str:
+    """The SHA-256 of ``length`` bytes of a file from ``start`` (fewer if the file ends)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = length
+        while left > 0:
+            data = f.read(min(left, block))
+            if not data:
+                break
+            h.update(data)
+            left -= len(data)
+    return h.hexdigest()
