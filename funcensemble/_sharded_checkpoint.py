@@ -187,9 +187,13 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
     on every rank, like a step count). The checkpoint can be loaded at any world size,
     and into a single-process [`Ensemble`][funcensemble.Ensemble], by
     [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint keyed by
-    pytree paths. DCP writes ``.metadata`` last, so an interrupted save is refused on
-    load rather than read half-written; for the same reason a directory that already
-    holds a checkpoint is refused rather than overwritten.
+    pytree paths, plus a ``.funcensemble-checksums`` file written last by rank 0: the
+    SHA-256 of ``.metadata`` and of every byte range each rank wrote (each rank hashes
+    its own). DCP writes ``.metadata`` after the data, so an interrupted save is
+    refused on load rather than read half-written (a save killed after ``.metadata``
+    but before the checksum file loads with a warning that it cannot be verified);
+    for the same reason a directory that already holds a checkpoint is refused rather
+    than overwritten.
 
     Args:
         path: The checkpoint directory (created if needed; it must not hold a checkpoint
@@ -363,9 +367,15 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
 
     Each rank reads the rows of its own members, wherever they were saved: a
     checkpoint written by 2 ranks loads on 4, or in one process into an ordinary
-    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked against
-    the checkpoint's metadata before anything is read (keys, member count, shapes,
-    dtypes); a mismatch raises and leaves ``obj`` untouched.
+    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked before
+    anything is read: the checksum file, ``.metadata`` against it, and every byte range
+    this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
+    corrupt", naming the file and the entry); then the keys, member count, shapes and
+    dtypes. A mismatch raises and leaves ``obj`` untouched. ``.metadata`` (a pickle, in
+    DCP) is read by an unpickler that resolves only DCP's metadata classes, so a
+    crafted checkpoint cannot run code here; one naming anything else is refused. A
+    checkpoint without a checksum file (written by DCP itself, or by funcensemble
+    before checksums) loads with a ``UserWarning`` that it could not be verified.
 
     Args:
         path: The checkpoint directory.
@@ -382,8 +392,9 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
 
     Raises:
         FileNotFoundError: No directory at ``path``.
-        ValueError: An incomplete checkpoint, or one that does not match ``obj`` or
-            ``shard``.
+        ValueError: An incomplete, corrupt or unsafe checkpoint (metadata naming
+            anything but DCP's classes, or data files outside the directory), or one
+            that does not match ``obj`` or ``shard``.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe
