@@ -6,8 +6,9 @@ tensor leaf, keyed by its pytree path, e.g. ``['opt'].mu['net.0.weight']``. An
 [`Ensemble`][funcensemble.Ensemble] is stored as the pytree
 ``{"params": ..., "buffers": ...}`` of its stacked ``[N, ...]`` tensors.
 
-``load`` checks the parts rather than the header's hashes, to name what differs; a
-member class is compared by name, not module (see ``_check_ensemble``).
+``load`` verifies the checksums first (``_checkpoint_file``), then compares the parts
+(member count, class, each leaf) rather than the header's fingerprints, to name what
+differs; a member class is compared by name, not module (see ``_check_ensemble``).
 """
 
 import ast

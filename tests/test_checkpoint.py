@@ -147,6 +147,30 @@ def test_cuda_round_trip(tmp_path: Path) -> None:
     assert fe.load(tmp_path / "t.safetensors", template)["w"].is_cuda
 
 
+def test_every_storable_dtype_round_trips_and_reads_with_safetensors(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tree = {
+        str(dtype): {
+            "scalar": (torch.randn((), generator=g) * 50).to(dtype),
+            "empty": torch.zeros(0, 3, dtype=dtype),
+            "matrix": (torch.randn(3, 5, generator=g) * 50).to(dtype),
+        }
+        for dtype in sorted(checkpoint_file.DTYPES, key=str)
+    }
+    fe.save(tmp_path / "t.safetensors", tree)
+    template = optree_zeros(tree)
+    assert_trees_equal(fe.load(tmp_path / "t.safetensors", template), tree)
+    plain = safetensors.torch.load_file(str(tmp_path / "t.safetensors"))
+    assert plain.keys() == {f"[{d!r}][{k!r}]" for d in tree for k in tree[d]}
+    for d in tree:
+        for k, t in tree[d].items():
+            assert torch.equal(plain[f"[{d!r}][{k!r}]"], t)
+
+
+def optree_zeros(tree: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:
+    return {d: {k: torch.zeros_like(t) for k, t in inner.items()} for d, inner in tree.items()}
+
+
 def test_shared_and_viewed_tensors_are_saved_once_per_leaf(tmp_path: Path) -> None:
     base = torch.arange(12.0).reshape(3, 4)
     tree = {"a": base, "same": base, "row": base[1], "t": base.T}
@@ -668,6 +692,11 @@ def test_module_face_resumes_exactly(tmp_path: Path) -> None:
 # --- checksums: every changed byte is found --------------------------------------------
 
 
+def write_at(f: Any, pos: int, byte: int) -> None:
+    f.seek(pos)
+    f.write(bytes([byte]))
+
+
 def flip_positions(data: bytes) -> list[int]:
     """Every 13th byte of the header and every 89th of the data, and both ends of the file."""
     end = 8 + int.from_bytes(data[:8], "little")
@@ -688,10 +717,9 @@ def test_every_flipped_byte_is_refused(tmp_path: Path) -> None:
     path.write_bytes(data)
     refused = {"header": 0, "data": 0}
     silent = []
-    fd = os.open(path, os.O_WRONLY)
-    try:
+    with open(path, "r+b", buffering=0) as f:
         for i, pos in enumerate(flip_positions(data)):
-            os.pwrite(fd, bytes([data[pos] ^ (1 << (i % 8))]), pos)
+            write_at(f, pos, data[pos] ^ (1 << (i % 8)))
             try:
                 fe.load(path, template)
             except ValueError as e:
@@ -699,9 +727,7 @@ def test_every_flipped_byte_is_refused(tmp_path: Path) -> None:
                 refused["header" if pos < header_end else "data"] += 1
             else:
                 silent.append(pos)
-            os.pwrite(fd, data[pos : pos + 1], pos)
-    finally:
-        os.close(fd)
+            write_at(f, pos, data[pos])
     print(f"byte flips refused: {refused}; silent loads: {len(silent)}")
     assert silent == []
     assert refused["header"] > 250 and refused["data"] > 250
@@ -763,15 +789,13 @@ def dead_pid() -> int:
 def test_stale_temporary_files_of_dead_writers_are_removed_on_the_next_save(
     tmp_path: Path,
 ) -> None:
-    import socket
-
     from funcensemble._atomic import _host
 
     fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
     host = _host()
     dead = f".ens.safetensors{TEMP_TAG}{host}-{dead_pid()}-0123456789ab"
     alive = f".ens.safetensors{TEMP_TAG}{host}-{os.getppid()}-0123456789ab"  # e.g. the shell
-    other_host = f".ens.safetensors{TEMP_TAG}elsewhere{'x' if socket.gethostname() else ''}-1-ab"
+    other_host = f".ens.safetensors{TEMP_TAG}{host}.elsewhere-{dead_pid()}-0123456789ab"
     other_target = f".other.safetensors{TEMP_TAG}{host}-{dead_pid()}-0123456789ab"
     for name in (dead, alive, other_host, other_target):
         (tmp_path / name).write_bytes(b"half a checkpoint")

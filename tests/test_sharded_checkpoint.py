@@ -50,6 +50,11 @@ def test_save_writes_checksums_and_load_verifies_them(tmp_path: Path) -> None:
     assert_trees_equal(fe.distributed.load(path, run_state(1)), state)
 
 
+def write_at(f: Any, pos: int, byte: int) -> None:
+    f.seek(pos)
+    f.write(bytes([byte]))
+
+
 def flips(size: int, every: int) -> list[int]:
     return sorted({*range(0, size, every), *range(max(0, size - 8), size)})
 
@@ -65,10 +70,9 @@ def test_every_flipped_byte_of_every_file_is_refused(tmp_path: Path) -> None:
         file = path / name
         data = file.read_bytes()
         refused[name] = 0
-        fd = os.open(file, os.O_WRONLY)
-        try:
+        with open(file, "r+b", buffering=0) as f:
             for i, pos in enumerate(flips(len(data), every)):
-                os.pwrite(fd, bytes([data[pos] ^ (1 << (i % 8))]), pos)
+                write_at(f, pos, data[pos] ^ (1 << (i % 8)))
                 try:
                     fe.distributed.load(path, template)
                 except ValueError as e:
@@ -76,9 +80,7 @@ def test_every_flipped_byte_of_every_file_is_refused(tmp_path: Path) -> None:
                     refused[name] += 1
                 else:
                     silent.append((name, pos))
-                os.pwrite(fd, data[pos : pos + 1], pos)
-        finally:
-            os.close(fd)
+                write_at(f, pos, data[pos])
     print(f"sharded byte flips refused: {refused}; silent loads: {len(silent)}")
     assert silent == []
     assert min(refused.values()) > 200
@@ -207,3 +209,14 @@ def test_metadata_that_is_not_dcp_metadata_is_refused(tmp_path: Path) -> None:
     (path / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(ValueError, match=r"is not DCP metadata: it is not a readable pickle"):
         fe.distributed.load(path, run_state(1))
+
+
+def test_load_never_uses_the_standard_unpickler(tmp_path: Path, monkeypatch: Any) -> None:
+    path, state = saved(tmp_path)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("pickle.load(s) called")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    assert_trees_equal(fe.distributed.load(path, run_state(1)), state)
