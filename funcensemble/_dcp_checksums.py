@@ -21,8 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -239,7 +240,11 @@ class VerifiedReader(FileSystemReader):
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if getattr(self._metadata, "storage_meta", None) is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
+        # What FileSystemReader.read_metadata adds after unpickling, where this torch
+        # version has it.
+        storage_meta = getattr(dcp_metadata, "StorageMeta", None)
+        if storage_meta is not None and hasattr(self, "load_id"):
+            if getattr(self._metadata, "storage_meta", None) is None:
+                self._metadata.storage_meta = storage_meta()
+            self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
