@@ -134,10 +134,9 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     contents = _contents(where, obj)
     tensors: dict[str, Tensor] = {}
     values: dict[str, Any] = {}
-    storages: set[int] = set()
     for key, leaf in contents.leaves.items():
         if isinstance(leaf, Tensor):
-            tensors[key] = savable(where, contents.label(key), leaf, storages)
+            tensors[key] = savable(where, contents.label(key), leaf)
         else:
             values[key] = leaf
     header: dict[str, Any] = {

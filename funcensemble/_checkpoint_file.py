@@ -51,7 +51,7 @@ def structure_fingerprint(specs: dict[str, Spec]) -> str:
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
-def savable(where: str, label: str, t: Tensor, storages: set[int]) -> Tensor:
+def savable(where: str, label: str, t: Tensor) -> Tensor:
     if t.layout != torch.strided:
         raise TypeError(
             f"{where}: {label} is a {t.layout} tensor; only dense tensors can be saved. "
@@ -69,13 +69,8 @@ def savable(where: str, label: str, t: Tensor, storages: set[int]) -> Tensor:
             "buffers fe.stack returns beside it, e.g. {'params': params, 'buffers': "
             "buffers}.)"
         )
-    out = t.detach().to("cpu").contiguous()
-    # safetensors refuses tensors that share memory (tied or viewed leaves): copy those.
-    ptr = out.untyped_storage().data_ptr()
-    if out.numel() and ptr in storages:
-        out = out.clone()
-    storages.add(out.untyped_storage().data_ptr())
-    return out
+    # Tensors that share memory (tied or viewed leaves) are written once per leaf.
+    return t.detach().to("cpu").contiguous()
 
 
 def write_checkpoint(
