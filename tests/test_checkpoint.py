@@ -861,3 +861,14 @@ def test_kill_during_save_never_loses_the_checkpoint(tmp_path: Path) -> None:
     fe.save(path, {"w": values, "generation": 0})  # removes the last kill's temporary file
     assert sorted(os.listdir(tmp_path)) == [path.name]
     print(f"kill-during-save: 20 trials, 0 checkpoints lost; {counts}")
+
+
+def test_loaded_tensors_do_not_change_when_the_file_is_rewritten_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    saved = {"w": torch.arange(4096.0)}
+    fe.save(path, saved)
+    loaded = fe.load(path, {"w": torch.zeros(4096)})
+    with open(path, "r+b") as f:  # in place (same file), as a copy tool or an editor would
+        f.truncate(0)
+        f.write(b"\xff" * 40_000)
+    assert torch.equal(loaded["w"], saved["w"])
