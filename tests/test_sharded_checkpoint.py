@@ -220,3 +220,28 @@ def test_load_never_uses_the_standard_unpickler(tmp_path: Path, monkeypatch: Any
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "loads", refuse)
     assert_trees_equal(fe.distributed.load(path, run_state(1)), state)
+
+
+def test_data_files_are_read_as_weights_only(tmp_path: Path, monkeypatch: Any) -> None:
+    """DCP reads each tensor with torch.load(weights_only=True): no code in the data files."""
+    path, state = saved(tmp_path)
+    real_load, calls = torch.load, []
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    assert_trees_equal(fe.distributed.load(path, run_state(1)), state)
+    assert calls and all(w is True for w in calls)
+
+
+def test_entries_stored_as_pickled_objects_are_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    flat = {"['w']": torch.zeros(3), "['step']": RunsCode(builtins.open, str(marker), "w")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that no process group is running
+        dcp.save(flat, checkpoint_id=tmp_path / "plain", no_dist=True)
+    with pytest.raises(ValueError, match=r"stores leaf `\['step'\]` as pickled bytes"):
+        fe.distributed.load(tmp_path / "plain", {"w": torch.zeros(3), "step": 0})
+    assert not marker.exists()
