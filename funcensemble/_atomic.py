@@ -1,14 +1,76 @@
-"""Replacing a file all at once: readers and crashes see the old file or the new, never a mix."""
+"""Replacing a file all at once: readers and crashes see the old file or the new, never a mix.
+
+The new file is written to a temporary file beside the target, named
+``.<target name>.funcensemble-tmp-<host>-<pid>-<random>``, flushed to disk and renamed
+over the target. Every failure that Python sees (an exception, ``KeyboardInterrupt``)
+removes it. A process killed outright (SIGKILL, a power cut) cannot remove it; the next
+save of the same target on the same host removes the temporary files of that target
+whose writing process has exited, and leaves those of live processes (a concurrent save)
+and of other hosts alone.
+"""
 
 import contextlib
 import os
+import re
 import secrets
+import socket
 import stat
 from collections.abc import Callable
+from typing import BinaryIO
+
+TEMP_TAG = ".funcensemble-tmp-"
 
 
-def atomic_write(where: str, path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Create or replace ``path`` with what ``write(tmp_path)`` writes into ``tmp_path``.
+def _host() -> str:
+    # No "-" in it: the temporary name is split on "-" to read the host and the pid.
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "localhost"
+
+
+def temp_path(target: str) -> str:
+    """A fresh temporary name for ``target``, in its directory."""
+    directory, name = os.path.split(target)
+    tag = f"{TEMP_TAG}{_host()}-{os.getpid()}-{secrets.token_hex(6)}"
+    return os.path.join(directory, f".{name}{tag}")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def stale_temp_files(target: str) -> list[str]:
+    """The temporary files of ``target`` left by exited processes of this host."""
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there
+        return []
+    directory, name = os.path.split(target)
+    prefix = f".{name}{TEMP_TAG}"
+    host, found = _host(), []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(directory):
+            if not entry.startswith(prefix):
+                continue
+            parts = entry[len(prefix) :].split("-")
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+                continue
+            pid = int(parts[1])
+            if pid != os.getpid() and not _process_exists(pid):
+                found.append(os.path.join(directory, entry))
+    return sorted(found)
+
+
+def remove_stale_temp_files(target: str) -> None:
+    for path in stale_temp_files(target):
+        with contextlib.suppress(FileNotFoundError):  # another save removed it first
+            os.unlink(path)
+
+
+def atomic_write(where: str, path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Create or replace ``path`` with what ``write(file)`` writes into ``file``.
 
     ``write`` fills a temporary file in the same directory (same filesystem, so the
     final ``os.replace`` is an atomic rename); the data and then the directory entry
@@ -27,17 +89,17 @@ def atomic_write(where: str, path: str | os.PathLike, write: Callable[[str], Non
             f"{where}: the directory '{directory}' does not exist; create it first "
             "(e.g. os.makedirs(..., exist_ok=True))."
         )
-    tmp = os.path.join(directory, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    remove_stale_temp_files(target)
+    tmp = temp_path(target)
     # Created with mode 0o666 so the umask applies, as for a plain open(path, "wb").
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        mode = stat.S_IMODE(os.stat(target if os.path.exists(target) else tmp).st_mode)
-        write(tmp)
-        # ``write`` may itself replace tmp (safetensors writes via its own temporary
-        # file, mode 0o600): give the result the mode the target has or would get.
-        os.chmod(tmp, mode)
-        with open(tmp, "rb+") as f:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
             os.fsync(f.fileno())
+        if os.path.exists(target):  # a replaced checkpoint keeps its permissions
+            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

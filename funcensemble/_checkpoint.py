@@ -6,12 +6,14 @@ tensor leaf, keyed by its pytree path, e.g. ``['opt'].mu['net.0.weight']``. An
 [`Ensemble`][funcensemble.Ensemble] is stored as the pytree
 ``{"params": ..., "buffers": ...}`` of its stacked ``[N, ...]`` tensors.
 
-``load`` checks the parts rather than the header's hashes, to name what differs; a
-member class is compared by name, not module (see ``_check_ensemble``).
+``load`` verifies the checksums first (``_checkpoint_file``), then compares the parts
+(member count, class, each leaf) rather than the header's fingerprints, to name what
+differs; a member class is compared by name, not module (see ``_check_ensemble``).
 """
 
 import ast
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -94,13 +96,17 @@ def save(path: str | os.PathLike, obj: Any) -> None:
 
     The file is a safetensors file (no code runs when it is loaded; see
     [`load`][funcensemble.load] for the checks). It is written to a temporary file in
-    the same directory, flushed to disk and renamed over ``path``: a crash or an
-    exception mid-save leaves any previous checkpoint at ``path`` intact and no
-    temporary file behind. Each tensor is stored exactly under its pytree path (an
-    ensemble's as ``['params']['<name>']`` and ``['buffers']['<name>']``), so any
-    safetensors tool reads it; tensors shared between leaves are stored once per leaf.
-    Python leaves, the structure and, for an ensemble, the member count and an
-    architecture fingerprint go into a JSON header in the file's metadata.
+    the same directory, ``.<name>.funcensemble-tmp-<host>-<pid>-<random>``, flushed to
+    disk and renamed over ``path``: a crash or an exception mid-save leaves any
+    previous checkpoint at ``path`` intact. An exception or ``KeyboardInterrupt``
+    removes the temporary file; a process killed outright (SIGKILL, power loss)
+    leaves it, and the next save to ``path`` on the same host removes it once its
+    process has exited. Each tensor is stored under its pytree path (an ensemble's
+    as ``['params']['<name>']`` and ``['buffers']['<name>']``), so any safetensors
+    tool reads it; tensors shared between leaves are stored once per leaf. Python
+    leaves, the structure, the SHA-256 of every tensor's bytes and, for an ensemble,
+    the member count and an architecture fingerprint go into a JSON header in the
+    file's metadata, beside a SHA-256 of the header itself.
 
     Args:
         path: The file to create or replace.
@@ -128,10 +134,9 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     contents = _contents(where, obj)
     tensors: dict[str, Tensor] = {}
     values: dict[str, Any] = {}
-    storages: set[int] = set()
     for key, leaf in contents.leaves.items():
         if isinstance(leaf, Tensor):
-            tensors[key] = savable(where, contents.label(key), leaf, storages)
+            tensors[key] = savable(where, contents.label(key), leaf)
         else:
             values[key] = leaf
     header: dict[str, Any] = {
@@ -222,12 +227,16 @@ def load(path: str | os.PathLike, obj: T) -> T:
     """Read a checkpoint written by [`save`][funcensemble.save].
 
     Everything is checked before anything is copied: the file (empty, truncated or
-    garbage files), its header (format, version, kind), for an ensemble the member
+    garbage files), the checksums of its header and of every tensor's bytes (a
+    changed byte anywhere raises "checkpoint ... is corrupt", naming the header or
+    the tensor), its header (format, version, kind), for an ensemble the member
     count and member class (by name: a class saved as ``__main__.Net`` loads into
     ``train.Net``), and every leaf's path, type, shape and dtype. Any mismatch
     raises a ``ValueError`` that names the file, what was expected and what was found,
     and leaves ``obj`` untouched. Dtypes must match exactly: convert ``obj`` to the
-    saved dtype first.
+    saved dtype first. A file written before checksums were added (format version
+    1) loads with a ``UserWarning`` saying that it could not be verified; save it
+    again to add them.
 
     Args:
         path: A checkpoint file.
@@ -245,7 +254,8 @@ def load(path: str | os.PathLike, obj: T) -> T:
         ``obj`` itself for an ensemble; a new pytree for a template.
 
     Raises:
-        ValueError: An unreadable or invalid file, or one that does not match ``obj``.
+        ValueError: An unreadable, corrupt or invalid file, or one that does not match
+            ``obj``; or ``obj`` holds tensors on the meta device.
         FileNotFoundError: No file at ``path``.
         TypeError: ``obj`` is another ``nn.Module`` or has a leaf of an unsupported type.
 
@@ -266,14 +276,30 @@ def load(path: str | os.PathLike, obj: T) -> T:
     where = "load"
     name = os.fspath(path)
     contents = _contents(where, obj)
+    for key, leaf in contents.leaves.items():
+        if isinstance(leaf, Tensor) and leaf.device.type == "meta":
+            raise ValueError(
+                f"{where}: {contents.label(key)} of {contents.this} is on the meta device, "
+                "which holds no values, so nothing could be loaded into it. Build "
+                f"{contents.this} on a real device (for fe.stack, its returned params and "
+                "buffers, not the tensors of the module it returns)."
+            )
 
     def check(header: dict[str, Any]) -> None:
         _check_kind(where, name, contents, obj, header)
         if isinstance(obj, Ensemble):
             _check_ensemble(where, name, obj, header)
 
-    header, tensors = read_checkpoint(where, path, check)
+    header, tensors, verified = read_checkpoint(where, path, check)
     _check_leaves(where, name, contents, tensors, header["values"])
+    if not verified:
+        warnings.warn(
+            f"{where}: '{name}' was written before checkpoints had checksums (format "
+            f"version {header['version']}), so a byte changed since it was saved could "
+            "not be detected. Save it again with fe.save to add them.",
+            UserWarning,
+            stacklevel=2,
+        )
     if isinstance(obj, Ensemble):
         with torch.no_grad():
             for key, target in contents.leaves.items():

@@ -5,8 +5,11 @@ name and version, the kind (``"ensemble"`` or ``"pytree"``), for ensembles the m
 count, member class and architecture fingerprint (``Architecture.fingerprint`` of one
 member: class, names, per-member shapes and dtypes; not values, not the member count),
 a fingerprint of the structure (paths, shapes, dtypes, leaf types), the non-tensor
-leaves (Python ``bool``, ``int``, ``float``, ``str``) by path, and the treedef as text
-(for people only: its wording depends on the optree version).
+leaves (Python ``bool``, ``int``, ``float``, ``str``) by path, the treedef as text
+(for people only: its wording depends on the optree version) and, from version 2, the
+SHA-256 of every tensor's bytes. The safetensors header as a whole is checksummed too
+(``_safetensors_file``), so a changed byte anywhere in the file is found on load.
+Version 1 files (no checksums) still load, with a warning.
 """
 
 import hashlib
@@ -16,32 +19,20 @@ from collections.abc import Callable
 from typing import Any
 
 import safetensors
-import safetensors.torch
 import torch
 from torch import Tensor
 
 from ._atomic import atomic_write
+from ._checksum import is_digest, tensor_digest
+from ._safetensors_file import DTYPE_NAMES, CorruptFile, verify_header, write_safetensors
 
 FORMAT = "funcensemble.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums of the header and of every tensor's bytes
 HEADER_KEY = "funcensemble"
 VALUE_TYPES = (bool, int, float, str)
 Spec = tuple[Any, ...]
-# What every supported safetensors version (>= 0.4) can store.
-DTYPES = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
-)
+# What the safetensors format stores (every supported safetensors version reads it).
+DTYPES = frozenset(DTYPE_NAMES)
 
 
 def leaf_spec(leaf: Any) -> Spec:
@@ -60,7 +51,7 @@ def structure_fingerprint(specs: dict[str, Spec]) -> str:
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
-def savable(where: str, label: str, t: Tensor, storages: set[int]) -> Tensor:
+def savable(where: str, label: str, t: Tensor) -> Tensor:
     if t.layout != torch.strided:
         raise TypeError(
             f"{where}: {label} is a {t.layout} tensor; only dense tensors can be saved. "
@@ -72,14 +63,14 @@ def savable(where: str, label: str, t: Tensor, storages: set[int]) -> Tensor:
             "it first (e.g. torch.view_as_real for a complex tensor)."
         )
     if t.device.type == "meta":
-        raise ValueError(f"{where}: {label} is on the meta device and holds no values.")
-    out = t.detach().to("cpu").contiguous()
-    # safetensors refuses tensors that share memory (tied or viewed leaves): copy those.
-    ptr = out.untyped_storage().data_ptr()
-    if out.numel() and ptr in storages:
-        out = out.clone()
-    storages.add(out.untyped_storage().data_ptr())
-    return out
+        raise ValueError(
+            f"{where}: {label} is on the meta device and holds no values. (The tensors of "
+            "the module fe.stack returns are meta placeholders: save the params and "
+            "buffers fe.stack returns beside it, e.g. {'params': params, 'buffers': "
+            "buffers}.)"
+        )
+    # Tensors that share memory (tied or viewed leaves) are written once per leaf.
+    return t.detach().to("cpu").contiguous()
 
 
 def write_checkpoint(
@@ -89,12 +80,9 @@ def write_checkpoint(
     specs = leaf_specs(tensors, header["values"])
     full = {"format": FORMAT, "version": VERSION, **header}
     full["structure"] = structure_fingerprint(specs)
+    full["checksums"] = {key: tensor_digest(t) for key, t in tensors.items()}
     metadata = {HEADER_KEY: json.dumps(full)}
-
-    def write(tmp: str) -> None:
-        safetensors.torch.save_file(tensors, tmp, metadata=metadata)
-
-    atomic_write(where, path, write)
+    atomic_write(where, path, lambda f: write_safetensors(f, tensors, metadata))
 
 
 class _Corrupt(ValueError):
@@ -106,6 +94,11 @@ def _parse_header(raw: str) -> dict[str, Any]:
         header = json.loads(raw)
     except json.JSONDecodeError as e:
         raise _Corrupt(f"its funcensemble header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise _Corrupt(
+            "its funcensemble header nests lists or objects too deeply to be parsed "
+            "(fe.save writes a flat header: the file was edited)"
+        ) from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise _Corrupt(f"its funcensemble header does not name the format {FORMAT!r}")
     version = header.get("version")
@@ -144,15 +137,34 @@ def _parse_header(raw: str) -> dict[str, Any]:
     return header
 
 
+def _checksums(header: dict[str, Any], keys: set[str]) -> dict[str, str]:
+    sums = header.get("checksums")
+    if not isinstance(sums, dict) or sums.keys() != keys:
+        raise CorruptFile(
+            "its header does not hold one checksum per tensor (field 'checksums'), though "
+            "the header itself checks out: it was edited and signed again"
+        )
+    for key, value in sums.items():
+        if not is_digest(value):
+            raise CorruptFile(f"its checksum of tensor `{key}` is {value!r}, not a SHA-256")
+    return sums
+
+
 def read_checkpoint(
     where: str, path: str | os.PathLike, check: Callable[[dict[str, Any]], None]
-) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The header and tensors of a checkpoint; ``check(header)`` runs before tensors load."""
+) -> tuple[dict[str, Any], dict[str, Tensor], bool]:
+    """The header and tensors of a checkpoint, and whether checksums verified them.
+
+    ``check(header)`` runs before tensors load. Checksums are verified before anything
+    is returned; False means a version 1 file, which has none.
+    """
     name = os.fspath(path)
     if not os.path.isfile(name):
         raise FileNotFoundError(f"{where}: no checkpoint file at '{name}'.")
     try:
+        signed = verify_header(name)
         with safetensors.safe_open(name, framework="pt", device="cpu") as f:
+            keys = set(f.keys())
             raw = (f.metadata() or {}).get(HEADER_KEY)
             if raw is None:
                 raise _Corrupt(
@@ -160,8 +172,29 @@ def read_checkpoint(
                     "tool? read those with safetensors.torch.load_file)"
                 )
             header = _parse_header(raw)
+            if not signed and header["version"] >= 2:
+                raise CorruptFile(
+                    f"its header has no checksum entry, though its format version "
+                    f"{header['version']} writes one"
+                )
+            sums = _checksums(header, keys) if signed else {}
             check(header)
-            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+            tensors = {}
+            for key in sorted(keys):
+                # A copy: safetensors maps the file into memory, and a tensor backed by
+                # the map would change (or fault) if the file were rewritten in place.
+                # The copy is what the checksum verifies.
+                tensors[key] = f.get_tensor(key).clone()
+                if signed and tensor_digest(tensors[key]) != sums[key]:
+                    raise CorruptFile(
+                        f"the bytes of tensor `{key}` do not match their SHA-256 checksum"
+                    )
+    except CorruptFile as e:
+        raise ValueError(
+            f"{where}: checkpoint '{name}' is corrupt: {e}. It changed after it was saved "
+            "(a disk, memory or transfer error, an interrupted copy, or an edit). Nothing "
+            "was loaded; use another copy of the checkpoint."
+        ) from None
     except safetensors.SafetensorError as e:
         raise ValueError(
             f"{where}: '{name}' is not a readable safetensors file ({e}). It may be empty, "
@@ -178,4 +211,4 @@ def read_checkpoint(
             f"{where}: '{name}' is not a valid funcensemble checkpoint: its header does not "
             "describe the tensors it holds (the file was modified or corrupted)."
         )
-    return header, tensors
+    return header, tensors, signed

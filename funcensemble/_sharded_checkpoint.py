@@ -49,6 +49,15 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ._dcp_checksums import (
+    CHECKSUM_FILE,
+    ChecksummingWriter,
+    Corrupt,
+    VerifiedReader,
+    read_metadata,
+    reads_of,
+    verify_reads,
+)
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
 from ._paths import flatten_by_key
@@ -178,9 +187,13 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
     on every rank, like a step count). The checkpoint can be loaded at any world size,
     and into a single-process [`Ensemble`][funcensemble.Ensemble], by
     [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint keyed by
-    pytree paths. DCP writes ``.metadata`` last, so an interrupted save is refused on
-    load rather than read half-written; for the same reason a directory that already
-    holds a checkpoint is refused rather than overwritten.
+    pytree paths, plus a ``.funcensemble-checksums`` file written last by rank 0: the
+    SHA-256 of ``.metadata`` and of every byte range each rank wrote (each rank hashes
+    its own). DCP writes ``.metadata`` after the data, so an interrupted save is
+    refused on load rather than read half-written (a save killed after ``.metadata``
+    but before the checksum file loads with a warning that it cannot be verified);
+    for the same reason a directory that already holds a checkpoint is refused rather
+    than overwritten.
 
     Args:
         path: The checkpoint directory (created if needed; it must not hold a checkpoint
@@ -205,7 +218,7 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     fe.distributed.save(os.path.join(tmp, "ckpt"), ens)
         ...     sorted(os.listdir(os.path.join(tmp, "ckpt")))
-        ['.metadata', '__0_0.distcp']
+        ['.funcensemble-checksums', '.metadata', '__0_0.distcp']
     """
     where = "distributed.save"
     flat = _flatten(where, obj)
@@ -250,13 +263,23 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         dcp.save(
             state,
             checkpoint_id=path,
+            storage_writer=ChecksummingWriter(path),
             planner=_SavePlanner(offsets, shard.num_members),
             process_group=shard.group,
             no_dist=_no_dist(),
         )
 
 
-def _metadata(where: str, path: str | os.PathLike) -> dict[str, Any]:
+def _corrupt(where: str, name: str, error: Corrupt) -> ValueError:
+    return ValueError(
+        f"{where}: checkpoint '{name}' is corrupt: {error}. It changed after it was saved "
+        "(a disk, memory or transfer error, an interrupted copy, or an edit). Nothing was "
+        "loaded; use another copy of the checkpoint."
+    )
+
+
+def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
+    """The verified DCP metadata (read without unpickling code) and the checksums, if any."""
     name = os.fspath(path)
     if not os.path.isdir(name):
         raise FileNotFoundError(f"{where}: no checkpoint directory at '{name}'.")
@@ -266,11 +289,9 @@ def _metadata(where: str, path: str | os.PathLike) -> dict[str, Any]:
             "checkpoint (DCP writes it last: the save may have been interrupted)."
         )
     try:
-        return dict(dcp.FileSystemReader(name).read_metadata().state_dict_metadata)
-    except Exception as error:  # any unreadable file: report it as such
-        raise ValueError(
-            f"{where}: '{name}/.metadata' cannot be read as DCP metadata ({error})."
-        ) from None
+        return read_metadata(where, name)
+    except Corrupt as error:
+        raise _corrupt(where, name, error) from None
 
 
 def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
@@ -346,9 +367,15 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
 
     Each rank reads the rows of its own members, wherever they were saved: a
     checkpoint written by 2 ranks loads on 4, or in one process into an ordinary
-    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked against
-    the checkpoint's metadata before anything is read (keys, member count, shapes,
-    dtypes); a mismatch raises and leaves ``obj`` untouched.
+    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked before
+    anything is read: the checksum file, ``.metadata`` against it, and every byte range
+    this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
+    corrupt", naming the file and the entry); then the keys, member count, shapes and
+    dtypes. A mismatch raises and leaves ``obj`` untouched. ``.metadata`` (a pickle, in
+    DCP) is read by an unpickler that resolves only DCP's metadata classes, so a
+    crafted checkpoint cannot run code here; one naming anything else is refused. A
+    checkpoint without a checksum file (written by DCP itself, or by funcensemble
+    before checksums) loads with a ``UserWarning`` that it could not be verified.
 
     Args:
         path: The checkpoint directory.
@@ -365,8 +392,9 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
 
     Raises:
         FileNotFoundError: No directory at ``path``.
-        ValueError: An incomplete checkpoint, or one that does not match ``obj`` or
-            ``shard``.
+        ValueError: An incomplete, corrupt or unsafe checkpoint (metadata naming
+            anything but DCP's classes, or data files outside the directory), or one
+            that does not match ``obj`` or ``shard``.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe
@@ -382,7 +410,8 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     where = "distributed.load"
     name = os.fspath(path)
     flat = _flatten(where, obj)
-    saved = _metadata(where, path)
+    metadata, checksums = _metadata(where, path)
+    saved = dict(metadata.state_dict_metadata)
     num_members = _saved_members(where, name, flat, saved)
     if shard is None:
         shard = MemberShard(1 if num_members is None else num_members)
@@ -402,10 +431,26 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         for key, leaf in flat.leaves.items()
     }
     offsets = dict.fromkeys(flat.sharded(), shard.members.start)
+    if checksums is None:
+        warnings.warn(
+            f"{where}: '{name}' has no {CHECKSUM_FILE} file (written by plain "
+            "torch.distributed.checkpoint, by funcensemble before checkpoints had "
+            "checksums, or by a save killed just before writing it), so a byte changed "
+            "since it was saved could not be detected.",
+            UserWarning,
+            stacklevel=2,
+        )
+    else:
+        rows = {key: shard.members if key in offsets else None for key in flat.leaves}
+        try:
+            verify_reads(name, checksums, reads_of(metadata, rows))
+        except Corrupt as error:
+            raise _corrupt(where, name, error) from None
     with _dcp_call():
         dcp.load(
             dest,
             checkpoint_id=path,
+            storage_reader=VerifiedReader(path, metadata),
             planner=_LoadPlanner(offsets),
             process_group=shard.group,
             no_dist=_no_dist(),

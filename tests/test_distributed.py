@@ -187,7 +187,11 @@ def test_checkpoint_round_trip_pytree_and_ensemble(tmp_path):
     run = _run_state()
     run = {**run, "flags": (True, 2.5)}
     fe.distributed.save(tmp_path / "run", run)
-    assert {p.name for p in (tmp_path / "run").iterdir()} == {".metadata", "__0_0.distcp"}
+    assert {p.name for p in (tmp_path / "run").iterdir()} == {
+        ".funcensemble-checksums",
+        ".metadata",
+        "__0_0.distcp",
+    }
     fresh = fe.Ensemble.from_factory(worker.make_member, num_members=5, seed=1)
     params = {k: v.detach().requires_grad_(True) for k, v in fresh.stacked_params().items()}
     template = {
