@@ -1,7 +1,6 @@
 """Stacking N same-architecture modules into one stateless function plus stacked state."""
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -10,8 +9,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
-from ._batchnorm import FoldBatchNorm, has_batch_norm
 from ._fastpath import try_batched_call
+from ._rewrites import vmap_rewrites
 from ._skeleton import meta_skeleton, replace_tensors
 
 StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
@@ -45,13 +44,9 @@ class FunctionalModule:
             fast = try_batched_call(self.skeleton, params, args[0])
             if fast is not None:
                 return fast
-        # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
-        fold = (
-            not torch.compiler.is_compiling()
-            and torch._C._functorch.peek_interpreter_stack() is not None
-            and has_batch_norm(self.skeleton)
-        )
-        with FoldBatchNorm() if fold else nullcontext():
+        # Under vmap, BatchNorm of all members runs as one call, and a few calls that
+        # vmap cannot batch run as batchable math (see _rewrites).
+        with vmap_rewrites(self.skeleton):
             return functional_call(
                 self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
             )

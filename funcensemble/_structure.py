@@ -1,0 +1,227 @@
+"""What members must share besides their tensors: classes, submodules, attributes, hooks.
+
+An ensemble runs every member through one copy of member 0 (its *skeleton*) holding the
+stacked tensors. Everything ``forward`` reads that is not a parameter or buffer, such
+as a LeakyReLU's slope, a BatchNorm's momentum, a Conv's padding, a hook or a
+parametrization, therefore comes from member 0 for all members. So members must agree on
+all of it, compared submodule by submodule:
+
+- the class (for a parametrized module, the class before parametrization), the names
+  and order of the child modules, which submodules are one shared instance, and which
+  parameter and buffer slots exist (including slots set to ``None``);
+- every entry of the submodule's ``__dict__`` except ``nn.Module``'s own bookkeeping
+  (`BOOKKEEPING`: the tensors, children and train/eval flag, checked elsewhere, and the
+  hook tables), with values compared by [`SameValue`][funcensemble._same_value.SameValue];
+  user-defined modules are covered by the same rule;
+- the hooks: forward, forward pre-, backward, backward pre-, state-dict and
+  load-state-dict hooks, in order, each the same function (or the same code with equal
+  captured values), with the same ``with_kwargs``/``always_call`` flags.
+
+Parametrizations (``torch.nn.utils.parametrize``) are submodules (``parametrizations``),
+so they are compared by the same rules.
+"""
+
+from collections.abc import Iterator
+
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from ._same_value import SameValue, show
+
+# nn.Module's own bookkeeping: tensors and children (compared as the tree and by the
+# architecture's tensor specs), the train/eval flag (compared as modes), hook tables
+# (compared below, by hook rather than by handle id).
+_HOOKS = {
+    "_forward_pre_hooks": "forward pre-hook",
+    "_forward_hooks": "forward hook",
+    "_backward_pre_hooks": "backward pre-hook",
+    "_backward_hooks": "backward hook",
+    "_state_dict_pre_hooks": "state-dict pre-hook",
+    "_state_dict_hooks": "state-dict hook",
+    "_load_state_dict_pre_hooks": "load-state-dict pre-hook",
+    "_load_state_dict_post_hooks": "load-state-dict post-hook",
+}
+# Sets of handle ids flagging hooks of the table named beside them.
+_HOOK_FLAGS = {
+    "_forward_hooks_with_kwargs": "_forward_hooks",
+    "_forward_hooks_always_called": "_forward_hooks",
+    "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
+}
+BOOKKEEPING = frozenset({"training", "_parameters", "_buffers", "_modules", *_HOOKS, *_HOOK_FLAGS})
+
+_SAME_ARCHITECTURE = "All members must share one architecture"
+
+
+def _label(path: str) -> str:
+    return f"submodule `{path}`" if path else "the root module"
+
+
+def _class_name(module: nn.Module) -> str:
+    return parametrize.type_before_parametrizations(module).__qualname__
+
+
+def class_names(a: nn.Module, b: nn.Module) -> tuple[str, str]:
+    """The two modules' classes (before parametrization), qualified where names clash."""
+    cls_a = parametrize.type_before_parametrizations(a)
+    cls_b = parametrize.type_before_parametrizations(b)
+    if cls_a.__qualname__ != cls_b.__qualname__:
+        return cls_a.__qualname__, cls_b.__qualname__
+    return f"{cls_a.__module__}.{cls_a.__qualname__}", f"{cls_b.__module__}.{cls_b.__qualname__}"
+
+
+def _walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every (path, submodule), shared submodules under each of their paths."""
+    stack = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        path, sub = stack.pop()
+        yield path, sub
+        if id(sub) in seen:
+            continue  # a shared submodule: its subtree is walked once
+        seen.add(id(sub))
+        prefix = f"{path}." if path else ""
+        children = [(f"{prefix}{k}", c) for k, c in sub._modules.items() if c is not None]
+        stack.extend(reversed(children))
+
+
+def check_same_structure(where: str, index: int, ref: nn.Module, module: nn.Module) -> None:
+    """Raise if member ``index`` (``module``) differs from member 0 (``ref``) beyond tensors."""
+    pairs: dict[int, object] = {}
+    first_path: dict[int, str] = {}
+    ref_first: dict[int, str] = {}
+    subs: list[tuple[str, nn.Module, nn.Module]] = []
+    for (path, a), (_, b) in zip(_walk(ref), _walk(module), strict=False):
+        _check_node(where, index, path, a, b)
+        if ref_first.setdefault(id(a), path) != first_path.setdefault(id(b), path):
+            raise ValueError(
+                f"{where}: member {index} has {_label(path)} shared with (the same "
+                f"instance as) `{first_path[id(b)]}`; in member 0 it is shared with "
+                f"`{ref_first[id(a)]}`. {_SAME_ARCHITECTURE}: share the same submodules "
+                "in every member."
+            )
+        if id(b) in pairs:
+            continue
+        pairs[id(b)] = a
+        subs.append((path, a, b))
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(b, kind).items():
+                if t is not None and getattr(a, kind).get(name) is not None:
+                    pairs.setdefault(id(t), getattr(a, kind)[name])
+    same = SameValue(pairs, {id(v) for v in pairs.values()})
+    for path, a, b in subs:
+        _check_hooks(where, index, path, a, b, same)
+        _check_attributes(where, index, path, a, b, same)
+
+
+def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -> None:
+    before = parametrize.type_before_parametrizations
+    if before(a) is not before(b):
+        cls_a, cls_b = class_names(a, b)
+        raise TypeError(
+            f"{where}: member {index} has {_label(path)} of class {cls_b}; member 0 has "
+            f"{cls_a}. {_SAME_ARCHITECTURE}: build every member with the same classes."
+        )
+    if parametrize.is_parametrized(a) != parametrize.is_parametrized(b):
+        has, hasnt = (index, 0) if parametrize.is_parametrized(b) else (0, index)
+        names = sorted((a if has == 0 else b).parametrizations.keys())
+        raise ValueError(
+            f"{where}: member {has} has parametrizations (torch.nn.utils.parametrize) of "
+            f"{', '.join(f'`{n}`' for n in names)} on {_label(path)}; member {hasnt} has "
+            f"none there. {_SAME_ARCHITECTURE}: register the same parametrizations on "
+            "every member (or on none)."
+        )
+    kids_a = [k for k, c in a._modules.items() if c is not None]
+    kids_b = [k for k, c in b._modules.items() if c is not None]
+    if kids_a != kids_b:
+        raise ValueError(
+            f"{where}: member {index} has {_label(path)} with child modules {kids_b}; member "
+            f"0 has {kids_a}. {_SAME_ARCHITECTURE}: the same submodules, in the same order."
+        )
+    for kind, noun in (("_parameters", "parameter"), ("_buffers", "buffer")):
+        slots_a = [(k, v is None) for k, v in getattr(a, kind).items()]
+        slots_b = [(k, v is None) for k, v in getattr(b, kind).items()]
+        if slots_a != slots_b:
+            raise ValueError(
+                f"{where}: member {index} has {_label(path)} with {noun} slots "
+                f"{_slots(slots_b)}; member 0 has {_slots(slots_a)}. {_SAME_ARCHITECTURE}."
+            )
+
+
+def _slots(slots: list[tuple[str, bool]]) -> str:
+    return "[" + ", ".join(f"{k}=None" if none else k for k, none in slots) + "]"
+
+
+def _check_hooks(
+    where: str, index: int, path: str, a: nn.Module, b: nn.Module, same: SameValue
+) -> None:
+    for table, noun in _HOOKS.items():
+        hooks_a = list(getattr(a, table, {}).values())
+        hooks_b = list(getattr(b, table, {}).values())
+        fix = (
+            f"Register the same {noun}s on every member (or on none), e.g. in the function "
+            "that builds a member, or register one on the Ensemble instead."
+        )
+        if len(hooks_a) != len(hooks_b):
+            raise ValueError(
+                f"{where}: member {index} has {len(hooks_b)} {noun}(s) on {_label(path)}; "
+                f"member 0 has {len(hooks_a)}. {fix}"
+            )
+        for k, (ha, hb) in enumerate(zip(hooks_a, hooks_b, strict=True)):
+            if not same(ha, hb):
+                raise ValueError(
+                    f"{where}: member {index} has {noun} {k} on {_label(path)} = "
+                    f"{show(hb)}; member 0 has {show(ha)}. A hook must be the same function "
+                    "(or the same code with equal captured values) on every member. " + fix
+                )
+    for flags, table in _HOOK_FLAGS.items():
+        positions_a = _flagged(a, flags, table)
+        positions_b = _flagged(b, flags, table)
+        if positions_a != positions_b:
+            raise ValueError(
+                f"{where}: member {index} has {_HOOKS[table]}s on {_label(path)} at "
+                f"positions {positions_b} registered with {flags.split('_hooks_')[1]}; "
+                f"member 0 at {positions_a}. Register the same hooks with the same options "
+                "on every member."
+            )
+
+
+def _flagged(module: nn.Module, flags: str, table: str) -> list[int]:
+    marked = getattr(module, flags, {})
+    return [k for k, handle in enumerate(getattr(module, table, {})) if handle in marked]
+
+
+def _check_attributes(
+    where: str, index: int, path: str, a: nn.Module, b: nn.Module, same: SameValue
+) -> None:
+    attrs_a = {k: v for k, v in vars(a).items() if k not in BOOKKEEPING}
+    attrs_b = {k: v for k, v in vars(b).items() if k not in BOOKKEEPING}
+    for name in attrs_a.keys() ^ attrs_b.keys():
+        has, hasnt = (0, index) if name in attrs_a else (index, 0)
+        raise ValueError(
+            f"{where}: member {has} has {_label(path)} with attribute `{name}`; member "
+            f"{hasnt} has no such attribute. {_SAME_ARCHITECTURE}, including every "
+            "attribute that forward may read: set it on every member or on none."
+        )
+    for name, va in attrs_a.items():
+        vb = attrs_b[name]
+        if not same(va, vb):
+            raise ValueError(
+                f"{where}: member {index} has {_label(path)} ({_class_name(b)}) with "
+                f"`{name}` = {show(vb)}; member 0 has `{name}` = {show(va)}. Every member "
+                "runs with member 0's non-tensor state, so it must be the same in all "
+                f"members: give `{name}` one value in every member, or build one ensemble "
+                f"per value.{_tensor_hint(va, vb)}"
+            )
+
+
+def _tensor_hint(va: object, vb: object) -> str:
+    if not isinstance(va, Tensor) and not isinstance(vb, Tensor):
+        return ""
+    return (
+        " A tensor stored as a plain attribute is neither stacked nor trained: register "
+        "it with register_buffer (or as an nn.Parameter) so that each member keeps its "
+        "own. torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm and "
+        "torch.nn.utils.prune store such attributes: use "
+        "torch.nn.utils.parametrizations.weight_norm / spectral_norm instead, or call "
+        "prune.remove before stacking."
+    )
