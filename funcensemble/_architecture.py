@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
 from ._skeleton import modes, named_tensors
-from ._structure import check_same_structure, class_names
+from ._structure import check_same_state, check_same_tree, class_names, original_class
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
 # an obscure "Batching rule not implemented" error or fall back to a per-member loop.
@@ -137,13 +136,13 @@ def check_same_architecture(
     read (see ``_structure``).
     """
     got = Architecture.of(module)
-    before = parametrize.type_before_parametrizations
-    if before(got.module) is not before(ref.module):
+    if original_class(got.module) is not original_class(ref.module):
         ref_name, got_name = class_names(ref.module, got.module)
         raise TypeError(
             f"{where}: member {index} is a {got_name}; member 0 is a {ref_name}. All "
             "members must share one architecture."
         )
+    pairs = check_same_tree(where, index, ref.module, module)
     _check_tensors(where, index, "parameters", ref.params, got.params)
     _check_tensors(where, index, "buffers", ref.buffers, got.buffers)
     if got.modes != ref.modes:
@@ -158,5 +157,5 @@ def check_same_architecture(
             f"{where}: member {index} has {label} in {mode} mode; member 0 has it in "
             f"{ref_mode} mode. Call .train() or .eval() on all members first."
         )
-    check_same_structure(where, index, ref.module, module)
+    check_same_state(where, index, pairs)
     return got

@@ -175,6 +175,13 @@ def show(value: Any, limit: int = 80) -> str:
         return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     if isinstance(value, types.FunctionType):
         code = value.__code__
-        return f"function {value.__qualname__} ({code.co_filename}:{code.co_firstlineno})"
+        text = f"function {value.__qualname__} ({code.co_filename}:{code.co_firstlineno})"
+        captured = [_cell(c) for c in value.__closure__ or ()]
+        extras = [("defaults", value.__defaults__), ("kwdefaults", value.__kwdefaults__)]
+        extras.append(("capturing", tuple(captured) if captured else None))
+        for label, values in extras:
+            if values:
+                text += f" {label} {show(values, limit)}"
+        return text
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

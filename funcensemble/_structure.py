@@ -24,7 +24,6 @@ so they are compared by the same rules.
 from collections.abc import Iterator
 
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
 from ._same_value import SameValue, show
 
@@ -50,20 +49,34 @@ _HOOK_FLAGS = {
 BOOKKEEPING = frozenset({"training", "_parameters", "_buffers", "_modules", *_HOOKS, *_HOOK_FLAGS})
 
 _SAME_ARCHITECTURE = "All members must share one architecture"
+_SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"))
+
+
+def _instance(first: str, path: str) -> str:
+    return "its own instance" if first == path else f"the same instance as `{first}`"
 
 
 def _label(path: str) -> str:
     return f"submodule `{path}`" if path else "the root module"
 
 
+def _parametrized(module: nn.Module) -> bool:
+    # parametrize.is_parametrized, without nn.Module.__getattr__'s cost on a miss.
+    return isinstance(module._modules.get("parametrizations"), nn.ModuleDict)
+
+
+def original_class(module: nn.Module) -> type:
+    """The module's class, before torch.nn.utils.parametrize replaced it."""
+    return type(module).__bases__[0] if _parametrized(module) else type(module)
+
+
 def _class_name(module: nn.Module) -> str:
-    return parametrize.type_before_parametrizations(module).__qualname__
+    return original_class(module).__qualname__
 
 
 def class_names(a: nn.Module, b: nn.Module) -> tuple[str, str]:
     """The two modules' classes (before parametrization), qualified where names clash."""
-    cls_a = parametrize.type_before_parametrizations(a)
-    cls_b = parametrize.type_before_parametrizations(b)
+    cls_a, cls_b = original_class(a), original_class(b)
     if cls_a.__qualname__ != cls_b.__qualname__:
         return cls_a.__qualname__, cls_b.__qualname__
     return f"{cls_a.__module__}.{cls_a.__qualname__}", f"{cls_b.__module__}.{cls_b.__qualname__}"
@@ -84,45 +97,66 @@ def _walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         stack.extend(reversed(children))
 
 
-def check_same_structure(where: str, index: int, ref: nn.Module, module: nn.Module) -> None:
-    """Raise if member ``index`` (``module``) differs from member 0 (``ref``) beyond tensors."""
-    pairs: dict[int, object] = {}
+Pairs = list[tuple[str, nn.Module, nn.Module]]
+
+
+def check_same_tree(where: str, index: int, ref: nn.Module, module: nn.Module) -> Pairs:
+    """Raise if member ``index``'s submodule tree differs from member 0's (``ref``).
+
+    Compares classes, parametrizations, child names and shared submodules, and returns
+    the ``(path, member 0's submodule, member index's)`` pairs, each instance once, for
+    [`check_same_state`][].
+    """
     first_path: dict[int, str] = {}
     ref_first: dict[int, str] = {}
-    subs: list[tuple[str, nn.Module, nn.Module]] = []
+    pairs: Pairs = []
     for (path, a), (_, b) in zip(_walk(ref), _walk(module), strict=False):
         _check_node(where, index, path, a, b)
         if ref_first.setdefault(id(a), path) != first_path.setdefault(id(b), path):
             raise ValueError(
-                f"{where}: member {index} has {_label(path)} shared with (the same "
-                f"instance as) `{first_path[id(b)]}`; in member 0 it is shared with "
-                f"`{ref_first[id(a)]}`. {_SAME_ARCHITECTURE}: share the same submodules "
-                "in every member."
+                f"{where}: member {index} has {_label(path)} as "
+                f"{_instance(first_path[id(b)], path)}; member 0 has it as "
+                f"{_instance(ref_first[id(a)], path)}. {_SAME_ARCHITECTURE}: share (tie) "
+                "the same submodules in every member."
             )
-        if id(b) in pairs:
-            continue
-        pairs[id(b)] = a
-        subs.append((path, a, b))
+        if first_path[id(b)] == path:
+            pairs.append((path, a, b))
+    return pairs
+
+
+def check_same_state(where: str, index: int, pairs: Pairs) -> None:
+    """Raise if the pairs of submodules differ in tensor slots, attributes or hooks."""
+    same_as: dict[int, object] = {}
+    for path, a, b in pairs:
+        for kind, noun in _SLOTS:
+            slots_a, slots_b = _slots(vars(a)[kind]), _slots(vars(b)[kind])
+            if slots_a != slots_b:
+                raise ValueError(
+                    f"{where}: member {index} has {_label(path)} with {noun}s {slots_b}; "
+                    f"member 0 has {slots_a}. {_SAME_ARCHITECTURE}: the same names, in the "
+                    "same order."
+                )
+        same_as[id(b)] = a
         for kind in ("_parameters", "_buffers"):
-            for name, t in getattr(b, kind).items():
-                if t is not None and getattr(a, kind).get(name) is not None:
-                    pairs.setdefault(id(t), getattr(a, kind)[name])
-    same = SameValue(pairs, {id(v) for v in pairs.values()})
-    for path, a, b in subs:
+            own = vars(a)[kind]
+            for name, t in vars(b)[kind].items():
+                if t is not None:
+                    same_as.setdefault(id(t), own[name])
+    same = SameValue(same_as, {id(v) for v in same_as.values()})
+    for path, a, b in pairs:
         _check_hooks(where, index, path, a, b, same)
         _check_attributes(where, index, path, a, b, same)
 
 
 def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -> None:
-    before = parametrize.type_before_parametrizations
-    if before(a) is not before(b):
+    if original_class(a) is not original_class(b):
         cls_a, cls_b = class_names(a, b)
         raise TypeError(
             f"{where}: member {index} has {_label(path)} of class {cls_b}; member 0 has "
             f"{cls_a}. {_SAME_ARCHITECTURE}: build every member with the same classes."
         )
-    if parametrize.is_parametrized(a) != parametrize.is_parametrized(b):
-        has, hasnt = (index, 0) if parametrize.is_parametrized(b) else (0, index)
+    if _parametrized(a) != _parametrized(b):
+        has, hasnt = (index, 0) if _parametrized(b) else (0, index)
         names = sorted((a if has == 0 else b).parametrizations.keys())
         raise ValueError(
             f"{where}: member {has} has parametrizations (torch.nn.utils.parametrize) of "
@@ -130,33 +164,29 @@ def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -
             f"none there. {_SAME_ARCHITECTURE}: register the same parametrizations on "
             "every member (or on none)."
         )
-    kids_a = [k for k, c in a._modules.items() if c is not None]
-    kids_b = [k for k, c in b._modules.items() if c is not None]
+    kids_a, kids_b = _slots(a._modules), _slots(b._modules)
     if kids_a != kids_b:
         raise ValueError(
-            f"{where}: member {index} has {_label(path)} with child modules {kids_b}; member "
-            f"0 has {kids_a}. {_SAME_ARCHITECTURE}: the same submodules, in the same order."
+            f"{where}: member {index} has {_label(path)} with child modules {kids_b}; "
+            f"member 0 has {kids_a}. {_SAME_ARCHITECTURE}: the same submodules, in the same "
+            "order."
         )
-    for kind, noun in (("_parameters", "parameter"), ("_buffers", "buffer")):
-        slots_a = [(k, v is None) for k, v in getattr(a, kind).items()]
-        slots_b = [(k, v is None) for k, v in getattr(b, kind).items()]
-        if slots_a != slots_b:
-            raise ValueError(
-                f"{where}: member {index} has {_label(path)} with {noun} slots "
-                f"{_slots(slots_b)}; member 0 has {_slots(slots_a)}. {_SAME_ARCHITECTURE}."
-            )
 
 
-def _slots(slots: list[tuple[str, bool]]) -> str:
-    return "[" + ", ".join(f"{k}=None" if none else k for k, none in slots) + "]"
+def _slots(table: dict[str, object]) -> list[str]:
+    """The names in a ``_modules``/``_parameters``/``_buffers`` table, ``None`` entries marked."""
+    return [name if value is not None else f"{name}=None" for name, value in table.items()]
 
 
 def _check_hooks(
     where: str, index: int, path: str, a: nn.Module, b: nn.Module, same: SameValue
 ) -> None:
+    dict_a, dict_b = vars(a), vars(b)
     for table, noun in _HOOKS.items():
-        hooks_a = list(getattr(a, table, {}).values())
-        hooks_b = list(getattr(b, table, {}).values())
+        hooks_a, hooks_b = dict_a.get(table), dict_b.get(table)
+        if not hooks_a and not hooks_b:
+            continue
+        hooks_a, hooks_b = list((hooks_a or {}).values()), list((hooks_b or {}).values())
         fix = (
             f"Register the same {noun}s on every member (or on none), e.g. in the function "
             "that builds a member, or register one on the Ensemble instead."
@@ -174,8 +204,10 @@ def _check_hooks(
                     "(or the same code with equal captured values) on every member. " + fix
                 )
     for flags, table in _HOOK_FLAGS.items():
-        positions_a = _flagged(a, flags, table)
-        positions_b = _flagged(b, flags, table)
+        if not dict_a.get(flags) and not dict_b.get(flags):
+            continue
+        positions_a = _flagged(dict_a, flags, table)
+        positions_b = _flagged(dict_b, flags, table)
         if positions_a != positions_b:
             raise ValueError(
                 f"{where}: member {index} has {_HOOKS[table]}s on {_label(path)} at "
@@ -185,25 +217,34 @@ def _check_hooks(
             )
 
 
-def _flagged(module: nn.Module, flags: str, table: str) -> list[int]:
-    marked = getattr(module, flags, {})
-    return [k for k, handle in enumerate(getattr(module, table, {})) if handle in marked]
+def _flagged(attributes: dict, flags: str, table: str) -> list[int]:
+    marked = attributes.get(flags) or {}
+    return [k for k, handle in enumerate(attributes.get(table) or {}) if handle in marked]
+
+
+# Types whose ``==`` is the whole comparison (floats are not: NaN and -0.0).
+_PLAIN = frozenset({int, str, bool, type(None)})
+_MISSING = object()
 
 
 def _check_attributes(
     where: str, index: int, path: str, a: nn.Module, b: nn.Module, same: SameValue
 ) -> None:
-    attrs_a = {k: v for k, v in vars(a).items() if k not in BOOKKEEPING}
-    attrs_b = {k: v for k, v in vars(b).items() if k not in BOOKKEEPING}
-    for name in attrs_a.keys() ^ attrs_b.keys():
-        has, hasnt = (0, index) if name in attrs_a else (index, 0)
-        raise ValueError(
-            f"{where}: member {has} has {_label(path)} with attribute `{name}`; member "
-            f"{hasnt} has no such attribute. {_SAME_ARCHITECTURE}, including every "
-            "attribute that forward may read: set it on every member or on none."
-        )
-    for name, va in attrs_a.items():
-        vb = attrs_b[name]
+    dict_a, dict_b = vars(a), vars(b)
+    if dict_a.keys() != dict_b.keys():
+        for name in sorted((dict_a.keys() ^ dict_b.keys()) - BOOKKEEPING):
+            has, hasnt = (0, index) if name in dict_a else (index, 0)
+            raise ValueError(
+                f"{where}: member {has} has {_label(path)} with attribute `{name}`; member "
+                f"{hasnt} has no such attribute. {_SAME_ARCHITECTURE}, including every "
+                "attribute that forward may read: set it on every member or on none."
+            )
+    for name, va in dict_a.items():
+        if name in BOOKKEEPING:
+            continue
+        vb = dict_b[name]
+        if va is vb or (type(va) is type(vb) and type(va) in _PLAIN and va == vb):
+            continue
         if not same(va, vb):
             raise ValueError(
                 f"{where}: member {index} has {_label(path)} ({_class_name(b)}) with "
