@@ -128,20 +128,21 @@ def check_same_state(where: str, index: int, pairs: Pairs) -> None:
     """Raise if the pairs of submodules differ in tensor slots, attributes or hooks."""
     same_as: dict[int, object] = {}
     for path, a, b in pairs:
-        for kind, noun in _SLOTS:
-            slots_a, slots_b = _slots(vars(a)[kind]), _slots(vars(b)[kind])
-            if slots_a != slots_b:
-                raise ValueError(
-                    f"{where}: member {index} has {_label(path)} with {noun}s {slots_b}; "
-                    f"member 0 has {slots_a}. {_SAME_ARCHITECTURE}: the same names, in the "
-                    "same order."
-                )
         same_as[id(b)] = a
-        for kind in ("_parameters", "_buffers"):
-            own = vars(a)[kind]
-            for name, t in vars(b)[kind].items():
+        dict_a, dict_b = vars(a), vars(b)
+        for kind, noun in _SLOTS:
+            table_a, table_b = dict_a[kind], dict_b[kind]
+            if table_a.keys() != table_b.keys() or any(
+                (t is None) is not (table_b[k] is None) for k, t in table_a.items()
+            ):
+                raise ValueError(
+                    f"{where}: member {index} has {_label(path)} with {noun}s "
+                    f"{_slots(table_b)}; member 0 has {_slots(table_a)}. "
+                    f"{_SAME_ARCHITECTURE}: the same names."
+                )
+            for k, t in table_b.items():
                 if t is not None:
-                    same_as.setdefault(id(t), own[name])
+                    same_as.setdefault(id(t), table_a[k])
     same = SameValue(same_as, {id(v) for v in same_as.values()})
     for path, a, b in pairs:
         _check_hooks(where, index, path, a, b, same)
