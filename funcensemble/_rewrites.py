@@ -1,7 +1,8 @@
 """Calls that ``vmap`` cannot batch as written, rewritten into the same math that it can.
 
-Inside funcensemble's own ``vmap`` calls of a [`FunctionalModule`][funcensemble.FunctionalModule]
-one ``TorchFunctionMode`` intercepts a few functional calls:
+When a ``FunctionalModule`` runs inside a ``torch.func`` transform (funcensemble's
+``vmap``, with or without ``grad`` inside it), one ``TorchFunctionMode`` intercepts a few
+functional calls:
 
 - ``F.batch_norm``: all members as one call over ``N * C`` channels (see ``_batchnorm``);
 - ``torch._weight_norm`` (``torch.nn.utils.parametrizations.weight_norm``): its kernel
@@ -35,11 +36,6 @@ from . import _batchnorm
 _POOLS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 _POOL_LAYERS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _NORM_LAYERS = (parametrizations._WeightNorm, parametrizations._SpectralNorm)
-
-
-def _under_vmap() -> bool:
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    return interpreter is not None and interpreter.key() == torch._C._functorch.TransformType.Vmap
 
 
 def _weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Tensor:
@@ -79,12 +75,12 @@ class VmapRewrites(TorchFunctionMode):
             out = _batchnorm._fold(*args, **kwargs) if self.fold_batch_norm else None
             if out is not None:
                 return out
-        elif func is torch._weight_norm and _under_vmap():
+        elif func is torch._weight_norm:
             return _weight_norm(*args, **kwargs)
-        elif func is F.normalize and kwargs.get("out") is not None and _under_vmap():
+        elif func is F.normalize and kwargs.get("out") is not None:
             out = kwargs.pop("out")
             return out.copy_(func(*args, **kwargs))
-        elif func in _POOLS and args and _under_vmap():
+        elif func in _POOLS and args:
             size = args[1] if len(args) > 1 else kwargs.get("output_size")
             pooled = _global_pool(_POOLS[func], args[0], size)
             if pooled is not None:
@@ -94,7 +90,7 @@ class VmapRewrites(TorchFunctionMode):
 
 @contextlib.contextmanager
 def vmap_rewrites(skeleton: nn.Module) -> Iterator[None]:
-    """Enter [`VmapRewrites`][] for a call of ``skeleton`` under vmap, if it needs one."""
+    """Enter ``VmapRewrites`` for a call of ``skeleton`` under vmap, if it needs one."""
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
         yield
         return

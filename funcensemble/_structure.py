@@ -11,7 +11,7 @@ all of it, compared submodule by submodule:
   parameter and buffer slots exist (including slots set to ``None``);
 - every entry of the submodule's ``__dict__`` except ``nn.Module``'s own bookkeeping
   (`BOOKKEEPING`: the tensors, children and train/eval flag, checked elsewhere, and the
-  hook tables), with values compared by [`SameValue`][funcensemble._same_value.SameValue];
+  hook tables), with values compared by ``SameValue`` (``_same_value``);
   user-defined modules are covered by the same rule;
 - the hooks: forward, forward pre-, backward, backward pre-, state-dict and
   load-state-dict hooks, in order, each the same function (or the same code with equal
@@ -105,7 +105,7 @@ def check_same_tree(where: str, index: int, ref: nn.Module, module: nn.Module) -
 
     Compares classes, parametrizations, child names and shared submodules, and returns
     the ``(path, member 0's submodule, member index's)`` pairs, each instance once, for
-    [`check_same_state`][].
+    ``check_same_state``.
     """
     first_path: dict[int, str] = {}
     ref_first: dict[int, str] = {}
