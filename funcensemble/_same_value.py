@@ -11,8 +11,10 @@ same type and the same contents, so a difference can never slip through unseen:
 - functions are the same if they are the same object, or have the same code, defaults,
   globals and equal captured (closure) values; bound methods, ``functools.partial``
   and weak references compare what they wrap;
-- an object with its own ``__eq__`` compares with it; any other object compares its
-  attributes (``__dict__`` and ``__slots__``); an opaque object only equals itself.
+- an object with its own ``__eq__`` compares with it; one with its own
+  ``__getstate__`` compares the state that copying and pickling see; any other object
+  compares its attributes (``__dict__`` and ``__slots__``); an opaque object only
+  equals itself.
 
 ``pairs`` maps ``id`` of an object of member *k* (a submodule, parameter or buffer) to
 its counterpart in member 0, so an attribute referring to a member's own submodule
@@ -39,6 +41,8 @@ _BUILTIN_CALLABLES = (
     types.MethodDescriptorType,
     types.ModuleType,
 )
+_EMPTY = object()
+_DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
 
 
 class SameValue:
@@ -114,6 +118,14 @@ class SameValue:
                 result = None
             if isinstance(result, bool):
                 return result
+        getstate = getattr(type(a), "__getstate__", None)
+        if getstate is not None and getstate is not _DEFAULT_GETSTATE:
+            try:  # the state that copying and pickling see (e.g. a hook wrapper's)
+                state_a, state_b = a.__getstate__(), b.__getstate__()
+            except Exception:  # a __getstate__ that refuses: compare attributes
+                pass
+            else:
+                return self(state_a, state_b)
         return self._same_attributes(a, b)
 
     def _same_function(self, a: types.FunctionType, b: types.FunctionType) -> bool:
@@ -139,9 +151,6 @@ class SameValue:
         return self._all(
             (getattr(a, s, missing) for s in slots), (getattr(b, s, missing) for s in slots)
         )
-
-
-_EMPTY = object()
 
 
 def _cell(cell: types.CellType) -> Any:
