@@ -65,9 +65,17 @@ def stack(
 ) -> tuple[FunctionalModule, StackedTensors, StackedTensors]:
     """Stack N same-architecture modules into one stateless function and its state.
 
+    Only the members' tensors may differ. ``fmodel`` runs every member through one
+    copy of ``modules[0]``, so the members must agree on everything else ``forward``
+    can read: submodule classes and tree, every non-tensor attribute of every
+    submodule (except ``nn.Module``'s own bookkeeping), hooks and parametrizations
+    (see the how-to page "Unsupported layers"). Modules parametrized with
+    ``torch.nn.utils.parametrize`` stack their original tensors.
+
     Args:
         modules: A non-empty sequence of modules of one architecture (same class,
-            parameter and buffer names, shapes, dtypes, devices and train/eval modes).
+            parameter and buffer names, shapes, dtypes, devices, train/eval modes,
+            and the same non-tensor state).
 
     Returns:
         ``(fmodel, params, buffers)``: ``fmodel`` is a
@@ -78,9 +86,11 @@ def stack(
 
     Raises:
         ValueError: No modules, or members differing in names, shapes, dtypes,
-            devices, ``requires_grad`` or train/eval mode.
-        TypeError: A member that is not an ``nn.Module``, members of different
-            classes, or a layer that cannot run under ``vmap`` (fused RNNs).
+            devices, ``requires_grad``, train/eval mode, submodule tree, any non-tensor
+            attribute, hooks or parametrizations (the message names the member, the
+            submodule, the attribute and both values).
+        TypeError: A member that is not an ``nn.Module``, members (or submodules) of
+            different classes, or a layer that cannot run under ``vmap`` (fused RNNs).
 
     Example:
         >>> import torch, funcensemble as fe

@@ -17,6 +17,7 @@ import torch
 from helpers import ZOO, assert_trees_equal, runtime_typecheck_off
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations as P
+from torch.nn.utils import prune
 
 import funcensemble as fe
 
@@ -810,14 +811,28 @@ def test_submodule_tree_differences_are_refused() -> None:
         fe.stack([nn.Sequential(shared, shared), nn.Sequential(lin(2, 2), lin(2, 2))])
 
 
-def test_legacy_weight_norm_is_refused_with_what_to_use_instead() -> None:
-    torch.manual_seed(0)
+def _legacy_weight_norm(module: nn.Module) -> nn.Module:
     with pytest.warns(FutureWarning):
-        members = [nn.utils.weight_norm(lin(3, 3)) for _ in range(2)]
+        return nn.utils.weight_norm(module)
+
+
+@pytest.mark.parametrize(
+    "legacy",
+    [
+        _legacy_weight_norm,
+        nn.utils.spectral_norm,
+        lambda m: prune.l1_unstructured(m, "weight", amount=0.5),
+    ],
+    ids=["weight_norm", "spectral_norm", "prune"],
+)
+def test_legacy_hook_based_reparametrizations_are_refused_with_what_to_use(legacy) -> None:
+    torch.manual_seed(0)
+    members = [legacy(lin(3, 3)) for _ in range(2)]
     with pytest.raises(
         ValueError,
         match=r"member 1 has the root module \(Linear\) with `weight` = a tensor of shape "
-        r"\(3, 3\).*use torch\.nn\.utils\.parametrizations\.weight_norm",
+        r"\(3, 3\).*use torch\.nn\.utils\.parametrizations\.weight_norm / spectral_norm "
+        r"instead, or call prune\.remove",
     ):
         fe.stack(members)
 
