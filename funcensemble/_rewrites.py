@@ -22,7 +22,6 @@ The mode is entered only for skeletons holding a layer that makes these calls
 """
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -88,18 +87,13 @@ class VmapRewrites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def vmap_rewrites(skeleton: nn.Module) -> Iterator[None]:
-    """Enter ``VmapRewrites`` for a call of ``skeleton`` under vmap, if it needs one."""
+def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
+    """``VmapRewrites`` for a call of ``skeleton`` under a transform, if it needs one."""
+    # A plain nullcontext otherwise, which torch.compile traces without a graph break.
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
-        yield
-        return
+        return contextlib.nullcontext()
     fold = other = False
     for module in skeleton.modules():
         fold = fold or isinstance(module, nn.modules.batchnorm._BatchNorm)
         other = other or isinstance(module, _POOL_LAYERS + _NORM_LAYERS)
-    if not (fold or other):
-        yield
-        return
-    with VmapRewrites(fold):
-        yield
+    return VmapRewrites(fold) if fold or other else contextlib.nullcontext()
