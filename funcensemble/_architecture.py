@@ -1,5 +1,6 @@
 """What makes two modules the same architecture, and the errors when they are not."""
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ._skeleton import modes, named_tensors
+from ._structure import check_same_state, check_same_tree, class_names, original_class
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
 # an obscure "Batching rule not implemented" error or fall back to a per-member loop.
@@ -41,6 +43,8 @@ class Architecture:
     params: dict[str, TensorSpec]
     buffers: dict[str, TensorSpec]
     modes: dict[str, bool]
+    # The module itself, for the comparison of everything that is not a tensor.
+    module: nn.Module = dataclasses.field(compare=False, repr=False)
 
     @classmethod
     def of(cls, module: nn.Module) -> "Architecture":
@@ -50,6 +54,7 @@ class Architecture:
             {k: TensorSpec.of(v) for k, v in params.items()},
             {k: TensorSpec.of(v) for k, v in buffers.items()},
             modes(module),
+            module,
         )
 
     def fingerprint(self) -> str:
@@ -124,13 +129,20 @@ def _check_tensors(
 def check_same_architecture(
     where: str, index: int, ref: Architecture, module: nn.Module
 ) -> Architecture:
-    """Raise a clear error if ``module`` (member ``index``) differs from ``ref``."""
+    """Raise a clear error if ``module`` (member ``index``) differs from ``ref``.
+
+    Compares the class, the parameters and buffers (names, shapes, dtypes, devices,
+    ``requires_grad``), the train/eval modes, then everything else ``forward`` may
+    read (see ``_structure``).
+    """
     got = Architecture.of(module)
-    if got.cls is not ref.cls:
+    if original_class(got.module) is not original_class(ref.module):
+        ref_name, got_name = class_names(ref.module, got.module)
         raise TypeError(
-            f"{where}: member {index} is a {got.cls.__qualname__}; member 0 is a "
-            f"{ref.cls.__qualname__}. All members must share one architecture."
+            f"{where}: member {index} is a {got_name}; member 0 is a {ref_name}. All "
+            "members must share one architecture."
         )
+    pairs = check_same_tree(where, index, ref.module, module)
     _check_tensors(where, index, "parameters", ref.params, got.params)
     _check_tensors(where, index, "buffers", ref.buffers, got.buffers)
     if got.modes != ref.modes:
@@ -145,4 +157,5 @@ def check_same_architecture(
             f"{where}: member {index} has {label} in {mode} mode; member 0 has it in "
             f"{ref_mode} mode. Call .train() or .eval() on all members first."
         )
+    check_same_state(where, index, pairs)
     return got

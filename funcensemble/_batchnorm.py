@@ -5,24 +5,18 @@ costs about three times the loop's BatchNorm. Per-member statistics are exactly
 per-channel statistics once the member axis is folded into the channel axis:
 ``[B, N, C, ...]`` viewed as ``[B, N * C, ...]``, with the stacked ``[N, C]`` weights
 and running statistics viewed as ``[N * C]``. One ``batch_norm`` call then normalizes
-every member and updates every member's running statistics in place. This module
-intercepts ``F.batch_norm`` inside funcensemble's own ``vmap`` calls and does that
-whenever the tensors are laid out for it; anything else goes to vmap as before.
+every member and updates every member's running statistics in place. ``_rewrites``
+intercepts ``F.batch_norm`` inside funcensemble's own ``vmap`` calls and calls
+``_fold``, which does that whenever the tensors are laid out for it; anything else
+goes to vmap as before.
 """
 
-from typing import Any
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 from ._fastpath import _unwrap_at
-
-
-def has_batch_norm(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
 def _fold(
@@ -68,15 +62,3 @@ def _fold(
     with retrieve_current_functorch_interpreter().lower():
         out = F.batch_norm(h.reshape(b, n * c, *spatial), *flat, training, momentum, eps)
     return torch._C._functorch._add_batch_dim(out.view(b, n, c, *spatial), 1, level)
-
-
-class FoldBatchNorm(TorchFunctionMode):
-    """Within this mode, ``F.batch_norm`` under ``vmap`` folds members into channels."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.batch_norm:
-            out = _fold(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)

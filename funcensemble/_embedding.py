@@ -81,7 +81,7 @@ def _renorm_(input: Tensor, weight: Tensor, max_norm: float, norm_type: float) -
                 torch.embedding_renorm_(w[i], idx[i].reshape(-1), max_norm, norm_type)
 
 
-def _embedding(
+def embedding_per_member(
     input: Tensor,
     weight: Tensor,
     padding_idx: int | None = None,
@@ -112,5 +112,5 @@ class PerMemberEmbedding(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.embedding:
-            return _embedding(*args, **kwargs)
+            return embedding_per_member(*args, **kwargs)
         return func(*args, **kwargs)

@@ -24,8 +24,9 @@ class Ensemble(nn.Module):
     Calling it runs every member on the inputs and stacks the outputs.
 
     Args:
-        modules: A non-empty sequence of modules of one architecture (see
-            [`stack`][funcensemble.stack]). Their tensors are copied, not shared.
+        modules: A non-empty sequence of modules of one architecture that differ
+            only in their tensors (see [`stack`][funcensemble.stack]). Their tensors
+            are copied, not shared.
         randomness: Passed to [`vmap`][funcensemble.vmap]: ``"different"`` dropout
             masks per member, or ``"same"`` for all members.
         chunk_size: Passed to [`vmap`][funcensemble.vmap]: run at most this many
@@ -93,6 +94,8 @@ class Ensemble(nn.Module):
         copied into preallocated stacked tensors one at a time: peak memory is the
         stacked tensors plus about two members, never N modules. The global generator
         is restored afterwards. Build on the CPU and move the ensemble with ``.to()``.
+        Every member is checked against member 0 as in [`stack`][funcensemble.stack]:
+        the factory must build the same architecture and non-tensor state each time.
 
         Example:
             >>> import torch, funcensemble as fe

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ._ensemble import Ensemble
+from ._same_value import SameValue, show
 from ._stack import FunctionalModule, StackedTensors, unstack
 
 
@@ -77,7 +78,8 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     ensemble's architecture before anything is copied: the same keys as the
     architecture's own ``state_dict`` (tied weights under each of their names, with
     equal values), the same per-member shapes and the same dtypes. Tensors may be on
-    any device.
+    any device. A module's non-tensor extra state (``get_extra_state``) is not stacked:
+    it must be the same in every dict, and is set once with ``set_extra_state``.
 
     Args:
         ensemble: The ensemble to overwrite.
@@ -89,7 +91,8 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     Raises:
         TypeError: ``state_dicts`` is not a sequence of mappings of tensors.
         ValueError: Not one dict per member, or a dict with missing or extra keys, a
-            different shape or dtype, or tied names holding different values.
+            different shape or dtype, tied names holding different values, or extra
+            states that differ between members.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -111,17 +114,20 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
             f"{where}: got {len(state_dicts)} state_dicts; the ensemble has {n} members. "
             "Pass exactly one state_dict per member."
         )
-    # The architecture's state_dict names, each mapped to its live stacked tensor.
-    targets: dict[str, Tensor] = {
-        k: v
-        for k, v in ensemble.stacked.state_dict(keep_vars=True).items()
-        if isinstance(v, Tensor)
-    }
+    # The architecture's state_dict names, each mapped to its live stacked tensor, and
+    # the names of its modules' non-tensor extra states (get_extra_state).
+    own = ensemble.stacked.state_dict(keep_vars=True)
+    targets: dict[str, Tensor] = {k: v for k, v in own.items() if isinstance(v, Tensor)}
+    extras = [k for k, v in own.items() if not isinstance(v, Tensor)]
     tied: dict[int, list[str]] = {}
     for key, target in targets.items():
         tied.setdefault(id(target), []).append(key)
     for i, state_dict in enumerate(state_dicts):
-        _check_member(where, i, state_dict, targets, list(tied.values()))
+        _check_member(where, i, state_dict, targets, extras, list(tied.values()))
+    _check_extra_states(where, state_dicts, extras)
+    for key in extras:
+        path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
+        ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
     with torch.no_grad():
         for names in tied.values():
             target = targets[names[0]]
@@ -130,11 +136,31 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     return ensemble
 
 
+_EXTRA_STATE = "_extra_state"
+
+
+def _check_extra_states(
+    where: str, state_dicts: Sequence[Mapping[str, Any]], extras: list[str]
+) -> None:
+    same = SameValue({}, set())
+    for key in extras:
+        first = state_dicts[0][key]
+        for i, state_dict in enumerate(state_dicts[1:], start=1):
+            if not same(first, state_dict[key]):
+                raise ValueError(
+                    f"{where}: member {i} has `{key}` = {show(state_dict[key])}; member 0 "
+                    f"has {show(first)}. The ensemble runs one copy of this module for all "
+                    "members, so its extra state (get_extra_state) must be the same in "
+                    "every member: make it equal, or build one ensemble per value."
+                )
+
+
 def _check_member(
     where: str,
     i: int,
     state_dict: Any,
     targets: dict[str, Tensor],
+    extras: list[str],
     tied_groups: list[list[str]],
 ) -> None:
     if not isinstance(state_dict, Mapping):
@@ -142,7 +168,8 @@ def _check_member(
             f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, expected a "
             "mapping from names to tensors such as module.state_dict()."
         )
-    missing, extra = targets.keys() - state_dict.keys(), state_dict.keys() - targets.keys()
+    expected = targets.keys() | set(extras)
+    missing, extra = expected - state_dict.keys(), state_dict.keys() - expected
     if missing or extra:
         parts = []
         if missing:

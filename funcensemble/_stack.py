@@ -1,7 +1,6 @@
 """Stacking N same-architecture modules into one stateless function plus stacked state."""
 
 from collections.abc import Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -10,10 +9,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
-from ._batchnorm import FoldBatchNorm, has_batch_norm
 from ._diagnose import linear_width_error
-from ._embedding import PerMemberEmbedding, needs_embedding_rule
 from ._fastpath import try_batched_call
+from ._rewrites import vmap_rewrites
 from ._skeleton import meta_skeleton, replace_tensors
 
 StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
@@ -47,21 +45,17 @@ class FunctionalModule:
             fast = try_batched_call(self.skeleton, params, args[0])
             if fast is not None:
                 return fast
-        inside = torch._C._functorch.peek_interpreter_stack() is not None
         try:
-            with ExitStack() as modes:
-                # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
-                if inside and not torch.compiler.is_compiling() and has_batch_norm(self.skeleton):
-                    modes.enter_context(FoldBatchNorm())
-                # Embedding's padding_idx and max_norm per member (see _embedding).
-                if inside and needs_embedding_rule(self.skeleton):
-                    modes.enter_context(PerMemberEmbedding())
+            # Under vmap, BatchNorm of all members runs as one call, and a few calls that
+            # vmap cannot batch, or batches wrongly, run as the loop's math (see _rewrites).
+            with vmap_rewrites(self.skeleton):
                 return functional_call(
                     self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
                 )
         except RuntimeError:
             if torch.compiler.is_compiling():
                 raise
+            inside = torch._C._functorch.peek_interpreter_stack() is not None
             where = "vmap" if inside else "FunctionalModule"
             clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
             if clear is None:
@@ -82,24 +76,32 @@ def stack(
 ) -> tuple[FunctionalModule, StackedTensors, StackedTensors]:
     """Stack N same-architecture modules into one stateless function and its state.
 
+    Only the members' tensors may differ. ``fmodel`` runs every member through one
+    copy of ``modules[0]``, so the members must agree on everything else ``forward``
+    can read: submodule classes and tree, every non-tensor attribute of every
+    submodule (except ``nn.Module``'s own bookkeeping), hooks and parametrizations
+    (see the how-to page "Unsupported layers"). Modules parametrized with
+    ``torch.nn.utils.parametrize`` stack their original tensors.
+
     Args:
         modules: A non-empty sequence of modules of one architecture (same class,
-            parameter and buffer names, shapes, dtypes, devices and train/eval modes).
+            parameter and buffer names, shapes, dtypes, devices, train/eval modes,
+            and the same non-tensor state).
 
     Returns:
         ``(fmodel, params, buffers)``: ``fmodel`` is a
         [`FunctionalModule`][funcensemble.FunctionalModule] computing one member;
         ``params`` and ``buffers`` are dicts keyed by state-dict names whose tensors
         have a leading member axis of size N. Stacked parameters
-        are fresh autograd leaves: nothing aliases the input modules' tensors. They
-        keep the members' ``requires_grad``: a frozen parameter stays frozen (see
-        [`value_and_grad`][funcensemble.value_and_grad]).
+        are fresh autograd leaves: nothing aliases the input modules' tensors.
 
     Raises:
         ValueError: No modules, or members differing in names, shapes, dtypes,
-            devices, ``requires_grad`` or train/eval mode.
-        TypeError: A member that is not an ``nn.Module``, members of different
-            classes, or a layer that cannot run under ``vmap`` (fused RNNs).
+            devices, ``requires_grad``, train/eval mode, submodule tree, any non-tensor
+            attribute, hooks or parametrizations (the message names the member, the
+            submodule, the attribute and both values).
+        TypeError: A member that is not an ``nn.Module``, members (or submodules) of
+            different classes, or a layer that cannot run under ``vmap`` (fused RNNs).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -140,26 +142,7 @@ def stack_as(
     return FunctionalModule(meta_skeleton(first)), params, buffers
 
 
-def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
-    """Check that ``params`` and ``buffers`` are dicts of tensors, as ``stack`` returns."""
-    for argument, tree in (("params", params), ("buffers", buffers)):
-        if not isinstance(tree, dict):
-            raise TypeError(
-                f"{where}: {argument} must be a dict of stacked tensors keyed by state-dict "
-                f"names (as fe.stack returns), got {type(tree).__name__}. Pass the "
-                f"{argument} dict from fe.stack"
-                + (" ({} for a module without buffers)." if argument == "buffers" else ".")
-            )
-        for name, t in tree.items():
-            if not isinstance(t, Tensor):
-                raise TypeError(
-                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, expected a "
-                    "tensor with the member axis first. Pass the dicts from fe.stack."
-                )
-
-
-def _num_members(where: str, params: Any, buffers: Any) -> int:
-    check_state_dicts(where, params, buffers)
+def _num_members(where: str, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> int:
     sizes = {
         name: (t.shape[0] if t.dim() else None)
         for name, t in list(params.items()) + list(buffers.items())

@@ -21,6 +21,23 @@ _NO_RULE = re.compile(
     r"|(\S+) hit the vmap fallback which is currently disabled"
 )
 
+# What to do about operators that ordinary layers call, where the generic advice misleads.
+# Inside a FunctionalModule's layers these are rewritten (see _rewrites); these hints are
+# for the same calls written in a user's own forward or function.
+_HINTS = {
+    "aten::as_strided_": (
+        "It is usually F.adaptive_avg_pool2d/3d to an output of size 1 on a "
+        "channels_last tensor, called in your own code (nn.AdaptiveAvgPool layers of a "
+        "stacked module are handled): write x.mean((-2, -1), keepdim=True) (the same "
+        "values), or call x.contiguous() before pooling."
+    ),
+}
+_HINTS["aten::_weight_norm"] = _HINTS["aten::_weight_norm_interface"] = (
+    "It is torch._weight_norm (as in torch.nn.utils.weight_norm): use "
+    "torch.nn.utils.parametrizations.weight_norm, which funcensemble handles, or write "
+    "v * (g / torch.linalg.vector_norm(v, dim=<all dims but dim>, keepdim=True))."
+)
+
 
 @contextlib.contextmanager
 def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
@@ -115,8 +132,13 @@ def _explain(error: RuntimeError, randomness: str) -> Exception | None:
         return RuntimeError(
             f"vmap: the operator {op} has no vmap batching rule, so the members "
             "cannot run as one vectorized call (funcensemble does not silently loop over "
-            "them). Replace the layer that calls it (fused RNN kernels are the usual "
-            "cause: write the recurrence with nn.Linear), or loop over the members yourself."
+            "them). "
+            + _HINTS.get(
+                op.removesuffix("."),
+                "Replace the layer that calls it (fused RNN kernels are the usual "
+                "cause: write the recurrence with nn.Linear), or loop over the members "
+                "yourself.",
+            )
         )
     if "randomness" in message and randomness == "error":
         return RuntimeError(

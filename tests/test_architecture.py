@@ -7,13 +7,17 @@ funcensemble's own message with the runtime checker off (what users see).
 """
 
 import copy
+import re
 import traceback
 
 import jaxtyping
+import numpy as np
 import pytest
 import torch
 from helpers import ZOO, assert_trees_equal, runtime_typecheck_off
 from torch import Tensor, nn
+from torch.nn.utils import parametrizations as P
+from torch.nn.utils import prune
 
 import funcensemble as fe
 
@@ -481,3 +485,360 @@ def test_jaxtyping_beartype_runtime_checking_is_active() -> None:
     with pytest.raises(jaxtyping.TypeCheckError, match=r"parameter 'params'"):
         fe.unstack(fmodel, {"weight": torch.tensor(1.0)}, {})
     assert hasattr(fe.stack, "__wrapped__")  # the import hook decorated the package
+
+
+# --- everything forward reads besides tensors: attributes, hooks, parametrizations ------
+# The ensemble runs every member through one copy of member 0, so members that differ in
+# non-tensor state would silently all compute member 0's function (issue 11, item 1.1).
+
+
+def test_leaky_relu_slopes_differ_is_refused_not_member_0s_slope_for_all() -> None:
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(0.01 if i == 0 else 0.5)) for i in range(3)
+    ]
+    before = snapshot(*members)
+    pattern = (
+        r"Ensemble: member 1 has submodule `1` \(LeakyReLU\) with `negative_slope` = 0\.5; "
+        r"member 0 has `negative_slope` = 0\.01\. .*give `negative_slope` one value in every "
+        r"member, or build one ensemble per value\."
+    )
+    with pytest.raises(ValueError, match=pattern):
+        fe.Ensemble(members)
+    with pytest.raises(ValueError, match=pattern.replace("Ensemble", "stack")):
+        fe.stack(members)
+    slopes = iter([0.01, 0.01, 0.5])
+    with pytest.raises(ValueError, match=r"from_factory: member 2 has submodule `1` \(LeakyReLU\)"):
+        fe.Ensemble.from_factory(
+            lambda: nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(next(slopes))), 3
+        )
+    assert_trees_equal(snapshot(*members), before)
+    # With one slope the ensemble is the loop.
+    for m in members:
+        m[1].negative_slope = 0.5
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(fe.Ensemble(members)(x), torch.stack([m(x) for m in members]))
+
+
+def _bn_flag_flipped(value: bool) -> nn.Module:
+    bn = nn.BatchNorm1d(3)
+    bn.track_running_stats = value  # buffers kept: only the flag differs
+    return bn
+
+
+# (build one member from a value, member 0's value, member 1's value, path, class, attribute)
+ATTRIBUTE_CASES = {
+    "leaky_relu": (lambda v: nn.LeakyReLU(v), 0.01, 0.2, "", "LeakyReLU", "negative_slope"),
+    "bn_momentum": (
+        lambda v: nn.BatchNorm1d(3, momentum=v),
+        0.1,
+        0.3,
+        "",
+        "BatchNorm1d",
+        "momentum",
+    ),
+    "bn_eps": (lambda v: nn.BatchNorm2d(3, eps=v), 1e-5, 1e-3, "", "BatchNorm2d", "eps"),
+    "bn_track_running_stats": (
+        _bn_flag_flipped,
+        True,
+        False,
+        "",
+        "BatchNorm1d",
+        "track_running_stats",
+    ),
+    "gelu": (lambda v: nn.GELU(approximate=v), "none", "tanh", "", "GELU", "approximate"),
+    "dropout": (lambda v: nn.Sequential(nn.Dropout(v)), 0.1, 0.5, "0", "Dropout", "p"),
+    "softmax": (lambda v: nn.Softmax(dim=v), 1, -1, "", "Softmax", "dim"),
+    "conv_padding": (lambda v: nn.Conv2d(2, 2, 3, padding=v), 0, 1, "", "Conv2d", "padding"),
+    "conv_stride": (lambda v: nn.Conv2d(2, 2, 3, stride=v), 1, 2, "", "Conv2d", "stride"),
+    "conv_dilation": (lambda v: nn.Conv1d(2, 2, 3, dilation=v), 1, 2, "", "Conv1d", "dilation"),
+    "conv_padding_mode": (
+        lambda v: nn.Conv2d(2, 2, 3, padding=1, padding_mode=v),
+        "zeros",
+        "reflect",
+        "",
+        "Conv2d",
+        "padding_mode",
+    ),
+    "embedding_padding_idx": (
+        lambda v: nn.Embedding(5, 3, padding_idx=v),
+        0,
+        2,
+        "",
+        "Embedding",
+        "padding_idx",
+    ),
+    "embedding_max_norm": (
+        lambda v: nn.Embedding(5, 3, max_norm=v),
+        None,
+        1.0,
+        "",
+        "Embedding",
+        "max_norm",
+    ),
+    "layer_norm_eps": (lambda v: nn.LayerNorm(3, eps=v), 1e-5, 1e-6, "", "LayerNorm", "eps"),
+    "flatten": (lambda v: nn.Flatten(start_dim=v), 1, 0, "", "Flatten", "start_dim"),
+    "mha_batch_first": (
+        lambda v: nn.MultiheadAttention(4, 2, batch_first=v),
+        False,
+        True,
+        "",
+        "MultiheadAttention",
+        "batch_first",
+    ),
+    "transformer_norm_first": (
+        lambda v: nn.TransformerEncoderLayer(4, 2, 8, norm_first=v),
+        False,
+        True,
+        "",
+        "TransformerEncoderLayer",
+        "norm_first",
+    ),
+    "nan_vs_number": (
+        lambda v: nn.LeakyReLU(v),
+        float("nan"),
+        0.1,
+        "",
+        "LeakyReLU",
+        "negative_slope",
+    ),
+    "signed_zero": (lambda v: nn.Hardtanh(v, 1.0), 0.0, -0.0, "", "Hardtanh", "min_val"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATTRIBUTE_CASES))
+def test_each_layer_attribute_difference_is_refused_naming_member_path_and_values(
+    case: str,
+) -> None:
+    build, v0, v1, path, cls, attr = ATTRIBUTE_CASES[case]
+    torch.manual_seed(0)
+    members = [build(v0), build(v0), build(v1)]
+    before = snapshot(*members)
+    label = rf"submodule `{path}`" if path else "the root module"
+    shown0, shown1 = (
+        re.escape(repr(getattr(m, attr) if not path else getattr(m[0], attr)))
+        for m in (members[0], members[2])
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"stack: member 2 has {label} \({cls}\) with `{attr}` = {shown1}; member 0 has "
+        rf"`{attr}` = {shown0}\.",
+    ):
+        fe.stack(members)
+    assert_trees_equal(snapshot(*members), before)
+    # The same value in every member stacks.
+    fe.stack([build(v1), build(v1)])
+
+
+class Custom(nn.Module):
+    """A user-defined module: its own attributes are part of what forward computes."""
+
+    def __init__(self, scale: float = 2.0, mode: str = "sum") -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.scale = scale
+        self.config = {"mode": mode, "limits": (0.0, float("nan"))}
+        self.offsets = torch.tensor([1.0, float("nan"), 3.0])  # a plain tensor attribute
+        self.table = np.array([1.0, 2.0])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) * self.scale + self.offsets.nan_to_num().sum()
+
+
+def test_custom_module_attributes() -> None:
+    torch.manual_seed(0)
+    fe.stack([Custom(), Custom(), Custom()])  # equal values (NaN equals NaN) stack
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has the root module \(Custom\) with `scale` = 3\.0; member 0 has "
+        r"`scale` = 2\.0\.",
+    ):
+        fe.Ensemble([Custom(), Custom(scale=3.0)])
+    with pytest.raises(ValueError, match=r"member 1 .* `config` = \{'mode': 'max'"):
+        fe.stack([Custom(), Custom(mode="max")])
+    other = Custom()
+    other.offsets = torch.tensor([1.0, float("nan"), 4.0])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has the root module \(Custom\) with `offsets` = tensor\(\[1\.0, nan, "
+        r"4\.0\].*register it with register_buffer",
+    ):
+        fe.stack([Custom(), other])
+    other = Custom()
+    other.table = np.array([1.0, 3.0])
+    with pytest.raises(ValueError, match=r"member 1 .* `table` = array\(\[1\., 3\.\]\)"):
+        fe.stack([Custom(), other])
+    other = Custom()
+    other.extra = 1
+    with pytest.raises(
+        ValueError, match=r"member 1 has the root module with attribute `extra`; member 0 has no"
+    ):
+        fe.stack([Custom(), other])
+    with pytest.raises(ValueError, match=r"member 0 has the root module with attribute `extra`"):
+        fe.stack([other, Custom()])
+    other = Custom()
+    other.fc.note = "tuned"  # on a submodule of a library class
+    with pytest.raises(ValueError, match=r"member 1 has submodule `fc` with attribute `note`"):
+        fe.stack([Custom(), other])
+
+
+def _hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    return output * 2
+
+
+def _other_hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    return output * 3
+
+
+def test_hooks_on_one_member_or_different_hooks_are_refused() -> None:
+    def members() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(lin(), nn.Tanh()) for _ in range(3)]
+
+    ms = members()
+    ms[2][0].register_forward_hook(_hook)
+    with pytest.raises(
+        ValueError,
+        match=r"member 2 has 1 forward hook\(s\) on submodule `0`; member 0 has 0\. Register "
+        r"the same forward hooks on every member",
+    ):
+        fe.Ensemble(ms)
+    ms = members()
+    ms[1].register_forward_pre_hook(lambda module, args: args)
+    with pytest.raises(ValueError, match=r"member 1 has 1 forward pre-hook\(s\) on the root"):
+        fe.stack(ms)
+    ms = members()
+    ms[0][1].register_full_backward_hook(lambda module, gin, gout: None)
+    with pytest.raises(ValueError, match=r"member 1 has 0 backward hook\(s\) on submodule `1`"):
+        fe.stack(ms)
+    ms = members()
+    ms[0].register_state_dict_post_hook(lambda *args: None)
+    with pytest.raises(ValueError, match=r"member 1 has 0 state-dict hook\(s\)"):
+        fe.stack(ms)
+    ms = members()
+    for m, h in zip(ms, (_hook, _hook, _other_hook), strict=True):
+        m.register_forward_hook(h)
+    with pytest.raises(
+        ValueError,
+        match=r"member 2 has forward hook 0 on the root module = function _other_hook .*; "
+        r"member 0 has function _hook .*A hook must be the same function",
+    ):
+        fe.stack(ms)
+    # The same code with different captured values is a different hook.
+    ms = members()
+    for i, m in enumerate(ms):
+        factor = 1.0 + (i == 1)
+        m.register_forward_hook(lambda module, args, out, factor=factor: out * factor)
+    with pytest.raises(ValueError, match=r"member 1 has forward hook 0 .* defaults \(2\.0,\)"):
+        fe.stack(ms)
+    ms = members()
+    for m in ms:
+        m.register_forward_hook(_hook, with_kwargs=m is ms[1])
+    with pytest.raises(ValueError, match=r"member 1 has forward hooks on the root module at "):
+        fe.stack(ms)
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = lin(3, 3)
+        self.fc.register_forward_hook(self.gate)  # a bound method of the member itself
+        self.fc.register_forward_hook(lambda module, args, out: out + 1)  # same code
+
+    def gate(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        return output * torch.sigmoid(self.fc.weight.sum())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+def test_identical_hooks_stack_and_run_per_member() -> None:
+    torch.manual_seed(0)
+    members = [Gated() for _ in range(3)]
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(fe.Ensemble(members)(x), torch.stack([m(x) for m in members]))
+
+
+def test_parametrization_on_one_member_or_different_ones_is_refused() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(lin(4, 4), nn.Tanh())
+    wn = nn.Sequential(P.weight_norm(lin(4, 4)), nn.Tanh())
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has parametrizations \(torch\.nn\.utils\.parametrize\) of `weight` on "
+        r"submodule `0`; member 0 has none there\. .*register the same parametrizations",
+    ):
+        fe.stack([plain, wn])
+    with pytest.raises(ValueError, match=r"member 0 has parametrizations .*member 2 has none"):
+        fe.Ensemble([wn, copy.deepcopy(wn), plain])
+    with pytest.raises(
+        TypeError,
+        match=r"member 1 has submodule `0.parametrizations.weight.0` of class _SpectralNorm; "
+        r"member 0 has _WeightNorm",
+    ):
+        fe.stack([wn, nn.Sequential(P.spectral_norm(lin(4, 4)), nn.Tanh())])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has submodule `parametrizations.weight.0` \(_Orthogonal\) with "
+        r"`orthogonal_map` = <_OrthMaps.cayley",
+    ):
+        fe.stack([P.orthogonal(lin(3, 3)), P.orthogonal(lin(3, 3), orthogonal_map="cayley")])
+    # The same parametrization on every member stacks (equivalence: test_rewrites.py).
+    fe.stack([wn, nn.Sequential(P.weight_norm(lin(4, 4)), nn.Tanh())])
+
+
+def test_submodule_tree_differences_are_refused() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(
+        TypeError, match=r"member 1 has submodule `1` of class Tanh; member 0 has ReLU\."
+    ):
+        fe.stack([nn.Sequential(lin(), nn.ReLU()), nn.Sequential(lin(), nn.Tanh())])
+    a, b = nn.Module(), nn.Module()
+    a.x, a.y = nn.ReLU(), nn.Tanh()
+    b.y, b.x = nn.Tanh(), nn.ReLU()
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has the root module with child modules \['y', 'x'\]; member 0 has "
+        r"\['x', 'y'\]",
+    ):
+        fe.stack([a, b])
+    shared = lin(2, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has submodule `1` as its own instance; member 0 has it as the same "
+        r"instance as `0`",
+    ):
+        fe.stack([nn.Sequential(shared, shared), nn.Sequential(lin(2, 2), lin(2, 2))])
+
+
+def _legacy_weight_norm(module: nn.Module) -> nn.Module:
+    with pytest.warns(FutureWarning):
+        return nn.utils.weight_norm(module)
+
+
+@pytest.mark.parametrize(
+    "legacy",
+    [
+        _legacy_weight_norm,
+        nn.utils.spectral_norm,
+        lambda m: prune.l1_unstructured(m, "weight", amount=0.5),
+    ],
+    ids=["weight_norm", "spectral_norm", "prune"],
+)
+def test_legacy_hook_based_reparametrizations_are_refused_with_what_to_use(legacy) -> None:
+    torch.manual_seed(0)
+    members = [legacy(lin(3, 3)) for _ in range(2)]
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has the root module \(Linear\) with `weight` = a tensor of shape "
+        r"\(3, 3\).*use torch\.nn\.utils\.parametrizations\.weight_norm / spectral_norm "
+        r"instead, or call prune\.remove",
+    ):
+        fe.stack(members)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_identical_members_still_stack(name: str) -> None:
+    members = ZOO[name].members(3, train=True)
+    fe.stack(members)
+    fe.stack([copy.deepcopy(members[0]) for _ in range(3)])

@@ -176,3 +176,42 @@ def test_export_argument_errors() -> None:
         fe.export_state_dicts(ens, params, buffers)
     with pytest.raises(TypeError, match=r"needs its stacked params and buffers"):
         fe.export_state_dicts(fmodel)
+
+
+class WithExtraState(nn.Module):
+    """A module whose forward reads non-tensor state saved with get_extra_state."""
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.temperature = temperature
+
+    def get_extra_state(self) -> dict:
+        return {"temperature": self.temperature}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.temperature = state["temperature"]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) / self.temperature
+
+
+def test_extra_state_round_trips_and_must_agree_between_members() -> None:
+    torch.manual_seed(0)
+    trained = [WithExtraState(2.0) for _ in range(3)]
+    ens = fe.Ensemble([WithExtraState() for _ in range(3)])
+    state_dicts = fe.export_state_dicts(ens)
+    assert state_dicts[0]["_extra_state"] == {"temperature": 1.0}
+    fe.import_state_dicts(ens, [m.state_dict() for m in trained])
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in trained]))
+    before = {k: v.clone() for k, v in ens.stacked_params().items()}
+    trained[2].temperature = 5.0
+    with pytest.raises(
+        ValueError,
+        match=r"import_state_dicts: member 2 has `_extra_state` = \{'temperature': 5\.0\}; "
+        r"member 0 has \{'temperature': 2\.0\}\. .*must be the same in every member",
+    ):
+        fe.import_state_dicts(ens, [m.state_dict() for m in trained])
+    assert_trees_equal(ens.stacked_params(), before)
+    assert ens.stacked.temperature == 2.0

@@ -153,10 +153,15 @@ def test_functional_module_computes_one_member() -> None:
 def test_unstack_keeps_hooks_and_attributes() -> None:
     calls = []
     torch.manual_seed(0)
-    module = nn.Linear(3, 2)
-    module.register_forward_hook(lambda *_: calls.append(1))
-    module.custom_attribute = "kept"
-    fmodel, params, buffers = fe.stack([module, nn.Linear(3, 2)])
+    modules = [nn.Linear(3, 2), nn.Linear(3, 2)]
+
+    def hook(*_) -> None:
+        calls.append(1)
+
+    for module in modules:  # members must agree on hooks and attributes (test_architecture)
+        module.register_forward_hook(hook)
+        module.custom_attribute = "kept"
+    fmodel, params, buffers = fe.stack(modules)
     back = fe.unstack(fmodel, params, buffers)
     back[1](torch.randn(4, 3))
     assert calls == [1]

@@ -1,0 +1,196 @@
+"""Whether two Python values found in two members' modules are the same value.
+
+Used to compare the non-tensor state of ensemble members (attributes, hooks, captured
+values). The rule is strict on purpose: two values are the same only if they have the
+same type and the same contents, so a difference can never slip through unseen:
+
+- numbers, strings, ``None`` and other builtins compare with ``==``; floats are equal
+  when ``==`` holds with the same sign of zero, or when both are NaN;
+- tuples, lists, dicts (keys in order), sets compare element by element;
+- tensors compare by shape, dtype, device and values (NaN equal to NaN);
+- functions are the same if they are the same object, or have the same code, defaults,
+  globals and equal captured (closure) values; bound methods, ``functools.partial``
+  and weak references compare what they wrap;
+- an object with its own ``__eq__`` compares with it; one with its own
+  ``__getstate__`` compares the state that copying and pickling see; any other object
+  compares its attributes (``__dict__`` and ``__slots__``); an opaque object only
+  equals itself.
+
+``pairs`` maps ``id`` of an object of member *k* (a submodule, parameter or buffer) to
+its counterpart in member 0, so an attribute referring to a member's own submodule
+equals the one referring to member 0's submodule at the same path.
+"""
+
+import enum
+import functools
+import math
+import sys
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_BUILTIN_SCALARS = (bool, int, str, bytes, complex, type(None), range, slice, type)
+_BUILTIN_CALLABLES = (
+    types.BuiltinFunctionType,
+    types.BuiltinMethodType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.ModuleType,
+)
+_EMPTY = object()
+_DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
+
+
+class SameValue:
+    """A comparison of member ``k``'s values against member 0's.
+
+    Args:
+        pairs: ``id`` of member ``k``'s structural objects to member 0's counterparts.
+        own: ``id`` of every structural object of member 0 (the values of ``pairs``).
+    """
+
+    def __init__(self, pairs: dict[int, object], own: set[int]) -> None:
+        self.pairs = pairs
+        self.own = own
+        self._visiting: set[tuple[int, int]] = set()
+
+    def __call__(self, a: Any, b: Any) -> bool:
+        if a is b:
+            return True
+        counterpart = self.pairs.get(id(b), b)
+        if counterpart is not b or id(a) in self.own:
+            return counterpart is a
+        if type(a) is not type(b):
+            return False
+        key = (id(a), id(b))
+        if key in self._visiting:
+            return True  # a cycle: equal unless some other part differs
+        self._visiting.add(key)
+        try:
+            return self._compare(a, b)
+        finally:
+            self._visiting.discard(key)
+
+    def _all(self, xs: Any, ys: Any) -> bool:
+        xs, ys = list(xs), list(ys)
+        return len(xs) == len(ys) and all(self(x, y) for x, y in zip(xs, ys, strict=True))
+
+    def _compare(self, a: Any, b: Any) -> bool:
+        if isinstance(a, float):
+            if math.isnan(a) or math.isnan(b):
+                return math.isnan(a) and math.isnan(b)
+            return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+        if isinstance(a, (*_BUILTIN_SCALARS, enum.Enum)):
+            return a == b
+        if isinstance(a, Tensor):
+            return same_tensor(a, b)
+        if isinstance(a, (tuple, list)):
+            return self._all(a, b)
+        if isinstance(a, dict):
+            return list(a.keys()) == list(b.keys()) and self._all(a.values(), b.values())
+        if isinstance(a, (set, frozenset)):
+            return a == b
+        if isinstance(a, types.FunctionType):
+            return self._same_function(a, b)
+        if isinstance(a, types.MethodType):
+            return self(a.__func__, b.__func__) and self(a.__self__, b.__self__)
+        if isinstance(a, functools.partial):
+            return self(a.func, b.func) and self(a.args, b.args) and self(a.keywords, b.keywords)
+        if isinstance(a, weakref.ref):
+            return self(a(), b())
+        if isinstance(a, _BUILTIN_CALLABLES):
+            return a == b
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and isinstance(a, numpy.ndarray):
+            return (
+                a.dtype == b.dtype
+                and a.shape == b.shape
+                and bool(numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+            )
+        if type(a).__eq__ is not object.__eq__ and not isinstance(a, torch.nn.Module):
+            try:
+                result = a == b
+            except Exception:  # an __eq__ that cannot compare these: compare attributes
+                result = None
+            if isinstance(result, bool):
+                return result
+        getstate = getattr(type(a), "__getstate__", None)
+        if getstate is not None and getstate is not _DEFAULT_GETSTATE:
+            try:  # the state that copying and pickling see (e.g. a hook wrapper's)
+                state_a, state_b = a.__getstate__(), b.__getstate__()
+            except Exception:  # a __getstate__ that refuses: compare attributes
+                pass
+            else:
+                return self(state_a, state_b)
+        return self._same_attributes(a, b)
+
+    def _same_function(self, a: types.FunctionType, b: types.FunctionType) -> bool:
+        if a.__code__ != b.__code__ or a.__globals__ is not b.__globals__:
+            return False
+        cells_a = [_cell(c) for c in a.__closure__ or ()]
+        cells_b = [_cell(c) for c in b.__closure__ or ()]
+        return (
+            self(a.__defaults__, b.__defaults__)
+            and self(a.__kwdefaults__, b.__kwdefaults__)
+            and self._all(cells_a, cells_b)
+        )
+
+    def _same_attributes(self, a: Any, b: Any) -> bool:
+        slots = [s for c in type(a).__mro__ for s in getattr(c, "__slots__", ())]
+        slots = [s for s in slots if s not in ("__dict__", "__weakref__")]
+        has_dict = hasattr(a, "__dict__")
+        if not has_dict and not slots:
+            return False  # opaque (a C object such as a Generator): only itself is equal
+        if has_dict and not self(dict(vars(a)), dict(vars(b))):
+            return False
+        missing = object()
+        return self._all(
+            (getattr(a, s, missing) for s in slots), (getattr(b, s, missing) for s in slots)
+        )
+
+
+def _cell(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a variable not yet assigned)
+        return _EMPTY
+
+
+def same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Same shape, dtype, device, layout and values (NaN equals NaN)."""
+    if (a.shape, a.dtype, a.device, a.layout) != (b.shape, b.dtype, b.device, b.layout):
+        return False
+    if a.device.type == "meta":
+        return True  # meta tensors have no values to differ in
+    a, b = a.detach(), b.detach()
+    if a.layout != torch.strided:
+        a, b = a.to_dense(), b.to_dense()
+    if torch.equal(a, b):
+        return True
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
+    return False
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """A short description of ``value`` for an error message."""
+    if isinstance(value, Tensor):
+        if value.numel() <= 6 and value.device.type != "meta":
+            return f"tensor({value.detach().cpu().tolist()}, dtype={value.dtype})"
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, types.FunctionType):
+        code = value.__code__
+        text = f"function {value.__qualname__} ({code.co_filename}:{code.co_firstlineno})"
+        captured = [_cell(c) for c in value.__closure__ or ()]
+        extras = [("defaults", value.__defaults__), ("kwdefaults", value.__kwdefaults__)]
+        extras.append(("capturing", tuple(captured) if captured else None))
+        for label, values in extras:
+            if values:
+                text += f" {label} {show(values, limit)}"
+        return text
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,202 @@
+"""Layers whose calls vmap cannot batch as written (see ``_rewrites``), against the loop.
+
+Parametrized modules (``torch.nn.utils.parametrizations``: weight_norm, spectral_norm,
+orthogonal) and global average pooling of ``channels_last`` tensors: outputs, gradients,
+buffers and several ``torch.optim.Adam`` steps equal the plain loop over the members.
+"""
+
+import pytest
+import torch
+from helpers import assert_trees_close, clone_modules, stacked_state
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.utils import parametrizations as P
+
+import funcensemble as fe
+
+
+def _loss(out: Tensor) -> Tensor:
+    return out.pow(2).mean()
+
+
+def _train_both(modules: list[nn.Module], inputs: list[Tensor], *, rtol: float, atol: float):
+    """Adam steps on an Ensemble and on the loop; compare outputs, grads, state each step."""
+    reference = clone_modules(modules)
+    ens = fe.Ensemble(modules)
+    opt = torch.optim.Adam(ens.parameters(), lr=1e-2)
+    ref_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in reference]
+    names = list(ens.stacked_params())
+    for x in inputs:
+        opt.zero_grad()
+        out = ens(x)
+        # Summing per-member losses gives each member exactly its own gradient.
+        torch.stack([_loss(o) for o in out]).sum().backward()
+        expected_out = []
+        for module, ref_opt in zip(reference, ref_opts, strict=True):
+            ref_opt.zero_grad()
+            y = module(x)
+            _loss(y).backward()
+            expected_out.append(y)
+        assert_trees_close(out, torch.stack(expected_out), rtol=rtol, atol=atol)
+        grads = {k: p.grad for k, p in ens.stacked_params().items()}
+        expected_grads = {
+            k: torch.stack([dict(m.named_parameters())[k].grad for m in reference]) for k in names
+        }
+        assert_trees_close(grads, expected_grads, rtol=rtol, atol=atol)
+        opt.step()
+        for ref_opt in ref_opts:
+            ref_opt.step()
+    expected_params, expected_buffers = stacked_state(reference)
+    assert_trees_close(ens.stacked_params(), expected_params, rtol=rtol, atol=atol)
+    assert_trees_close(ens.stacked_buffers(), expected_buffers, rtol=rtol, atol=atol)
+    return ens, reference
+
+
+PARAMETRIZATIONS = {
+    "weight_norm": P.weight_norm,
+    "weight_norm_dim1": lambda m: P.weight_norm(m, dim=1),
+    "weight_norm_whole": lambda m: P.weight_norm(m, dim=None),
+    "spectral_norm": P.spectral_norm,
+    "orthogonal_matrix_exp": lambda m: P.orthogonal(m, orthogonal_map="matrix_exp"),
+    "orthogonal_cayley": lambda m: P.orthogonal(m, orthogonal_map="cayley"),
+    "orthogonal_householder": lambda m: P.orthogonal(m, orthogonal_map="householder"),
+    "orthogonal_no_trivialization": lambda m: P.orthogonal(m, use_trivialization=False),
+}
+
+
+def _parametrized_net(parametrize, dtype: torch.dtype) -> nn.Module:
+    return nn.Sequential(parametrize(nn.Linear(4, 6)), nn.Tanh(), parametrize(nn.Linear(6, 3))).to(
+        dtype
+    )
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("name", sorted(PARAMETRIZATIONS))
+def test_parametrized_modules_match_the_loop(name: str, train: bool) -> None:
+    torch.manual_seed(0)
+    modules = [
+        _parametrized_net(PARAMETRIZATIONS[name], torch.float64).train(train) for _ in range(3)
+    ]
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(5, 4, generator=gen, dtype=torch.float64) for _ in range(3)]
+    ens, reference = _train_both(modules, inputs, rtol=1e-9, atol=1e-12)
+    # The stacked tensors are the parametrizations' originals (and spectral_norm's u, v).
+    assert any(".original" in k for k in ens.stacked_params())
+    if name == "spectral_norm" and train:
+        # The power iteration updated every member's own u in place, as the loop did.
+        u = ens.stacked_buffers()["0.parametrizations.weight.0._u"]
+        assert not torch.equal(
+            u, torch.stack([m[0].parametrizations.weight[0]._u for m in modules])
+        )
+    # Members come back out as ordinary parametrized modules computing the same.
+    x = inputs[0]
+    for i, module in enumerate(reference):
+        member = ens.member(i)
+        assert type(member[0]).__name__ == "ParametrizedLinear"
+        torch.testing.assert_close(member(x), module(x), rtol=1e-12, atol=1e-12)
+
+
+def test_parametrized_conv_in_float32_and_through_value_and_grad() -> None:
+    torch.manual_seed(0)
+    modules = [
+        nn.Sequential(
+            P.weight_norm(nn.Conv2d(2, 3, 3)), nn.ReLU(), P.spectral_norm(nn.Conv2d(3, 2, 3))
+        )
+        for _ in range(4)
+    ]
+    gen = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(2, 2, 7, 7, generator=gen) for _ in range(3)]
+    _train_both(clone_modules(modules), inputs, rtol=1e-4, atol=1e-5)
+    # The pure path: fe.stack + fe.value_and_grad equals torch.autograd.grad per member.
+    fmodel, params, buffers = fe.stack(modules)
+    losses, grads, new_buffers = fe.value_and_grad(lambda p, b, x: _loss(fmodel(p, b, x)))(
+        params, buffers, inputs[0]
+    )
+    for i, module in enumerate(modules):
+        loss = _loss(module(inputs[0]))
+        expected = torch.autograd.grad(loss, list(module.parameters()))
+        torch.testing.assert_close(losses[i], loss, rtol=1e-5, atol=1e-6)
+        for (k, _), g in zip(module.named_parameters(), expected, strict=True):
+            torch.testing.assert_close(grads[k][i], g, rtol=1e-4, atol=1e-6)
+        for k, b in module.named_buffers():  # spectral_norm's u, v after one power step
+            torch.testing.assert_close(new_buffers[k][i], b, rtol=1e-5, atol=1e-6)
+
+
+def test_export_and_import_of_parametrized_members() -> None:
+    torch.manual_seed(0)
+    modules = [_parametrized_net(P.weight_norm, torch.float64) for _ in range(3)]
+    ens = fe.Ensemble(modules)
+    state_dicts = fe.export_state_dicts(ens)
+    plain = _parametrized_net(P.weight_norm, torch.float64)
+    plain.load_state_dict(state_dicts[2])
+    x = torch.randn(4, 4, dtype=torch.float64)
+    torch.testing.assert_close(plain(x), modules[2](x))
+    other = fe.Ensemble.from_factory(lambda: _parametrized_net(P.weight_norm, torch.float64), 3)
+    fe.import_state_dicts(other, [m.state_dict() for m in modules])
+    torch.testing.assert_close(other(x), ens(x))
+
+
+# --- global average pooling of channels_last tensors ----------------------------------
+
+
+def _pool_net(spatial: int, pool: nn.Module) -> nn.Module:
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[spatial]
+    return nn.Sequential(conv(3, 4, 3), nn.ReLU(), pool, nn.Flatten(), nn.Linear(4, 2)).double()
+
+
+_FORMAT = {2: torch.channels_last, 3: torch.channels_last_3d}
+
+
+@pytest.mark.parametrize(
+    ("spatial", "pool", "layout"),
+    [
+        (2, nn.AdaptiveAvgPool2d(1), "both"),
+        (2, nn.AdaptiveAvgPool2d((1, 1)), "weights"),
+        (2, nn.AdaptiveAvgPool2d((1, None)), "input"),
+        (3, nn.AdaptiveAvgPool3d(1), "both"),
+        (1, nn.AdaptiveAvgPool1d(1), "none"),
+    ],
+)
+def test_global_average_pool_of_channels_last_matches_the_loop(
+    spatial: int, pool: nn.Module, layout: str
+) -> None:
+    torch.manual_seed(0)
+    modules = [_pool_net(spatial, pool) for _ in range(3)]
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 3) + (6,) * spatial if not isinstance(pool.output_size, tuple) else (2, 3, 6, 3)
+    inputs = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(3)]
+    if spatial in _FORMAT and layout in ("weights", "both"):
+        modules = [m.to(memory_format=_FORMAT[spatial]) for m in modules]
+    if spatial in _FORMAT and layout in ("input", "both"):
+        inputs = [x.to(memory_format=_FORMAT[spatial]) for x in inputs]
+    _train_both(modules, inputs, rtol=1e-9, atol=1e-12)
+
+
+class FunctionalPool(nn.Module):
+    def __init__(self, use_mean: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.use_mean = use_mean
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv(x)
+        return h.mean((-2, -1), keepdim=True) if self.use_mean else F.adaptive_avg_pool2d(h, 1)
+
+
+def test_functional_global_pool_in_own_forward_gets_advice_that_works() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    modules = [
+        FunctionalPool(use_mean=False).to(memory_format=torch.channels_last) for _ in range(2)
+    ]
+    with pytest.raises(
+        RuntimeError,
+        match=r"aten::as_strided_ has no vmap batching rule.*channels_last.*"
+        r"x\.mean\(\(-2, -1\), keepdim=True\)",
+    ):
+        fe.Ensemble(modules)(x)
+    # The advice, followed, runs and equals the loop.
+    for m in modules:
+        m.use_mean = True
+    expected = torch.stack([m(x) for m in modules])
+    torch.testing.assert_close(fe.Ensemble(modules)(x), expected)
