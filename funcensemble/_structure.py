@@ -225,7 +225,6 @@ def _flagged(attributes: dict, flags: str, table: str) -> list[int]:
 
 # Types whose ``==`` is the whole comparison (floats are not: NaN and -0.0).
 _PLAIN = frozenset({int, str, bool, type(None)})
-_MISSING = object()
 
 
 def _check_attributes(
