@@ -1,7 +1,9 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at any world size.
 
 A checkpoint is a plain DCP directory: one ``.distcp`` file per rank and a ``.metadata``
-file. Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
+file, plus ``.funcensemble-checksums`` (``_dcp_checksums``: the SHA-256 of everything
+written, verified before reading); ``.metadata`` is read without running code
+(``_dcp_metadata``). Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
 ``['params']['net.0.weight']``; an [`Ensemble`][funcensemble.Ensemble] is saved as
 ``{"params": ..., "buffers": ...}``):
 
