@@ -280,6 +280,27 @@ def _corrupt(where: str, name: str, error: Corrupt) -> ValueError:
     )
 
 
+def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberShard) -> None:
+    """Check this rank's reads; with several ranks, every rank learns what any rank found.
+
+    Each rank checks only what it reads, so a damaged chunk may be found by one rank
+    alone: the others must fail too rather than wait for it inside DCP's load.
+    """
+    try:
+        verify_reads(name, checksums, reads)
+        found = None
+    except Corrupt as error:
+        found = str(error)
+    findings = [found]
+    if shard.world_size > 1 and not _no_dist():
+        findings = [None] * shard.world_size
+        dist.all_gather_object(findings, found, group=shard.group)
+    for rank, finding in enumerate(findings):
+        if finding is not None:
+            by = f" (found by rank {rank} of {shard.world_size})" if len(findings) > 1 else ""
+            raise _corrupt(where, name, Corrupt(finding + by))
+
+
 def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
     """The verified DCP metadata (read without unpickling code) and the checksums, if any."""
     name = os.fspath(path)
@@ -444,10 +465,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         )
     else:
         rows = {key: shard.members if key in offsets else None for key in flat.leaves}
-        try:
-            verify_reads(name, checksums, reads_of(metadata, rows))
-        except Corrupt as error:
-            raise _corrupt(where, name, error) from None
+        _verify(where, name, checksums, reads_of(metadata, rows), shard)
     with _dcp_call():
         dcp.load(
             dest,
