@@ -393,8 +393,8 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked before
     anything is read: the checksum file, ``.metadata`` against it, and every byte range
     this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
-    corrupt", naming the file and the entry); then the keys, member count, shapes and
-    dtypes. A mismatch raises and leaves ``obj`` untouched. ``.metadata`` (a pickle, in
+    corrupt", naming the file and the entry, on every rank); then the keys, member
+    count, shapes and dtypes. A mismatch raises and leaves ``obj`` untouched. ``.metadata`` (a pickle, in
     DCP) is read by an unpickler that resolves only DCP's metadata classes, so a
     crafted checkpoint cannot run code here; one naming anything else is refused. A
     checkpoint without a checksum file (written by DCP itself, or by funcensemble
