@@ -394,11 +394,12 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     anything is read: the checksum file, ``.metadata`` against it, and every byte range
     this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
     corrupt", naming the file and the entry, on every rank); then the keys, member
-    count, shapes and dtypes. A mismatch raises and leaves ``obj`` untouched. ``.metadata`` (a pickle, in
-    DCP) is read by an unpickler that resolves only DCP's metadata classes, so a
-    crafted checkpoint cannot run code here; one naming anything else is refused. A
-    checkpoint without a checksum file (written by DCP itself, or by funcensemble
-    before checksums) loads with a ``UserWarning`` that it could not be verified.
+    count, shapes and dtypes. A mismatch raises and leaves ``obj`` untouched.
+    ``.metadata`` (a pickle, in DCP) is read by an unpickler that resolves only DCP's
+    metadata classes, so a crafted checkpoint cannot run code here; one naming
+    anything else is refused. A checkpoint without a checksum file (written by DCP
+    itself, or by funcensemble before checksums) loads with a ``UserWarning`` that it
+    could not be verified.
 
     Args:
         path: The checkpoint directory.
