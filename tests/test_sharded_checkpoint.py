@@ -5,9 +5,13 @@ test_distributed.py; they pass only if every rank verifies the entries it reads.
 """
 
 import builtins
+import json
 import os
 import pickle
 import shutil
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -141,8 +145,6 @@ def resign(path: Path) -> None:
     """Redo the checksum file for the current .metadata, as an attacker could."""
     text = (path / CHECKSUM_FILE).read_bytes().split(b"\n", 1)[1]
     meta = (path / ".metadata").read_bytes()
-    import json
-
     body = json.loads(text)
     body["metadata"] = {"size": len(meta), "sha256": digest(meta)}
     text = json.dumps(body).encode()
@@ -251,10 +253,6 @@ def test_entries_stored_as_pickled_objects_are_refused(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
     """Rank 1 alone reads the damaged file; rank 0 must fail too, not wait inside DCP."""
-    import socket
-    import subprocess
-    import sys
-
     import sharded_checkpoint_worker as worker
 
     with socket.socket() as s:
