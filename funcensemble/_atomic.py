@@ -5,8 +5,9 @@ The new file is written to a temporary file beside the target, named
 over the target. Every failure that Python sees (an exception, ``KeyboardInterrupt``)
 removes it. A process killed outright (SIGKILL, a power cut) cannot remove it; the next
 save of the same target on the same host removes the temporary files of that target
-whose writing process has exited, and leaves those of live processes (a concurrent save)
-and of other hosts alone.
+whose writing process has exited (no process has its pid, or, on Linux, the one that has
+it started after the file was last written: the pid was reused), and leaves those of
+live processes (a concurrent save) and of other hosts alone.
 """
 
 import contextlib
@@ -43,8 +44,33 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
+def _process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, never later than the truth)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        # btime is rounded down to the second: the sum is at most the true start time.
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None  # not Linux, or the process is gone
+
+
+def _writer_gone(pid: int, modified: float) -> bool:
+    """Whether the process that last wrote a temporary file at ``modified`` has exited.
+
+    Either no process has that pid, or (on Linux) the one that has it started after the
+    file was last written, more than a minute after: the pid was reused.
+    """
+    if not _process_exists(pid):
+        return True
+    started = _process_start_time(pid)
+    return started is not None and started > modified + 60
+
+
 def stale_temp_files(target: str) -> list[str]:
-    """The temporary files of ``target`` left by exited processes of this host."""
+    """The temporary files of ``target`` whose writer, a process of this host, has exited."""
     if os.name == "nt":  # os.kill(pid, 0) would terminate the process there
         return []
     directory, name = os.path.split(target)
@@ -57,9 +83,9 @@ def stale_temp_files(target: str) -> list[str]:
             parts = entry[len(prefix) :].split("-")
             if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
                 continue
-            pid = int(parts[1])
-            if pid != os.getpid() and not _process_exists(pid):
-                found.append(os.path.join(directory, entry))
+            pid, path = int(parts[1]), os.path.join(directory, entry)
+            if pid != os.getpid() and _writer_gone(pid, os.path.getmtime(path)):
+                found.append(path)
     return sorted(found)
 
 

@@ -1,7 +1,9 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at any world size.
 
 A checkpoint is a plain DCP directory: one ``.distcp`` file per rank and a ``.metadata``
-file. Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
+file, plus ``.funcensemble-checksums`` (``_dcp_checksums``: the SHA-256 of everything
+written, verified before reading); ``.metadata`` is read without running code
+(``_dcp_metadata``). Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
 ``['params']['net.0.weight']``; an [`Ensemble`][funcensemble.Ensemble] is saved as
 ``{"params": ..., "buffers": ...}``):
 
@@ -278,6 +280,27 @@ def _corrupt(where: str, name: str, error: Corrupt) -> ValueError:
     )
 
 
+def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberShard) -> None:
+    """Check this rank's reads; with several ranks, every rank learns what any rank found.
+
+    Each rank checks only what it reads, so a damaged chunk may be found by one rank
+    alone: the others must fail too rather than wait for it inside DCP's load.
+    """
+    try:
+        verify_reads(name, checksums, reads)
+        found = None
+    except Corrupt as error:
+        found = str(error)
+    findings = [found]
+    if shard.world_size > 1 and not _no_dist():
+        findings = [None] * shard.world_size
+        dist.all_gather_object(findings, found, group=shard.group)
+    for rank, finding in enumerate(findings):
+        if finding is not None:
+            by = f" (found by rank {rank} of {shard.world_size})" if len(findings) > 1 else ""
+            raise _corrupt(where, name, Corrupt(finding + by))
+
+
 def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
     """The verified DCP metadata (read without unpickling code) and the checksums, if any."""
     name = os.fspath(path)
@@ -370,12 +393,13 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked before
     anything is read: the checksum file, ``.metadata`` against it, and every byte range
     this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
-    corrupt", naming the file and the entry); then the keys, member count, shapes and
-    dtypes. A mismatch raises and leaves ``obj`` untouched. ``.metadata`` (a pickle, in
-    DCP) is read by an unpickler that resolves only DCP's metadata classes, so a
-    crafted checkpoint cannot run code here; one naming anything else is refused. A
-    checkpoint without a checksum file (written by DCP itself, or by funcensemble
-    before checksums) loads with a ``UserWarning`` that it could not be verified.
+    corrupt", naming the file and the entry, on every rank); then the keys, member
+    count, shapes and dtypes. A mismatch raises and leaves ``obj`` untouched.
+    ``.metadata`` (a pickle, in DCP) is read by an unpickler that resolves only DCP's
+    metadata classes, so a crafted checkpoint cannot run code here; one naming
+    anything else is refused. A checkpoint without a checksum file (written by DCP
+    itself, or by funcensemble before checksums) loads with a ``UserWarning`` that it
+    could not be verified.
 
     Args:
         path: The checkpoint directory.
@@ -442,10 +466,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         )
     else:
         rows = {key: shard.members if key in offsets else None for key in flat.leaves}
-        try:
-            verify_reads(name, checksums, reads_of(metadata, rows))
-        except Corrupt as error:
-            raise _corrupt(where, name, error) from None
+        _verify(where, name, checksums, reads_of(metadata, rows), shard)
     with _dcp_call():
         dcp.load(
             dest,

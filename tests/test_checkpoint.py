@@ -795,15 +795,20 @@ def test_stale_temporary_files_of_dead_writers_are_removed_on_the_next_save(
     host = _host()
     dead = f".ens.safetensors{TEMP_TAG}{host}-{dead_pid()}-0123456789ab"
     alive = f".ens.safetensors{TEMP_TAG}{host}-{os.getppid()}-0123456789ab"  # e.g. the shell
+    reused = f".ens.safetensors{TEMP_TAG}{host}-{os.getppid()}-ba9876543210"
     other_host = f".ens.safetensors{TEMP_TAG}{host}.elsewhere-{dead_pid()}-0123456789ab"
     other_target = f".other.safetensors{TEMP_TAG}{host}-{dead_pid()}-0123456789ab"
-    for name in (dead, alive, other_host, other_target):
+    for name in (dead, alive, reused, other_host, other_target):
         (tmp_path / name).write_bytes(b"half a checkpoint")
+    # Last written long before the live process with that pid started: pid reused.
+    os.utime(tmp_path / reused, (0, 1e9))  # 2001
     fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp", seed=1))
     if os.name == "nt":
         assert dead in temp_files(tmp_path)  # no cleaning without a safe process probe
-    else:
+    elif os.path.exists("/proc/stat"):
         assert temp_files(tmp_path) == sorted([alive, other_host, other_target])
+    else:  # no process start times: a reused pid keeps its temporary file
+        assert temp_files(tmp_path) == sorted([alive, reused, other_host, other_target])
 
 
 @pytest.mark.slow

@@ -5,9 +5,13 @@ test_distributed.py; they pass only if every rank verifies the entries it reads.
 """
 
 import builtins
+import json
 import os
 import pickle
 import shutil
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -141,8 +145,6 @@ def resign(path: Path) -> None:
     """Redo the checksum file for the current .metadata, as an attacker could."""
     text = (path / CHECKSUM_FILE).read_bytes().split(b"\n", 1)[1]
     meta = (path / ".metadata").read_bytes()
-    import json
-
     body = json.loads(text)
     body["metadata"] = {"size": len(meta), "sha256": digest(meta)}
     text = json.dumps(body).encode()
@@ -245,3 +247,48 @@ def test_entries_stored_as_pickled_objects_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"stores leaf `\['step'\]` as pickled bytes"):
         fe.distributed.load(tmp_path / "plain", {"w": torch.zeros(3), "step": 0})
     assert not marker.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    """Rank 1 alone reads the damaged file; rank 0 must fail too, not wait inside DCP."""
+    import sharded_checkpoint_worker as worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests = str(Path(__file__).parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([tests, os.getcwd()]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+    }
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, worker.__file__, str(tmp_path / "ckpt")],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for rank in ranks:
+            outputs.append(rank.communicate(timeout=120)[0])
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    for output in outputs:
+        assert (
+            "ERROR distributed.load: checkpoint '" in output
+            and "is corrupt: the bytes of `['params']['weight']` (chunk at [3, 0, 0]) in "
+            "__1_0.distcp"
+            in output
+            and "(found by rank 1 of 2)" in output
+        ), output
