@@ -10,8 +10,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
-from ._batchnorm import FoldBatchNorm, has_batch_norm
+from ._batchnorm import FoldBatchNorm, cumulative, has_batch_norm, norm_layers, updated_in_place
 from ._fastpath import try_batched_call
+from ._rollback import save_before_update
 from ._skeleton import meta_skeleton, replace_tensors
 
 StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
@@ -45,13 +46,16 @@ class FunctionalModule:
             fast = try_batched_call(self.skeleton, params, args[0])
             if fast is not None:
                 return fast
-        # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
-        fold = (
-            not torch.compiler.is_compiling()
-            and torch._C._functorch.peek_interpreter_stack() is not None
-            and has_batch_norm(self.skeleton)
-        )
-        with FoldBatchNorm() if fold else nullcontext():
+        fold = None
+        if not torch.compiler.is_compiling():
+            norms = norm_layers(self.skeleton)
+            # Inside fe.vmap: keep a copy of the statistics this forward will update,
+            # put back if the call fails (see _rollback).
+            save_before_update(updated_in_place(norms))
+            # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
+            if torch._C._functorch.peek_interpreter_stack() is not None and has_batch_norm(norms):
+                fold = FoldBatchNorm(cumulative(norms))
+        with fold if fold is not None else nullcontext():
             return functional_call(
                 self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
             )

@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten
 
 from ._fastpath import try_fast_call
+from ._rollback import rollback_on_error
 from ._stack import FunctionalModule, _num_members
 
 Randomness = Literal["different", "same", "error"]
@@ -211,7 +212,8 @@ def vmap(
             chunk_size=chunk_size,
         )
         try:
-            with _no_silent_loops(_on_cpu(params, buffers)):
+            # A call that raises leaves the buffers as they were (see _rollback).
+            with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
                 return vmapped(params, buffers, args, kwargs)
         except RuntimeError as error:
             clear = _explain(error, randomness)
