@@ -188,6 +188,10 @@ class Ensemble(nn.Module):
     def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
         """Run every member; outputs get a leading member axis.
 
+        In train mode, BatchNorm running statistics are updated for every member; if the
+        call raises (e.g. a wrong input shape for a later layer), they are left as they
+        were.
+
         Args:
             *args: Positional inputs, shared by all members unless ``in_dims`` says
                 otherwise.
