@@ -208,21 +208,21 @@ CUMULATIVE_TOL = {torch.float64: TOL, torch.float32: {"rtol": 1e-5, "atol": 1e-6
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("counts", ["same", "different"])
 @pytest.mark.parametrize("per_member", [False, True])
-@pytest.mark.parametrize("face", ["Ensemble", "vmap", "value_and_grad"])
+@pytest.mark.parametrize("face", ["Ensemble", "Ensemble, chunked", "vmap", "value_and_grad"])
 def test_momentum_none_equals_the_loop_over_steps(face, per_member, counts, dtype):
     members = cumulative_members(3, counts, dtype)
     loop = copy.deepcopy(members)
     dims = 0 if per_member else None
     tol = CUMULATIVE_TOL[dtype]
-    if face == "Ensemble":
-        ens = fe.Ensemble(members)
+    if face.startswith("Ensemble"):
+        ens = fe.Ensemble(members, chunk_size=2 if "chunked" in face else None)
         buffers = ens.stacked_buffers()
     else:
         fmodel, params, buffers = fe.stack(members)
     for step in range(4):
         x = torch.randn(*((3, 6) if per_member else (6,)), 3, 6, 6, dtype=dtype)
         outs = [m(x[i] if per_member else x) for i, m in enumerate(loop)]
-        if face == "Ensemble":
+        if face.startswith("Ensemble"):
             got, expected = ens(x, in_dims=dims), torch.stack(outs)
         elif face == "vmap":
             got, expected = fe.vmap(fmodel, dims)(params, buffers, x), torch.stack(outs)
@@ -249,7 +249,7 @@ def test_momentum_none_equals_the_loop_over_steps(face, per_member, counts, dtyp
     x = torch.randn(5, 3, 6, 6, dtype=dtype)
     for m in loop:
         m.eval()
-    if face == "Ensemble":
+    if face.startswith("Ensemble"):
         got = ens.eval()(x)
     else:
         fmodel.skeleton.eval()

@@ -478,7 +478,7 @@ def test_load_state_dict_refuses_before_changing_anything(build, kwargs, error, 
 def test_load_state_dict_converts_like_the_loop(strict: bool) -> None:
     # What loads, loads as nn.Module.load_state_dict loads it into each member module:
     # floats of another precision and integers of another width are converted;
-    # with strict=False an absent key keeps its value.
+    # with strict=False an absent key keeps its value and an unknown one is reported.
     modules = [m.float() for m in _bn_members()]
     loop = copy.deepcopy(modules)
     ens = fe.Ensemble(modules)
@@ -486,8 +486,10 @@ def test_load_state_dict_converts_like_the_loop(strict: bool) -> None:
     state["stacked.1.num_batches_tracked"] = torch.tensor([3, 4, 5], dtype=torch.int32)
     if not strict:
         del state["stacked.1.running_var"]
+        state["stacked.9.extra"] = torch.ones(3)
     result = ens.load_state_dict(state, strict=strict)
     assert result.missing_keys == ([] if strict else ["stacked.1.running_var"])
+    assert result.unexpected_keys == ([] if strict else ["stacked.9.extra"])
     for i, member in enumerate(loop):
         member.load_state_dict(
             {k.removeprefix("stacked."): v[i] for k, v in state.items()}, strict=strict
@@ -552,6 +554,20 @@ def test_from_factory_refuses_bad_seeds(seed, error, pattern) -> None:
     ):
         fe.Ensemble.from_factory(factory, 2, seed=seed)
     assert not calls  # refused before building anything
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_from_factory_refuses_a_later_non_module_naming_the_member() -> None:
+    made = iter([nn.Linear(2, 2), nn.Linear(2, 2), None])
+    state = torch.get_rng_state()
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            TypeError,
+            match=r"^Ensemble\.from_factory: member 2 is a NoneType, expected an nn\.Module",
+        ),
+    ):
+        fe.Ensemble.from_factory(lambda: next(made), 3)
     assert torch.equal(torch.get_rng_state(), state)
 
 
