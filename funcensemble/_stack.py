@@ -47,13 +47,16 @@ class FunctionalModule:
             if fast is not None:
                 return fast
         fold = None
-        if not torch.compiler.is_compiling():
+        if (
+            not torch.compiler.is_compiling()
+            and torch._C._functorch.peek_interpreter_stack() is not None
+        ):
             norms = norm_layers(self.skeleton)
             # Inside fe.vmap: keep a copy of the statistics this forward will update,
             # put back if the call fails (see _rollback).
             save_before_update(updated_in_place(norms))
             # Under vmap, BatchNorm of all members runs as one call (see _batchnorm).
-            if torch._C._functorch.peek_interpreter_stack() is not None and has_batch_norm(norms):
+            if has_batch_norm(norms):
                 fold = FoldBatchNorm(cumulative(norms))
         with fold if fold is not None else nullcontext():
             return functional_call(

@@ -143,9 +143,9 @@ def vmap(
     outputs stacked along a new leading member axis, as a pytree if ``fn`` returns one.
     Buffers that ``fn`` updates in place (BatchNorm running statistics in train mode)
     are updated for every member in the stacked tensors. If the call raises, the running
-    statistics of the normalization layers of every
-    [`FunctionalModule`][funcensemble.FunctionalModule] it ran are put back as they
-    were (a custom module's own in-place buffer updates are not).
+    statistics that the normalization layers of a
+    [`FunctionalModule`][funcensemble.FunctionalModule] updated in ``buffers`` are put
+    back as they were (a custom module's own in-place buffer updates are not).
 
     Args:
         fn: The one-member function.
