@@ -284,3 +284,23 @@ def test_momentum_none_with_different_counts_inside_another_transform_is_refused
     torch.func.grad(lambda s: fe.value_and_grad(loss_fn)(params, same, x * s)[0].sum())(
         torch.tensor(1.0, dtype=torch.float64)
     )
+
+
+def test_a_failed_forward_leaves_instance_norm_statistics():
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(
+            nn.InstanceNorm1d(3, track_running_stats=True), nn.Flatten(), nn.Linear(15, 2)
+        ).double()
+        for _ in range(3)
+    ]
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), **TOL)
+    before = copy.deepcopy(ens.stacked_buffers())
+    assert not torch.equal(before["0.running_mean"], torch.zeros(3, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=_SHAPE_ERROR):
+        ens(torch.randn(4, 3, 6, dtype=torch.float64))  # the Linear expects 15 features
+    for name, buf in ens.stacked_buffers().items():
+        assert torch.equal(buf, before[name]), name
