@@ -12,7 +12,7 @@ whenever the tensors are laid out for it; anything else goes to vmap as before.
 BatchNorm with ``momentum=None`` (a cumulative moving average) reads its step count
 with ``float(num_batches_tracked)``, which vmap cannot do for a per-member count. The
 same mode answers that call: when every member has the same count (members trained
-together), with that count, so the layer runs exactly as the loop runs it; otherwise
+together), with that count, so the layer computes the factor the loop computes; otherwise
 the statistics are updated per member with factor ``1 / count`` (see
 ``_per_member_average``).
 """
