@@ -200,7 +200,7 @@ class FoldBatchNorm(TorchFunctionMode):
             out = _fold(*args, **kwargs)
             if out is not None:
                 return out
-        elif func in (Tensor.__float__, Tensor.item) and self._cumulative and args:
+        elif self._cumulative and func in (Tensor.__float__, Tensor.item) and args:
             count = self._step_count(args[0])
             if count is not None:
                 return count
