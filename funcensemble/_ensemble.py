@@ -8,9 +8,10 @@ from torch import Tensor, nn
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
 from ._fastpath import try_module_call
-from ._seeding import member_seed, seeded_cpu_rng
+from ._seeding import check_seed, member_seed, seeded_cpu_rng
 from ._skeleton import meta_skeleton, replace_tensors
 from ._stack import FunctionalModule, member_module, stack_as
+from ._state_dict_checks import check_loadable
 from ._vmap import InDims, Randomness, vmap
 
 
@@ -97,6 +98,21 @@ class Ensemble(nn.Module):
         Every member is checked against member 0 as in [`stack`][funcensemble.stack]:
         the factory must build the same architecture and non-tensor state each time.
 
+        Args:
+            factory: Called with no arguments once per member; returns an ``nn.Module``,
+                the same architecture every time.
+            num_members: N, a positive int.
+            seed: Any int >= 0 (no upper bound); member i depends on ``(seed, i)`` only.
+            randomness: As in [`Ensemble`][funcensemble.Ensemble].
+            chunk_size: As in [`Ensemble`][funcensemble.Ensemble].
+
+        Raises:
+            TypeError: A non-callable ``factory``, a ``num_members`` or ``seed`` that is
+                not an int (``bool`` included), a factory returning a non-module, or
+                members of different classes.
+            ValueError: ``num_members < 1``, ``seed < 0``, or members differing in
+                names, shapes, dtypes, devices, ``requires_grad`` or train/eval mode.
+
         Example:
             >>> import torch, funcensemble as fe
             >>> make = lambda: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh())
@@ -114,6 +130,7 @@ class Ensemble(nn.Module):
             )
         if num_members < 1:
             raise ValueError(f"{where}: num_members must be a positive int, got {num_members!r}.")
+        seed = check_seed(where, seed)
 
         def build(i: int) -> nn.Module:
             with seeded_cpu_rng(member_seed(seed, i)):
@@ -174,6 +191,10 @@ class Ensemble(nn.Module):
     def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
         """Run every member; outputs get a leading member axis.
 
+        In train mode, BatchNorm running statistics are updated for every member; if the
+        call raises (e.g. a wrong input shape for a later layer), they are left as they
+        were.
+
         Args:
             *args: Positional inputs, shared by all members unless ``in_dims`` says
                 otherwise.
@@ -219,39 +240,23 @@ class Ensemble(nn.Module):
     ) -> Any:
         """``nn.Module.load_state_dict``, checked in full before anything is copied.
 
+        A state_dict that fails any check changes nothing: no parameter or buffer is
+        written unless every entry is loadable. Values of another floating-point (or
+        integer) dtype are converted, as ``nn.Module.load_state_dict`` converts them.
+
         Raises:
-            ValueError: Missing or unexpected keys (when ``strict``), a different
-                member count, or a shape or dtype that does not match this ensemble.
+            TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
+            ValueError: Missing or unexpected keys (when ``strict``); keys of one member
+                module's state_dict (``"0.weight"`` for ``"stacked.0.weight"``, also
+                when not ``strict``); a different member count; a shape that does not
+                match this ensemble; a tensor on the meta device; or a dtype of
+                another kind (floating-point, integer, complex, bool).
         """
-        own = self.state_dict(keep_vars=True)
-        where = "Ensemble.load_state_dict"
-        if strict:
-            missing, extra = own.keys() - state_dict.keys(), state_dict.keys() - own.keys()
-            if missing or extra:
-                raise ValueError(
-                    f"{where}: the state_dict does not match this ensemble's architecture: "
-                    f"missing keys {sorted(missing)}, unexpected keys {sorted(extra)}."
-                )
-        n = self.num_members
-        for key, value in state_dict.items():
-            if key not in own or not isinstance(value, Tensor):
-                continue
-            mine = own[key]
-            if value.dim() == 0 or value.shape[0] != n:
-                got = value.shape[0] if value.dim() else "no member axis"
-                raise ValueError(
-                    f"{where}: `{key}` has {got} members in the state_dict; this "
-                    f"ensemble has {n}. Build an Ensemble with the same num_members."
-                )
-            if value.shape != mine.shape:
-                raise ValueError(
-                    f"{where}: `{key}` has shape {tuple(value.shape)} in the state_dict; "
-                    f"this ensemble has {tuple(mine.shape)}. It comes from a different "
-                    "architecture."
-                )
-            if value.dtype.is_floating_point != mine.dtype.is_floating_point:
-                raise ValueError(
-                    f"{where}: `{key}` has dtype {value.dtype} in the state_dict; this "
-                    f"ensemble has {mine.dtype}."
-                )
+        check_loadable(
+            "Ensemble.load_state_dict",
+            self.state_dict(keep_vars=True),
+            state_dict,
+            self.num_members,
+            strict=strict,
+        )
         return super().load_state_dict(state_dict, strict=strict, assign=assign)

@@ -4,7 +4,8 @@ When a ``FunctionalModule`` runs inside a ``torch.func`` transform (funcensemble
 ``vmap``, with or without ``grad`` inside it), one ``TorchFunctionMode`` intercepts a few
 functional calls:
 
-- ``F.batch_norm``: all members as one call over ``N * C`` channels (see ``_batchnorm``);
+- ``F.batch_norm``: all members as one call over ``N * C`` channels, and BatchNorm's
+  ``float(num_batches_tracked)`` with ``momentum=None`` (see ``_batchnorm``);
 - ``torch._weight_norm`` (``torch.nn.utils.parametrizations.weight_norm``): its kernel
   has no batching rule; it is ``v * (g / norm of v over every dim but dim)``, written
   here with ``torch.linalg.vector_norm``;
@@ -68,16 +69,20 @@ def _global_pool(spatial: int, input: Tensor, output_size: Any) -> Tensor | None
 class VmapRewrites(TorchFunctionMode):
     """Within this mode, the calls listed in the module docstring run batchable math."""
 
-    def __init__(self, fold_batch_norm: bool) -> None:
+    def __init__(self, batch_norm: _batchnorm.BatchNormRule | None) -> None:
         super().__init__()
-        self.fold_batch_norm = fold_batch_norm
+        self.batch_norm = batch_norm
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.batch_norm:
-            out = _batchnorm._fold(*args, **kwargs) if self.fold_batch_norm else None
+            out = self.batch_norm.batch_norm(args, kwargs) if self.batch_norm else None
             if out is not None:
                 return out
+        elif func in (Tensor.__float__, Tensor.item) and args and self.batch_norm:
+            count = self.batch_norm.step_count(args[0])
+            if count is not None:
+                return count
         elif func is F.embedding:
             return embedding_per_member(*args, **kwargs)
         elif func is torch._weight_norm:
@@ -102,8 +107,8 @@ def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
     if torch.compiler.is_compiling():
         # Only the embedding rule is traced; the others have no compiled use.
         return PerMemberEmbedding() if embedding else contextlib.nullcontext()
-    fold, other = False, embedding
-    for module in skeleton.modules():
-        fold = fold or isinstance(module, nn.modules.batchnorm._BatchNorm)
-        other = other or isinstance(module, _POOL_LAYERS + _NORM_LAYERS)
-    return VmapRewrites(fold) if fold or other else contextlib.nullcontext()
+    norms = _batchnorm.norm_layers(skeleton)
+    rule = _batchnorm.BatchNormRule(_batchnorm.cumulative(norms))
+    fold = _batchnorm.has_batch_norm(norms)
+    other = embedding or any(isinstance(m, _POOL_LAYERS + _NORM_LAYERS) for m in skeleton.modules())
+    return VmapRewrites(rule if fold else None) if fold or other else contextlib.nullcontext()

@@ -9,9 +9,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._architecture import Architecture, check_is_module, check_same_architecture
+from ._batchnorm import norm_layers, updated_in_place
 from ._diagnose import linear_width_error
 from ._fastpath import try_batched_call
 from ._rewrites import vmap_rewrites
+from ._rollback import save_before_update
 from ._skeleton import meta_skeleton, replace_tensors
 
 StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
@@ -45,6 +47,13 @@ class FunctionalModule:
             fast = try_batched_call(self.skeleton, params, args[0])
             if fast is not None:
                 return fast
+        if (
+            not torch.compiler.is_compiling()
+            and torch._C._functorch.peek_interpreter_stack() is not None
+        ):
+            # Inside fe.vmap: keep a copy of the statistics this forward will update,
+            # put back if the call fails (see _rollback).
+            save_before_update(updated_in_place(norm_layers(self.skeleton)))
         try:
             # Under vmap, BatchNorm of all members runs as one call, and a few calls that
             # vmap cannot batch, or batches wrongly, run as the loop's math (see _rewrites).

@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten
 
 from ._fastpath import try_fast_call
+from ._rollback import rollback_on_error
 from ._stack import FunctionalModule, _num_members
 
 Randomness = Literal["different", "same", "error"]
@@ -163,7 +164,10 @@ def vmap(
     takes stacked ``params`` and ``buffers`` (member axis first) and returns ``fn``'s
     outputs stacked along a new leading member axis, as a pytree if ``fn`` returns one.
     Buffers that ``fn`` updates in place (BatchNorm running statistics in train mode)
-    are updated for every member in the stacked tensors.
+    are updated for every member in the stacked tensors. If the call raises, the running
+    statistics that the normalization layers of a
+    [`FunctionalModule`][funcensemble.FunctionalModule] updated in ``buffers`` are put
+    back as they were (a custom module's own in-place buffer updates are not).
 
     Args:
         fn: The one-member function.
@@ -233,7 +237,8 @@ def vmap(
             chunk_size=chunk_size,
         )
         try:
-            with _no_silent_loops(_on_cpu(params, buffers)):
+            # A call that raises leaves the buffers as they were (see _rollback).
+            with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
                 return vmapped(params, buffers, args, kwargs)
         except RuntimeError as error:
             clear = _explain(error, randomness)

@@ -101,3 +101,206 @@ def test_a_shared_input_into_batch_norm_is_left_to_vmap(folded):
     x = torch.randn(8, 4, dtype=torch.float64)
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), **TOL)
     assert folded == [False]
+
+
+# --- a call that fails changes nothing -------------------------------------------------
+
+
+def failing_members(n: int = 3, momentum: float | None = 0.1) -> list[nn.Module]:
+    """A CNN whose Linear accepts 6x6 images only: on 7x7 it raises after both BatchNorms."""
+    torch.manual_seed(0)
+    out = []
+    for _ in range(n):
+        m = nn.Sequential(
+            nn.BatchNorm2d(3, momentum=momentum),
+            nn.Conv2d(3, 4, 3),
+            nn.BatchNorm2d(4, momentum=momentum),
+            nn.Flatten(),
+            nn.Linear(4 * 4 * 4, 2),
+        ).double()
+        with torch.no_grad():
+            for b in m.buffers():
+                b.add_(torch.randint(1, 5, ()).to(b.dtype))
+        out.append(m)
+    return out
+
+
+def _loss(fmodel):
+    return lambda p, b, x: fmodel(p, b, x).pow(2).mean()
+
+
+def _ensemble(**kwargs):
+    def face(members, dims):
+        ens = fe.Ensemble(members, **kwargs)
+        return lambda x: ens(x, in_dims=dims), ens.stacked_params(), ens.stacked_buffers()
+
+    return face
+
+
+def _functional(transform, **kwargs):
+    def face(members, dims):
+        fmodel, params, buffers = fe.stack(members)
+        mapped = transform(fmodel, dims, **kwargs)
+        return lambda x: mapped(params, buffers, x), params, buffers
+
+    return face
+
+
+# Each face: (members, in_dims) -> (call(x), live parameters, live buffers).
+FACES = {
+    "Ensemble": _ensemble(),
+    "Ensemble, chunked": _ensemble(chunk_size=2),
+    "vmap": _functional(lambda f, dims, **kw: fe.vmap(f, dims, **kw)),
+    "vmap, chunked": _functional(lambda f, dims, **kw: fe.vmap(f, dims, **kw), chunk_size=2),
+    "vmap of a loss": _functional(lambda f, dims, **kw: fe.vmap(_loss(f), dims, **kw)),
+    "value_and_grad": _functional(lambda f, dims, **kw: fe.value_and_grad(_loss(f), dims, **kw)),
+    "value_and_grad, chunked": _functional(
+        lambda f, dims, **kw: fe.value_and_grad(_loss(f), dims, **kw), chunk_size=2
+    ),
+}
+_SHAPE_ERROR = r"shapes cannot be multiplied|Expected size for first two dimensions"
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("per_member", [False, True])
+@pytest.mark.parametrize("face", sorted(FACES))
+def test_a_failed_forward_leaves_the_running_statistics(face, per_member, momentum):
+    members = failing_members(momentum=momentum)
+    loop = copy.deepcopy(members)
+    call, params, buffers = FACES[face](members, 0 if per_member else None)
+    lead = (3, 5) if per_member else (5,)
+    before = copy.deepcopy((params, buffers))
+    with pytest.raises(RuntimeError, match=_SHAPE_ERROR):
+        call(torch.randn(*lead, 3, 7, 7, dtype=torch.float64))
+    for kind, old, new in zip(("parameter", "buffer"), before, (params, buffers), strict=True):
+        for name in old:
+            assert torch.equal(new[name], old[name]), f"{face}: {kind} `{name}` changed"
+    # The next good call sees the loop's statistics: the failed one left no trace.
+    x = torch.randn(*lead, 3, 6, 6, dtype=torch.float64)
+    got = call(x)
+    expected = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)])
+    if face.startswith("value_and_grad"):
+        got, buffers = got[0], got[2]
+    if "loss" in face or face.startswith("value_and_grad"):
+        expected = expected.pow(2).mean(dim=tuple(range(1, expected.dim())))
+    torch.testing.assert_close(got, expected.detach(), **TOL)
+    for name, buf in buffers.items():
+        torch.testing.assert_close(buf, torch.stack([dict(m.named_buffers())[name] for m in loop]))
+
+
+# --- momentum=None: the cumulative moving average, as the loop computes it ---------------
+
+
+def cumulative_members(n: int, counts: str, dtype: torch.dtype) -> list[nn.Module]:
+    torch.manual_seed(2)
+    out = [cnn().to(dtype) for _ in range(n)]
+    for i, m in enumerate(out):
+        for layer in (m[1], m[5]):
+            layer.momentum = None
+            if counts == "different":  # e.g. members restored from different runs
+                layer.num_batches_tracked.fill_(3 * i)
+    return out
+
+
+CUMULATIVE_TOL = {torch.float64: TOL, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("counts", ["same", "different"])
+@pytest.mark.parametrize("per_member", [False, True])
+@pytest.mark.parametrize("face", ["Ensemble", "Ensemble, chunked", "vmap", "value_and_grad"])
+def test_momentum_none_equals_the_loop_over_steps(face, per_member, counts, dtype):
+    members = cumulative_members(3, counts, dtype)
+    loop = copy.deepcopy(members)
+    dims = 0 if per_member else None
+    tol = CUMULATIVE_TOL[dtype]
+    if face.startswith("Ensemble"):
+        ens = fe.Ensemble(members, chunk_size=2 if "chunked" in face else None)
+        buffers = ens.stacked_buffers()
+    else:
+        fmodel, params, buffers = fe.stack(members)
+    for step in range(4):
+        x = torch.randn(*((3, 6) if per_member else (6,)), 3, 6, 6, dtype=dtype)
+        outs = [m(x[i] if per_member else x) for i, m in enumerate(loop)]
+        if face.startswith("Ensemble"):
+            got, expected = ens(x, in_dims=dims), torch.stack(outs)
+        elif face == "vmap":
+            got, expected = fe.vmap(fmodel, dims)(params, buffers, x), torch.stack(outs)
+        else:
+            loss_fn = lambda p, b, x: fmodel(p, b, x).pow(2).mean()  # noqa: E731
+            got, grads, buffers = fe.value_and_grad(loss_fn, dims)(params, buffers, x)
+            losses = [o.pow(2).mean() for o in outs]
+            expected = torch.stack(losses).detach()
+            for loss in losses:
+                loss.backward()
+            for name, g in grads.items():
+                want = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+                torch.testing.assert_close(g, want, **tol, msg=f"step {step}: grad {name}")
+            for m in loop:
+                m.zero_grad()
+        torch.testing.assert_close(got, expected, **tol, msg=f"step {step}: outputs")
+        for name, buf in buffers.items():
+            want = torch.stack([dict(m.named_buffers())[name] for m in loop])
+            torch.testing.assert_close(buf, want, **tol, msg=f"step {step}: {name}")
+    assert buffers["1.num_batches_tracked"].tolist() == (
+        [4] * 3 if counts == "same" else [4, 7, 10]
+    )
+    # In eval mode the running averages are what normalizes: still the loop's.
+    x = torch.randn(5, 3, 6, 6, dtype=dtype)
+    for m in loop:
+        m.eval()
+    if face.startswith("Ensemble"):
+        got = ens.eval()(x)
+    else:
+        fmodel.skeleton.eval()
+        got = fe.vmap(fmodel)(params, buffers, x)
+    torch.testing.assert_close(got, torch.stack([m(x) for m in loop]).detach(), **tol)
+
+
+def test_momentum_none_with_different_counts_inside_another_transform_is_refused():
+    # fe.value_and_grad inside another torch.func transform takes torch.func.grad, whose
+    # layer hides the per-member counts from the BatchNorm: refused, not guessed.
+    members = cumulative_members(3, "different", torch.float64)
+    fmodel, params, buffers = fe.stack(members)
+    loss_fn = lambda p, b, x: fmodel(p, b, x).pow(2).mean()  # noqa: E731
+    x = torch.randn(6, 3, 6, 6, dtype=torch.float64)
+    before = copy.deepcopy(buffers)
+
+    def outer(scale):
+        return fe.value_and_grad(loss_fn)(params, buffers, x * scale)[0].sum()
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"BatchNorm `1` has momentum=None \(a cumulative moving average\) and members "
+        r"with different num_batches_tracked \(\[1, 4, 7\]\), inside a torch.func transform",
+    ):
+        torch.func.grad(outer)(torch.tensor(1.0, dtype=torch.float64))
+    for name, buf in buffers.items():
+        assert torch.equal(buf, before[name]), name
+    # With one count for all members the same nesting runs.
+    for layer in (fmodel.skeleton[1], fmodel.skeleton[5]):
+        assert layer.momentum is None
+    same = fe.stack(cumulative_members(3, "same", torch.float64))[2]
+    torch.func.grad(lambda s: fe.value_and_grad(loss_fn)(params, same, x * s)[0].sum())(
+        torch.tensor(1.0, dtype=torch.float64)
+    )
+
+
+def test_a_failed_forward_leaves_instance_norm_statistics():
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(
+            nn.InstanceNorm1d(3, track_running_stats=True), nn.Flatten(), nn.Linear(15, 2)
+        ).double()
+        for _ in range(3)
+    ]
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), **TOL)
+    before = copy.deepcopy(ens.stacked_buffers())
+    assert not torch.equal(before["0.running_mean"], torch.zeros(3, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=_SHAPE_ERROR):
+        ens(torch.randn(4, 3, 6, dtype=torch.float64))  # the Linear expects 15 features
+    for name, buf in ens.stacked_buffers().items():
+        assert torch.equal(buf, before[name]), name

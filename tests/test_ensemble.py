@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -342,6 +343,165 @@ def test_ensemble_randomness() -> None:
     assert strict.eval()(x).shape == (3, 6, 32)
 
 
+# --- load_state_dict: every bad state_dict is refused before anything is copied --------
+
+
+def _bn_members(n: int = 3) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).double() for _ in range(n)]
+
+
+def _shifted_state(ens: fe.Ensemble) -> dict:
+    """A loadable state_dict whose every value differs from ``ens``'s own."""
+    return {k: v + 1 for k, v in ens.state_dict().items()}
+
+
+def _one_member_state(ens: fe.Ensemble) -> dict:
+    return {k.removeprefix("stacked."): v[0] for k, v in _shifted_state(ens).items()}
+
+
+def _with(key: str, value) -> Callable:
+    return lambda state, ens: {**state, key: value}
+
+
+_W, _B, _RV = "stacked.1.weight", "stacked.1.bias", "stacked.1.running_var"
+_NBT = "stacked.1.num_batches_tracked"
+_F64 = {"dtype": torch.float64}
+
+# Each case: a state_dict made from a good one (every value shifted), load kwargs, and
+# the error. The bad entry comes after good ones, so a loader that copied first and
+# checked later would change the good ones.
+_BAD_STATES = [
+    pytest.param(
+        _with(_B, "0.5"), {}, TypeError,
+        r"`stacked.1.bias` is a str in the state_dict, expected a tensor "
+        r"\(shape \(3, 2\), torch.float64\)",
+        id="str value",
+    ),
+    pytest.param(_with(_B, "0.5"), {"strict": False}, TypeError, r"is a str", id="str, not strict"),
+    pytest.param(_with(_RV, [[1.0, 1.0]] * 3), {}, TypeError, r"running_var` is a list", id="list"),
+    pytest.param(
+        _with(_W, torch.ones(3, 5, **_F64)), {}, ValueError,
+        r"`stacked.1.weight` has shape \(3, 5\) in the state_dict; this ensemble has \(3, 2\)",
+        id="shape",
+    ),
+    pytest.param(
+        _with(_W, torch.ones(3, 5, **_F64)), {"strict": False}, ValueError, r"has shape \(3, 5\)",
+        id="shape, not strict",
+    ),
+    pytest.param(
+        _with(_B, torch.ones(2, 2, **_F64)), {}, ValueError,
+        r"`stacked.1.bias` has 2 members in the state_dict; this ensemble has 3\. Build an "
+        r"Ensemble with the same num_members",
+        id="member count",
+    ),
+    pytest.param(
+        lambda state, ens: {k: v[0] for k, v in state.items()}, {}, ValueError,
+        r"has shape \(2, 3\) in the state_dict, one member's shape with no member axis; this "
+        r"ensemble has \(3, 2, 3\) \(3 members\)\. To load N single-module state_dicts, stack",
+        id="one member's shapes",
+    ),
+    pytest.param(
+        _with(_NBT, torch.tensor(4)), {}, ValueError,
+        r"`stacked.1.num_batches_tracked` has shape \(\) in the state_dict, one member's shape",
+        id="0-dim counter",
+    ),
+    pytest.param(
+        _with(_RV, torch.ones(3, 2, dtype=torch.int64)), {}, ValueError,
+        r"`stacked.1.running_var` has dtype torch.int64 in the state_dict; this ensemble has "
+        r"torch.float64 \(expected a dtype of kind floating-point, got integer\)",
+        id="int into float",
+    ),
+    pytest.param(
+        _with(_NBT, torch.ones(3)), {}, ValueError, r"of kind integer, got floating-point",
+        id="float into int",
+    ),
+    pytest.param(
+        _with(_W, torch.ones(3, 2, dtype=torch.complex128)), {}, ValueError,
+        r"of kind floating-point, got complex", id="complex into float",
+    ),
+    pytest.param(
+        _with(_NBT, torch.ones(3, dtype=torch.bool)), {}, ValueError, r"got bool", id="bool"
+    ),
+    pytest.param(
+        _with(_W, torch.ones(3, 2, device="meta")), {"strict": False}, ValueError,
+        r"`stacked.1.weight` is on the meta device", id="meta",
+    ),
+    pytest.param(
+        lambda state, ens: {k: v for k, v in state.items() if k != _RV}, {}, ValueError,
+        r"missing keys \['stacked.1.running_var'\], unexpected keys \[\]\.$", id="missing key",
+    ),
+    pytest.param(
+        _with("stacked.2.weight", torch.ones(3)), {}, ValueError,
+        r"missing keys \[\], unexpected keys \['stacked.2.weight'\]\.$", id="unexpected key",
+    ),
+    pytest.param(
+        lambda state, ens: _one_member_state(ens), {}, ValueError,
+        r"unexpected keys \['0.bias'.*\]\. `0.bias`, `0.weight`, .* are keys of one member "
+        r"module's state_dict; this ensemble holds them as `stacked.<key>` with a leading "
+        r"member axis of 3",
+        id="one member module",
+    ),
+    pytest.param(
+        lambda state, ens: _one_member_state(ens), {"strict": False}, ValueError,
+        r"strict=False would skip these keys and load nothing for them\)\. `0.bias`.*To load "
+        r"N single-module state_dicts",
+        id="one member module, not strict",
+    ),
+    pytest.param(
+        lambda state, ens: _one_member_state(ens), {"strict": False, "assign": True},
+        ValueError, r"keys of one member module's state_dict", id="one member module, assign",
+    ),
+    pytest.param(
+        lambda state, ens: list(state.items()), {}, TypeError,
+        r"state_dict must be a mapping from names to tensors \(e.g. Ensemble.state_dict\(\)\), "
+        r"got list",
+        id="not a mapping",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "kwargs", "error", "pattern"), _BAD_STATES)
+def test_load_state_dict_refuses_before_changing_anything(build, kwargs, error, pattern) -> None:
+    ens = fe.Ensemble(_bn_members())
+    ens(torch.randn(4, 3, dtype=torch.float64))  # statistics that differ from the defaults
+    state = build(_shifted_state(ens), ens)
+    params = {k: v.detach().clone() for k, v in ens.stacked_params().items()}
+    buffers = {k: v.clone() for k, v in ens.stacked_buffers().items()}
+    with runtime_typecheck_off(), pytest.raises(error, match=pattern):
+        ens.load_state_dict(state, **kwargs)
+    assert_trees_equal(ens.stacked_params(), params)
+    assert_trees_equal(ens.stacked_buffers(), buffers)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_converts_like_the_loop(strict: bool) -> None:
+    # What loads, loads as nn.Module.load_state_dict loads it into each member module:
+    # floats of another precision and integers of another width are converted;
+    # with strict=False an absent key keeps its value and an unknown one is reported.
+    modules = [m.float() for m in _bn_members()]
+    loop = copy.deepcopy(modules)
+    ens = fe.Ensemble(modules)
+    state = _shifted_state(fe.Ensemble([m.double() for m in _bn_members()]))
+    state["stacked.1.num_batches_tracked"] = torch.tensor([3, 4, 5], dtype=torch.int32)
+    if not strict:
+        del state["stacked.1.running_var"]
+        state["stacked.9.extra"] = torch.ones(3)
+    result = ens.load_state_dict(state, strict=strict)
+    assert result.missing_keys == ([] if strict else ["stacked.1.running_var"])
+    assert result.unexpected_keys == ([] if strict else ["stacked.9.extra"])
+    for i, member in enumerate(loop):
+        member.load_state_dict(
+            {k.removeprefix("stacked."): v[i] for k, v in state.items()}, strict=strict
+        )
+    expected = {}
+    for member in loop:
+        for k, v in member.state_dict().items():
+            expected.setdefault(f"stacked.{k}", []).append(v)
+    assert_trees_equal(ens.state_dict(), {k: torch.stack(v) for k, v in expected.items()})
+    assert ens.stacked_buffers()["1.num_batches_tracked"].dtype == torch.int64
+
+
 # --- from_factory ----------------------------------------------------------------------
 
 
@@ -365,6 +525,64 @@ def test_from_factory_member_depends_only_on_seed_and_index() -> None:
             assert not torch.equal(w[i], w[j])
     assert all(p.is_leaf and p.requires_grad for p in large.parameters())
     assert isinstance(large.member(0), nn.Sequential)
+
+
+@pytest.mark.parametrize(
+    ("seed", "error", "pattern"),
+    [
+        (-1, ValueError, r"\(expected 0 or more, got -1\)\. Pass a non-negative whole number"),
+        (-(2**70), ValueError, r"got -1180591620717411303424"),
+        (True, TypeError, r"\(expected an int, got bool True\)"),
+        (1.5, TypeError, r"expected an int, got float 1\.5"),
+        ("3", TypeError, r"expected an int, got str '3'"),
+        (None, TypeError, r"expected an int, got NoneType None"),
+    ],
+)
+def test_from_factory_refuses_bad_seeds(seed, error, pattern) -> None:
+    calls = []
+
+    def factory() -> nn.Module:
+        calls.append(1)
+        return nn.Linear(2, 2)
+
+    state = torch.get_rng_state()
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            error, match=rf"^Ensemble\.from_factory: seed must be an int >= 0 .*{pattern}"
+        ),
+    ):
+        fe.Ensemble.from_factory(factory, 2, seed=seed)
+    assert not calls  # refused before building anything
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_from_factory_refuses_a_later_non_module_naming_the_member() -> None:
+    made = iter([nn.Linear(2, 2), nn.Linear(2, 2), None])
+    state = torch.get_rng_state()
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            TypeError,
+            match=r"^Ensemble\.from_factory: member 2 is a NoneType, expected an nn\.Module",
+        ),
+    ):
+        fe.Ensemble.from_factory(lambda: next(made), 3)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_from_factory_accepts_any_non_negative_int_seed() -> None:
+    # No upper bound: numpy integers and seeds past 64 bits are valid and distinct.
+    with runtime_typecheck_off():  # the annotation says int; numpy's ints are accepted
+        weights = [
+            fe.Ensemble.from_factory(lambda: nn.Linear(2, 2), 2, seed=s).stacked.weight
+            for s in (0, np.int64(5), 2**64, 2**64 + 1)
+        ]
+    assert torch.equal(
+        weights[1], fe.Ensemble.from_factory(lambda: nn.Linear(2, 2), 2, seed=5).stacked.weight
+    )
+    assert not torch.equal(weights[2], weights[3])
+    assert not torch.equal(weights[0], weights[2])
 
 
 def test_from_factory_leaves_global_rng_unchanged() -> None:

@@ -1,0 +1,67 @@
+"""Buffers that a failed call updated in place are put back as they were.
+
+In train mode a normalization layer (BatchNorm, InstanceNorm with
+``track_running_stats``) updates its running statistics in place during the forward,
+before the layers after it run. When a later layer raises, the call returns nothing
+but the statistics would stay updated. [`vmap`][funcensemble.vmap] (and so
+``Ensemble.forward``) runs the call inside a transaction over the stacked buffers it
+was given; each ``FunctionalModule`` call inside it first saves a copy of the
+statistics it is about to update (a few ``[N, C]`` tensors, once per call), and the
+transaction writes the copies back if the call raises.
+"""
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _Transaction:
+    __slots__ = ("buffers", "saved")
+
+    def __init__(self, buffers: Mapping[str, Any]) -> None:
+        self.buffers = buffers
+        self.saved: dict[str, Tensor] = {}
+
+    def save(self, names: list[str]) -> None:
+        for name in names:
+            if name in self.saved:
+                continue
+            t = self.buffers.get(name)
+            if isinstance(t, Tensor):
+                self.saved[name] = t.clone()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, old in self.saved.items():
+                self.buffers[name].copy_(old)
+
+
+_current: ContextVar[_Transaction | None] = ContextVar("funcensemble_rollback", default=None)
+
+
+@contextlib.contextmanager
+def rollback_on_error(buffers: Any) -> Iterator[None]:
+    """Run a block; if it raises, put the buffers saved by ``save_before_update`` back."""
+    if torch.compiler.is_compiling() or not isinstance(buffers, Mapping):
+        yield
+        return
+    transaction = _Transaction(buffers)
+    token = _current.set(transaction)
+    try:
+        yield
+    except BaseException:
+        transaction.restore()
+        raise
+    finally:
+        _current.reset(token)
+
+
+def save_before_update(names: list[str]) -> None:
+    """Save the named buffers of the innermost open transaction, if any, before an update."""
+    transaction = _current.get()
+    if transaction is not None and names:
+        transaction.save(names)

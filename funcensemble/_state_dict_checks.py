@@ -1,0 +1,109 @@
+"""Checking a state_dict against an ensemble's own, before anything is copied.
+
+``nn.Module.load_state_dict`` copies entry by entry and reports the bad entries at the
+end, so one bad entry leaves every good entry before it loaded. ``Ensemble`` runs these
+checks first: every reason torch's loader would fail for (a key, a non-tensor value, a
+shape, a tensor with no data) and the ones it would not (a member count, a kind of
+dtype, one member's state_dict given to the stacked ensemble) is found before the first
+value is copied.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+STACK_HINT = (
+    "To load N single-module state_dicts, stack them under `stacked.` names: "
+    "{'stacked.' + k: torch.stack([sd[k] for sd in state_dicts]) for k in state_dicts[0]}."
+)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating-point" if dtype.is_floating_point else "integer"
+
+
+def _listed(keys: list[str], limit: int = 6) -> str:
+    shown = ", ".join(f"`{k}`" for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_loadable(
+    where: str, own: Mapping[str, Tensor], state_dict: Any, n: int, *, strict: bool
+) -> None:
+    """Raise if loading ``state_dict`` into tensors ``own`` (N = ``n``) would fail or mislead.
+
+    ``own`` is the ensemble's ``state_dict(keep_vars=True)``: names to stacked tensors.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{where}: state_dict must be a mapping from names to tensors (e.g. "
+            f"Ensemble.state_dict()), got {type(state_dict).__name__}."
+        )
+    # One member module's keys ("0.weight" for this ensemble's "stacked.0.weight"):
+    # with strict=False torch would skip them all and load nothing, without a word.
+    one_member = sorted(
+        k for k in state_dict if isinstance(k, str) and k not in own and f"stacked.{k}" in own
+    )
+    member_hint = (
+        f" {_listed(one_member)} are keys of one member module's state_dict; this "
+        f"ensemble holds them as `stacked.<key>` with a leading member axis of {n}. " + STACK_HINT
+    )
+    if strict:
+        missing, extra = own.keys() - state_dict.keys(), state_dict.keys() - own.keys()
+        if missing or extra:
+            raise ValueError(
+                f"{where}: the state_dict does not match this ensemble's architecture: "
+                f"missing keys {sorted(missing)}, unexpected keys {sorted(extra, key=str)}."
+                + (member_hint if one_member else "")
+            )
+    elif one_member:
+        raise ValueError(
+            f"{where}: the state_dict is not this ensemble's (strict=False would skip "
+            f"these keys and load nothing for them).{member_hint}"
+        )
+    for key, value in state_dict.items():
+        if key not in own:
+            continue
+        mine = own[key]
+        expected = f"shape {tuple(mine.shape)}, {mine.dtype}"
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"{where}: `{key}` is a {type(value).__name__} in the state_dict, expected "
+                f"a tensor ({expected}). Every value must be a tensor."
+            )
+        if value.is_meta:
+            raise ValueError(
+                f"{where}: `{key}` is on the meta device in the state_dict, so it holds no "
+                "values to load. Load the checkpoint onto a real device (e.g. "
+                "torch.load(..., map_location='cpu'))."
+            )
+        if value.shape != mine.shape:
+            if value.shape == mine.shape[1:]:
+                raise ValueError(
+                    f"{where}: `{key}` has shape {tuple(value.shape)} in the state_dict, one "
+                    f"member's shape with no member axis; this ensemble has "
+                    f"{tuple(mine.shape)} ({n} members). " + STACK_HINT
+                )
+            if value.dim() > 0 and value.shape[0] != n:
+                raise ValueError(
+                    f"{where}: `{key}` has {value.shape[0]} members in the state_dict; this "
+                    f"ensemble has {n}. Build an Ensemble with the same num_members."
+                )
+            raise ValueError(
+                f"{where}: `{key}` has shape {tuple(value.shape)} in the state_dict; "
+                f"this ensemble has {tuple(mine.shape)}. It comes from a different "
+                "architecture."
+            )
+        if _kind(value.dtype) != _kind(mine.dtype):
+            raise ValueError(
+                f"{where}: `{key}` has dtype {value.dtype} in the state_dict; this "
+                f"ensemble has {mine.dtype} (expected a dtype of kind {_kind(mine.dtype)}, "
+                f"got {_kind(value.dtype)}). Convert the value first if it is meant for "
+                f"this tensor (e.g. value.to({mine.dtype}))."
+            )
