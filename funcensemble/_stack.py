@@ -102,7 +102,9 @@ def stack(
         [`FunctionalModule`][funcensemble.FunctionalModule] computing one member;
         ``params`` and ``buffers`` are dicts keyed by state-dict names whose tensors
         have a leading member axis of size N. Stacked parameters
-        are fresh autograd leaves: nothing aliases the input modules' tensors.
+        are fresh autograd leaves: nothing aliases the input modules' tensors. They
+        keep the members' ``requires_grad``: a frozen parameter stays frozen (see
+        [`value_and_grad`][funcensemble.value_and_grad]).
 
     Raises:
         ValueError: No modules, or members differing in names, shapes, dtypes,
@@ -151,7 +153,26 @@ def stack_as(
     return FunctionalModule(meta_skeleton(first)), params, buffers
 
 
-def _num_members(where: str, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> int:
+def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
+    """Check that ``params`` and ``buffers`` are dicts of tensors, as ``stack`` returns."""
+    for argument, tree in (("params", params), ("buffers", buffers)):
+        if not isinstance(tree, dict):
+            raise TypeError(
+                f"{where}: {argument} must be a dict of stacked tensors keyed by state-dict "
+                f"names (as fe.stack returns), got {type(tree).__name__}. Pass the "
+                f"{argument} dict from fe.stack"
+                + (" ({} for a module without buffers)." if argument == "buffers" else ".")
+            )
+        for name, t in tree.items():
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, expected a "
+                    "tensor with the member axis first. Pass the dicts from fe.stack."
+                )
+
+
+def _num_members(where: str, params: Any, buffers: Any) -> int:
+    check_state_dicts(where, params, buffers)
     sizes = {
         name: (t.shape[0] if t.dim() else None)
         for name, t in list(params.items()) + list(buffers.items())
@@ -202,6 +223,7 @@ def unstack(
             f"unstack: Expected the FunctionalModule returned by stack, got "
             f"{type(fmodel).__name__}."
         )
+    check_state_dicts("unstack", params, buffers)
     ref = Architecture.of(fmodel.skeleton)
     for kind, expected, got in (
         ("parameters", ref.params, params),
