@@ -210,6 +210,7 @@ def unstack(
             f"unstack: Expected the FunctionalModule returned by stack, got "
             f"{type(fmodel).__name__}."
         )
+    check_state_dicts("unstack", params, buffers)
     ref = Architecture.of(fmodel.skeleton)
     for kind, expected, got in (
         ("parameters", ref.params, params),
