@@ -185,6 +185,11 @@ def test_module_face_training_with_frozen_parameters_matches_loop(arch, kind, op
     torch.testing.assert_close(got, stacked(members), **TOL)
     if optimizer == "torch.optim":
         assert len(opt.state) == len(got) - len(frozen)
+    else:  # the frozen leaves' state is as init made it
+        adam = _adam_state_of(opt.state)
+        for k in frozen:
+            assert adam.count[k].item() == 0, k
+            assert not adam.mu[k].any() and not adam.nu[k].any(), k
 
 
 def test_frozen_parameters_inside_a_torch_func_transform_get_none():
