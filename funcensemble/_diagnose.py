@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ._fastpath import _global_hooks, _has_hooks, width_error
 from ._skeleton import meta_skeleton
@@ -35,31 +35,33 @@ def linear_width_error(
     """The wrong-width Linear a forward of one member reaches, or ``None``."""
     if _global_hooks() or any(_has_hooks(m) for m in skeleton.modules()):
         return None  # a hook may reshape inputs: the meta run could mislead
-    copy = meta_skeleton(skeleton)
-    names = {id(m): name for name, m in copy.named_modules()}
     found: list[str] = []
-    reached = [0]
+    names: dict[int, str] = {}
+    meta_args, meta_kwargs = tree_map(_meta, args), tree_map(_meta, kwargs)
+    # A Linear fed one of the call's own inputs, as it is: that input has the wrong width.
+    inputs = {id(t) for t in tree_leaves((meta_args, meta_kwargs)) if isinstance(t, Tensor)}
 
-    def check(module: nn.Module, inputs: tuple[Any, ...]) -> None:
-        x = inputs[0] if inputs else None
+    def check(module: nn.Module, given: tuple[Any, ...]) -> None:
+        x = given[0] if given else None
         if isinstance(x, Tensor) and x.dim() >= 1 and x.shape[-1] != module.weight.shape[-1]:
             prefix = names[id(module)]
             weight = f"{prefix}.weight" if prefix else "weight"
             shape = tuple(module.weight.shape)
-            found.append(width_error(where, weight, shape, x.shape[-1], first=reached[0] == 0))
+            found.append(width_error(where, weight, shape, x.shape[-1], first=id(x) in inputs))
             raise _Found
-        reached[0] += 1
 
-    for module in copy.modules():
-        if isinstance(module, nn.Linear):
-            module.register_forward_pre_hook(check)
     try:
+        copy = meta_skeleton(skeleton)
+        names.update((id(m), name) for name, m in copy.named_modules())
+        for module in copy.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(check)
         with torch.no_grad():
             functional_call(
                 copy,
                 (tree_map(_meta, params), tree_map(_meta, buffers)),
-                tree_map(_meta, args),
-                tree_map(_meta, kwargs),
+                meta_args,
+                meta_kwargs,
                 tie_weights=True,
                 strict=False,
             )

@@ -51,7 +51,7 @@ def _padding_row(padding_idx: int, num_embeddings: int) -> int:
 def _renorm_(input: Tensor, weight: Tensor, max_norm: float, norm_type: float) -> None:
     """Each member's looked-up rows of the stacked weight renormalised in place."""
     interpreter = torch._C._functorch.peek_interpreter_stack()
-    found_w = None
+    found_w = found_x = None
     if (
         interpreter is not None
         and interpreter.key() == torch._C._functorch.TransformType.Vmap
@@ -94,7 +94,8 @@ def embedding_per_member(
         raise ValueError(
             "nn.Embedding: sparse=True is not supported for training an ensemble (its "
             "gradients are dense [N, ...] tensors; expected sparse=False, got True). "
-            "Build the members with sparse=False: the gradients have the same values."
+            "Build the members with sparse=False (the gradients have the same values), "
+            "or run inference under torch.no_grad()."
         )
     if padding_idx is not None:
         padding_idx = _padding_row(padding_idx, weight.shape[0])

@@ -185,6 +185,11 @@ def test_module_face_training_with_frozen_parameters_matches_loop(arch, kind, op
     torch.testing.assert_close(got, stacked(members), **TOL)
     if optimizer == "torch.optim":
         assert len(opt.state) == len(got) - len(frozen)
+    else:  # the frozen leaves' state is as init made it
+        adam = _adam_state_of(opt.state)
+        for k in frozen:
+            assert adam.count[k].item() == 0, k
+            assert not adam.mu[k].any() and not adam.nu[k].any(), k
 
 
 def test_frozen_parameters_inside_a_torch_func_transform_get_none():
@@ -227,3 +232,25 @@ def test_plain_tensors_without_requires_grad_are_all_differentiated():
     plain = {k: v.detach() for k, v in params.items()}
     _, got, _ = fe.value_and_grad(loss_fn, (None, 0))(plain, buffers, x, y)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # the first use of fe.distributed imports torch.distributed.checkpoint
+def test_sharded_training_with_frozen_parameters_matches_loop():
+    """ShardedEnsemble.step_ (value_and_grad + update + apply_updates on each shard)."""
+    members, frozen = make_members("scaled, frozen first layer and 0-dim scale")
+    sharded = fe.distributed.ShardedEnsemble(copy.deepcopy(members), ["cpu", "cpu"])
+    loop_training(members, _TORCH["adamw"])
+    x, y = data()
+    opt = _fe_opt("adamw")
+    state = sharded.init_optimizer(opt)
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(sharded.fmodel(p, b, x), y)
+
+    initial = {k: sharded.to_ensemble().stacked_params()[k].detach().clone() for k in frozen}
+    for _ in range(STEPS):
+        _, state = sharded.step_(loss_fn, opt, state, x, y, in_dims=(None, 0))
+    got = {k: v.detach() for k, v in sharded.to_ensemble().stacked_params().items()}
+    for k in frozen:
+        assert torch.equal(got[k], initial[k]), k
+    torch.testing.assert_close(got, stacked(members), **TOL)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import ZOO, assert_trees_equal, stacked_state
+from helpers import ZOO, assert_trees_equal, runtime_typecheck_off, stacked_state
 from torch import Tensor, nn
 
 import funcensemble as fe
@@ -166,3 +166,15 @@ def test_unstack_keeps_hooks_and_attributes() -> None:
     back[1](torch.randn(4, 3))
     assert calls == [1]
     assert back[1].custom_attribute == "kept"
+
+
+@pytest.mark.parametrize("argument", ["params", "buffers"])
+def test_unstack_params_or_buffers_not_a_dict_is_a_type_error(argument) -> None:
+    fmodel, params, buffers = fe.stack([nn.BatchNorm1d(2) for _ in range(3)])
+    state = {"params": params, "buffers": buffers}
+    state[argument] = list(state[argument].values())
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=rf"unstack: {argument} must be a dict .* got list"),
+    ):
+        fe.unstack(fmodel, state["params"], state["buffers"])

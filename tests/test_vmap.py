@@ -399,3 +399,14 @@ def test_params_or_buffers_not_a_dict_is_a_type_error(argument) -> None:
         fe.vmap(fmodel)(state["params"], state["buffers"], torch.randn(5, 3))
     with pytest.raises(TypeError, match=r"vmap: params\['weight'\] is a list, expected a tensor"):
         fe.vmap(fmodel)({**params, "weight": [1.0]}, buffers, torch.randn(5, 3))
+
+
+def test_wrong_width_reaching_a_later_linear_names_it() -> None:
+    """A Linear fed by another layer, not by the input: the message says so."""
+    members = [nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(18, 1)) for _ in range(2)]
+    fmodel, params, buffers = fe.stack(members)
+    with pytest.raises(
+        ValueError, match=r"vmap: layer `2` .* expects 18 input features, but is given 24"
+    ):
+        fe.vmap(fmodel)(params, buffers, torch.randn(5, 2, 10))
+    assert fe.vmap(fmodel)(params, buffers, torch.randn(5, 2, 8)).shape == (2, 5, 1)
