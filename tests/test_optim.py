@@ -445,7 +445,9 @@ def test_chain_composes_building_blocks_into_adam():
     alias = fe.optim.adamw(lr, weight_decay=wd)
     u1, _ = manual.update(grads, manual.init(params), params)
     u2, _ = alias.update(grads, alias.init(params), params)
-    assert_trees_equal(u1, u2)
+    # The same step up to rounding: the alias folds lr into the bias correction before
+    # dividing, in torch.optim's order; the chain scales the finished direction.
+    torch.testing.assert_close(u1, u2, rtol=1e-13, atol=0)
 
 
 @pytest.mark.slow
