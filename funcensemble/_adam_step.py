@@ -53,22 +53,29 @@ def _wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _widened(h: Hyper, like: list[Tensor]) -> float | list[Tensor]:
-    """``h`` per leaf in double precision (a float stays a float)."""
-    return per_leaf(h, like, [_wide(x.device) for x in like])
-
-
-def _rounded(xs: list[Tensor], like: list[Tensor]) -> list[Tensor]:
-    """Each of ``xs`` rounded once to its leaf's dtype, as a kernel rounds a Python float."""
-    return [x.to(p.dtype) for x, p in zip(xs, like, strict=True)]
+def _in_double(h: Hyper) -> float | Tensor:
+    """``h``'s value in double precision, on its own device (a float stays a float)."""
+    v = h.value
+    return v.to(_wide(v.device)) if isinstance(v, Tensor) else v
 
 
 def complement(h: Hyper, like: list[Tensor]) -> float | list[Tensor]:
     """``1 - h`` per leaf, computed in double precision and rounded to each leaf's dtype."""
-    if not is_per_member(h):
-        return 1.0 - h.value  # type: ignore[operator]
-    wide = _widened(h, like)
-    return _rounded([1.0 - w for w in wide], like)  # type: ignore[union-attr]
+    return per_leaf(Hyper(h.name, 1.0 - _in_double(h)), like)  # type: ignore[operator]
+
+
+def _shrink(lr: Hyper, weight_decay: Hyper, like: list[Tensor]) -> float | list[Tensor]:
+    """AdamW's factor ``1 - lr * weight_decay`` per leaf, in double precision as torch.optim."""
+    lr_, wd = _in_double(lr), _in_double(weight_decay)
+    if isinstance(lr_, Tensor) and isinstance(wd, Tensor):
+        wd = wd.to(lr_.device)
+    return per_leaf(Hyper("1 - lr * weight_decay", 1.0 - lr_ * wd), like)  # type: ignore[operator]
+
+
+def _on(h: Hyper, device: torch.device, dtype: torch.dtype) -> float | Tensor:
+    """``h``'s value on ``device`` in ``dtype`` (a float stays a float)."""
+    v = h.value
+    return v.to(device=device, dtype=dtype) if isinstance(v, Tensor) else v
 
 
 def step_factors(
@@ -81,37 +88,31 @@ def step_factors(
     would keep only a few digits (b2 = 0.99999, t = 1: 1e-5 known to about 1e-7) and the
     step would drift from torch.optim's by ~1e-3 of its size. So these are computed in
     float64 on the leaves' devices, without reading the step count back to Python (no
-    device sync; traceable by torch.compile), and rounded once to each leaf's dtype.
+    device sync; traceable by torch.compile), and rounded once to each leaf's dtype:
+    one ``[leaves, members]`` computation per device and dtype, then a view per leaf.
     """
-    wide = [_wide(x.device) for x in like]
-    t = [c.to(d) for c, d in zip(counts, wide, strict=True)]
-    neg_bc1 = list(torch._foreach_pow(per_leaf(b1, like, wide), t))  # type: ignore[arg-type]
-    torch._foreach_sub_(neg_bc1, 1.0)  # b1**t - 1 = -(1 - b1**t)
-    bc2 = list(torch._foreach_pow(per_leaf(b2, like, wide), t))  # type: ignore[arg-type]
-    torch._foreach_sub_(bc2, 1.0)
-    torch._foreach_neg_(bc2)
-    torch._foreach_sqrt_(bc2)
-    rate = per_leaf(lr, like, wide)
-    if isinstance(rate, float):
-        torch._foreach_reciprocal_(neg_bc1)
-        torch._foreach_mul_(neg_bc1, rate)
-        step = neg_bc1
-    else:
-        step = list(torch._foreach_div(rate, neg_bc1))
-    return _rounded(step, like), _rounded(bc2, like)
-
-
-def _shrink(lr: Hyper, weight_decay: Hyper, like: list[Tensor]) -> float | list[Tensor]:
-    """AdamW's factor ``1 - lr * weight_decay`` per leaf, in double precision as torch.optim."""
-    if not is_per_member(lr) and not is_per_member(weight_decay):
-        return 1.0 - lr.value * weight_decay.value  # type: ignore[operator]
-    x, y = _widened(lr, like), _widened(weight_decay, like)
-    if isinstance(x, float):
-        x, y = y, x
-    product = list(torch._foreach_mul(x, y))  # type: ignore[arg-type]
-    torch._foreach_neg_(product)
-    torch._foreach_add_(product, 1.0)
-    return _rounded(product, like)
+    step: list[Tensor] = [None] * len(like)  # type: ignore[list-item]
+    bc2_sqrt: list[Tensor] = [None] * len(like)  # type: ignore[list-item]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for k, p in enumerate(like):
+        groups.setdefault((p.device, p.dtype), []).append(k)
+    for (device, dtype), ks in groups.items():
+        wide = _wide(device)
+        beta1, beta2, rate = (_on(h, device, wide) for h in (b1, b2, lr))
+        t = torch.stack([counts[k] for k in ks]).to(wide).unsqueeze(1)  # [leaves, 1]
+        neg_bc1 = torch.pow(beta1, t) - 1.0  # b1**t - 1 = -(1 - b1**t)
+        root = (1.0 - torch.pow(beta2, t)).sqrt()
+        # [2, leaves, members or 1]: both factors, rounded once to the leaves' dtype.
+        both = torch.stack(torch.broadcast_tensors(rate / neg_bc1, root)).to(dtype)
+        n = both.shape[2]
+        views: dict[int, tuple[Tensor, ...]] = {}
+        for row, k in enumerate(ks):
+            rank = like[k].dim()
+            if rank not in views:  # one view per rank: [n, 1, ..., 1], or all ones
+                shape = (n, *[1] * (rank - 1)) if n > 1 else (1,) * rank
+                views[rank] = both.reshape(2 * len(ks), *shape).unbind(0)
+            step[k], bc2_sqrt[k] = views[rank][row], views[rank][len(ks) + row]
+    return step, bc2_sqrt
 
 
 def _fused_lr(lr: Hyper, device: torch.device) -> float | Tensor | None:
@@ -195,21 +196,26 @@ def foreach_adam(
 ) -> tuple[Moments, list[Tensor]]:
     """``torch.optim.Adam(foreach=True)``'s step, with any hyperparameter per member.
 
-    The same operations in the same order as torch's multi-tensor Adam (and, elementwise,
-    its for-loop Adam), with a per-member value as an ``[N, 1, ..., 1]`` view where torch
-    has a Python float, and the bias corrections and step size computed in double
-    precision like torch's (see ``step_factors``). A kernel gives the same result for a
-    float32 scalar and a float32 tensor holding it, so each member's arithmetic is
-    torch.optim's.
+    The operations of torch's multi-tensor Adam (and, elementwise, of its for-loop
+    Adam) in its order, with a per-member value as an ``[N, 1, ..., 1]`` view where
+    torch has a Python float, and the bias corrections and step size computed in double
+    precision as torch's are (see ``step_factors``). A kernel gives the same result for
+    a float32 scalar and a float32 tensor holding it, so each member's arithmetic is
+    torch.optim's, with one difference in place (below).
 
-    ``in_place``: ``params`` and the state are written, and the new state is ``state``
-    itself; the updates returned are empty. Otherwise nothing is written: the new state
-    is made of fresh tensors, and the updates are what ``params`` must add to become
-    torch.optim's new parameters. (For AdamW with weight decay that is ``new - params``,
-    which ``params + updates`` gives back exactly up to one rounding.)
+    Not ``in_place``: nothing is written; the new state is made of fresh tensors, and
+    the updates are what ``params`` must add to become torch.optim's new parameters,
+    computed as torch's float-hyperparameter path does (``(-step * m) / denom``). For
+    AdamW with weight decay they are ``new - params``, which ``params + updates``
+    gives back up to one rounding.
 
-    Full-size temporaries in place: the gradient when ``maximize`` or L2 weight decay
-    change it (freed after the moments), the denominator, and the step ``lr * m̂``.
+    ``in_place``: ``params`` and the state are written, the new state is ``state``
+    itself and the updates returned are empty. The last step is the one torch.optim
+    takes for tensor hyperparameters (``capturable=True``): ``m / (denom / -step)``,
+    which needs no buffer for ``-step * m``; it differs from the other order by a
+    rounding per step. Full-size temporaries: the gradient when ``maximize`` or L2
+    weight decay change it (freed after the moments) and the denominator, as in
+    ``torch.optim.Adam(foreach=True)``.
     """
     mu, nu, nu_max, counts = state
     if in_place:
@@ -256,12 +262,15 @@ def foreach_adam(
     neg_step, bc2_sqrt = step_factors(o.lr, o.b1, o.b2, counts, params)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, per_leaf(o.eps, denom))
-    # torch.optim's addcdiv_(m, denom, value=-step) computes (-step * m) / denom + p.
-    step = list(torch._foreach_mul(mu, neg_step))
     new_state = Moments(mu, nu, nu_max, counts)
     if in_place:
-        torch._foreach_addcdiv_(params, step, denom)
+        # torch.optim's order for tensor hyperparameters (capturable=True): the step
+        # size divides the denominator, then one addcdiv_; no second full-size buffer.
+        torch._foreach_div_(denom, neg_step)
+        torch._foreach_addcdiv_(params, mu, denom)
         return new_state, []
+    # Its order for float ones: addcdiv_(m, denom, value=-step) is (-step * m) / denom + p.
+    step = list(torch._foreach_mul(mu, neg_step))
     torch._foreach_div_(step, denom)
     if base is not params:
         torch._foreach_add_(step, base)
