@@ -41,11 +41,11 @@ def start(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def gradients(dtype: torch.dtype, steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+def gradients(dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
     """Fixed gradients: mostly small, a spike every 7th step (so AMSGrad's maximum moves)."""
     g = torch.Generator().manual_seed(1)
     out = []
-    for t in range(steps):
+    for t in range(STEPS):
         scale = 5.0 if t % 7 == 0 else 0.1
         out.append(
             {
@@ -82,20 +82,19 @@ def member_hyperparameters(hp: dict[str, Any], i: int) -> dict[str, Any]:
     }
 
 
+Grads = list[dict[str, torch.Tensor]]
+
+
 def torch_run(
-    kind: str,
-    hp: dict[str, Any],
-    flags: dict[str, Any],
-    dtype: torch.dtype,
-    steps: int,
-    **impl: Any,
-) -> dict[str, torch.Tensor]:
-    """Each member alone with torch.optim; the results stacked back to ``[N, ...]``.
+    kind: str, hp: dict[str, Any], flags: dict[str, Any], grads: Grads, **impl: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Each member alone with torch.optim: parameters and state stacked to ``[N, ...]``.
 
     One optimizer with a parameter group per member (its own parameters and values):
     torch.optim steps each group on its own, as N optimizers would, in one call.
     """
     cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+    dtype = grads[0]["w"].dtype
     members = [
         {k: torch.nn.Parameter(v[i].clone()) for k, v in start(dtype).items()} for i in range(N)
     ]
@@ -104,42 +103,52 @@ def torch_run(
         for i, ps in enumerate(members)
     ]
     opt = cls(groups, **flags, **impl)
-    for grads in gradients(dtype)[:steps]:
+    for step in grads:
         for i, ps in enumerate(members):
             for k, p in ps.items():
-                p.grad = grads[k][i].clone()
+                p.grad = step[k][i].clone()
         opt.step()
-    return {k: torch.stack([m[k].detach() for m in members]) for k in SHAPES}
+    params = {k: torch.stack([m[k].detach() for m in members]) for k in SHAPES}
+    state = {
+        k: {f: torch.stack([opt.state[m[k]][f] for m in members]) for f in opt.state[members[0][k]]}
+        for k in SHAPES
+    }
+    return params, state
+
+
+def torch_params(kind: str, hp: dict, flags: dict, grads: Grads, **impl: Any) -> dict:
+    return torch_run(kind, hp, flags, grads, **impl)[0]
 
 
 def fe_run(
-    kind: str, hp: dict[str, Any], flags: dict[str, Any], dtype: torch.dtype, steps: int, path: str
-) -> dict[str, torch.Tensor]:
-    with runtime_typecheck_off():  # as a user runs it: 1,000 steps of checks cost seconds
-        return _fe_run(kind, hp, flags, dtype, steps, path)
-
-
-def _fe_run(
-    kind: str, hp: dict[str, Any], flags: dict[str, Any], dtype: torch.dtype, steps: int, path: str
-) -> dict[str, torch.Tensor]:
+    kind: str, hp: dict[str, Any], flags: dict[str, Any], grads: Grads, path: str
+) -> tuple[dict[str, torch.Tensor], fe.optim.AdamState]:
+    """fe.optim on the stacked parameters along ``path``: parameters and AdamState."""
     opt = getattr(fe.optim, kind)(**hp, **flags)
-    params = {k: v.clone() for k, v in start(dtype).items()}
-    if path == "EnsembleOptimizer":
-        leaves = {k: torch.nn.Parameter(v) for k, v in params.items()}
-        ensemble_opt = fe.optim.EnsembleOptimizer(leaves, opt)
-        for grads in gradients(dtype)[:steps]:
-            for k, p in leaves.items():
-                p.grad = grads[k].clone()
-            ensemble_opt.step()
-        return {k: v.detach() for k, v in leaves.items()}
-    state = opt.init(params)
-    for grads in gradients(dtype)[:steps]:
-        if path == "update":
-            updates, state = opt.update(grads, state, params)
-            params = fe.optim.apply_updates(params, updates)
+    params = {k: v.clone() for k, v in start(grads[0]["w"].dtype).items()}
+    with runtime_typecheck_off():  # as a user runs it: 1,000 steps of checks cost seconds
+        if path == "EnsembleOptimizer":
+            leaves = {k: torch.nn.Parameter(v) for k, v in params.items()}
+            ensemble_opt = fe.optim.EnsembleOptimizer(leaves, opt)
+            for step in grads:
+                for k, p in leaves.items():
+                    p.grad = step[k].clone()
+                ensemble_opt.step()
+            params, state = {k: v.detach() for k, v in leaves.items()}, ensemble_opt.state
         else:
-            state = opt.update_(grads, state, params)
-    return params
+            state = opt.init(params)
+            for step in grads:
+                if path == "update":
+                    updates, state = opt.update(step, state, params)
+                    params = fe.optim.apply_updates(params, updates)
+                else:
+                    state = opt.update_(step, state, params)
+    (adam_state,) = [s for s in state if isinstance(s, fe.optim.AdamState)]
+    return params, adam_state
+
+
+def fe_params(kind: str, hp: dict, flags: dict, grads: Grads, path: str) -> dict:
+    return fe_run(kind, hp, flags, grads, path)[0]
 
 
 def ulps(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
@@ -162,15 +171,15 @@ def test_float32_thousand_steps_every_path_matches_torch_optim(kind, b2, amsgrad
     hp = hyperparameters(b2, per_member)
     # maximize rides along with amsgrad: both on and both off are covered.
     flags = {"amsgrad": amsgrad, "maximize": amsgrad}
-    dtype = torch.float32
-    multi = torch_run(kind, hp, flags, dtype, STEPS, foreach=True)
+    grads = gradients(torch.float32)
+    multi = torch_params(kind, hp, flags, grads, foreach=True)
 
     # Pure update + apply_updates: multi-tensor ops in torch's float-hyperparameter order.
-    pure = fe_run(kind, hp, flags, dtype, STEPS, "update")
+    pure = fe_params(kind, hp, flags, grads, "update")
     assert ulps(pure, multi) <= PURE_ULPS
 
-    in_place = fe_run(kind, hp, flags, dtype, STEPS, "update_")
-    ensemble = fe_run(kind, hp, flags, dtype, STEPS, "EnsembleOptimizer")
+    in_place = fe_params(kind, hp, flags, grads, "update_")
+    ensemble = fe_params(kind, hp, flags, grads, "EnsembleOptimizer")
     torch.testing.assert_close(ensemble, in_place, rtol=0, atol=0)  # update_ on .grad
     if per_member:
         # Multi-tensor ops with [N] views, ending in torch's capturable order.
@@ -178,10 +187,10 @@ def test_float32_thousand_steps_every_path_matches_torch_optim(kind, b2, amsgrad
     else:
         # torch's fused kernel on the stacked tensors: against torch's fused Adam per
         # member it differs only where SIMD lanes split the stacked tensor differently...
-        fused = torch_run(kind, hp, flags, dtype, STEPS, fused=True)
+        fused = torch_params(kind, hp, flags, grads, fused=True)
         assert ulps(in_place, fused) <= IN_PLACE_ULPS
         # ... and it is no further from torch's for-loop Adam than torch's fused Adam is.
-        loop = torch_run(kind, hp, flags, dtype, STEPS, foreach=False)
+        loop = torch_params(kind, hp, flags, grads, foreach=False)
         assert ulps(multi, loop) <= PURE_ULPS  # torch's two element-wise paths agree
         assert ulps(in_place, loop) <= ulps(fused, loop) + IN_PLACE_ULPS
 
@@ -193,12 +202,12 @@ def test_float32_thousand_steps_every_path_matches_torch_optim(kind, b2, amsgrad
 def test_float64_pure_and_in_place_match_torch_optim(kind, amsgrad, per_member):
     hp = hyperparameters(0.99999, per_member)
     flags = {"amsgrad": amsgrad, "maximize": amsgrad}
-    dtype, steps = torch.float64, 200
-    loop = torch_run(kind, hp, flags, dtype, steps, foreach=False)
+    grads = gradients(torch.float64)[:200]
+    loop = torch_params(kind, hp, flags, grads, foreach=False)
     for path in ("update", "update_"):
-        ours = fe_run(kind, hp, flags, dtype, steps, path)
+        ours = fe_params(kind, hp, flags, grads, path)
         # 1e-12 of max(|value|, total update), i.e. ~4,500 float64 ulps: far from 1e-7.
-        assert ulps(ours, loop) * torch.finfo(dtype).eps <= 1e-12, path
+        assert ulps(ours, loop) * torch.finfo(torch.float64).eps <= 1e-12, path
 
 
 def test_float32_bias_corrections_of_beta2_near_one():
@@ -206,7 +215,57 @@ def test_float32_bias_corrections_of_beta2_near_one():
     # update, and 8e-6 absolute after one step, with the bias corrections in float32.
     hp = {"lr": 1e-3, "betas": (0.9, 0.99999)}
     for steps in (1, 20):
-        loop = torch_run("adam", hp | {"eps": 1e-8, "weight_decay": 0.0}, {}, torch.float32, steps)
+        grads = gradients(torch.float32)[:steps]
+        loop = torch_params("adam", hp | {"eps": 1e-8, "weight_decay": 0.0}, {}, grads)
         for path in ("update", "update_"):
-            ours = fe_run("adam", hp, {}, torch.float32, steps, path)
+            ours = fe_params("adam", hp, {}, grads, path)
             assert ulps(ours, loop) <= IN_PLACE_ULPS, (steps, path)
+
+
+# --- one member's non-finite gradients ----------------------------------------------------
+
+BAD = 1  # the member whose gradients go non-finite
+
+
+def poisoned(grads: Grads) -> Grads:
+    """``grads`` with NaN, +inf and -inf in member BAD's gradients at steps 2, 3 and 4."""
+    out = [{k: v.clone() for k, v in step.items()} for step in grads]
+    out[2]["w"][BAD, 0, 0] = float("nan")
+    out[3]["b"][BAD, 3] = float("inf")
+    out[4]["s"][BAD] = float("-inf")
+    return out
+
+
+FIELDS = {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
+
+
+@pytest.mark.parametrize("path", ["update", "update_", "EnsembleOptimizer"])
+@pytest.mark.parametrize("per_member", [False, True], ids=["floats", "per-member"])
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_non_finite_gradients_of_one_member_leave_the_others_untouched(kind, per_member, path):
+    # update_ with floats runs torch's fused kernel, with per-member values multi-tensor
+    # ops: neither may let one member's NaN or inf reach another member's numbers.
+    hp, flags = hyperparameters(0.999, per_member), {"amsgrad": True}
+    clean = gradients(torch.float32)[:8]
+    bad = poisoned(clean)
+    params, state = fe_run(kind, hp, flags, bad, path)
+    clean_params, clean_state = fe_run(kind, hp, flags, clean, path)
+    others = [i for i in range(N) if i != BAD]
+    for k in SHAPES:
+        # Every other member, and its state, bit for bit as in the run without the NaNs.
+        assert torch.equal(params[k][others], clean_params[k][others]), k
+        assert torch.equal(state.count[k], clean_state.count[k])  # one count per leaf
+        for field in ("mu", "nu", "nu_max"):
+            ours_, clean_ = getattr(state, field)[k], getattr(clean_state, field)[k]
+            assert torch.equal(ours_[others], clean_[others]), (k, field)
+    # The bad member becomes what torch.optim makes of it alone: NaN where torch has NaN.
+    impl = {"foreach": True} if per_member or path == "update" else {"fused": True}
+    theirs, their_state = torch_run(kind, hp, flags, bad, **impl)
+    assert not torch.isfinite(params["w"][BAD]).all()
+    for k in SHAPES:
+        torch.testing.assert_close(params[k][BAD], theirs[k][BAD], equal_nan=True, msg=k)
+        assert state.count[k].item() == their_state[k]["step"][BAD].item()
+        for field, key in FIELDS.items():
+            torch.testing.assert_close(
+                getattr(state, field)[k][BAD], their_state[k][key][BAD], equal_nan=True
+            )

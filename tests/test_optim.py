@@ -519,6 +519,10 @@ def test_cuda_matches_cpu():
         ({"lr": torch.ones(2, 3)}, r"lr as a tensor must be 1-D .* got shape \(2, 3\)"),
         ({"lr": torch.ones(0)}, r"must be 1-D with one value per member"),
         ({"betas": (0.9, 0.99, 0.999)}, r"betas must be a pair .* got 3 values"),
+        ({"betas": (0.9, float("nan"))}, r"Invalid beta parameter at index 1: nan"),
+        ({"eps": float("nan")}, r"Invalid epsilon value: nan"),
+        ({"weight_decay": torch.tensor([0.1, float("nan")])}, r"weight_decay value: nan"),
+        ({"lr": torch.ones(3, device="meta")}, r"lr is a meta tensor, which holds no values"),
     ],
 )
 def test_invalid_hyperparameters_raise_value_error(make, kwargs, match):
@@ -564,6 +568,26 @@ def test_per_member_size_is_checked_at_init():
     opt = fe.optim.adamw(weight_decay=torch.full((2,), 0.1))
     with pytest.raises(ValueError, match=r"weight_decay has 2 per-member values"):
         opt.init(small_tree())
+
+
+def test_ensemble_optimizer_refuses_a_per_member_size_mismatch_at_construction():
+    params = {k: torch.nn.Parameter(v) for k, v in small_tree().items()}
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"adam: eps has 2 per-member values but params\['b'\]"):
+        fe.optim.EnsembleOptimizer(params, fe.optim.adam(eps=torch.full((2,), 1e-8)))
+    assert_trees_equal({k: v.detach() for k, v in params.items()}, before)
+
+
+def test_per_member_values_of_any_float_dtype_are_used_as_given():
+    # A float16 or float64 [N] tensor: member i trains with float(values[i]), like a
+    # torch.optim given that number, whatever the parameters' dtype.
+    for dtype in (torch.float16, torch.float64):
+        lrs = torch.tensor([1e-2, 3e-3, 1e-3], dtype=dtype)
+        r = run(
+            fe.optim.adamw(lr=lrs),
+            lambda i, p, lrs=lrs: (torch.optim.AdamW(p, lr=float(lrs[i])), None),
+        )
+        assert_matches_torch(r, amsgrad=False)
 
 
 def test_schedule_outputs_are_checked_at_update():
