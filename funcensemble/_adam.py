@@ -440,8 +440,8 @@ def adam(
     Elementwise kernels may round differently on a stacked tensor than on one
     member's (SIMD lanes fall elsewhere), so in float32 a member can end a few ulps
     from torch.optim's run of it alone: the test suite allows 4 ulps for ``update``
-    and 8 for ``update_`` after 1,000 steps (torch's own fused and for-loop Adam are
-    up to ~17 apart there), and 1e-12 in float64. A NaN or inf in one member's
+    and 8 for ``update_`` (of the larger of the parameter and its total change) after
+    1,000 steps, and 1e-12 in float64. A NaN or inf in one member's
     gradient makes that member's parameters and state what torch.optim makes of them
     (NaN); every other member is untouched, bit for bit.
 
