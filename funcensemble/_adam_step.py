@@ -99,7 +99,7 @@ def step_factors(
     for (device, dtype), ks in groups.items():
         wide = _wide(device)
         beta1, beta2, rate = (_on(h, device, wide) for h in (b1, b2, lr))
-        t = torch.stack([counts[k] for k in ks]).to(wide).unsqueeze(1)  # [leaves, 1]
+        t = torch.stack([counts[k].to(device) for k in ks]).to(wide).unsqueeze(1)  # [leaves, 1]
         neg_bc1 = torch.pow(beta1, t) - 1.0  # b1**t - 1 = -(1 - b1**t)
         root = (1.0 - torch.pow(beta2, t)).sqrt()
         # [2, leaves, members or 1]: both factors, rounded once to the leaves' dtype.
