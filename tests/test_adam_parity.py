@@ -25,7 +25,6 @@ import funcensemble as fe
 
 N, STEPS = 3, 1000
 SHAPES = {"w": (N, 5, 4), "b": (N, 5), "s": (N,)}
-EPS32 = torch.finfo(torch.float32).eps
 # The pure update runs torch's float-hyperparameter arithmetic in its order (bitwise equal
 # on x86 CPUs); update_ with per-member values ends the step in torch's tensor-
 # hyperparameter order (capturable=True), one rounding per step away from it.
