@@ -124,6 +124,11 @@ def hyperparameter(
             + f", got {_describe(value)}."
         )
     if isinstance(value, Tensor):
+        if value.is_meta:
+            raise ValueError(
+                f"{where}: {name} is a meta tensor, which holds no values; pass a float or "
+                "a tensor with one value per member (on the CPU or the parameters' device)."
+            )
         if not value.is_floating_point():
             raise TypeError(
                 f"{where}: {name} as a tensor must be floating point (one value per "

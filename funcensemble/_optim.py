@@ -49,13 +49,18 @@ class GradientTransformation(NamedTuple):
     def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
         """Step ``params`` in place; return the new state.
 
-        Computes exactly what ``updates, state = update(grads, state, params)``
-        followed by ``params = apply_updates(params, updates)`` computes, but writes
-        the result into the ``params`` tensors (under ``torch.no_grad()``, so they may
-        be ``nn.Parameter``s) and into the state's tensors, instead of allocating new
-        ones. The returned state holds the same tensors as ``state`` wherever their
-        shapes allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need
-        the old values. Everything is checked before anything is written: a call that
+        Computes the step of ``updates, state = update(grads, state, params)``
+        followed by ``params = apply_updates(params, updates)``, but writes the result
+        into the ``params`` tensors (under ``torch.no_grad()``, so they may be
+        ``nn.Parameter``s) and into the state's tensors, instead of allocating new
+        ones. The derived step computes exactly what those two calls compute;
+        ``fe.optim.adam``'s own step runs torch's fused kernel or orders its last
+        operations as torch.optim does for tensor hyperparameters, so it agrees
+        with them up to float rounding (see [`adam`][funcensemble.optim.adam]).
+
+        The returned state holds the same tensors as ``state`` wherever their shapes
+        allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need the
+        old values. Everything is checked before anything is written: a call that
         raises leaves ``params`` and ``state`` as they were.
 
         Args:
