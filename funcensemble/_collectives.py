@@ -17,6 +17,7 @@ from jaxtyping import Float, Real
 from torch import Tensor
 
 from . import _reduce
+from ._dist_errors import failures
 from ._distributed import MemberShard, rank_and_world
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
@@ -27,17 +28,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(
 )
 
 
-def _collective(where: str, rank: int, world: int, op: Callable[[], Any]) -> Any:
-    """Run ``op``; if the collective fails, say which rank failed and why it usually does."""
-    try:
+def _collective(where: str, rank: int, world: int, op: Callable[[], Any], group: Any = None) -> Any:
+    """Run ``op``; if the collective fails, raise a ``DistributedError`` naming this rank."""
+    with failures(
+        where,
+        f"waiting for the other ranks in a collective over {world} ranks",
+        rank,
+        world,
+        group=group,
+    ):
         return op()
-    except RuntimeError as error:  # gloo/NCCL errors and timeouts are RuntimeErrors
-        raise RuntimeError(
-            f"{where}: a collective over {world} ranks failed on rank {rank}. Another rank "
-            "has probably crashed, or has not reached this call within the process "
-            "group's timeout; its own output says why. Cause: "
-            f"{str(error).strip()}"
-        ) from error
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -71,6 +71,7 @@ def _all_reduce(where: str, shard: MemberShard, t: Tensor, op: Any) -> Tensor:
         shard.rank,
         shard.world_size,
         lambda: dist.all_reduce(t, op=op, group=shard.group),
+        shard.group,
     )
     return t
 
@@ -90,6 +91,7 @@ def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
         shard.rank,
         shard.world_size,
         lambda: _all_gather_single(out, t.contiguous(), group=shard.group),
+        shard.group,
     )
     if all(size == rows for size in shard.sizes):
         return out
@@ -110,7 +112,7 @@ def all_gather(local: Any, shard: MemberShard) -> Any:
 
     Raises:
         ValueError: A tensor whose leading size is not this rank's member count.
-        RuntimeError: The collective failed (another rank crashed or timed out).
+        DistributedError: The collective failed (another rank crashed or timed out).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -369,6 +371,7 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
                         rank,
                         world,
                         lambda t=leaf: dist.broadcast(t, global_src, group=group),
+                        group,
                     )
             out.append(leaf)
     return torch.utils._pytree.tree_unflatten(out, spec)

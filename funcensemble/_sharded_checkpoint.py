@@ -49,6 +49,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ._agreement import agree_to_write
+from ._dist_errors import failures
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
 from ._paths import flatten_by_key
@@ -160,6 +162,10 @@ def _dcp_call() -> Iterator[None]:
         yield
 
 
+def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractContextManager:
+    return failures(where, what, shard.rank, shard.world_size, group=shard.group)
+
+
 def _check_shard(where: str, shard: object) -> MemberShard:
     if not isinstance(shard, MemberShard):
         raise TypeError(
@@ -208,6 +214,7 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         ['.metadata', '__0_0.distcp']
     """
     where = "distributed.save"
+    name = os.fspath(path)
     flat = _flatten(where, obj)
     keys = flat.sharded()
     if shard is None:
@@ -246,7 +253,8 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         for key, leaf in flat.leaves.items()
     }
     offsets = dict.fromkeys(keys, shard.members.start)
-    with _dcp_call():
+    agree_to_write(where, name, flat.leaves, shard, values=True)
+    with _dcp_call(), _failures(where, f"writing its members to '{name}'", shard):
         dcp.save(
             state,
             checkpoint_id=path,
@@ -402,7 +410,8 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         for key, leaf in flat.leaves.items()
     }
     offsets = dict.fromkeys(flat.sharded(), shard.members.start)
-    with _dcp_call():
+    agree_to_write(where, name, flat.leaves, shard, values=False)
+    with _dcp_call(), _failures(where, f"reading its members from '{name}'", shard):
         dcp.load(
             dest,
             checkpoint_id=path,
