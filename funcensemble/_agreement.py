@@ -95,7 +95,18 @@ def describe_ensemble(ens: Ensemble) -> Description:
         for name, t in tensors.items():
             out[f"{kind} `{name}`"] = _tensor(t, member_first=True)
     for name, module in member.named_modules():
-        out[f"the mode of `{name or '(root)'}`"] = "train" if module.training else "eval"
+        label = f"`{name or '(root)'}`"
+        out[f"the mode of {label}"] = "train" if module.training else "eval"
+        # A module's extra_repr shows its settings (a slope, eps, stride, p), which the
+        # tensors do not: the fingerprint may not cover them all.
+        out[f"the settings of {label}"] = f"{type(module).__name__}({module.extra_repr()})"
+        hooks = {
+            "forward hooks": len(module._forward_hooks),
+            "forward pre-hooks": len(module._forward_pre_hooks),
+        }
+        for kind, count in hooks.items():
+            if count:
+                out[f"the {kind} of {label}"] = str(count)
     return out
 
 
@@ -128,11 +139,9 @@ def describe_leaves(leaves: Mapping[str, Any], *, values: bool = True) -> Descri
 
 
 def describe_tree(tree: Any) -> Description:
-    """A pytree of this rank's state (see ``describe_leaves``), with its structure."""
-    accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree, none_is_leaf=True)
-    out = {"the pytree's structure": str(treedef)}
-    out.update(describe_leaves({path_key(a): x for a, x in zip(accessors, leaves, strict=True)}))
-    return out
+    """A pytree of this rank's state by leaf path (see ``describe_leaves``)."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=True)
+    return describe_leaves({path_key(a): x for a, x in zip(accessors, leaves, strict=True)})
 
 
 def _constants(obj: Any, owner: str, depth: int, seen: set[int]) -> Iterator[tuple[str, str]]:
