@@ -181,6 +181,102 @@ def test_collective_errors():
         d.broadcast(torch.zeros(2), src=1)
 
 
+# --- one member's numbers, however the members are split ---------------------------------
+
+SPLIT_LR, SPLIT_STEPS = 1e-2, 3
+# "7/1" is seven shards of one member each.
+SPLITS = [(4, 3), (3, 3, 1), (6, 1), (1,) * 7]
+
+
+def _split_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _split_conv_bn() -> torch.nn.Module:
+    # The convolution's bias, just before BatchNorm, has an exact gradient of 0: what it
+    # gets is rounding noise, which Adam turns into steps of about lr.
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)
+    )
+
+
+def _train_in_shards(make, dtype, sizes):
+    """Each shard trains its members on its own, as a rank (or device) holding them does.
+
+    Returns the first forward's outputs and gradients and the final parameters and
+    buffers, all members concatenated in order.
+    """
+    ens = fe.Ensemble.from_factory(lambda: make().to(dtype), num_members=7, seed=0)
+    g = torch.Generator().manual_seed(1)
+    shape = (5,) if make is _split_mlp else (2, 6, 6)
+    xs = [torch.randn(7, 8, *shape, generator=g, dtype=dtype) for _ in range(SPLIT_STEPS)]
+    ys = [torch.randn(7, 8, 3, generator=g, dtype=dtype) for _ in range(SPLIT_STEPS)]
+
+    def loss_fn(p, b, x, y):
+        return torch.nn.functional.mse_loss(ens.fmodel(p, b, x), y)
+
+    step = fe.value_and_grad(loss_fn, in_dims=0)
+    parts = []
+    for members in _slices(sizes):
+        params = {k: v.detach()[members].clone() for k, v in ens.stacked_params().items()}
+        buffers = {k: v[members].clone() for k, v in ens.stacked_buffers().items()}
+        outputs = fe.vmap(ens.fmodel, in_dims=0)(params, dict(buffers), xs[0][members])
+        opt = fe.optim.adam(SPLIT_LR)
+        state = opt.init(params)
+        for t in range(SPLIT_STEPS):
+            _, grads, buffers = step(params, buffers, xs[t][members], ys[t][members])
+            if t == 0:
+                first = grads
+            updates, state = opt.update(grads, state, params)
+            params = fe.optim.apply_updates(params, updates)
+        parts.append({"outputs": outputs, "grads": first, "params": params, "buffers": buffers})
+    return {
+        name: torch.utils._pytree.tree_map(lambda *ts: torch.cat(ts), *[p[name] for p in parts])
+        for name in parts[0]
+    }
+
+
+def _slices(sizes):
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [slice(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+def _rows(tree, rows):
+    return {k: v[rows] for k, v in tree.items()} if isinstance(tree, dict) else tree[rows]
+
+
+@pytest.mark.parametrize("sizes", SPLITS, ids=lambda s: "/".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("make", [_split_mlp, _split_conv_bn], ids=["mlp", "conv_bn"])
+def test_a_member_computes_the_same_however_the_members_are_split(make, dtype, sizes):
+    """The documented claim (scale-out.md, "Does the split change the numbers?").
+
+    Bit for bit, except a float32 convolution alone in its shard: its one-member kernel
+    rounds differently from the grouped kernel of several members, by a few ulps of the
+    largest value, which Adam can turn into up to 2 lr per step on a parameter whose
+    gradient is only rounding noise.
+    """
+    whole = _train_in_shards(make, dtype, (7,))
+    split = _train_in_shards(make, dtype, sizes)
+    lone = [s.start for s in _slices(sizes) if s.stop - s.start == 1]
+    if make is _split_mlp or dtype == torch.float64 or not lone:
+        assert_trees_equal(split, whole)
+        return
+    grouped = [i for i in range(7) if i not in lone]
+    assert_trees_equal(_rows(split["params"], grouped), _rows(whole["params"], grouped))
+    assert_trees_equal(_rows(split["buffers"], grouped), _rows(whole["buffers"], grouped))
+    for i in lone:
+        for name in ("outputs", "grads"):
+            got, want = _rows(split[name], i), _rows(whole[name], i)
+            scale = max(t.abs().max() for t in torch.utils._pytree.tree_leaves(want))
+            assert_trees_close(got, want, rtol=0, atol=1e-5 * float(scale))
+        drift = max(
+            (split["params"][k][i] - whole["params"][k][i]).abs().max() for k in split["params"]
+        )
+        assert drift <= 2 * SPLIT_LR * SPLIT_STEPS
+
+
 # --- sharded checkpoints in one process ---------------------------------------------------
 
 
