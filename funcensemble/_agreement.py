@@ -23,6 +23,7 @@ from ._dist_errors import failures
 from ._ensemble import Ensemble
 from ._optim import GradientTransformation
 from ._paths import path_key
+from ._skeleton import replace_tensors
 
 Description = dict[str, str]
 _SHOWN = 4  # differences named in one message
@@ -83,9 +84,22 @@ def _tensor(t: Tensor, member_first: bool) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}, {words} {shape}{grad}"
 
 
+def _weightless_member(ens: Ensemble) -> nn.Module:
+    """One member's module with meta tensors: its structure, without copying weights."""
+
+    def param(_: str, t: Tensor) -> Tensor:
+        empty = torch.empty(t.shape[1:], dtype=t.dtype, device="meta")
+        return nn.Parameter(empty, requires_grad=t.requires_grad)
+
+    def buffer(_: str, t: Tensor) -> Tensor:
+        return torch.empty(t.shape[1:], dtype=t.dtype, device="meta")
+
+    return replace_tensors(ens.stacked, param, buffer)
+
+
 def describe_ensemble(ens: Ensemble) -> Description:
     """Class, architecture fingerprint, each tensor's per-member spec, modes and options."""
-    member = ens.member(0)
+    member = _weightless_member(ens)
     out = {
         "the member class": f"{type(member).__module__}.{type(member).__qualname__}",
         "the architecture fingerprint": Architecture.of(member).fingerprint(),

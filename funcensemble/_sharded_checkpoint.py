@@ -204,6 +204,10 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         TypeError: ``obj`` is another ``nn.Module``, or has a leaf of another type.
         NotADirectoryError: ``path`` is a file.
         FileExistsError: ``path`` already holds a checkpoint.
+        DistributedError: Writing failed, or another rank did not take part in time
+            (the message names this rank, what it waited for and how long). Ranks that
+            pass different structures or different values written once raise
+            ``ValueError`` on every rank before anything is written.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe
@@ -374,7 +378,8 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     Raises:
         FileNotFoundError: No directory at ``path``.
         ValueError: An incomplete checkpoint, or one that does not match ``obj`` or
-            ``shard``.
+            ``shard``, or ranks that pass different structures.
+        DistributedError: Reading failed, or another rank did not take part in time.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe

@@ -125,7 +125,7 @@ def main(argv: list[str]) -> None:
         rank = dist.get_rank()
         results: dict[str, Any] = {"world_size": dist.get_world_size()}
         if args.fail:
-            fail(args.fail, rank)
+            fail(args.fail, rank, args.out)
         if args.disagree:
             disagree(rank, args.out)
             return
@@ -206,7 +206,7 @@ def disagree(rank: int, out: Path) -> None:
     torch.save(messages, out / f"disagree{rank}.pt")
 
 
-def fail(mode: str, rank: int) -> None:
+def fail(mode: str, rank: int, out: Path) -> None:
     if mode == "kill":
         # Rank 1 dies (SIGKILL: no exception, no goodbye) in the middle of training.
         shard = fe.distributed.MemberShard(NUM_MEMBERS)
@@ -225,13 +225,14 @@ def fail(mode: str, rank: int) -> None:
         shard = fe.distributed.MemberShard(NUM_MEMBERS)
         fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
     else:
-        # A group whose collectives wait 3 seconds at most; rank 1 never joins in.
+        # A group whose collectives wait 3 seconds at most; rank 1 stops answering
+        # after the set-up, and rank 0 saves a checkpoint without it.
         group = dist.new_group(timeout=timedelta(seconds=3))
-        dist.barrier(group)
+        shard = fe.distributed.MemberShard(NUM_MEMBERS, group=group)
+        ens = shard.from_factory(make_member, seed=SEED)
         if rank == 1:
             time.sleep(120)
-        shard = fe.distributed.MemberShard(NUM_MEMBERS, group=group)
-        fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
+        fe.distributed.save(out / "late", ens, shard)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,82 @@ def test_select_copies_and_checks_the_member_axis():
         shard.from_factory(3)
 
 
+# --- ranks that must agree, compared in one process ---------------------------------------
+
+
+def test_descriptions_that_differ_name_every_rank_and_every_difference():
+    from funcensemble._agreement import compare
+
+    same = {"the member count N": "5", "leaf `['step']`": "3"}
+    compare("f", [same, dict(same), dict(same)], "Fix it.")  # alike: no error
+    other = {"the member count N": "6", "leaf `['step']`": "3", "extra": "x"}
+    with pytest.raises(ValueError) as info:
+        compare("f", [same, other, dict(same)], "Fix it.")
+    assert str(info.value) == (
+        "f: the 3 ranks were not set up alike: they differ in the member count N (ranks 0, "
+        "2: 5; rank 1: 6); extra (ranks 0, 2: (absent); rank 1: x). Fix it."
+    )
+    many = [{str(i): "a" for i in range(6)}, {str(i): "b" for i in range(6)}]
+    with pytest.raises(ValueError, match=r"3 \(rank 0: a; rank 1: b\); and 2 more\. Fix it\.$"):
+        compare("f", many, "Fix it.")
+
+
+def test_what_is_compared_across_ranks():
+    from funcensemble._agreement import describe_ensemble, describe_optimizer, describe_tree
+
+    def make(slope=0.1, width=4, dtype=torch.float32):
+        return lambda: torch.nn.Sequential(
+            torch.nn.Linear(2, width), torch.nn.LeakyReLU(slope), torch.nn.Linear(width, 1)
+        ).to(dtype)
+
+    def described(n=3, **kw):
+        return describe_ensemble(fe.Ensemble.from_factory(make(**kw), num_members=n))
+
+    base = described()
+    assert described(n=2) == base  # an uneven split: each rank's own member count
+    assert described(slope=0.2)["the settings of `1`"] == "LeakyReLU(negative_slope=0.2)"
+    assert described(width=5)["parameter `0.weight`"] == (
+        "float32, per-member shape (5, 2), requires_grad"
+    )
+    assert (
+        described(width=5)["the architecture fingerprint"] != base["the architecture fingerprint"]
+    )
+    assert described(dtype=torch.float64)["parameter `2.bias`"] == (
+        "float64, per-member shape (1,), requires_grad"
+    )
+    adam = describe_optimizer("f", fe.optim.adam(1e-3, betas=(0.9, 0.99)))
+    assert describe_optimizer("f", fe.optim.adam(1e-3, betas=(0.9, 0.99))) == adam
+    changed = describe_optimizer("f", fe.optim.adam(1e-3, betas=(0.9, 0.999)))
+    assert [k for k in adam if adam[k] != changed.get(k)]  # betas[1] differs
+    lr_a = describe_optimizer("f", fe.optim.adam(torch.tensor([1e-3, 2e-3])))
+    lr_b = describe_optimizer("f", fe.optim.adam(torch.tensor([5e-3])))
+    assert lr_a == lr_b  # per-member values: each rank holds its own members'
+    tree = describe_tree({"p": torch.zeros(3, 2), "step": 4, "none": None})
+    assert tree == {
+        "leaf `['none']`": "None",
+        "leaf `['p']`": "float32, per-member shape (2,)",
+        "leaf `['step']`": "4",
+    }
+
+
+def test_check_agreement_in_one_process_checks_its_arguments():
+    shard = MemberShard(3)
+    ens = shard.from_factory(lambda: torch.nn.Linear(2, 1))
+    shard.check_agreement()
+    shard.check_agreement(ens, optimizer=fe.optim.adam(1e-3), batch_size=8)
+    shard.check_agreement({"params": dict(ens.stacked_params()), "step": 1})
+    sgd = torch.optim.SGD(ens.parameters(), lr=0.1)
+    shard.check_agreement(optimizer=sgd)
+    with pytest.raises(
+        TypeError, match=r"check_agreement: state is a Linear; expected an fe\.Ensemble"
+    ):
+        shard.check_agreement(torch.nn.Linear(2, 1))
+    with pytest.raises(
+        TypeError, match=r"optimizer must be an fe\.optim transformation .* got str"
+    ):
+        shard.check_agreement(optimizer="adam")
+
+
 # --- collectives in one process ----------------------------------------------------------
 
 
@@ -391,6 +467,38 @@ def test_checkpoint_errors(tmp_path):
         d.load(path, ens, 2)
 
 
+def test_a_failed_write_or_read_says_which_rank_did_what_and_why(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=4, seed=0)
+    fe.distributed.save(tmp_path / "ok", ens)
+
+    def refuse(*args, **kwargs):
+        raise CheckpointException("save", {0: (OSError("No space left on device"), None)})
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "save", refuse)
+    monkeypatch.setattr(torch.distributed.checkpoint, "load", refuse)
+    with pytest.raises(fe.distributed.DistributedError) as info:
+        fe.distributed.save(tmp_path / "full", ens)
+    message = str(info.value)
+    assert message.startswith(
+        f"distributed.save: rank 0 of 1 failed while writing its members to "
+        f"'{tmp_path / 'full'}', after "
+    )
+    assert "Cause: CheckpointException: " in message and "No space left" in message
+    assert isinstance(info.value.__cause__, CheckpointException)
+    assert (info.value.rank, info.value.world_size, info.value.operation) == (
+        0,
+        1,
+        "distributed.save",
+    )
+    with pytest.raises(
+        fe.distributed.DistributedError,
+        match=r"distributed\.load: rank 0 of 1 failed while reading its members from",
+    ):
+        fe.distributed.load(tmp_path / "ok", ens)
+
+
 # --- init_process_group --------------------------------------------------------------------
 
 
@@ -626,8 +734,13 @@ def test_a_rank_that_raises_makes_the_others_fail_fast(tmp_path):
 def test_a_rank_that_stops_answering_times_out_with_an_error(tmp_path):
     ranks = launch(2, [str(tmp_path), "--fail", "hang"], tmp_path, grace=1.0)
     assert ranks[0].returncode not in (None, 0), report(ranks)
-    assert SETUP_FAILED in ranks[0].output, report(ranks)
-    assert re.search(r"after \d+\.\d s \(timeout 3 s\)", ranks[0].output), report(ranks)
+    assert re.search(
+        r"DistributedError: distributed\.save: rank 0 of 2 failed while exchanging its set-up "
+        r"with the other ranks, after \d+\.\d s \(timeout 3 s\)\. Another rank has probably "
+        r"crashed, or has not reached this call",
+        ranks[0].output,
+    ), report(ranks)
+    assert not (tmp_path / "late" / ".metadata").exists()
     assert ranks[1].returncode is None  # still asleep: killed by the harness
 
 
