@@ -199,6 +199,11 @@ def disagree(rank: int, out: Path) -> None:
     expect_error(
         "step", lambda: fe.distributed.save(out / "ckpt", {"params": params, "step": rank}, shard)
     )
+    # The same number of elements in another shape: without the check, a silent mix-up.
+    local = torch.zeros(shard.size, 2, 3) if rank == 0 else torch.zeros(shard.size, 3, 2)
+    expect_error("mean shapes", lambda: fe.distributed.mean(local, shard))
+    local = torch.zeros(shard.size, 4) if rank == 0 else torch.zeros(shard.size, 4).double()
+    expect_error("gather dtypes", lambda: fe.distributed.all_gather(local, shard))
     shard.check_agreement(ens, optimizer=fe.optim.adam(1e-2), batch_size=BATCH)  # no error
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)

@@ -841,6 +841,16 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     )
     assert "equal values for the leaves written once, such as a step count" in messages["step"]
     assert not (tmp_path / "ckpt" / ".metadata").exists()  # refused before writing
+    assert messages["mean shapes"] == (
+        "mean: the ranks passed reduced outputs of different dtypes or shapes (rank 0: "
+        "float32 (2, 3); rank 1: float32 (3, 2)), so the collective would combine values "
+        "of different meanings. Every rank must pass tensors of the same dtype and shape "
+        "(after its member axis)."
+    )
+    assert messages["gather dtypes"].startswith(
+        "all_gather: the ranks passed outputs (shape after the member axis) of different "
+        "dtypes or shapes (rank 0: float32 (4,); rank 1: float64 (4,))"
+    )
     assert messages["gathered"] == (worker.NUM_MEMBERS, 2)
 
 
