@@ -532,6 +532,46 @@ def test_init_process_group_checks_before_starting(monkeypatch):
             init("nccl")
 
 
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "one"}, "the environment variable RANK must be an integer, got 'one'"),
+        ({"RANK": "2"}, "RANK must be in 0..WORLD_SIZE-1, got RANK=2 and WORLD_SIZE=2"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT must be in 0..65535, got 70000"),
+    ],
+)
+def test_init_process_group_refuses_a_malformed_launch(monkeypatch, env, message):
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
+    for name, value in {**launch, **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(f"init_process_group: {message}.")):
+        fe.distributed.init_process_group("gloo", timeout=timedelta(seconds=1))
+    assert not dist.is_initialized()
+
+
+def test_a_distributed_error_keeps_the_cause_without_the_cpp_trace():
+    from funcensemble._dist_errors import failures
+
+    with (
+        pytest.raises(fe.distributed.DistributedError) as info,
+        failures("op", "waiting for rank 1", 0, 2, timeout=timedelta(seconds=5)),
+    ):
+        raise RuntimeError(
+            "Connection closed by peer [127.0.0.1]:1234\nException raised from recv at "
+            "pair.cc:100 (most recent call first):\nframe #0: ..."
+        )
+    error = info.value
+    assert re.fullmatch(
+        r"op: rank 0 of 2 failed while waiting for rank 1, after 0\.\d s \(timeout 5 s\)\. "
+        r"Another rank has probably crashed, .* Cause: RuntimeError: Connection closed by "
+        r"peer \[127\.0\.0\.1\]:1234",
+        str(error),
+    )
+    assert (error.rank, error.world_size, error.operation) == (0, 2, "op")
+    assert error.timeout == timedelta(seconds=5) and 0 <= error.waited < 5
+    assert isinstance(error.__cause__, RuntimeError)
+
+
 def test_init_process_group_one_rank_in_this_process(monkeypatch):
     for name, value in {
         "MASTER_ADDR": "127.0.0.1",
