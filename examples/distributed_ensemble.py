@@ -108,6 +108,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
     step = fe.value_and_grad(loss_fn, in_dims=0)
     opt = fe.optim.adam(1e-2)
+    # Every rank must train alike: a rank with another learning rate or batch size
+    # would make its members differ from the single-process run. Checked once, here.
+    shard.check_agreement(optimizer=opt, batch=args.batch, samples=args.samples)
     state = opt.init(params)
     start = time.perf_counter()
     for s in range(args.steps):

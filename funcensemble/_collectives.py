@@ -3,8 +3,10 @@
 Each function takes this rank's outputs ``[n_r, ...]`` (its members first) and a
 ``MemberShard``, runs ``torch.distributed`` collectives, and returns on every rank
 what the single-process function returns for all N members. Every rank must call it,
-in the same order, with tensors of the same trailing shape and dtype. Results carry no
-autograd history: members train independently, so nothing here is differentiated.
+in the same order, with tensors of the same trailing shape and dtype (checked first,
+with one small exchange: ranks that differ all raise a ``ValueError`` naming them).
+Results carry no autograd history: members train independently, so nothing here is
+differentiated.
 """
 
 import builtins
@@ -17,6 +19,7 @@ from jaxtyping import Float, Real
 from torch import Tensor
 
 from . import _reduce
+from ._dist_errors import failures
 from ._distributed import MemberShard, rank_and_world
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
@@ -27,17 +30,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or getattr(
 )
 
 
-def _collective(where: str, rank: int, world: int, op: Callable[[], Any]) -> Any:
-    """Run ``op``; if the collective fails, say which rank failed and why it usually does."""
-    try:
+def _collective(where: str, rank: int, world: int, op: Callable[[], Any], group: Any = None) -> Any:
+    """Run ``op``; if the collective fails, raise a ``DistributedError`` naming this rank."""
+    with failures(
+        where,
+        f"waiting for the other ranks in a collective over {world} ranks",
+        rank,
+        world,
+        group=group,
+    ):
         return op()
-    except RuntimeError as error:  # gloo/NCCL errors and timeouts are RuntimeErrors
-        raise RuntimeError(
-            f"{where}: a collective over {world} ranks failed on rank {rank}. Another rank "
-            "has probably crashed, or has not reached this call within the process "
-            "group's timeout; its own output says why. Cause: "
-            f"{str(error).strip()}"
-        ) from error
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -65,12 +67,74 @@ def _check_local(where: str, label: str, values: object, shard: MemberShard) -> 
     return values.detach()
 
 
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+)
+_MAX_DIMS = 16
+
+
+def _layout_row(shape: tuple[int, ...], dtype: torch.dtype) -> list[int]:
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    dims = list(shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - len(shape[:_MAX_DIMS]))
+    return [len(shape), code, *dims]
+
+
+def _layout_text(row: list[int]) -> str:
+    ndim, code, *dims = row
+    dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "other dtype"
+    shown = tuple(dims[: builtins.min(ndim, _MAX_DIMS)])
+    return f"{dtype} {shown}" + (" ..." if ndim > _MAX_DIMS else "")
+
+
+def _check_layout(
+    where: str, rank: int, world: int, group: Any, t: Tensor, shape: tuple[int, ...], what: str
+) -> None:
+    """Every rank's ``shape`` and dtype, compared before the collective that needs them equal.
+
+    Collectives of tensors with other shapes either combine values of different
+    meanings without a word (same element count) or abort the process inside gloo.
+    """
+    mine = torch.tensor(_layout_row(shape, t.dtype), dtype=torch.int64, device=t.device)
+    rows = mine.new_empty(world * mine.numel())
+    _collective(where, rank, world, lambda: _all_gather_single(rows, mine, group=group), group)
+    layouts = [r.tolist() for r in rows.view(world, -1).cpu()]
+    if all(r == layouts[0] for r in layouts):
+        return
+    by_layout: dict[str, list[int]] = {}
+    for r, row in enumerate(layouts):
+        by_layout.setdefault(_layout_text(row), []).append(r)
+    parts = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}"
+        for text, rs in by_layout.items()
+    )
+    raise ValueError(
+        f"{where}: the ranks passed {what} of different dtypes or shapes ({parts}), so "
+        "the collective would combine values of different meanings. Every rank must pass "
+        "tensors of the same dtype and shape (after its member axis)."
+    )
+
+
 def _all_reduce(where: str, shard: MemberShard, t: Tensor, op: Any) -> Tensor:
+    _check_layout(
+        where, shard.rank, shard.world_size, shard.group, t, tuple(t.shape), "reduced outputs"
+    )
     _collective(
         where,
         shard.rank,
         shard.world_size,
         lambda: dist.all_reduce(t, op=op, group=shard.group),
+        shard.group,
     )
     return t
 
@@ -78,8 +142,21 @@ def _all_reduce(where: str, shard: MemberShard, t: Tensor, op: Any) -> Tensor:
 def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
     if shard.world_size == 1:
         return t.clone()
+    _check_layout(
+        where,
+        shard.rank,
+        shard.world_size,
+        shard.group,
+        t,
+        tuple(t.shape[1:]),
+        "outputs (shape after the member axis)",
+    )
     if t.dtype == torch.bool:  # not every backend reduces or gathers bools
-        return _gather_one(where, shard, t.to(torch.uint8)).bool()
+        return _gather_checked(where, shard, t.to(torch.uint8)).bool()
+    return _gather_checked(where, shard, t)
+
+
+def _gather_checked(where: str, shard: MemberShard, t: Tensor) -> Tensor:
     rows = builtins.max(shard.sizes)
     rest = t.shape[1:]
     if t.shape[0] < rows:  # uneven shards: pad to equal sizes, cut the padding afterwards
@@ -90,6 +167,7 @@ def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
         shard.rank,
         shard.world_size,
         lambda: _all_gather_single(out, t.contiguous(), group=shard.group),
+        shard.group,
     )
     if all(size == rows for size in shard.sizes):
         return out
@@ -110,7 +188,7 @@ def all_gather(local: Any, shard: MemberShard) -> Any:
 
     Raises:
         ValueError: A tensor whose leading size is not this rank's member count.
-        RuntimeError: The collective failed (another rank crashed or timed out).
+        DistributedError: The collective failed (another rank crashed or timed out).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -364,11 +442,13 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
             if isinstance(leaf, Tensor):
                 leaf = leaf.detach().clone(memory_format=torch.contiguous_format)
                 if world > 1:
+                    _check_layout(where, rank, world, group, leaf, tuple(leaf.shape), "tensors")
                     _collective(
                         where,
                         rank,
                         world,
                         lambda t=leaf: dist.broadcast(t, global_src, group=group),
+                        group,
                     )
             out.append(leaf)
     return torch.utils._pytree.tree_unflatten(out, spec)

@@ -128,8 +128,11 @@ class ShardedEnsemble:
     launched back to back with nothing that waits for a device in between, so on CUDA
     the devices compute at the same time. Outputs come back gathered on one device, or
     left sharded as a [`PerShard`][funcensemble.distributed.PerShard] value. Each
-    member computes exactly what it computes in the single-device
-    [`Ensemble`][funcensemble.Ensemble]. Several shards may share a device (e.g.
+    member computes what it computes in the single-device
+    [`Ensemble`][funcensemble.Ensemble], bit for bit in the test suite on the CPU,
+    except that a member alone on its device may run other kernels and differ by
+    rounding (a float32 convolution: a few ulps; see "Does the split change the
+    numbers?" in the scale-out guide). Several shards may share a device (e.g.
     ``["cpu", "cpu"]``).
 
     Args:

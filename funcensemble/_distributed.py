@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._agreement import agree, describe_ensemble, describe_optimizer, describe_state
 from ._ensemble import Ensemble
+from ._rendezvous import join
 from ._seeding import member_seed, seeded_cpu_rng
 from ._slices import _count, member_slices, narrow_members, slice_size
 from ._vmap import Randomness
@@ -58,13 +60,19 @@ def init_process_group(
 ) -> torch.device:
     """Start ``torch.distributed`` from ``torchrun``'s environment, with a short timeout.
 
-    A thin wrapper over ``torch.distributed.init_process_group`` (``env://``
-    rendezvous): it picks the backend, binds each rank to its GPU, and sets a timeout
-    of a minute rather than torch's default of ten or thirty, so that a rank that
-    stops answering makes the others fail with an error instead of hanging. (A rank
-    that crashes is noticed sooner: its connections close.) Collectives, checkpoints
-    and rendezvous all wait at most ``timeout``. Call
-    ``torch.distributed.destroy_process_group()`` at the end.
+    Reads the launcher's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and
+    ``WORLD_SIZE`` (as ``env://`` does), picks the backend, binds each rank to its GPU,
+    and sets a timeout of a minute rather than torch's default of ten or thirty, so
+    that a rank that stops answering makes the others fail with an error instead of
+    hanging. (A rank that crashes is noticed sooner: its connections close.)
+
+    The rendezvous keeps to ``timeout`` as a whole: each rank waits for rank 0's store
+    server, announces itself and waits for all the others, and a rank that never
+    joins makes every other rank raise a
+    [`DistributedError`][funcensemble.distributed.DistributedError] naming it once
+    ``timeout`` has passed (torch's own rendezvous overruns it, up to twice over, and
+    names no rank). Collectives, checkpoints and set-up checks then wait at most
+    ``timeout`` each. Call ``torch.distributed.destroy_process_group()`` at the end.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"``; ``None`` picks NCCL where CUDA is available
@@ -76,9 +84,12 @@ def init_process_group(
         device), else the CPU.
 
     Raises:
+        DistributedError: A rank did not join within ``timeout`` (the message says
+            which), or the process group could not be built.
         RuntimeError: The process group is already initialized, or the launcher's
             environment variables are missing (run the script with ``torchrun``).
-        ValueError: A timeout that is not positive, or NCCL without CUDA.
+        ValueError: A timeout that is not positive, NCCL without CUDA, or a malformed
+            ``RANK``, ``WORLD_SIZE`` or ``MASTER_PORT``.
         TypeError: A timeout that is not a ``timedelta``.
 
     Example:
@@ -118,17 +129,16 @@ def init_process_group(
     cuda = torch.cuda.is_available()
     if backend is None:
         backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
+    device = None
     if backend == "nccl":
         if not cuda:
             raise ValueError(f"{where}: the NCCL backend needs CUDA, which is not available.")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        # Binding the group to the device connects NCCL now, so a missing rank is
-        # reported at start-up rather than at the first collective.
-        dist.init_process_group(backend, timeout=timeout, device_id=device)
-        return device
-    dist.init_process_group(backend, timeout=timeout)
-    return torch.device("cpu")
+    # Binding the group to the device connects NCCL now, so a missing rank is reported
+    # at start-up rather than at the first collective.
+    join(where, backend, timeout, device)
+    return torch.device("cpu") if device is None else device
 
 
 class MemberShard:
@@ -153,10 +163,16 @@ class MemberShard:
         members: This rank's slice.
         group: The process group (``None`` for the default).
 
+    Building it is a collective when there are several ranks: every rank builds its
+    ``MemberShard`` with the same N (checked: ranks that disagree all raise, naming each
+    rank's N, instead of training overlapping members or aborting in a collective).
+
     Raises:
-        ValueError: More ranks than members.
+        ValueError: More ranks than members, or ranks that disagree on N.
         RuntimeError: Launched by ``torchrun`` with several ranks but
             ``torch.distributed`` is not initialized.
+        DistributedError: Another rank did not build its ``MemberShard`` within the
+            process group's timeout.
 
     Example:
         >>> import funcensemble as fe
@@ -170,6 +186,17 @@ class MemberShard:
         self.num_members = _count(where, "num_members", num_members)
         self.group = group
         self.rank, self.world_size = rank_and_world(where, group)
+        # Every rank must split the same N: otherwise the ranks' slices overlap or leave
+        # members out, and the collectives combine tensors of different sizes.
+        agree(
+            where,
+            {"the member count N": str(num_members)},
+            self.rank,
+            self.world_size,
+            group,
+            "Every rank must build MemberShard(N) with the same N: the size of the whole "
+            "ensemble, not of its own share.",
+        )
         self.slices = tuple(member_slices(num_members, self.world_size))
         self.members = self.slices[self.rank]
 
@@ -265,8 +292,71 @@ class MemberShard:
             with seeded_cpu_rng(member_seed(seed, next(indices))):
                 return factory()
 
-        return Ensemble.from_factory(
+        ens = Ensemble.from_factory(
             seeded, self.size, seed=seed, randomness=randomness, chunk_size=chunk_size
+        )
+        description = describe_ensemble(ens)
+        description["the seed"] = repr(seed)
+        agree(
+            "MemberShard.from_factory",
+            description,
+            self.rank,
+            self.world_size,
+            self.group,
+            "Every rank must build its members with the same factory, seed and options "
+            "(the same classes, settings, dtypes and parameter names).",
+        )
+        return ens
+
+    def check_agreement(self, state: Any = None, *, optimizer: Any = None, **settings: Any) -> None:
+        """Check that every rank set up the same thing; raise on every rank if not.
+
+        A collective: every rank calls it with its own values. Ranks that disagree
+        would otherwise run: members on one rank would train with another learning
+        rate, or collectives would combine tensors of different meanings. Each rank
+        describes its arguments, the descriptions are exchanged once, and where they
+        differ every rank raises the same ``ValueError``, naming the ranks and what
+        differs. [`from_factory`][funcensemble.distributed.MemberShard.from_factory]
+        and the constructor already check the architecture and N.
+
+        Args:
+            state: This rank's [`Ensemble`][funcensemble.Ensemble] (compared by class,
+                architecture fingerprint, each tensor's per-member shape and dtype,
+                train/eval modes), or a pytree such as ``{"params": ..., "opt": ...}``
+                (compared by structure, per-member shapes and dtypes of tensors with
+                dimensions, and the values of other leaves such as step counts).
+            optimizer: An ``fe.optim`` transformation (compared by the settings its
+                functions hold: ``lr``, ``betas``, ...; per-member hyperparameter
+                tensors by dtype, since each rank holds its own members' values) or a
+                ``torch.optim.Optimizer`` (by its param groups' hyperparameters).
+            **settings: Anything else that must be equal on every rank, compared by
+                ``repr`` (e.g. ``batch_size=64, data="v2"``).
+
+        Raises:
+            ValueError: The ranks differ (the message names them and each difference).
+            TypeError: ``state`` is an ordinary module, or ``optimizer`` is not an
+                optimizer.
+            DistributedError: Another rank did not call it within the timeout.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> shard = fe.distributed.MemberShard(4)  # every rank, under torchrun
+            >>> ens = shard.from_factory(lambda: torch.nn.Linear(3, 1))
+            >>> shard.check_agreement(ens, optimizer=fe.optim.adam(1e-3), batch_size=32)
+        """
+        where = "MemberShard.check_agreement"
+        description = {} if state is None else describe_state(where, state)
+        if optimizer is not None:
+            description.update(describe_optimizer(where, optimizer))
+        for name, value in settings.items():
+            description[f"`{name}`"] = repr(value)
+        agree(
+            where,
+            description,
+            self.rank,
+            self.world_size,
+            self.group,
+            "Set up every rank alike: the same architecture, dtypes, optimizer and settings.",
         )
 
     def __repr__(self) -> str:

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ._agreement import agree_to_write
 from ._dcp_checksums import (
     CHECKSUM_FILE,
     ChecksummingWriter,
@@ -60,6 +61,7 @@ from ._dcp_checksums import (
     reads_of,
     verify_reads,
 )
+from ._dist_errors import failures
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
 from ._paths import flatten_by_key
@@ -171,6 +173,10 @@ def _dcp_call() -> Iterator[None]:
         yield
 
 
+def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractContextManager:
+    return failures(where, what, shard.rank, shard.world_size, group=shard.group)
+
+
 def _check_shard(where: str, shard: object) -> MemberShard:
     if not isinstance(shard, MemberShard):
         raise TypeError(
@@ -213,6 +219,10 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         TypeError: ``obj`` is another ``nn.Module``, or has a leaf of another type.
         NotADirectoryError: ``path`` is a file.
         FileExistsError: ``path`` already holds a checkpoint.
+        DistributedError: Writing failed, or another rank did not take part in time
+            (the message names this rank, what it waited for and how long). Ranks that
+            pass different structures or different values written once raise
+            ``ValueError`` on every rank before anything is written.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe
@@ -223,6 +233,7 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         ['.funcensemble-checksums', '.metadata', '__0_0.distcp']
     """
     where = "distributed.save"
+    name = os.fspath(path)
     flat = _flatten(where, obj)
     keys = flat.sharded()
     if shard is None:
@@ -261,7 +272,8 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         for key, leaf in flat.leaves.items()
     }
     offsets = dict.fromkeys(keys, shard.members.start)
-    with _dcp_call():
+    agree_to_write(where, name, flat.leaves, shard, values=True)
+    with _dcp_call(), _failures(where, f"writing its members to '{name}'", shard):
         dcp.save(
             state,
             checkpoint_id=path,
@@ -417,8 +429,10 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     Raises:
         FileNotFoundError: No directory at ``path``.
         ValueError: An incomplete, corrupt or unsafe checkpoint (metadata naming
-            anything but DCP's classes, or data files outside the directory), or one
-            that does not match ``obj`` or ``shard``.
+            anything but DCP's classes, or data files outside the directory), one
+            that does not match ``obj`` or ``shard``, or ranks that pass different
+            structures.
+        DistributedError: Reading failed, or another rank did not take part in time.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe
@@ -455,6 +469,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         for key, leaf in flat.leaves.items()
     }
     offsets = dict.fromkeys(flat.sharded(), shard.members.start)
+    agree_to_write(where, name, flat.leaves, shard, values=False)
     if checksums is None:
         warnings.warn(
             f"{where}: '{name}' has no {CHECKSUM_FILE} file (written by plain "
@@ -467,7 +482,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     else:
         rows = {key: shard.members if key in offsets else None for key in flat.leaves}
         _verify(where, name, checksums, reads_of(metadata, rows), shard)
-    with _dcp_call():
+    with _dcp_call(), _failures(where, f"reading its members from '{name}'", shard):
         dcp.load(
             dest,
             checkpoint_id=path,

@@ -12,7 +12,9 @@ it as one vectorized call.
   ([`all_gather`][funcensemble.distributed.all_gather],
   [`mean`][funcensemble.distributed.mean], ...) and sharded checkpoints
   ([`save`][funcensemble.distributed.save], [`load`][funcensemble.distributed.load])
-  through ``torch.distributed.checkpoint``.
+  through ``torch.distributed.checkpoint``. A failure that involves another rank
+  raises a [`DistributedError`][funcensemble.distributed.DistributedError] naming this
+  rank, what it waited for and how long.
 """
 
 from ._collectives import all_gather as all_gather
@@ -25,6 +27,7 @@ from ._collectives import subset_min as subset_min
 from ._collectives import var as var
 from ._devices import PerShard as PerShard
 from ._devices import ShardedEnsemble as ShardedEnsemble
+from ._dist_errors import DistributedError as DistributedError
 from ._distributed import MemberShard as MemberShard
 from ._distributed import init_process_group as init_process_group
 from ._sharded_checkpoint import load as load
@@ -32,6 +35,7 @@ from ._sharded_checkpoint import save as save
 from ._slices import member_slices as member_slices
 
 __all__ = [
+    "DistributedError",
     "MemberShard",
     "PerShard",
     "ShardedEnsemble",

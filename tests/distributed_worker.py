@@ -1,12 +1,15 @@
 """One rank of the multi-process tests in test_distributed.py (run as a script, not collected).
 
-``python distributed_worker.py OUTDIR [--train] [--save DIR] [--load DIR] [--fail MODE]``,
+``python distributed_worker.py OUTDIR [--train] [--save DIR] [--load DIR] [--fail MODE]
+[--disagree] [--timeout SECONDS]``,
 with the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Rank 0
 writes what the test compares to OUTDIR as torch files. ``train_members`` is also what
 the test runs in a single process as the reference.
 """
 
 import argparse
+import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -108,15 +111,24 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
-    parser.add_argument("--fail", choices=["raise", "hang"])
+    parser.add_argument("--fail", choices=["raise", "hang", "kill"])
+    parser.add_argument("--disagree", action="store_true")
+    parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
 
-    fe.distributed.init_process_group(timeout=timedelta(seconds=60))
+    started = time.monotonic()
+    try:
+        fe.distributed.init_process_group(timeout=timedelta(seconds=args.timeout))
+    finally:  # the fault tests read how long the rendezvous took, or took to fail
+        print(f"init_process_group returned after {time.monotonic() - started:.2f} s", flush=True)
     try:
         rank = dist.get_rank()
         results: dict[str, Any] = {"world_size": dist.get_world_size()}
         if args.fail:
-            fail(args.fail, rank)
+            fail(args.fail, rank, args.out)
+        if args.disagree:
+            disagree(rank, args.out)
+            return
         shard = fe.distributed.MemberShard(NUM_MEMBERS)
         results["sizes"] = shard.sizes
         # Rank 1's batch, everywhere (the others' values are ignored).
@@ -149,20 +161,83 @@ def main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def fail(mode: str, rank: int) -> None:
+def disagree(rank: int, out: Path) -> None:
+    """Set-ups that differ between ranks: every rank must raise the same clear error."""
+    messages = {}
+
+    def expect_error(name: str, action) -> None:
+        try:
+            action()
+        except ValueError as error:
+            messages[name] = str(error)
+        else:
+            messages[name] = None  # the test fails on this
+
+    expect_error("N", lambda: fe.distributed.MemberShard(NUM_MEMBERS + rank))
+    shard = fe.distributed.MemberShard(NUM_MEMBERS)
+    width = 16 if rank == 0 else 8
+    expect_error(
+        "architecture",
+        lambda: shard.from_factory(lambda: nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))),
+    )
+    expect_error(
+        "slope",  # a non-tensor setting: only the architecture fingerprint can tell
+        lambda: shard.from_factory(
+            lambda: nn.Sequential(nn.Linear(4, 2), nn.LeakyReLU(0.1 * rank))
+        ),
+    )
+    dtype = torch.float64 if rank == 0 else torch.float32
+    expect_error("dtype", lambda: shard.from_factory(lambda: make_member().to(dtype)))
+    ens = shard.from_factory(make_member, seed=SEED)  # alike on every rank: no error
+    params = {k: v.detach() for k, v in ens.stacked_params().items()}
+    renamed = params if rank == 0 else {f"net.{k}": v for k, v in params.items()}
+    expect_error("names", lambda: shard.check_agreement({"params": renamed}))
+    betas = (0.9, 0.999) if rank == 0 else (0.9, 0.99)
+    expect_error("betas", lambda: shard.check_agreement(optimizer=fe.optim.adam(1e-2, betas=betas)))
+    torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1 * (rank + 1))
+    expect_error("torch.optim", lambda: shard.check_agreement(optimizer=torch_opt))
+    expect_error(
+        "step", lambda: fe.distributed.save(out / "ckpt", {"params": params, "step": rank}, shard)
+    )
+    # The same number of elements in another shape: without the check, a silent mix-up.
+    local = torch.zeros(shard.size, 2, 3) if rank == 0 else torch.zeros(shard.size, 3, 2)
+    expect_error("mean shapes", lambda: fe.distributed.mean(local, shard))
+    local = torch.zeros(shard.size, 4) if rank == 0 else torch.zeros(shard.size, 4).double()
+    expect_error("gather dtypes", lambda: fe.distributed.all_gather(local, shard))
+    shard.check_agreement(ens, optimizer=fe.optim.adam(1e-2), batch_size=BATCH)  # no error
+    # Mismatched collectives are not reached: every rank raised above, and goes on in step.
+    got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)
+    messages["gathered"] = got.shape
+    torch.save(messages, out / f"disagree{rank}.pt")
+
+
+def fail(mode: str, rank: int, out: Path) -> None:
+    if mode == "kill":
+        # Rank 1 dies (SIGKILL: no exception, no goodbye) in the middle of training.
+        shard = fe.distributed.MemberShard(NUM_MEMBERS)
+        ens = shard.from_factory(make_member, seed=SEED)
+        train_members(ens, shard)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
+        finally:
+            print(f"all_gather returned after {time.monotonic() - started:.2f} s", flush=True)
     if mode == "raise":
         if rank == 1:
             raise ValueError("rank 1 fails on purpose")
         shard = fe.distributed.MemberShard(NUM_MEMBERS)
         fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
     else:
-        # A group whose collectives wait 3 seconds at most; rank 1 never joins in.
+        # A group whose collectives wait 3 seconds at most; rank 1 stops answering
+        # after the set-up, and rank 0 saves a checkpoint without it.
         group = dist.new_group(timeout=timedelta(seconds=3))
-        dist.barrier(group)
+        shard = fe.distributed.MemberShard(NUM_MEMBERS, group=group)
+        ens = shard.from_factory(make_member, seed=SEED)
         if rank == 1:
             time.sleep(120)
-        shard = fe.distributed.MemberShard(NUM_MEMBERS, group=group)
-        fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
+        fe.distributed.save(out / "late", ens, shard)
 
 
 if __name__ == "__main__":

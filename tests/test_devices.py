@@ -93,6 +93,29 @@ def test_forward_equals_the_single_device_ensemble_exactly(model, train):
     same(sharded.to_ensemble().stacked_buffers(), ens.stacked_buffers())
 
 
+@pytest.mark.parametrize("devices", [2, 7])
+def test_float32_convolution_alone_on_a_device_agrees_to_rounding(devices):
+    """The documented exception (scale-out.md): a float32 convolution that is the only
+    member of its shard runs the ordinary kernel, not the grouped one of several
+    members, and rounds differently; every member in a shard of two or more is exact."""
+    ens = fe.Ensemble.from_factory(
+        lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten()),
+        num_members=7,
+        seed=0,
+    )
+    sharded = ShardedEnsemble(ens, ["cpu"] * devices)
+    x = torch.randn(8, 2, 6, 6, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = sharded(x), ens(x)
+    if devices == 2:  # sizes (4, 3)
+        assert_trees_equal(got, want)
+    else:  # sizes (1, ..., 1)
+        assert_trees_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert_trees_close(
+        sharded.to_ensemble().stacked_buffers(), ens.stacked_buffers(), rtol=1e-5, atol=1e-6
+    )
+
+
 def test_forward_per_member_inputs_and_keywords():
     members = ZOO["mlp"].members(5, train=False)
     ens = fe.Ensemble(members)

@@ -11,6 +11,8 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(worker.__file__)
 HARD_TIMEOUT = 120.0  # seconds for one multi-process run, start-up included, on a busy machine
 GRACE = 15.0  # how long the other ranks may take to fail after the first one did
+SETUP_FAILED = "MemberShard: rank 0 of 2 failed while exchanging its set-up with the other ranks"
+COLLECTIVE_FAILED = (
+    "all_gather: rank 0 of 2 failed while waiting for the other ranks in a collective over 2 ranks"
+)
 
 
 def fake_shard(num_members: int, rank: int, world_size: int) -> MemberShard:
@@ -93,6 +99,82 @@ def test_select_copies_and_checks_the_member_axis():
         shard.select([torch.zeros(())])
     with runtime_typecheck_off(), pytest.raises(TypeError, match="factory must be callable"):
         shard.from_factory(3)
+
+
+# --- ranks that must agree, compared in one process ---------------------------------------
+
+
+def test_descriptions_that_differ_name_every_rank_and_every_difference():
+    from funcensemble._agreement import compare
+
+    same = {"the member count N": "5", "leaf `['step']`": "3"}
+    compare("f", [same, dict(same), dict(same)], "Fix it.")  # alike: no error
+    other = {"the member count N": "6", "leaf `['step']`": "3", "extra": "x"}
+    with pytest.raises(ValueError) as info:
+        compare("f", [same, other, dict(same)], "Fix it.")
+    assert str(info.value) == (
+        "f: the 3 ranks were not set up alike: they differ in the member count N (ranks 0, "
+        "2: 5; rank 1: 6); extra (ranks 0, 2: (absent); rank 1: x). Fix it."
+    )
+    many = [{str(i): "a" for i in range(6)}, {str(i): "b" for i in range(6)}]
+    with pytest.raises(ValueError, match=r"3 \(rank 0: a; rank 1: b\); and 2 more\. Fix it\.$"):
+        compare("f", many, "Fix it.")
+
+
+def test_what_is_compared_across_ranks():
+    from funcensemble._agreement import describe_ensemble, describe_optimizer, describe_tree
+
+    def make(slope=0.1, width=4, dtype=torch.float32):
+        return lambda: torch.nn.Sequential(
+            torch.nn.Linear(2, width), torch.nn.LeakyReLU(slope), torch.nn.Linear(width, 1)
+        ).to(dtype)
+
+    def described(n=3, **kw):
+        return describe_ensemble(fe.Ensemble.from_factory(make(**kw), num_members=n))
+
+    base = described()
+    assert described(n=2) == base  # an uneven split: each rank's own member count
+    assert described(slope=0.2)["the settings of `1`"] == "LeakyReLU(negative_slope=0.2)"
+    assert described(width=5)["parameter `0.weight`"] == (
+        "float32, per-member shape (5, 2), requires_grad"
+    )
+    assert (
+        described(width=5)["the architecture fingerprint"] != base["the architecture fingerprint"]
+    )
+    assert described(dtype=torch.float64)["parameter `2.bias`"] == (
+        "float64, per-member shape (1,), requires_grad"
+    )
+    adam = describe_optimizer("f", fe.optim.adam(1e-3, betas=(0.9, 0.99)))
+    assert describe_optimizer("f", fe.optim.adam(1e-3, betas=(0.9, 0.99))) == adam
+    changed = describe_optimizer("f", fe.optim.adam(1e-3, betas=(0.9, 0.999)))
+    assert [k for k in adam if adam[k] != changed.get(k)]  # betas[1] differs
+    lr_a = describe_optimizer("f", fe.optim.adam(torch.tensor([1e-3, 2e-3])))
+    lr_b = describe_optimizer("f", fe.optim.adam(torch.tensor([5e-3])))
+    assert lr_a == lr_b  # per-member values: each rank holds its own members'
+    tree = describe_tree({"p": torch.zeros(3, 2), "step": 4, "none": None})
+    assert tree == {
+        "leaf `['none']`": "None",
+        "leaf `['p']`": "float32, per-member shape (2,)",
+        "leaf `['step']`": "4",
+    }
+
+
+def test_check_agreement_in_one_process_checks_its_arguments():
+    shard = MemberShard(3)
+    ens = shard.from_factory(lambda: torch.nn.Linear(2, 1))
+    shard.check_agreement()
+    shard.check_agreement(ens, optimizer=fe.optim.adam(1e-3), batch_size=8)
+    shard.check_agreement({"params": dict(ens.stacked_params()), "step": 1})
+    sgd = torch.optim.SGD(ens.parameters(), lr=0.1)
+    shard.check_agreement(optimizer=sgd)
+    with pytest.raises(
+        TypeError, match=r"check_agreement: state is a Linear; expected an fe\.Ensemble"
+    ):
+        shard.check_agreement(torch.nn.Linear(2, 1))
+    with pytest.raises(
+        TypeError, match=r"optimizer must be an fe\.optim transformation .* got str"
+    ):
+        shard.check_agreement(optimizer="adam")
 
 
 # --- collectives in one process ----------------------------------------------------------
@@ -173,6 +255,102 @@ def test_collective_errors():
         d.subset_min(torch.zeros(4), shard, 2, per_sample=True)
     with pytest.raises(ValueError, match=r"src must be a rank in 0..0, got 1"):
         d.broadcast(torch.zeros(2), src=1)
+
+
+# --- one member's numbers, however the members are split ---------------------------------
+
+SPLIT_LR, SPLIT_STEPS = 1e-2, 3
+# "7/1" is seven shards of one member each.
+SPLITS = [(4, 3), (3, 3, 1), (6, 1), (1,) * 7]
+
+
+def _split_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _split_conv_bn() -> torch.nn.Module:
+    # The convolution's bias, just before BatchNorm, has an exact gradient of 0: what it
+    # gets is rounding noise, which Adam turns into steps of about lr.
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)
+    )
+
+
+def _train_in_shards(make, dtype, sizes):
+    """Each shard trains its members on its own, as a rank (or device) holding them does.
+
+    Returns the first forward's outputs and gradients and the final parameters and
+    buffers, all members concatenated in order.
+    """
+    ens = fe.Ensemble.from_factory(lambda: make().to(dtype), num_members=7, seed=0)
+    g = torch.Generator().manual_seed(1)
+    shape = (5,) if make is _split_mlp else (2, 6, 6)
+    xs = [torch.randn(7, 8, *shape, generator=g, dtype=dtype) for _ in range(SPLIT_STEPS)]
+    ys = [torch.randn(7, 8, 3, generator=g, dtype=dtype) for _ in range(SPLIT_STEPS)]
+
+    def loss_fn(p, b, x, y):
+        return torch.nn.functional.mse_loss(ens.fmodel(p, b, x), y)
+
+    step = fe.value_and_grad(loss_fn, in_dims=0)
+    parts = []
+    for members in _slices(sizes):
+        params = {k: v.detach()[members].clone() for k, v in ens.stacked_params().items()}
+        buffers = {k: v[members].clone() for k, v in ens.stacked_buffers().items()}
+        outputs = fe.vmap(ens.fmodel, in_dims=0)(params, dict(buffers), xs[0][members])
+        opt = fe.optim.adam(SPLIT_LR)
+        state = opt.init(params)
+        for t in range(SPLIT_STEPS):
+            _, grads, buffers = step(params, buffers, xs[t][members], ys[t][members])
+            if t == 0:
+                first = grads
+            updates, state = opt.update(grads, state, params)
+            params = fe.optim.apply_updates(params, updates)
+        parts.append({"outputs": outputs, "grads": first, "params": params, "buffers": buffers})
+    return {
+        name: torch.utils._pytree.tree_map(lambda *ts: torch.cat(ts), *[p[name] for p in parts])
+        for name in parts[0]
+    }
+
+
+def _slices(sizes):
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [slice(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+def _rows(tree, rows):
+    return {k: v[rows] for k, v in tree.items()} if isinstance(tree, dict) else tree[rows]
+
+
+@pytest.mark.parametrize("sizes", SPLITS, ids=lambda s: "/".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("make", [_split_mlp, _split_conv_bn], ids=["mlp", "conv_bn"])
+def test_a_member_computes_the_same_however_the_members_are_split(make, dtype, sizes):
+    """The documented claim (scale-out.md, "Does the split change the numbers?").
+
+    Bit for bit, except a float32 convolution alone in its shard: its one-member kernel
+    rounds differently from the grouped kernel of several members, by a few ulps of the
+    largest value, which Adam can turn into up to 2 lr per step on a parameter whose
+    gradient is only rounding noise.
+    """
+    whole = _train_in_shards(make, dtype, (7,))
+    split = _train_in_shards(make, dtype, sizes)
+    lone = [s.start for s in _slices(sizes) if s.stop - s.start == 1]
+    if make is _split_mlp or dtype == torch.float64 or not lone:
+        assert_trees_equal(split, whole)
+        return
+    grouped = [i for i in range(7) if i not in lone]
+    assert_trees_equal(_rows(split["params"], grouped), _rows(whole["params"], grouped))
+    assert_trees_equal(_rows(split["buffers"], grouped), _rows(whole["buffers"], grouped))
+    for i in lone:
+        for name in ("outputs", "grads"):
+            got, want = _rows(split[name], i), _rows(whole[name], i)
+            scale = max(t.abs().max() for t in torch.utils._pytree.tree_leaves(want))
+            assert_trees_close(got, want, rtol=0, atol=1e-5 * float(scale))
+        drift = max(
+            (split["params"][k][i] - whole["params"][k][i]).abs().max() for k in split["params"]
+        )
+        assert drift <= 2 * SPLIT_LR * SPLIT_STEPS
 
 
 # --- sharded checkpoints in one process ---------------------------------------------------
@@ -293,6 +471,38 @@ def test_checkpoint_errors(tmp_path):
         d.load(path, ens, 2)
 
 
+def test_a_failed_write_or_read_says_which_rank_did_what_and_why(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=4, seed=0)
+    fe.distributed.save(tmp_path / "ok", ens)
+
+    def refuse(*args, **kwargs):
+        raise CheckpointException("save", {0: (OSError("No space left on device"), None)})
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "save", refuse)
+    monkeypatch.setattr(torch.distributed.checkpoint, "load", refuse)
+    with pytest.raises(fe.distributed.DistributedError) as info:
+        fe.distributed.save(tmp_path / "full", ens)
+    message = str(info.value)
+    assert message.startswith(
+        f"distributed.save: rank 0 of 1 failed while writing its members to "
+        f"'{tmp_path / 'full'}', after "
+    )
+    assert "Cause: CheckpointException: " in message and "No space left" in message
+    assert isinstance(info.value.__cause__, CheckpointException)
+    assert (info.value.rank, info.value.world_size, info.value.operation) == (
+        0,
+        1,
+        "distributed.save",
+    )
+    with pytest.raises(
+        fe.distributed.DistributedError,
+        match=r"distributed\.load: rank 0 of 1 failed while reading its members from",
+    ):
+        fe.distributed.load(tmp_path / "ok", ens)
+
+
 # --- init_process_group --------------------------------------------------------------------
 
 
@@ -326,6 +536,46 @@ def test_init_process_group_checks_before_starting(monkeypatch):
             init("nccl")
 
 
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "one"}, "the environment variable RANK must be an integer, got 'one'"),
+        ({"RANK": "2"}, "RANK must be in 0..WORLD_SIZE-1, got RANK=2 and WORLD_SIZE=2"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT must be in 0..65535, got 70000"),
+    ],
+)
+def test_init_process_group_refuses_a_malformed_launch(monkeypatch, env, message):
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
+    for name, value in {**launch, **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(f"init_process_group: {message}.")):
+        fe.distributed.init_process_group("gloo", timeout=timedelta(seconds=1))
+    assert not dist.is_initialized()
+
+
+def test_a_distributed_error_keeps_the_cause_without_the_cpp_trace():
+    from funcensemble._dist_errors import failures
+
+    with (
+        pytest.raises(fe.distributed.DistributedError) as info,
+        failures("op", "waiting for rank 1", 0, 2, timeout=timedelta(seconds=5)),
+    ):
+        raise RuntimeError(
+            "Connection closed by peer [127.0.0.1]:1234\nException raised from recv at "
+            "pair.cc:100 (most recent call first):\nframe #0: ..."
+        )
+    error = info.value
+    assert re.fullmatch(
+        r"op: rank 0 of 2 failed while waiting for rank 1, after 0\.\d s \(timeout 5 s\)\. "
+        r"Another rank has probably crashed, .* Cause: RuntimeError: Connection closed by "
+        r"peer \[127\.0\.0\.1\]:1234",
+        str(error),
+    )
+    assert (error.rank, error.world_size, error.operation) == (0, 2, "op")
+    assert error.timeout == timedelta(seconds=5) and 0 <= error.waited < 5
+    assert isinstance(error.__cause__, RuntimeError)
+
+
 def test_init_process_group_one_rank_in_this_process(monkeypatch):
     for name, value in {
         "MASTER_ADDR": "127.0.0.1",
@@ -357,11 +607,19 @@ class Rank:
     output: str
 
 
-def launch(world: int, args: list[str], tmp: Path, *, grace: float = GRACE) -> list[Rank]:
+def launch(
+    world: int,
+    args: list[str],
+    tmp: Path,
+    *,
+    grace: float = GRACE,
+    started: list[int] | None = None,
+) -> list[Rank]:
     """Run ``world`` ranks of the worker over gloo on the loopback interface.
 
     Every rank is killed at the hard timeout, and the others ``grace`` seconds after
-    the first one fails, so a broken run never hangs the test suite.
+    the first one fails, so a broken run never hangs the test suite. ``started``: the
+    ranks to start (all by default); the others never join.
     """
     env = {
         **os.environ,
@@ -373,7 +631,7 @@ def launch(world: int, args: list[str], tmp: Path, *, grace: float = GRACE) -> l
         "PYTHONUNBUFFERED": "1",
     }
     procs, logs = [], []
-    for r in range(world):
+    for r in range(world) if started is None else started:
         log = open(tmp / f"rank{r}.log", "w+")  # noqa: SIM115 (closed below)
         logs.append(log)
         procs.append(
@@ -399,9 +657,10 @@ def launch(world: int, args: list[str], tmp: Path, *, grace: float = GRACE) -> l
                 killed.add(r)
             p.wait()
     out = []
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+    ranks = range(world) if started is None else started
+    for k, (r, p, log) in enumerate(zip(ranks, procs, logs, strict=True)):
         log.seek(0)
-        out.append(Rank(r, None if r in killed else p.returncode, log.read()))
+        out.append(Rank(r, None if k in killed else p.returncode, log.read()))
         log.close()
     return out
 
@@ -509,9 +768,8 @@ def test_a_rank_that_raises_makes_the_others_fail_fast(tmp_path):
     elapsed = time.monotonic() - start
     assert all(r.returncode not in (None, 0) for r in ranks), report(ranks)
     assert "ValueError: rank 1 fails on purpose" in ranks[1].output, report(ranks)
-    assert "all_gather: a collective over 2 ranks failed on rank 0" in ranks[0].output, report(
-        ranks
-    )
+    # Rank 0 waits in its first collective: the set-up check of MemberShard.
+    assert SETUP_FAILED in ranks[0].output, report(ranks)
     assert "Another rank has probably crashed" in ranks[0].output
     assert elapsed < HARD_TIMEOUT - GRACE  # nobody waited for the 60 s process-group timeout
 
@@ -520,10 +778,124 @@ def test_a_rank_that_raises_makes_the_others_fail_fast(tmp_path):
 def test_a_rank_that_stops_answering_times_out_with_an_error(tmp_path):
     ranks = launch(2, [str(tmp_path), "--fail", "hang"], tmp_path, grace=1.0)
     assert ranks[0].returncode not in (None, 0), report(ranks)
-    assert "all_gather: a collective over 2 ranks failed on rank 0" in ranks[0].output, report(
-        ranks
-    )
+    assert re.search(
+        r"DistributedError: distributed\.save: rank 0 of 2 failed while exchanging its set-up "
+        r"with the other ranks, after \d+\.\d s \(timeout 3 s\)\. Another rank has probably "
+        r"crashed, or has not reached this call",
+        ranks[0].output,
+    ), report(ranks)
+    assert not (tmp_path / "late" / ".metadata").exists()
     assert ranks[1].returncode is None  # still asleep: killed by the harness
+
+
+def _seconds(output: str, what: str) -> float:
+    found = re.search(rf"{what} returned after (\d+\.\d+) s", output)
+    assert found, output[-3000:]
+    return float(found.group(1))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two ranks start up on two shared cores
+def test_a_rank_killed_mid_training_makes_the_others_fail_at_once(tmp_path):
+    ranks = launch(2, [str(tmp_path), "--fail", "kill"], tmp_path)
+    assert ranks[1].returncode == -signal.SIGKILL, report(ranks)
+    assert ranks[0].returncode not in (None, 0), report(ranks)
+    assert "DistributedError: " + COLLECTIVE_FAILED in ranks[0].output, report(ranks)
+    # Its connection closed: noticed at once, not after the 60 s timeout.
+    assert _seconds(ranks[0].output, "all_gather") < 30, report(ranks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two ranks start up on two shared cores
+def test_a_rank_that_never_joins_is_named_when_the_timeout_passes(tmp_path):
+    """Rank 1 of 2 is never started: rank 0 fails at its 3 s timeout, naming rank 1."""
+    ranks = launch(2, [str(tmp_path), "--timeout", "3"], tmp_path, started=[0])
+    (rank0,) = ranks
+    assert rank0.returncode not in (None, 0), report(ranks)
+    assert re.search(
+        r"DistributedError: init_process_group: rank 0 of 2 failed while waiting for all 2 "
+        r"ranks to join the rendezvous at 127\.0\.0\.1:\d+, after 3\.\d s \(timeout 3 s\)\. "
+        r"Rank\(s\) 1 never joined \(1 of 2 did\)",
+        rank0.output,
+    ), report(ranks)
+    # The deadline is kept: a fraction of a second of margin (the timings are reported;
+    # the bound is loose because two cores are shared by the whole test run).
+    assert _seconds(rank0.output, "init_process_group") < 3 + 5, report(ranks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two ranks start up on two shared cores
+def test_a_rank_whose_server_never_comes_up_says_so_at_its_timeout(tmp_path):
+    """Only rank 1 is started: it waits for rank 0's store server, and says so."""
+    ranks = launch(2, [str(tmp_path), "--timeout", "2"], tmp_path, started=[1])
+    (rank1,) = ranks
+    assert rank1.returncode not in (None, 0), report(ranks)
+    assert re.search(
+        r"init_process_group: rank 1 of 2 failed while waiting for the rendezvous server "
+        r"\(rank 0\) at 127\.0\.0\.1:\d+, after 2\.\d s \(timeout 2 s\)\. It never answered",
+        rank1.output,
+    ), report(ranks)
+    assert _seconds(rank1.output, "init_process_group") < 2 + 5, report(ranks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two ranks start up on two shared cores
+def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_path):
+    ranks = launch(2, [str(tmp_path), "--disagree"], tmp_path)
+    check_all_succeeded(ranks)
+    got = [torch.load(tmp_path / f"disagree{r}.pt") for r in range(2)]
+    for name in got[0]:  # every rank raised the same error
+        assert got[0][name] == got[1][name], name
+    messages = got[0]
+    start = "the 2 ranks were not set up alike: they differ in "
+    assert messages["N"] == (
+        f"MemberShard: {start}the member count N (rank 0: 5; rank 1: 6). Every rank must "
+        "build MemberShard(N) with the same N: the size of the whole ensemble, not of its "
+        "own share."
+    )
+    assert messages["architecture"].startswith(f"MemberShard.from_factory: {start}")
+    assert (
+        "parameter `0.weight` (rank 0: float32, per-member shape (16, 4)"
+        in (messages["architecture"])
+    )
+    assert "rank 1: float32, per-member shape (8, 4)" in messages["architecture"]
+    assert (
+        "the settings of `1` (rank 0: LeakyReLU(negative_slope=0.0); rank 1: "
+        "LeakyReLU(negative_slope=0.1))" in messages["slope"]
+    )
+    assert (
+        "parameter `0.bias` (rank 0: float64, per-member shape (16,), requires_grad; "
+        in (messages["dtype"])
+    )
+    assert "rank 1: float32" in messages["dtype"]
+    assert (
+        "leaf `['params']['0.bias']` (rank 0: float64, per-member shape (16,); rank 1: (absent))"
+        in messages["names"]
+    )
+    assert messages["names"].endswith(
+        "and 4 more. Set up every rank alike: the same architecture, dtypes, optimizer and "
+        "settings."
+    )
+    assert re.search(
+        r"the optimizer's `betas\[1\]` \(.*\) \(rank 0: 0\.999; rank 1: 0\.99\)", messages["betas"]
+    )
+    assert "the optimizer's group 0 `lr` (rank 0: 0.1; rank 1: 0.2)" in messages["torch.optim"]
+    assert messages["step"].startswith(
+        f"distributed.save: {start}leaf `['step']` (rank 0: 0; rank 1: 1)"
+    )
+    assert "equal values for the leaves written once, such as a step count" in messages["step"]
+    assert not (tmp_path / "ckpt" / ".metadata").exists()  # refused before writing
+    assert messages["mean shapes"] == (
+        "mean: the ranks passed reduced outputs of different dtypes or shapes (rank 0: "
+        "float32 (2, 3); rank 1: float32 (3, 2)), so the collective would combine values "
+        "of different meanings. Every rank must pass tensors of the same dtype and shape "
+        "(after its member axis)."
+    )
+    assert messages["gather dtypes"].startswith(
+        "all_gather: the ranks passed outputs (shape after the member axis) of different "
+        "dtypes or shapes (rank 0: float32 (4,); rank 1: float64 (4,))"
+    )
+    assert messages["gathered"] == (worker.NUM_MEMBERS, 2)
 
 
 @pytest.mark.multiprocess
