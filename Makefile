@@ -39,3 +39,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) site
+
+# The figures in docs/img come from full runs of the examples; the examples themselves
+# write into ./out/<example>/ and never touch docs/img unless told to, as here. About 15
+# minutes on a CPU, most of it the RL example (see docs/examples.md for each one's time).
+.PHONY: figures
+figures: $(STAMP)
+	$(BIN)/python examples/deep_ensemble_regression.py --out docs/img
+	$(BIN)/python examples/lr_sweep.py --out docs/img
+	$(BIN)/python examples/digits_ensemble.py --out docs/img
+	$(BIN)/python examples/rl_q_ensemble.py --out docs/img

@@ -12,8 +12,10 @@ Everything runs as one vectorized ensemble through the functional face:
 ``fe.optim.adam`` -> ``fe.reduce.mean`` / ``fe.reduce.std``.
 
 Run ``python examples/deep_ensemble_regression.py`` (``--quick`` for a seconds-long
-smoke run); it saves a plot (``--plot PATH``) and checks that the average standard
-deviation outside the training range is several times the one inside.
+smoke run); it saves a plot as ``deep_ensemble.png`` in ``--out`` (default
+``./out/deep_ensemble_regression/``) and checks that the average standard deviation
+outside the training range is several times the one inside. Needs matplotlib and tqdm
+(``pip install 'funcensemble[examples]'``) unless run with ``--no-plot --quiet``.
 """
 
 import argparse
@@ -21,14 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import _cli
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 import funcensemble as fe
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PLOT = ROOT / "docs" / "img" / "deep_ensemble.png"
+NAME = "deep_ensemble_regression"
+FIGURE = "deep_ensemble.png"  # the name of the figure in docs/img (make figures)
 TRAIN_RANGE = (-1.0, 1.0)
 PLOT_RANGE = (-3.0, 3.0)
 NOISE = 0.1
@@ -68,7 +71,9 @@ class Result:
         return self.std_outside / self.std_inside
 
 
-def train(num_members: int, num_samples: int, steps: int, lr: float, *, seed: int) -> Result:
+def train(
+    num_members: int, num_samples: int, steps: int, lr: float, *, seed: int, quiet: bool = True
+) -> Result:
     g = torch.Generator().manual_seed(seed)
     x, y = make_data(num_samples, generator=g)
 
@@ -85,10 +90,14 @@ def train(num_members: int, num_samples: int, steps: int, lr: float, *, seed: in
     loss_and_grads = fe.value_and_grad(loss_fn, in_dims=0)  # in_dims=0: per-member batches
     opt = fe.optim.adam(lr=lr)
     state = opt.init(params)
-    for _ in range(steps):
+    bar = _cli.progress(range(steps), quiet=quiet, desc="training")
+    for step in bar:
         losses, grads, buffers = loss_and_grads(params, buffers, xs, ys)
         updates, state = opt.update(grads, state, params)
         params = fe.optim.apply_updates(params, updates)
+        if step % 20 == 0 or step == steps - 1:
+            bar.set_postfix(mean_mse=f"{losses.mean().item():.4f}")
+    bar.close()
 
     grid = torch.linspace(*PLOT_RANGE, 601).unsqueeze(1)
     with torch.no_grad():
@@ -139,23 +148,31 @@ def plot(result: Result, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> Result:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--members", type=int, default=8, help="ensemble size (8)")
     parser.add_argument("--samples", type=int, default=100, help="training points (100)")
     parser.add_argument("--steps", type=int, default=2000, help="Adam steps (2000)")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data and weights (0)")
-    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="where to save the plot")
-    parser.add_argument("--no-plot", action="store_true", help="do not save a plot")
+    parser.add_argument("--no-plot", action="store_true", help=f"do not save {FIGURE}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 members, 150 steps")
+    _cli.add_common_options(parser, NAME)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> Result:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.steps = 5, 150
     if args.members < 2 or args.samples < 1 or args.steps < 1:
         parser.error("--members must be at least 2; --samples and --steps positive")
+    _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=not args.no_plot))
 
-    result = train(args.members, args.samples, args.steps, args.lr, seed=args.seed)
+    result = train(
+        args.members, args.samples, args.steps, args.lr, seed=args.seed, quiet=args.quiet
+    )
     print(
         f"{args.members} MLPs, {args.samples} points, {args.steps} Adam steps (lr {args.lr}): "
         f"training MSE per member {result.final_losses.min():.4f}..{result.final_losses.max():.4f}"
@@ -165,8 +182,9 @@ def main(argv: Sequence[str] | None = None) -> Result:
         f"outside it (up to {PLOT_RANGE}): {result.std_outside:.4f}; ratio {result.ratio:.1f}x"
     )
     if not args.no_plot:
-        plot(result, args.plot)
-        print(f"plot saved to {args.plot}")
+        path = _cli.output_file(args.out, FIGURE)
+        plot(result, path)
+        print(f"plot saved to {path}")
     if not result.ratio >= MIN_RATIO:
         raise AssertionError(
             f"the ensemble's std outside the training range is only {result.ratio:.2f}x the "

@@ -13,7 +13,9 @@ Run it with two processes on one machine (gloo on the CPU, NCCL on GPUs)::
     torchrun --standalone --nproc_per_node=2 examples/distributed_ensemble.py
 
 or without torchrun, as one process holding every member. ``--quick`` is a seconds-long
-smoke run.
+smoke run. The checkpoint goes to ``--out`` (default ``./out/distributed_ensemble/``).
+Rank 0's progress bar needs tqdm (``pip install 'funcensemble[examples]'``); ``--quiet``
+runs without it.
 """
 
 import argparse
@@ -21,13 +23,15 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
+import _cli
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 import funcensemble as fe
+
+NAME = "distributed_ensemble"
 
 QUICK = {"members": 8, "steps": 20}
 
@@ -48,19 +52,29 @@ def dataset(samples: int) -> tuple[Tensor, Tensor]:
     return x, torch.sin(2 * x) + 0.1 * torch.randn(x.shape, generator=g)
 
 
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--members", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--batch", type=int, default=32, help="samples per member per step")
-    parser.add_argument("--samples", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=Path("checkpoints/distributed_ensemble"))
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument("--members", type=int, default=64, help="ensemble size, all ranks (64)")
+    parser.add_argument("--steps", type=int, default=1000, help="Adam steps (1000)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per member per step (32)")
+    parser.add_argument("--samples", type=int, default=256, help="training points (256)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps",
+    )
+    _cli.add_common_options(parser, NAME)
+    return parser
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.steps = QUICK["members"], QUICK["steps"]
     if args.members < 1 or args.steps < 1:
         parser.error("--members and --steps must be positive")
+    _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=False))
     return args
 
 
@@ -113,7 +127,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     shard.check_agreement(optimizer=opt, batch=args.batch, samples=args.samples)
     state = opt.init(params)
     start = time.perf_counter()
-    for s in range(args.steps):
+    bar = _cli.progress(range(args.steps), quiet=args.quiet or shard.rank != 0, desc="training")
+    for s in bar:
         columns = torch.randint(args.samples, (args.members, args.batch), generator=picks)
         rows = bags.gather(1, shard.select(columns).to(device))  # [my members, batch]
         losses, grads, buffers = step(params, buffers, x[rows], y[rows])
@@ -121,7 +136,12 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         params = fe.optim.apply_updates(params, updates)
         if s % max(1, args.steps // 5) == 0 or s == args.steps - 1:
             mean_loss = fe.distributed.mean(losses, shard)  # over all members, all ranks
-            say(f"step {s:4d}: mean training loss over all members {mean_loss.item():.4f}")
+            if shard.rank == 0:
+                bar.write(
+                    f"step {s:4d}: mean training loss over all members {mean_loss.item():.4f}"
+                )
+                bar.set_postfix(mean_loss=f"{mean_loss.item():.4f}")
+    bar.close()
     per_step = (time.perf_counter() - start) / args.steps
 
     # Predictions of all members, reduced across ranks: mean and disagreement.

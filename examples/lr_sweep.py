@@ -9,9 +9,11 @@ member). All N runs then train as one vectorized model, in one loop.
 The script fits a small MLP to a fixed random teacher network, picks the learning rate
 with the lowest validation loss, checks that this member trained exactly as a plain
 ``torch.optim.Adam`` run at that learning rate would, and saves every member's training
-loss curve in one plot (``--plot PATH``).
+loss curve in one plot, ``lr_sweep.png`` in ``--out`` (default ``./out/lr_sweep/``).
 
-Run ``python examples/lr_sweep.py`` (``--quick`` for a seconds-long smoke run).
+Run ``python examples/lr_sweep.py`` (``--quick`` for a seconds-long smoke run). Needs
+matplotlib and tqdm (``pip install 'funcensemble[examples]'``) unless run with
+``--no-plot --quiet``.
 """
 
 import argparse
@@ -21,14 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import _cli
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 import funcensemble as fe
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PLOT = ROOT / "docs" / "img" / "lr_sweep.png"
+NAME = "lr_sweep"
+FIGURE = "lr_sweep.png"  # the name of the figure in docs/img (make figures)
 IN, HIDDEN = 8, 64
 # The best member is re-trained alone with torch.optim.Adam; its final training loss
 # must match the ensemble member's to this relative tolerance. Both run the same
@@ -66,7 +69,7 @@ class Result:
         return self.lrs[self.best].item()
 
 
-def sweep(lrs: Tensor, steps: int, num_samples: int, *, seed: int) -> Result:
+def sweep(lrs: Tensor, steps: int, num_samples: int, *, seed: int, quiet: bool = True) -> Result:
     x, y, x_val, y_val = make_data(num_samples, seed=seed)
     torch.manual_seed(seed)
     model = make_model()
@@ -80,11 +83,15 @@ def sweep(lrs: Tensor, steps: int, num_samples: int, *, seed: int) -> Result:
     opt = fe.optim.adam(lr=lrs)  # one learning rate per member
     state = opt.init(params)
     curves = []
-    for _ in range(steps):
+    bar = _cli.progress(range(steps), quiet=quiet, desc=f"{len(lrs)} learning rates")
+    for step in bar:
         losses, grads, buffers = loss_and_grads(params, buffers, x, y)
         curves.append(losses)
         updates, state = opt.update(grads, state, params)
         params = fe.optim.apply_updates(params, updates)
+        if step % 10 == 0 or step == steps - 1:
+            bar.set_postfix(lowest_mse=f"{losses.nan_to_num(math.inf).min().item():.4f}")
+    bar.close()
     with torch.no_grad():
         final = fe.vmap(loss_fn)(params, buffers, x, y)
         val = fe.vmap(loss_fn)(params, buffers, x_val, y_val)
@@ -95,7 +102,7 @@ def sweep(lrs: Tensor, steps: int, num_samples: int, *, seed: int) -> Result:
     # The reference: the same initial model trained alone by torch.optim.Adam.
     alone = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(alone.parameters(), lr=lrs[best].item())
-    for _ in range(steps):
+    for _ in _cli.progress(range(steps), quiet=quiet, desc="torch.optim.Adam reference"):
         ref_opt.zero_grad()
         F.mse_loss(alone(x), y).backward()
         ref_opt.step()
@@ -137,23 +144,29 @@ def plot(result: Result, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> Result:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--members", type=int, default=16, help="learning rates (16)")
     parser.add_argument("--steps", type=int, default=500, help="Adam steps (500)")
     parser.add_argument("--samples", type=int, default=512, help="training points (512)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data and weights (0)")
-    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="where to save the plot")
-    parser.add_argument("--no-plot", action="store_true", help="do not save a plot")
+    parser.add_argument("--no-plot", action="store_true", help=f"do not save {FIGURE}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 6 members, 60 steps")
+    _cli.add_common_options(parser, NAME)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> Result:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.steps = 6, 60
     if args.members < 1 or args.steps < 1 or args.samples < 1:
         parser.error("--members, --steps and --samples must be positive")
+    _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=not args.no_plot))
 
     lrs = torch.logspace(-4, -1, args.members)
-    result = sweep(lrs, args.steps, args.samples, seed=args.seed)
+    result = sweep(lrs, args.steps, args.samples, seed=args.seed, quiet=args.quiet)
     print(
         f"{args.members} learning rates {lrs[0]:.0e}..{lrs[-1]:.0e}, {args.steps} Adam steps, "
         f"{args.samples} training points, one ensemble\n"
@@ -165,8 +178,9 @@ def main(argv: Sequence[str] | None = None) -> Result:
     print(f"\nbest lr: {result.best_lr:.3g} (validation MSE {result.val_losses[result.best]:.5f})")
 
     if not args.no_plot:
-        plot(result, args.plot)
-        print(f"plot saved to {args.plot}")
+        path = _cli.output_file(args.out, FIGURE)
+        plot(result, path)
+        print(f"plot saved to {path}")
     member = result.curves[-1, result.best].item()
     if not math.isclose(member, result.reference_loss, rel_tol=RTOL):
         raise AssertionError(

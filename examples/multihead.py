@@ -13,7 +13,9 @@ steps) three ways and checks that every head ends at the same loss:
 * functional face: ``fe.stack``, ``fe.value_and_grad`` and the pure optimizer
   ``fe.optim.adam``.
 
-Run ``python examples/multihead.py`` (``--quick`` for a seconds-long smoke run).
+Run ``python examples/multihead.py`` (``--quick`` for a seconds-long smoke run). Its
+progress bars need tqdm (``pip install 'funcensemble[examples]'``); ``--quiet`` runs
+without them.
 """
 
 import argparse
@@ -21,10 +23,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import _cli
 import torch
 from torch import Tensor, nn
 
 import funcensemble as fe
+
+NAME = "multihead"
 
 IN, HIDDEN, OUT = 8, 32, 4
 LR = 3e-3
@@ -64,18 +69,20 @@ def final_losses(heads: Sequence[nn.Module], x: Tensor, y: Tensor) -> Tensor:
 
 
 # Each variant takes the initial heads and returns (step, trained): `step()` runs one
-# training step on all heads, `trained()` returns the heads as ordinary modules.
-Variant = Callable[[nn.ModuleList, Tensor, Tensor], tuple[Callable[[], None], Callable]]
+# training step on all heads and returns the sum of their losses (before the step),
+# `trained()` returns the heads as ordinary modules.
+Variant = Callable[[nn.ModuleList, Tensor, Tensor], tuple[Callable[[], Tensor], Callable]]
 
 
 def loop_variant(heads: nn.ModuleList, x: Tensor, y: Tensor):
     opt = torch.optim.Adam(heads.parameters(), lr=LR, foreach=True)
 
-    def step() -> None:
+    def step() -> Tensor:
         loss = sum(((head(x) - y[i]) ** 2).mean() for i, head in enumerate(heads))
         opt.zero_grad()
         loss.backward()
         opt.step()
+        return loss.detach()
 
     return step, lambda: heads
 
@@ -84,11 +91,13 @@ def ensemble_variant(heads: nn.ModuleList, x: Tensor, y: Tensor):
     ens = fe.Ensemble(heads)  # copies the heads' initial weights into [N, ...] parameters
     opt = torch.optim.Adam(ens.parameters(), lr=LR, foreach=True)
 
-    def step() -> None:
+    def step() -> Tensor:
         per_head = ((ens(x) - y) ** 2).mean(dim=(1, 2))  # ens(x): [heads, batch, OUT]
+        loss = per_head.sum()
         opt.zero_grad()
-        per_head.sum().backward()  # the heads share nothing: each gets its own gradient
+        loss.backward()  # the heads share nothing: each gets its own gradient
         opt.step()
+        return loss.detach()
 
     return step, ens.unstack
 
@@ -103,11 +112,12 @@ def functional_variant(heads: nn.ModuleList, x: Tensor, y: Tensor):
     opt = fe.optim.adam(lr=LR)
     state = opt.init(params)
 
-    def step() -> None:
+    def step() -> Tensor:
         nonlocal params, buffers, state
-        _, grads, buffers = losses_and_grads(params, buffers, x, y)
+        losses, grads, buffers = losses_and_grads(params, buffers, x, y)
         updates, state = opt.update(grads, state, params)
         params = fe.optim.apply_updates(params, updates)
+        return losses.sum()
 
     return step, lambda: fe.unstack(fmodel, params, buffers)
 
@@ -119,15 +129,31 @@ class Result:
     steps_per_s: float
 
 
-def run(name: str, variant: Variant, heads: nn.ModuleList, x: Tensor, y: Tensor, steps: int):
+def run(
+    name: str,
+    variant: Variant,
+    heads: nn.ModuleList,
+    x: Tensor,
+    y: Tensor,
+    steps: int,
+    *,
+    quiet: bool = True,
+) -> Result:
     step, trained = variant(heads, x, y)
+    bar = _cli.progress(total=steps, quiet=quiet, desc=name)
     for _ in range(min(WARMUP, steps - 1)):
         step()
+        bar.update()
     timed = steps - min(WARMUP, steps - 1)
+    every = max(1, timed // 20)  # reading the loss waits for the step: not every step
     start = time.perf_counter()
-    for _ in range(timed):
-        step()
+    for k in range(timed):
+        loss = step()
+        bar.update()
+        if k % every == 0 or k == timed - 1:
+            bar.set_postfix(mean_loss=f"{loss.item() / len(heads):.4f}")
     elapsed = time.perf_counter() - start
+    bar.close()
     return Result(name, final_losses(trained(), x, y), timed / elapsed)
 
 
@@ -166,7 +192,7 @@ def print_table(results: list[Result]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def main(argv: Sequence[str] | None = None) -> list[Result]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", type=int, default=128, help="number of heads (128)")
     parser.add_argument("--steps", type=int, default=300, help="Adam steps per variant (300)")
@@ -174,11 +200,18 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (0)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (torch's default)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 heads, 20 steps")
+    _cli.add_common_options(parser, NAME, out=False)  # it writes no files
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> list[Result]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.heads, args.steps = 16, 20
     if min(args.heads, args.steps, args.batch, args.threads or 1) < 1:
         parser.error("--heads, --steps, --batch and --threads must be positive")
+    _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=False))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -189,7 +222,15 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         f"{torch.get_num_threads()} CPU thread(s)\n"
     )
     results = [
-        run(name, variant, make_heads(args.heads, seed=args.seed), x, y, args.steps)
+        run(
+            name,
+            variant,
+            make_heads(args.heads, seed=args.seed),
+            x,
+            y,
+            args.steps,
+            quiet=args.quiet,
+        )
         for name, variant in variants().items()
     ]
     print_table(results)

@@ -262,6 +262,10 @@ def optim_loss(module: nn.Module, step: int, member: int) -> Tensor:
 # --- examples ----------------------------------------------------------------------------
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The examples import their shared examples/_cli.py, which `python examples/x.py` finds
+# because Python puts a script's folder on sys.path; do the same for the tests.
+if str(EXAMPLES) not in sys.path:
+    sys.path.append(str(EXAMPLES))
 
 
 def load_example(name: str) -> ModuleType:

@@ -17,6 +17,8 @@ import pytest
 import torch
 from helpers import load_example
 
+import funcensemble as fe
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 NOTEBOOK = EXAMPLES / "quickstart.ipynb"
@@ -28,8 +30,8 @@ def load(name: str) -> ModuleType:
 
 def test_deep_ensemble_quick_widens_away_from_the_data(tmp_path, capsys):
     example = load("deep_ensemble_regression")
-    plot = tmp_path / "deep.png"
-    result = example.main(["--quick", "--plot", str(plot)])
+    plot = tmp_path / "deep_ensemble.png"
+    result = example.main(["--quick", "--out", str(tmp_path)])
     assert result.preds.shape == (5, result.grid.shape[0], 1)
     assert result.std.shape == result.mean.shape == result.grid.shape
     assert torch.allclose(result.mean, result.preds.mean(dim=0))
@@ -55,8 +57,8 @@ def test_deep_ensemble_rejects_one_member():
 
 def test_lr_sweep_quick_finds_a_finite_best_lr(tmp_path, capsys):
     example = load("lr_sweep")
-    plot = tmp_path / "sweep.png"
-    result = example.main(["--quick", "--plot", str(plot)])
+    plot = tmp_path / "lr_sweep.png"
+    result = example.main(["--quick", "--out", str(tmp_path)])
     lrs = torch.logspace(-4, -1, 6)
     assert torch.equal(result.lrs, lrs)
     assert math.isfinite(result.best_lr) and result.best_lr in lrs.tolist()
@@ -82,6 +84,69 @@ def test_lr_sweep_fails_when_the_best_member_differs_from_torch_optim(monkeypatc
     monkeypatch.setattr(example, "sweep", off)
     with pytest.raises(AssertionError, match=r"differs from a plain torch\.optim\.Adam run"):
         example.main(["--members", "2", "--steps", "3", "--samples", "16", "--no-plot"])
+
+
+def test_digits_quick_ensemble_beats_one_model(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    example = load("digits_ensemble")
+    result = example.main(["--quick", "--out", str(tmp_path)])
+    members, ens = result.members, result.ensemble
+    assert len(members) == example.QUICK["members"]
+    assert ens.accuracy >= example.MIN_ACCURACY
+    # Averaging probabilities never raises the NLL above the members' mean (Jensen); it
+    # falls strictly only if the members differ, as they must.
+    assert ens.nll < result.mean("nll")
+    assert ens.auroc_noise > result.mean("auroc_noise")
+    # Noise is far from any digit: every score tells it apart well.
+    assert min(ens.auroc_noise, ens.mi_auroc_noise) > 0.85
+    assert ens.auroc_digit > 0.8  # the held-out digit 9 is harder, but far above chance
+    assert all(m.mutual_information is None for m in members)
+    assert (tmp_path / "digits_ensemble.png").read_bytes().startswith(b"\x89PNG")
+    out = capsys.readouterr().out
+    assert "ensemble of 4" in out and "its NLL is below its members' mean" in out
+
+
+def test_digits_data_hold_out_one_digit():
+    pytest.importorskip("sklearn")
+    data = load("digits_ensemble").load_data(3, 0.3, seed=0)
+    assert 3 not in data.y.tolist() and 3 not in data.y_test.tolist()
+    assert set(data.y.unique().tolist()) == set(range(10)) - {3}
+    assert data.x.shape[1] == data.x_digit.shape[1] == data.x_noise.shape[1] == 64
+    assert len(data.x) + len(data.x_test) + len(data.x_digit) == 1797
+    assert data.x.min() >= 0 and data.x.max() == 1  # pixels scaled from 0..16
+
+
+def test_digits_calibration_error_by_hand():
+    example = load("digits_ensemble")
+    # Confidences 0.9 (right), 0.9 (wrong), 0.6 (right), 0.55 (wrong) in 2 bins:
+    # (0.5, 1.0] holds all four: accuracy 2/4, mean confidence 0.7375.
+    probs = torch.tensor([[0.9, 0.1], [0.9, 0.1], [0.4, 0.6], [0.55, 0.45]], dtype=torch.float64)
+    labels = torch.tensor([0, 1, 1, 1])
+    cal = example.calibration(probs.log(), labels, bins=2)
+    assert cal.counts.tolist() == [0, 4]
+    assert math.isclose(cal.ece, abs(0.5 - 0.7375), rel_tol=1e-12)
+    cal = example.calibration(probs.log(), labels, bins=10)
+    # Bins (0.5, 0.6], (0.8, 0.9]: |1/2 - 0.575| * 2/4 + |1/2 - 0.9| * 2/4.
+    assert math.isclose(cal.ece, 0.5 * 0.075 + 0.5 * 0.4, rel_tol=1e-9)
+    assert math.isclose(
+        example.nll(probs.log(), labels),
+        -sum(map(math.log, [0.9, 0.1, 0.6, 0.45])) / 4,
+        rel_tol=1e-6,
+    )
+
+
+def test_digits_fails_when_the_members_are_copies(monkeypatch):
+    pytest.importorskip("sklearn")
+    example = load("digits_ensemble")
+    train = example.train
+
+    def copies(data, **kwargs):
+        trained = train(data, **{**kwargs, "members": 1})
+        return fe.Ensemble([trained.member(0)] * kwargs["members"])
+
+    monkeypatch.setattr(example, "train", copies)
+    with pytest.raises(AssertionError, match=r"members predict alike \(are they copies\?\)"):
+        example.main(["--members", "2", "--epochs", "1", "--no-plot", "--quiet"])
 
 
 def test_notebook_is_committed_without_outputs():

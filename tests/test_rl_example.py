@@ -24,10 +24,10 @@ def load() -> ModuleType:
 
 
 @pytest.mark.slow
-def test_quick_run_completes_and_logs_finite_numbers(capsys):
+def test_quick_run_completes_and_logs_finite_numbers(tmp_path, capsys):
     ex = load()
     threads = torch.get_num_threads()
-    log = ex.main(["--quick", "--seed", "3"])
+    log = ex.main(["--quick", "--seed", "3", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert torch.get_num_threads() == threads  # the example restores torch's setting
     assert log.steps == [150, 300]
@@ -37,15 +37,58 @@ def test_quick_run_completes_and_logs_finite_numbers(capsys):
     assert all(q > 0 for q in log.q_std)  # 10 differently initialized critics disagree
     assert math.isfinite(log.train_return[-1])  # at least one episode ended
     assert "eval_return" in out and "q_std" in out and "final eval return" in out
+    # Quick mode says what it checks: that learning starts, not a score.
+    assert "PASS: quick mode checks only that learning starts, not the final score" in out
+    assert log.critic_loss[-1] < log.critic_loss[0]
+    assert (tmp_path / "rl_q_ensemble.png").read_bytes().startswith(b"\x89PNG")
+
+
+def make_log(ex, critic_loss, eval_return, q_std=(0.2, 0.4)):
+    log = ex.Log(steps=[150, 300], critic_loss=list(critic_loss), q_std=list(q_std))
+    log.eval_return = list(eval_return)
+    return log
+
+
+def test_quick_check_passes_when_the_td_loss_falls_whatever_the_return():
+    ex = load()
+    cfg = ex.Config(**{**vars(ex.Config()), **ex.QUICK})
+    passed, message = ex.check(make_log(ex, [30.0, 20.0], [-900.0, -950.0]), cfg, quick=True)
+    assert passed and "learning has started" in message and "not the final score" in message
+
+
+@pytest.mark.parametrize(
+    "critic_loss, q_std",
+    [([20.0, 30.0], (0.2, 0.4)), ([30.0, math.nan], (0.2, 0.4)), ([30.0, 20.0], (0.0, 0.0))],
+    ids=["loss-rises", "loss-nan", "critics-agree"],
+)
+def test_quick_check_fails_when_learning_does_not_start(critic_loss, q_std):
+    ex = load()
+    cfg = ex.Config(**{**vars(ex.Config()), **ex.QUICK})
+    passed, message = ex.check(make_log(ex, critic_loss, [-200.0, -100.0], q_std), cfg, quick=True)
+    assert not passed and "learning has NOT started" in message
+
+
+def test_full_check_is_the_return_threshold():
+    ex = load()
+    cfg = ex.Config()
+    reached = make_log(ex, [1.0, 2.0], [-1200.0, ex.THRESHOLD])
+    passed, message = ex.check(reached, cfg, quick=False)
+    assert passed and "first reached -300 at step 300" in message
+    missed = make_log(ex, [2.0, 1.0], [-1200.0, ex.THRESHOLD - 1])
+    passed, message = ex.check(missed, cfg, quick=False)
+    assert not passed and "never reached -300 in 15000 steps" in message
 
 
 @pytest.mark.slow
 def test_same_seed_same_run():
     ex = load()
-    tiny = ["--steps", "160", "--warmup", "60", "--hidden", "16", "--batch", "16"]
-    tiny += ["--eval-every", "80", "--eval-episodes", "1", "--no-progress"]
-    a, b = ex.main([*tiny, "--seed", "5"]), ex.main([*tiny, "--seed", "5"])
-    c = ex.main([*tiny, "--seed", "6"])
+    tiny = {"steps": 160, "warmup": 60, "hidden": 16, "batch": 16, "eval_every": 80}
+
+    def run(seed: int):
+        cfg = ex.Config(**tiny, seed=seed)
+        return ex.train(cfg, eval_episodes=1, eval_length=None, quiet=True)
+
+    a, b, c = run(5), run(5), run(6)
     assert (a.eval_return, a.q_std, a.critic_loss) == (b.eval_return, b.q_std, b.critic_loss)
     assert a.q_std != c.q_std
 

@@ -1,0 +1,108 @@
+"""What the examples' command lines share: an output folder, a progress bar, optional imports.
+
+Not an example itself. Every script in this folder imports it (Python puts a script's
+own folder on ``sys.path``), so that each one:
+
+* writes its files only under ``--out`` (default ``./out/<example>/``), never into the
+  repository's ``docs/img/`` unless told to (``make figures`` does);
+* shows a tqdm progress bar, which ``--quiet`` turns off;
+* imports matplotlib, tqdm, gymnasium and scikit-learn only when it runs, so that
+  ``--help`` works without them, and stops with one line naming the extra to install
+  when one it needs is missing.
+"""
+
+import argparse
+import importlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+INSTALL = "pip install 'funcensemble[examples]'"
+# Import name -> the distribution that provides it, for the message.
+DISTRIBUTIONS = {"sklearn": "scikit-learn"}
+
+
+def add_common_options(parser: argparse.ArgumentParser, name: str, *, out: bool = True) -> None:
+    """``--quiet`` and, for an example that writes files, ``--out DIR``."""
+    if out:
+        parser.add_argument(
+            "--out",
+            type=Path,
+            default=Path("out") / name,
+            metavar="DIR",
+            help=f"folder for the files this example writes (default: ./out/{name}/; "
+            "`make figures` passes docs/img)",
+        )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def require(prog: str, *modules: str) -> None:
+    """Stop with one line naming the extra to install if any of ``modules`` is missing.
+
+    Called right after the arguments are parsed, before any work, so that a run never
+    fails at its end for want of a plotting library.
+    """
+    missing = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(DISTRIBUTIONS.get(module, module))
+    if missing:
+        raise SystemExit(
+            f"{prog}: needs {' and '.join(missing)}, not installed; install the examples' "
+            f"extra: {INSTALL}"
+        )
+
+
+def needs(*, quiet: bool, plot: bool, also: Iterable[str] = ()) -> list[str]:
+    """The optional modules a run needs: tqdm for the bar, matplotlib for a plot."""
+    return [*also, *(["tqdm"] if not quiet else []), *(["matplotlib"] if plot else [])]
+
+
+class _Silent:
+    """A progress bar's interface that shows nothing (``--quiet``)."""
+
+    def __init__(self, iterable: Iterable[Any] | None) -> None:
+        self.iterable = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.iterable or ())
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **values: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        print(line)
+
+
+def progress(
+    iterable: Iterable[Any] | None = None,
+    *,
+    quiet: bool,
+    total: int | None = None,
+    desc: str | None = None,
+    unit: str = "step",
+) -> Any:
+    """A tqdm bar over ``iterable`` (steps per second on the right), or a silent one.
+
+    ``bar.write(line)`` prints a line without breaking the bar; ``bar.set_postfix``
+    shows the current loss.
+    """
+    if quiet:
+        return _Silent(iterable)
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True)
+
+
+def output_file(out: Path, name: str) -> Path:
+    """``out / name``, creating the folder ``out`` first."""
+    out.mkdir(parents=True, exist_ok=True)
+    return out / name
