@@ -49,9 +49,9 @@ def require(prog: str, *modules: str) -> None:
         except ImportError:
             missing.append(DISTRIBUTIONS.get(module, module))
     if missing:
+        names = " and ".join([", ".join(missing[:-1]), missing[-1]] if missing[1:] else missing)
         raise SystemExit(
-            f"{prog}: needs {' and '.join(missing)}, not installed; install the examples' "
-            f"extra: {INSTALL}"
+            f"{prog}: needs {names}, not installed; install the examples' extra: {INSTALL}"
         )
 
 

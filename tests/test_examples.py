@@ -135,8 +135,8 @@ def test_help_and_a_missing_dependency_without_the_optional_packages(tmp_path):
         assert code.startswith(f"{name}.py: needs ") and code.endswith(INSTALL), code
         assert "Traceback" not in out + err
     assert not list(tmp_path.iterdir()), "a refused run wrote files"
-    assert "needs scikit-learn and tqdm and matplotlib" in results["digits_ensemble run"][0]
-    assert "needs gymnasium and tqdm and matplotlib" in results["rl_q_ensemble run"][0]
+    assert "needs scikit-learn, tqdm and matplotlib," in results["digits_ensemble run"][0]
+    assert "needs gymnasium, tqdm and matplotlib," in results["rl_q_ensemble run"][0]
     assert "needs tqdm," in results["multihead run"][0]
 
 
