@@ -41,8 +41,8 @@ clean:
 	rm -rf $(VENV) site
 
 # The figures in docs/img come from full runs of the examples; the examples themselves
-# write into ./out/<example>/ and never touch docs/img unless told to, as here. About 15
-# minutes on a CPU, most of it the RL example (see docs/examples.md for each one's time).
+# write into ./out/<example>/ and never touch docs/img unless told to, as here. Takes
+# minutes, most of them the RL example's (docs/examples.md lists each one's time).
 .PHONY: figures
 figures: $(STAMP)
 	$(BIN)/python examples/deep_ensemble_regression.py --out docs/img
