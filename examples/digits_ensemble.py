@@ -214,9 +214,6 @@ class Result:
     def mean(self, name: str) -> float:
         return sum(getattr(m, name) for m in self.members) / len(self.members)
 
-    def member_ece(self) -> float:
-        return sum(m.calibration.ece for m in self.members) / len(self.members)
-
 
 def evaluate(ens: fe.Ensemble, data: Data, ood_digit: int) -> Result:
     with torch.no_grad():
