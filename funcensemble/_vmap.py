@@ -19,6 +19,7 @@ InDims = int | None | tuple[Any, ...]
 _NO_RULE = re.compile(
     r"Batching rule not implemented for (\S+?)\.? We could not generate"
     r"|(\S+) hit the vmap fallback which is currently disabled"
+    r"|we do not yet support (\S+?)\. Please file"
 )
 
 
@@ -111,12 +112,13 @@ def _explain(error: RuntimeError, randomness: str) -> Exception | None:
     message = str(error)
     match = _NO_RULE.search(message)
     if match:
-        op = match.group(1) or match.group(2)
+        op = match.group(1) or match.group(2) or match.group(3)
         return RuntimeError(
             f"vmap: the operator {op} has no vmap batching rule, so the members "
             "cannot run as one vectorized call (funcensemble does not silently loop over "
             "them). Replace the layer that calls it (fused RNN kernels are the usual "
-            "cause: write the recurrence with nn.Linear), or loop over the members yourself."
+            "cause: write the recurrence with nn.Linear; nn.RReLU in eval mode is "
+            "nn.LeakyReLU((lower + upper) / 2)), or loop over the members yourself."
         )
     if "randomness" in message and randomness == "error":
         return RuntimeError(
