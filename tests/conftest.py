@@ -19,6 +19,6 @@ _COMMON = {
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
     "print_blob": True,
 }
-settings.register_profile("ci", max_examples=220, derandomize=True, **_COMMON)
+settings.register_profile("ci", max_examples=220, derandomize=True, database=None, **_COMMON)
 settings.register_profile("long", max_examples=5000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

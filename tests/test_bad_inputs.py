@@ -1746,6 +1746,172 @@ def _dist_loop(tmp: Path) -> Setup:
     return Setup(lambda: None, [local], check)
 
 
+# --- borderline inputs that must give the loop's result ------------------------------------
+
+
+def _loop_case(
+    id: str, run: Callable[[], tuple[Any, Any]], *, rtol: float = 1e-12, atol: float = 1e-14
+) -> None:
+    """``run()`` returns ``(ours, the loop's)``; they must match."""
+
+    def build(tmp: Path) -> Setup:
+        return Setup(run, [], lambda out: assert_trees_close(out[0], out[1], rtol=rtol, atol=atol))
+
+    CASES.append(Bad(id, build))
+
+
+def _member_dim_1() -> tuple[Any, Any]:
+    members = mlps()
+    fmodel, params, buffers = fe.stack(members)
+    inp = x(5, 3, 3)  # the member axis is dim 1
+    return fe.vmap(fmodel, in_dims=1)(params, buffers, inp), torch.stack(
+        [m(inp[:, i]) for i, m in enumerate(members)]
+    )
+
+
+def _chunked_grads(chunk: int) -> Callable[[], tuple[Any, Any]]:
+    def run() -> tuple[Any, Any]:
+        members = [bn_net(i) for i in range(3)]
+        fmodel, params, buffers = fe.stack(members)
+        inp = x(3, 5, 3)
+        losses, grads, new_buffers = fe.value_and_grad(
+            lambda p, b, v: fmodel(p, b, v).pow(2).mean(), in_dims=0, chunk_size=chunk
+        )(params, buffers, inp)
+        want_losses = []
+        for i, m in enumerate(members):
+            loss = m(inp[i]).pow(2).mean()
+            loss.backward()
+            want_losses.append(loss.detach())
+        want_grads = {
+            k: torch.stack([dict(m.named_parameters())[k].grad for m in members]) for k in params
+        }
+        want_buffers = {
+            k: torch.stack([dict(m.named_buffers())[k] for m in members]) for k in buffers
+        }
+        return (losses, grads, new_buffers), (torch.stack(want_losses), want_grads, want_buffers)
+
+    return run
+
+
+def _one_member_ensemble() -> tuple[Any, Any]:
+    member = bn_net(0)
+    e = fe.Ensemble([member])
+    inp = x(5, 3)
+    return (e(inp), e.stacked_buffers()), (
+        member(inp)[None],
+        {k: v[None] for k, v in member.named_buffers()},
+    )
+
+
+def _module_list() -> tuple[Any, Any]:
+    members = nn.ModuleList(mlps())
+    inp = x(4, 3)
+    return fe.Ensemble(members)(inp), torch.stack([m(inp) for m in members])
+
+
+def _adam_lr(lr: Any, torch_lr: float) -> Callable[[], tuple[Any, Any]]:
+    def run() -> tuple[Any, Any]:
+        members = mlps()
+        _, params, _ = fe.stack(members)
+        params = {k: v.detach().clone() for k, v in params.items()}
+        grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+        opt = fe.optim.adam(lr=lr)
+        state = opt.init(params)
+        for _ in range(2):
+            state = opt.update_(grads, state, params)
+        for m in members:
+            o = torch.optim.Adam(m.parameters(), lr=torch_lr)
+            for _ in range(2):
+                for p in m.parameters():
+                    p.grad = torch.full_like(p, 0.5)
+                o.step()
+        return params, {
+            k: torch.stack([dict(m.named_parameters())[k].detach() for m in members])
+            for k in params
+        }
+
+    return run
+
+
+def _reduce_edges() -> tuple[Any, Any]:
+    one = x(1, 4)
+    values = x(3, 4)
+    ours = (fe.reduce.var(one, correction=0), fe.reduce.subset_min(values, 3), fe.reduce.mean(one))
+    return ours, (torch.zeros(4, dtype=torch.float64), values.min(0).values, one[0])
+
+
+def _slices_edges() -> tuple[Any, Any]:
+    ours = (
+        fe.distributed.member_slices(3, 3),
+        fe.distributed.member_slices(1, 1),
+        fe.distributed.MemberShard(1).sizes,
+    )
+    return ours, ([slice(0, 1), slice(1, 2), slice(2, 3)], [slice(0, 1)], (1,))
+
+
+def _save_load_edge(tmp_dir: Callable[[], Path]) -> Callable[[], tuple[Any, Any]]:
+    def run() -> tuple[Any, Any]:
+        tree = {
+            "empty": {},
+            "none": None,
+            "flag": True,
+            "name": "run-1",
+            "w": x(2, 0),
+            "i": torch.arange(3),
+        }
+        path = tmp_dir() / "edge.safetensors"
+        fe.save(path, tree)
+        template = {
+            "empty": {},
+            "none": None,
+            "flag": False,
+            "name": "",
+            "w": torch.zeros(2, 0, dtype=torch.float64),
+            "i": torch.zeros(3, dtype=torch.int64),
+        }
+        return fe.load(path, template), tree
+
+    return run
+
+
+def _polyak_edges() -> tuple[Any, Any]:
+    target, online = (
+        {"w": x(3, 2), "n": torch.arange(3)},
+        {"w": x(3, 2) + 1, "n": torch.arange(3) + 5},
+    )
+    copy_ = fe.optim.polyak_update(target, online, 1.0)
+    keep = fe.optim.polyak_update(target, online, 0.0)
+    return (copy_, keep), (online, {"w": target["w"], "n": online["n"]})
+
+
+def _load_state_dict_non_strict() -> tuple[Any, Any]:
+    e, other = ens(3), ens(3, lambda i: mlp(10 + i))
+    sd = {k: v for k, v in other.state_dict().items() if k != "stacked.2.bias"}
+    before_bias = e.stacked[2].bias.detach().clone()
+    result = e.load_state_dict(sd, strict=False)
+    ours = (result.missing_keys, e.stacked[0].weight, e.stacked[2].bias)
+    return ours, (["stacked.2.bias"], other.stacked[0].weight, before_bias)
+
+
+_loop_case("vmap-member-dim-1", _member_dim_1)
+_loop_case("value_and_grad-chunk-1-bn", _chunked_grads(1), rtol=1e-10, atol=1e-12)
+_loop_case("value_and_grad-chunk-larger-than-N-bn", _chunked_grads(7), rtol=1e-10, atol=1e-12)
+_loop_case("Ensemble-one-member-bn", _one_member_ensemble)
+_loop_case("Ensemble-from-ModuleList", _module_list)
+_loop_case("adam-lr-zero", _adam_lr(0.0, 0.0), rtol=0, atol=0)
+_loop_case("adam-lr-0-dim-tensor", _adam_lr(torch.tensor(0.01, dtype=torch.float64), 0.01))
+_loop_case("reduce-one-member-and-k-equals-N", _reduce_edges, rtol=0, atol=0)
+_loop_case("member_slices-one-per-part", _slices_edges)
+_loop_case("polyak-tau-0-and-1", _polyak_edges, rtol=0, atol=0)
+_loop_case("Ensemble.load_state_dict-non-strict", _load_state_dict_non_strict, rtol=0, atol=0)
+
+
+@loop("save-load-edge-leaves")
+def _save_load_edges(tmp: Path) -> Setup:
+    run = _save_load_edge(lambda: tmp)
+    return Setup(run, [], lambda out: assert_trees_close(out[0], out[1], rtol=0, atol=0))
+
+
 # --- the test -------------------------------------------------------------------------------
 
 
