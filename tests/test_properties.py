@@ -282,21 +282,6 @@ _BN = "batchnorm"
         steps=1,
     )
 )
-# Float32: a weight before a 1-channel BatchNorm has a small gradient with a large
-# relative error, which Adam's scale-free direction turns into an lr-relative error.
-@example(
-    _case(
-        d_in=2,
-        blocks=(Block(1, False, _BN, _CELU, None), Block(4, False, None, Act("ReLU"), None)),
-        vocab=2,
-        scalar=True,
-        num_members=45,
-        dtype=torch.float32,
-        batch=3,
-        per_member=True,
-        steps=1,
-    )
-)
 @given(cases(training=True))
 def test_train_functional(case: Case) -> None:
     run_or_refused(check_train_functional, without_known_bugs(case, functional=True))
