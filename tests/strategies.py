@@ -314,14 +314,24 @@ def activations(draw: st.DrawFn) -> Act:
 
 
 @st.composite
-def blocks(draw: st.DrawFn, *, train: bool, rank1: bool) -> Block:
+def blocks(draw: st.DrawFn, *, train: bool, rank1: bool, first: bool) -> Block:
     norms = [None, None, "batchnorm", "layernorm"]
-    if train and rank1:
-        # BatchNorm (train mode) over features that are affine in one scalar per sample
-        # (e.g. Linear(1, w)) is invariant to them: the gradients before it are 0 in
-        # exact arithmetic, i.e. pure rounding noise, which no two implementations
-        # share (and Adam turns into lr-sized steps).
+    if train and not first and not rank1:
+        # BatchNorm in train mode cancels a per-channel shift of its input, and a bias
+        # of an earlier layer shifts it whenever the activations between are in a
+        # linear region (ReLU, Hardsigmoid, ...): that bias's gradient is then 0 in
+        # exact arithmetic, i.e. rounding noise (see below). Train-mode BatchNorm goes
+        # in the first block only, after the bias-free input layer.
         norms.remove("batchnorm")
+    if rank1:
+        # BatchNorm (train mode) over features that are affine in one scalar per sample
+        # (e.g. Linear(1, w)) is invariant to them, and LayerNorm over a bias-free
+        # Linear(1, w) is invariant to that scalar's size: the gradients before them
+        # are 0 in exact arithmetic, i.e. pure rounding noise, which no two
+        # implementations share (and Adam turns into lr-sized steps).
+        norms.remove("layernorm")
+        if train:
+            norms.remove("batchnorm")
     norm = draw(st.sampled_from(norms))
     # LayerNorm over 1 or 2 features is (nearly) constant: its input gradients are
     # rounding noise, which Adam would blow up to lr-sized steps in both runs alike.
@@ -349,8 +359,8 @@ def cases(draw: st.DrawFn, *, training: bool = False, max_members: int = 64) -> 
     # have BatchNorm either.
     narrow = (d_in if vocab is None else min(d_in, vocab - 1)) == 1
     bs: tuple[Block, ...] = ()
-    for _ in range(depth):
-        bs += (draw(blocks(train=train, rank1=narrow)),)
+    for k in range(depth):
+        bs += (draw(blocks(train=train, rank1=narrow, first=k == 0)),)
         narrow = narrow or bs[-1].width == 1
     padding_idx = draw(st.none() | st.integers(0, vocab - 1)) if vocab is not None else None
     per_member = draw(st.booleans())
