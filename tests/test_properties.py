@@ -51,12 +51,13 @@ TOL = {
 # one ulp in g becomes up to lr * ulp / (4 * eps) in the parameter (<= 0.1 * 1e-16 /
 # 4e-8 = 2.5e-10 per step in float64). And Adam's direction m / sqrt(v) does not scale
 # with g: a gradient component with relative error d moves by lr * d, however small the
-# component is. So float64 parameters are compared to 1e-9 absolute, and float32
-# parameters to 1e-3 of the distance Adam can move them (lr per step).
+# component is (small float32 gradients of LayerNorm/ReLU chains carry relative errors
+# of 1e-3). So float64 parameters are compared to 1e-9 absolute, and float32 parameters
+# to 1% of the distance Adam can move them (lr per step).
 def param_tol(case: Case) -> dict[str, float]:
     if case.dtype == torch.float64:
         return {"rtol": 1e-10, "atol": 1e-9}
-    return {"rtol": 2e-4, "atol": 1e-3 * max(hypers(case).lr) * case.steps}
+    return {"rtol": 2e-4, "atol": 1e-2 * max(hypers(case).lr) * case.steps}
 
 
 def _case(**changes: object) -> Case:
@@ -296,6 +297,23 @@ def test_train_functional(case: Case) -> None:
         ),
         num_members=2,
         batch=3,
+        steps=1,
+    )
+)
+# Float32: small gradients through LayerNorm and ReLU carry relative errors near 1e-3,
+# which Adam's scale-free step passes on to the parameters (see param_tol).
+@example(
+    _case(
+        d_in=2,
+        blocks=(
+            Block(3, False, "layernorm", Act("ReLU"), None),
+            Block(3, False, "layernorm", Act("Hardsigmoid"), None),
+            Block(1, False, None, Act("Hardsigmoid"), None),
+        ),
+        num_members=5,
+        dtype=torch.float32,
+        batch=1,
+        seed=20,
         steps=1,
     )
 )
