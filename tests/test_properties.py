@@ -251,12 +251,14 @@ _RRELU = Act("RReLU", (("lower", 0.1), ("upper", 0.3)))
 # Counterexamples found by the generated cases, kept as explicit examples:
 # nn.RReLU (eval mode) is refused with a clear error (it used to be vmap's raw message).
 @example(_case(blocks=(Block(2, True, None, _RRELU, None),), train=False, num_members=1))
+@pytest.mark.slow
 @given(cases())
 def test_forward_functional(case: Case) -> None:
     run_or_refused(check_forward_functional, case)
 
 
 @example(_case(blocks=(Block(2, True, None, _RRELU, None),), train=False, num_members=1))
+@pytest.mark.slow
 @given(cases())
 def test_forward_module(case: Case) -> None:
     run_or_refused(check_forward_module, case)
@@ -283,6 +285,7 @@ _BN = "batchnorm"
         steps=1,
     )
 )
+@pytest.mark.slow
 @given(cases(training=True))
 def test_train_functional(case: Case) -> None:
     run_or_refused(check_train_functional, without_known_bugs(case, functional=True))
@@ -317,6 +320,7 @@ def test_train_functional(case: Case) -> None:
         steps=1,
     )
 )
+@pytest.mark.slow
 @given(cases(training=True))
 def test_train_module_torch_optim(case: Case) -> None:
     run_or_refused(
@@ -333,6 +337,7 @@ def test_train_module_torch_optim(case: Case) -> None:
         steps=1,
     )
 )
+@pytest.mark.slow
 @given(cases(training=True))
 def test_train_module_ensemble_optimizer(case: Case) -> None:
     run_or_refused(
