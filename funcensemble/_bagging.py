@@ -9,7 +9,9 @@ from torch.utils.data import Sampler
 
 
 def _positive_int(where: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be a positive int, got {type(value).__name__}.")
+    if value < 1:
         raise ValueError(f"{where}: {name} must be a positive int, got {value!r}.")
     return value
 
@@ -38,6 +40,12 @@ def bootstrap_indices(
 
     Returns:
         An int64 tensor ``[N, sample_size]``: row i is member i's sample.
+
+    Raises:
+        TypeError: A count (``num_members``, ``num_samples``, ``sample_size``) that is
+            not an int.
+        ValueError: A count below 1, or without replacement a ``sample_size`` above
+            ``num_samples``.
 
     Example:
         >>> import torch, funcensemble as fe

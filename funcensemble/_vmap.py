@@ -20,6 +20,7 @@ InDims = int | None | tuple[Any, ...]
 _NO_RULE = re.compile(
     r"Batching rule not implemented for (\S+?)\.? We could not generate"
     r"|(\S+) hit the vmap fallback which is currently disabled"
+    r"|we do not yet support (\S+?)\. Please file"
 )
 
 # What to do about operators that ordinary layers call, where the generic advice misleads.
@@ -129,7 +130,7 @@ def _explain(error: RuntimeError, randomness: str) -> Exception | None:
     message = str(error)
     match = _NO_RULE.search(message)
     if match:
-        op = match.group(1) or match.group(2)
+        op = match.group(1) or match.group(2) or match.group(3)
         return RuntimeError(
             f"vmap: the operator {op} has no vmap batching rule, so the members "
             "cannot run as one vectorized call (funcensemble does not silently loop over "
@@ -137,8 +138,8 @@ def _explain(error: RuntimeError, randomness: str) -> Exception | None:
             + _HINTS.get(
                 op.removesuffix("."),
                 "Replace the layer that calls it (fused RNN kernels are the usual "
-                "cause: write the recurrence with nn.Linear), or loop over the members "
-                "yourself.",
+                "cause: write the recurrence with nn.Linear; nn.RReLU in eval mode is "
+                "nn.LeakyReLU((lower + upper) / 2)), or loop over the members yourself.",
             )
         )
     if "randomness" in message and randomness == "error":

@@ -353,6 +353,19 @@ def test_op_without_batching_rule_raises_instead_of_looping(nested: bool) -> Non
     assert torch.backends.mha.get_fastpath_enabled()
 
 
+def test_op_vmap_does_not_support_gets_the_same_clear_error() -> None:
+    """nn.RReLU calls aten::rrelu even in eval mode; vmap refuses it with its own wording
+    ("we do not yet support aten::rrelu"), which must come out as funcensemble's error
+    (found by the property tests, tests/test_properties.py)."""
+    modules = [nn.Sequential(lin(3, 4), nn.RReLU()).eval() for _ in range(3)]
+    fmodel, params, buffers = fe.stack(modules)
+    pattern = r"vmap: the operator aten::rrelu has no vmap batching rule.*nn\.LeakyReLU"
+    with pytest.raises(RuntimeError, match=pattern):
+        fe.vmap(fmodel)(params, buffers, torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match=pattern):
+        fe.Ensemble(modules)(torch.randn(2, 3))
+
+
 # --- Ensemble.member, load_state_dict, from_factory, unstack ---------------------------
 
 

@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import funcensemble as fe
+from tests.helpers import runtime_typecheck_off
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -43,6 +44,19 @@ def test_without_replacement_has_no_repeats():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fe.bootstrap_indices(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"num_members": 3.0}, {"num_samples": "5"}, {"sample_size": 2.5}]
+)
+def test_counts_of_the_wrong_type(kwargs):
+    args = {"num_members": 2, "num_samples": 5, **kwargs}
+    name = next(iter(kwargs))
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=f"{name} must be a positive int, got"),
+    ):
+        fe.bootstrap_indices(**args)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
