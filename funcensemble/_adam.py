@@ -28,7 +28,7 @@ from ._optim import (
     scatter,
     trainable,
 )
-from ._transforms import Schedule, ScheduleState, decayed_weights, flip_sign, learning_rate
+from ._transforms import Schedule, ScheduleState, learning_rate
 
 
 class AdamState(NamedTuple):
@@ -112,9 +112,8 @@ def _adam_moments(
             zeros() if amsgrad else spec.unflatten(none),
         )
 
-    def update(
-        updates: PyTree, state: AdamState, params: PyTree = None
-    ) -> tuple[PyTree, AdamState]:
+    def step(updates: PyTree, state: AdamState, in_place: bool) -> tuple[PyTree, AdamState]:
+        """``update`` and its in-place form: one arithmetic, the state written or not."""
         if not isinstance(state, AdamState):
             raise TypeError(
                 f"{where}: expected an AdamState (from this transform's init), got "
@@ -142,16 +141,31 @@ def _adam_moments(
 
         moments = Moments(pick(mu), pick(nu), pick(nu_max) if amsgrad else [], pick(counts))
         with torch.no_grad():
-            new, direction = foreach_adam(pick(mu), pick(grads), moments, options, in_place=False)
+            new, direction = foreach_adam(
+                pick(mu), pick(grads), moments, options, in_place=in_place, apply=False
+            )
+        out = spec.unflatten(scatter([None] * len(counts), active, direction))
+        if in_place:
+            return out, state
         new_state = AdamState(
             spec.unflatten(scatter(counts, active, new.counts)),
             spec.unflatten(scatter(mu, active, new.mu)),
             spec.unflatten(scatter(nu, active, new.nu)),
             spec.unflatten(scatter(nu_max, active, new.nu_max)) if amsgrad else state.nu_max,
         )
-        return spec.unflatten(scatter([None] * len(counts), active, direction)), new_state
+        return out, new_state
 
-    return GradientTransformation(init, update)
+    def update(
+        updates: PyTree, state: AdamState, params: PyTree = None
+    ) -> tuple[PyTree, AdamState]:
+        return step(updates, state, in_place=False)
+
+    def update_inplace(
+        updates: PyTree, state: AdamState, params: PyTree = None
+    ) -> tuple[PyTree, AdamState]:
+        return step(updates, state, in_place=True)
+
+    return GradientTransformation(init, update, update_inplace)
 
 
 def scale_by_adam(
@@ -349,26 +363,21 @@ def _steps(
                 new_state[-1] = ScheduleState(state[-1].count + 1)
         return spec.unflatten(out), tuple(new_state)
 
-    def update_(grads: PyTree, state: Any, params: PyTree) -> Any:
+    def update_inplace(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
         step = check(grads, state, params, ("grads", "the gradient"))
-        # torch.no_grad() as a context manager costs as much as a small kernel here.
-        grad_was_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            if step.active:
-                adam_step_(
-                    [step.params[i] for i in step.active],
-                    [step.grads[i] for i in step.active],
-                    step.moments,
-                    options._replace(lr=step.lr),
-                )
-            if not constant:
-                state[-1].count.add_(1)
-        finally:
-            torch._C._set_grad_enabled(grad_was_enabled)
-        return state
+        if step.active:
+            adam_step_(
+                [step.params[i] for i in step.active],
+                [step.grads[i] for i in step.active],
+                step.moments,
+                options._replace(lr=step.lr),
+            )
+        if not constant:
+            state[-1].count.add_(1)
+        # The step is applied: nothing is left for the caller to add.
+        return step.spec.unflatten([None] * len(step.counts)), state
 
-    return update, update_
+    return update, update_inplace
 
 
 def _adam(
@@ -393,22 +402,22 @@ def _adam(
     amsgrad = _flag(where, "amsgrad", amsgrad)
     maximize = _flag(where, "maximize", maximize)
 
-    decay = [decayed_weights(where, wd)] if is_per_member(wd) or wd.value != 0 else []
-    # torch.optim negates the gradient first, then adds L2 decay to it (Adam) or
-    # shrinks the weights by lr * weight_decay beside the Adam step (AdamW).
-    steps = [flip_sign(where)] if maximize else []
-    steps += [] if decoupled else decay
-    at = len(steps)
-    steps.append(_adam_moments(where, b1, b2, eps_, amsgrad))
-    steps += decay if decoupled else []
-    steps.append(learning_rate(where, lr_))  # type: ignore[arg-type]
+    # Adam is chain(scale_by_adam, scale_by_learning_rate), with the sign flip and weight
+    # decay of torch.optim inside the step. The chain gives the state its one layout,
+    # (AdamState, the learning rate's state), whatever weight_decay and maximize are;
+    # the steps compute torch.optim's arithmetic, which a chain of separate transforms
+    # cannot: torch folds the learning rate into the bias correction before dividing.
+    layout = chain(_adam_moments(where, b1, b2, eps_, amsgrad), learning_rate(where, lr_))  # type: ignore[arg-type]
+
+    def init(params: PyTree) -> tuple[Any, ...]:
+        leaves, spec = flatten(params)
+        check_members(wd, where, spec, leaves, trainable(leaves))
+        return layout.init(params)
+
     # Placeholder lr in the options: the step puts the current value in (a schedule's).
     options = Options(Hyper("lr", 0.0), b1, b2, eps_, wd, amsgrad, maximize, decoupled)
-    # The chain gives the state its layout (one entry per transform); the steps compute
-    # torch.optim's arithmetic, which a chain of separate transforms cannot: torch folds
-    # the learning rate into the bias correction before dividing.
-    update, update_ = _steps(where, lr_, options, len(steps), at)  # type: ignore[arg-type]
-    return GradientTransformation(chain(*steps).init, update, update_)
+    update, update_inplace = _steps(where, lr_, options, 2, 0)  # type: ignore[arg-type]
+    return GradientTransformation(init, update, update_inplace, applies=True)
 
 
 def adam(
@@ -458,8 +467,13 @@ def adam(
 
     Returns:
         A [`GradientTransformation`][funcensemble.optim.GradientTransformation] whose
-        state is a tuple with one entry per step of the chain; the
-        [`AdamState`][funcensemble.optim.AdamState] in it holds the moments.
+        state is the pair ``(AdamState, lr state)``: the
+        [`AdamState`][funcensemble.optim.AdamState] holds the moments, the second
+        entry is an [`EmptyState`][funcensemble.optim.EmptyState] for a constant
+        ``lr`` or a [`ScheduleState`][funcensemble.optim.ScheduleState] for a
+        schedule. The layout does not depend on the other hyperparameters'
+        values (weight decay, amsgrad, maximize, floats or per-member tensors),
+        so a saved state loads into an optimizer built with other values.
 
     Raises:
         ValueError: A hyperparameter out of range, with ``torch.optim``'s wording

@@ -19,7 +19,7 @@ PyTree = Any
 
 
 class GradientTransformation(NamedTuple):
-    """An optimizer: two pure functions over pytrees, and an in-place step.
+    """An optimizer: two pure functions over pytrees, and their in-place form.
 
     ``init(params) -> state`` builds the state; ``update(grads, state, params) ->
     (updates, new_state)`` turns gradients into parameter updates. Neither mutates
@@ -27,9 +27,15 @@ class GradientTransformation(NamedTuple):
     or do both at once, in place, with
     [`update_`][funcensemble.optim.GradientTransformation.update_].
 
-    ``update_inplace`` is where a transform plugs in a dedicated in-place step
-    (``fe.optim.adam``'s runs ``torch.optim.Adam``'s fused kernel); leave it None
-    and ``update_`` derives one from ``update``. Call ``update_``, not this field.
+    ``update_inplace(updates, state, params) -> (updates, state)`` is the in-place
+    form of ``update``: the same arithmetic, but the new state is written into
+    ``state``'s own tensors. It never writes the ``updates`` it is given (they may be
+    the caller's gradients), and writes ``params`` only when ``applies`` is True: then
+    it adds its updates to ``params`` itself and returns None for them (how
+    ``fe.optim.adam`` runs ``torch.optim.Adam``'s fused kernel). Leave it None and
+    the in-place form is derived from ``update``;
+    [`chain`][funcensemble.optim.chain] runs its transforms' in-place forms one
+    after the other. Call ``update_``, not this field.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -44,7 +50,8 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
-    update_inplace: Callable[[PyTree, Any, PyTree], Any] | None = None
+    update_inplace: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]] | None = None
+    applies: bool = False
 
     def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
         """Step ``params`` in place; return the new state.
@@ -53,15 +60,18 @@ class GradientTransformation(NamedTuple):
         followed by ``params = apply_updates(params, updates)``, but writes the result
         into the ``params`` tensors (under ``torch.no_grad()``, so they may be
         ``nn.Parameter``s) and into the state's tensors, instead of allocating new
-        ones. The derived step computes exactly what those two calls compute;
-        ``fe.optim.adam``'s own step runs torch's fused kernel or orders its last
-        operations as torch.optim does for tensor hyperparameters, so it agrees
-        with them up to float rounding (see [`adam`][funcensemble.optim.adam]).
+        ones. Each transform runs its in-place form: the same operations as its
+        ``update``, so the two agree exactly; ``fe.optim.adam``'s own step runs
+        torch's fused kernel or orders its last operations as torch.optim does for
+        tensor hyperparameters, so it agrees with ``update`` up to float rounding
+        (see [`adam`][funcensemble.optim.adam]).
 
         The returned state holds the same tensors as ``state`` wherever their shapes
         allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need the
-        old values. Everything is checked before anything is written: a call that
-        raises leaves ``params`` and ``state`` as they were.
+        old values. A transform checks everything before it writes anything: a call
+        that raises leaves ``params`` and ``state`` as they were, except that in a
+        [`chain`][funcensemble.optim.chain] the transforms before the one that
+        raised have stepped their own state.
 
         Args:
             grads: Gradients shaped like ``params``; None for a leaf without one.
@@ -84,12 +94,27 @@ class GradientTransformation(NamedTuple):
             >>> torch.allclose(params["w"], torch.full((4, 3), 0.9)), state[0].count["w"]
             (True, tensor(1.))
         """
-        if self.update_inplace is not None:
-            return self.update_inplace(grads, state, params)
         with torch.no_grad():
-            updates, new_state = self.update(grads, state, params)
-            add_updates_("update_", params, updates)
-            return refill(state, new_state)
+            updates, state = inplace_form(self)(grads, state, params)
+            if not self.applies:
+                add_updates_("update_", params, updates)
+        return state
+
+
+def derived_inplace(update: Callable[..., tuple[PyTree, Any]]) -> Callable[..., tuple[PyTree, Any]]:
+    """The in-place form of a transform without one: ``update``, then its new state
+    copied into the old state's tensors (where shapes allow)."""
+
+    def update_inplace(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        new_updates, new_state = update(updates, state, params)
+        return new_updates, refill(state, new_state)
+
+    return update_inplace
+
+
+def inplace_form(t: GradientTransformation) -> Callable[..., tuple[PyTree, Any]]:
+    """``t``'s in-place form: its own, or the one derived from its ``update``."""
+    return t.update_inplace if t.update_inplace is not None else derived_inplace(t.update)
 
 
 class EmptyState(NamedTuple):
@@ -191,7 +216,11 @@ def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Run transforms one after the other, each on the previous one's updates.
 
-    The state is a tuple with one entry per transform.
+    The state is a tuple with one entry per transform. The chain's
+    [`update_`][funcensemble.optim.GradientTransformation.update_] runs each
+    transform's in-place form in turn (its own, or one derived from its ``update``),
+    so it writes every state in place and agrees exactly with ``update`` followed by
+    [`apply_updates`][funcensemble.optim.apply_updates].
 
     Example:
         >>> import torch, funcensemble as fe
@@ -212,21 +241,43 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def update(
-        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
-    ) -> tuple[PyTree, tuple[Any, ...]]:
+    # Each transform's in-place form; one that adds its updates to the parameters
+    # itself may do so only last (what follows it could not change them any more).
+    last = len(transforms) - 1
+    forms = [
+        inplace_form(t) if k == last or not t.applies else derived_inplace(t.update)
+        for k, t in enumerate(transforms)
+    ]
+    applies = bool(transforms) and transforms[-1].applies
+
+    def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain: expected the state returned by this chain's init (a tuple of "
                 f"{len(transforms)} states), got {type(state).__name__}."
             )
+
+    def update(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        check(state)
         new_state = []
         for t, s in zip(transforms, state, strict=True):
             updates, s = t.update(updates, s, params)
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    def update_inplace(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        check(state)
+        new_state = []
+        for form, s in zip(forms, state, strict=True):
+            updates, s = form(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update, update_inplace, applies)
 
 
 def _checked_updates(

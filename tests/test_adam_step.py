@@ -199,7 +199,20 @@ def test_state_tensors_are_updated_in_place():
     assert adam_state(new).count["w"].item() == 1
 
 
-# --- the generic step of other transforms ------------------------------------------------
+# --- the in-place forms of other transforms, carried through chain -----------------------
+
+
+def counting_sgd() -> fe.optim.GradientTransformation:
+    """A transform of the user's own, without an in-place form: one is derived."""
+
+    def init(params):
+        return {"seen": torch.zeros(())}
+
+    def update(updates, state, params=None):
+        new = optree.tree_map(lambda u: None if u is None else -0.1 * u, updates, none_is_leaf=True)
+        return new, {"seen": state["seen"] + 1}
+
+    return fe.optim.GradientTransformation(init, update)
 
 
 @pytest.mark.parametrize(
@@ -209,25 +222,69 @@ def test_state_tensors_are_updated_in_place():
             fe.optim.add_decayed_weights(0.1), fe.optim.scale_by_adam(amsgrad=True),
             fe.optim.scale_by_learning_rate(lambda c: 0.1 * 0.5**c),
         ),
+        lambda: fe.optim.chain(fe.optim.scale_by_adam(), fe.optim.scale_by_learning_rate(LR)),
+        lambda: fe.optim.chain(counting_sgd(), fe.optim.scale_by_learning_rate(LR)),
         lambda: fe.optim.scale_by_adam(),
         lambda: fe.optim.scale_by_learning_rate(LR),
+        counting_sgd,
     ],
-    ids=["chain", "scale_by_adam", "scale_by_learning_rate"],
+    ids=["chain", "chain-adam-lr", "chain-derived", "scale_by_adam", "scale_by_learning_rate",
+         "derived"],
 )  # fmt: skip
-def test_generic_step_equals_update_then_apply_updates(make):
+def test_in_place_step_equals_update_then_apply_updates(make):
     opt = make()
-    assert opt.update_inplace is None
     pure, mutated = int_tree(), int_tree()
     pure_state, state = opt.init(pure), opt.init(mutated)
     tensors = optree.tree_leaves(state)
     for step in range(3):
-        updates, pure_state = opt.update(grads_at(step), pure_state, pure)
+        grads = grads_at(step)
+        before = optree.tree_map(torch.clone, grads)
+        updates, pure_state = opt.update(grads, pure_state, pure)
         pure = fe.optim.apply_updates(pure, updates)
-        state = opt.update_(grads_at(step), state, mutated)
-    torch.testing.assert_close(mutated, pure, **CLOSE)
-    torch.testing.assert_close(state, pure_state, **CLOSE)
+        state = opt.update_(grads, state, mutated)
+        torch.testing.assert_close(grads, before, rtol=0, atol=0)  # grads are never written
+    # One arithmetic: the in-place forms compute exactly what update computes.
+    torch.testing.assert_close(mutated, pure, rtol=0, atol=0)
+    torch.testing.assert_close(state, pure_state, rtol=0, atol=0)
     # The state's tensors were written into, not replaced.
     assert all(a is b for a, b in zip(tensors, optree.tree_leaves(state), strict=True))
+
+
+def test_chain_runs_each_transforms_in_place_form():
+    calls = []
+
+    def spy(t, name):
+        def update_inplace(updates, state, params=None):
+            calls.append(name)
+            return t.update_inplace(updates, state, params)
+
+        return t._replace(update_inplace=update_inplace)
+
+    opt = fe.optim.chain(
+        spy(fe.optim.scale_by_adam(), "adam"), spy(fe.optim.scale_by_learning_rate(LR), "lr")
+    )
+    params = int_tree()
+    opt.update_(grads_at(0), opt.init(params), params)
+    assert calls == ["adam", "lr"]
+
+
+def test_a_transform_that_applies_its_step_runs_it_only_last():
+    # adam's in-place form adds its step to the parameters itself (the fused kernel):
+    # last in a chain it does; before another transform, the chain derives one that
+    # returns the updates for the next transform to change.
+    for make in (
+        lambda: fe.optim.chain(fe.optim.add_decayed_weights(0.1), fe.optim.adam(LR)),
+        lambda: fe.optim.chain(fe.optim.adam(LR), fe.optim.scale_by_learning_rate(0.5)),
+    ):
+        opt = make()
+        pure, mutated = int_tree(), int_tree()
+        pure_state, state = opt.init(pure), opt.init(mutated)
+        for step in range(3):
+            updates, pure_state = opt.update(grads_at(step), pure_state, pure)
+            pure = fe.optim.apply_updates(pure, updates)
+            state = opt.update_(grads_at(step), state, mutated)
+        torch.testing.assert_close(mutated, pure, **CLOSE)
+        torch.testing.assert_close(state, pure_state, **CLOSE)
 
 
 def test_generic_step_checks_updates_before_writing():
