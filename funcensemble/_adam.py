@@ -27,6 +27,8 @@ from ._optim import (
     leaves_like,
     scatter,
     trainable,
+    traits,
+    with_traits,
 )
 from ._transforms import Schedule, ScheduleState, learning_rate
 
@@ -80,11 +82,28 @@ def _flag(where: str, name: str, value: object) -> bool:
     return value
 
 
+_NO_DECAY = Hyper("weight_decay", 0.0)
+
+
 def _adam_moments(
-    where: str, b1: Hyper, b2: Hyper, eps: Hyper, amsgrad: bool
+    where: str,
+    b1: Hyper,
+    b2: Hyper,
+    eps: Hyper,
+    amsgrad: bool,
+    *,
+    weight_decay: Hyper = _NO_DECAY,
+    maximize: bool = False,
+    decoupled: bool = False,
 ) -> GradientTransformation:
-    """``scale_by_adam`` from already validated hyperparameters."""
-    per_member = [h for h in (b1, b2, eps) if is_per_member(h)]
+    """``scale_by_adam`` from already validated hyperparameters.
+
+    Followed by a learning rate in a ``chain``, the two fold into one step computing
+    torch.optim's arithmetic (the rate enters the bias correction before the division),
+    with the sign flip and weight decay of ``adam``/``adamw`` inside it. Only ``adam``
+    passes those: without a learning rate to fold they have no meaning.
+    """
+    per_member = [h for h in (b1, b2, eps, weight_decay) if is_per_member(h)]
     # lr = -1 turns torch.optim's step -lr * m̂ / (sqrt(v̂) + eps) into the direction itself.
     options = Options(
         Hyper("lr", -1.0), b1, b2, eps, Hyper("weight_decay", 0.0), amsgrad, False, False
@@ -165,7 +184,32 @@ def _adam_moments(
     ) -> tuple[PyTree, AdamState]:
         return step(updates, state, in_place=True)
 
-    return GradientTransformation(init, update, update_inplace)
+    def fold(rate: GradientTransformation) -> GradientTransformation | None:
+        lr = traits(rate).learning_rate
+        if lr is None:
+            return None
+        # Placeholder lr in the options: the step puts the current value in (a schedule's).
+        options = Options(Hyper("lr", 0.0), b1, b2, eps, weight_decay, amsgrad, maximize, decoupled)
+        pair_update, pair_update_ = _steps(where, lr, options)
+
+        def pair_init(params: PyTree) -> tuple[Any, Any]:
+            return init(params), rate.init(params)
+
+        pair = GradientTransformation(pair_init, pair_update, pair_update_)
+        return with_traits(pair, applies=True)
+
+    out = GradientTransformation(init, update, update_inplace)
+    if weight_decay is not _NO_DECAY or maximize:
+        # Never run alone: the decay and sign belong to the folded step.
+        out = GradientTransformation(init, _unfolded(where), _unfolded(where))
+    return with_traits(out, fold=fold)
+
+
+def _unfolded(where: str) -> Callable[..., tuple[PyTree, Any]]:
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        raise AssertionError(f"{where}: Adam with weight decay ran without its learning rate.")
+
+    return update
 
 
 def scale_by_adam(
@@ -178,10 +222,14 @@ def scale_by_adam(
 
     The building block of [`adam`][funcensemble.optim.adam]: the moments, bias
     corrections and AMSGrad maximum of ``torch.optim.Adam``, without the learning
-    rate, weight decay or sign. A chain of it with the other transforms computes
-    ``adam``'s step up to rounding: ``adam`` folds the learning rate into the bias
-    correction before dividing, as torch.optim does; a chain scales the finished
-    direction.
+    rate, weight decay or sign. Directly followed by
+    [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate] in a
+    [`chain`][funcensemble.optim.chain], the two fold into one step that computes
+    ``adam``'s result bit for bit, ``update_`` included (torch.optim's fused kernel
+    where it applies): the learning rate enters the bias correction before the
+    division, as in torch.optim. Followed by anything else, it rescales the
+    gradients into the direction, and its in-place form writes the state by the
+    same operations as ``update``.
 
     Args:
         betas: Decay rates of the first and second moment averages; each a float or
@@ -275,11 +323,12 @@ class _Step(NamedTuple):
 
 
 def _steps(
-    where: str, lr: Hyper | Schedule, options: Options, size: int, at: int
+    where: str, lr: Hyper | Schedule, options: Options
 ) -> tuple[Callable[..., tuple[PyTree, Any]], Callable[[PyTree, Any, PyTree], Any]]:
-    """The pure ``update`` and the in-place step of the chain ``_adam`` builds: its state
-    has ``size`` entries, the AdamState at ``at`` and, for a schedule, the ScheduleState
-    last. Both compute torch.optim's step (``foreach_adam``, or the fused kernel in place)."""
+    """The pure ``update`` and the in-place form of Adam folded with its learning rate:
+    the state is the pair (AdamState, the rate's state). Both compute torch.optim's step
+    (``foreach_adam``, or the fused kernel in place)."""
+    size, at = 2, 0
     per_member = [h for h in options[1:5] if is_per_member(h)]
     moment_fields = AdamState._fields[1:] if options.amsgrad else AdamState._fields[1:3]
     constant = isinstance(lr, Hyper)
@@ -375,7 +424,7 @@ def _steps(
         if not constant:
             state[-1].count.add_(1)
         # The step is applied: nothing is left for the caller to add.
-        return step.spec.unflatten([None] * len(step.counts)), state
+        return None, state
 
     return update, update_inplace
 
@@ -402,22 +451,16 @@ def _adam(
     amsgrad = _flag(where, "amsgrad", amsgrad)
     maximize = _flag(where, "maximize", maximize)
 
-    # Adam is chain(scale_by_adam, scale_by_learning_rate), with the sign flip and weight
-    # decay of torch.optim inside the step. The chain gives the state its one layout,
-    # (AdamState, the learning rate's state), whatever weight_decay and maximize are;
-    # the steps compute torch.optim's arithmetic, which a chain of separate transforms
-    # cannot: torch folds the learning rate into the bias correction before dividing.
-    layout = chain(_adam_moments(where, b1, b2, eps_, amsgrad), learning_rate(where, lr_))  # type: ignore[arg-type]
-
-    def init(params: PyTree) -> tuple[Any, ...]:
-        leaves, spec = flatten(params)
-        check_members(wd, where, spec, leaves, trainable(leaves))
-        return layout.init(params)
-
-    # Placeholder lr in the options: the step puts the current value in (a schedule's).
-    options = Options(Hyper("lr", 0.0), b1, b2, eps_, wd, amsgrad, maximize, decoupled)
-    update, update_inplace = _steps(where, lr_, options, 2, 0)  # type: ignore[arg-type]
-    return GradientTransformation(init, update, update_inplace, applies=True)
+    # torch.optim negates the gradient first, then adds L2 decay to it (Adam) or shrinks
+    # the weights by lr * weight_decay beside the step (AdamW): both inside Adam's step,
+    # which folds the learning rate as torch.optim does. One state layout,
+    # (AdamState, the learning rate's state), whatever the hyperparameters' values.
+    return chain(
+        _adam_moments(
+            where, b1, b2, eps_, amsgrad, weight_decay=wd, maximize=maximize, decoupled=decoupled
+        ),
+        learning_rate(where, lr_),  # type: ignore[arg-type]
+    )
 
 
 def adam(
@@ -430,6 +473,10 @@ def adam(
     maximize: bool = False,
 ) -> GradientTransformation:
     """Adam, computing for each member what ``torch.optim.Adam`` computes for it alone.
+
+    It is ``chain(scale_by_adam(betas, eps, amsgrad=amsgrad),
+    scale_by_learning_rate(lr))`` with torch.optim's sign flip and L2 weight decay
+    inside the folded step.
 
     Any of ``lr``, each beta, ``eps`` and ``weight_decay`` may be a ``[N]`` tensor
     giving each member its own value (e.g. ``lr=torch.logspace(-4, -2, N)``); it
@@ -508,8 +555,9 @@ def adamw(
 
     Like [`adam`][funcensemble.optim.adam], except that weight decay shrinks the
     weights by ``lr * weight_decay`` beside the Adam step instead of entering the
-    gradient. Everything else (per-member tensors, schedules, skipping, precision,
-    non-finite gradients) is the same.
+    gradient. Its state has ``adam``'s layout, with or without weight decay.
+    Everything else (per-member tensors, schedules, skipping, precision, non-finite
+    gradients) is the same.
 
     Args:
         lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``.

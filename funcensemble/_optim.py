@@ -5,6 +5,7 @@ with ``none_is_leaf=True`` so a ``None`` (an unused parameter's gradient, a skip
 leaf's state) keeps its slot and nothing downstream misaligns.
 """
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,12 +31,12 @@ class GradientTransformation(NamedTuple):
     ``update_inplace(updates, state, params) -> (updates, state)`` is the in-place
     form of ``update``: the same arithmetic, but the new state is written into
     ``state``'s own tensors. It never writes the ``updates`` it is given (they may be
-    the caller's gradients), and writes ``params`` only when ``applies`` is True: then
-    it adds its updates to ``params`` itself and returns None for them (how
-    ``fe.optim.adam`` runs ``torch.optim.Adam``'s fused kernel). Leave it None and
-    the in-place form is derived from ``update``;
-    [`chain`][funcensemble.optim.chain] runs its transforms' in-place forms one
-    after the other. Call ``update_``, not this field.
+    the caller's gradients), nor ``params``, except ``fe.optim.adam``'s own: that one
+    adds its step to ``params`` with ``torch.optim.Adam``'s fused kernel and returns
+    None for the updates, so a chain runs it only last. Leave it None and the
+    in-place form is derived from ``update``; [`chain`][funcensemble.optim.chain]
+    runs its transforms' in-place forms one after the other. Call ``update_``, not
+    this field.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -51,7 +52,6 @@ class GradientTransformation(NamedTuple):
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
     update_inplace: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]] | None = None
-    applies: bool = False
 
     def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
         """Step ``params`` in place; return the new state.
@@ -94,11 +94,52 @@ class GradientTransformation(NamedTuple):
             >>> torch.allclose(params["w"], torch.full((4, 3), 0.9)), state[0].count["w"]
             (True, tensor(1.))
         """
-        with torch.no_grad():
+        # torch.no_grad() as a context manager costs as much as a small kernel here.
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             updates, state = inplace_form(self)(grads, state, params)
-            if not self.applies:
+            if not traits(self).applies:
                 add_updates_("update_", params, updates)
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
         return state
+
+
+class Traits(NamedTuple):
+    """What ``chain`` and ``update_`` need to know of a transform beyond its fields.
+
+    ``applies``: its in-place form adds its step to the parameters itself (the fused
+    Adam kernel), so it may run only last. ``fold(next)``: the one exact transform
+    doing this one and ``next`` together, or None; a chain asks pair by pair (Adam
+    folds the learning rate into its bias correction, as torch.optim does).
+    ``learning_rate``: the value or schedule of a ``scale_by_learning_rate``.
+    """
+
+    applies: bool = False
+    fold: Callable[[Any], Any] | None = None
+    learning_rate: Any = None
+
+
+# Keyed by the transform's `update` function: a GradientTransformation is a plain
+# NamedTuple of three functions (users build and unpack it), so what the library knows
+# about its own transforms lives beside them, not in extra fields.
+_TRAITS: "weakref.WeakKeyDictionary[Callable[..., Any], Traits]" = weakref.WeakKeyDictionary()
+_NONE = Traits()
+
+
+def with_traits(t: GradientTransformation, **kw: Any) -> GradientTransformation:
+    """``t``, with ``Traits(**kw)`` recorded for it."""
+    _TRAITS[t.update] = Traits(**kw)
+    return t
+
+
+def traits(t: GradientTransformation) -> Traits:
+    """What is recorded for ``t`` (nothing, for a transform of the user's own)."""
+    try:
+        return _TRAITS.get(t.update, _NONE)
+    except TypeError:  # an update that cannot be weakly referenced: the user's own
+        return _NONE
 
 
 def derived_inplace(update: Callable[..., tuple[PyTree, Any]]) -> Callable[..., tuple[PyTree, Any]]:
@@ -241,14 +282,23 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    # Each transform's in-place form; one that adds its updates to the parameters
-    # itself may do so only last (what follows it could not change them any more).
-    last = len(transforms) - 1
+    # Steps: a transform alone (one state entry), or a pair folded into one exact
+    # transform whose state is the pair's two entries.
+    steps: list[tuple[GradientTransformation, int]] = []
+    k = 0
+    while k < len(transforms):
+        fold = traits(transforms[k]).fold
+        folded = fold(transforms[k + 1]) if fold is not None and k + 1 < len(transforms) else None
+        steps.append((folded, 2) if folded is not None else (transforms[k], 1))
+        k += 2 if folded is not None else 1
+    # Each step's in-place form; one that adds its updates to the parameters itself
+    # may do so only last (what follows it could not change them any more).
+    last = len(steps) - 1
     forms = [
-        inplace_form(t) if k == last or not t.applies else derived_inplace(t.update)
-        for k, t in enumerate(transforms)
+        inplace_form(t) if j == last or not traits(t).applies else derived_inplace(t.update)
+        for j, (t, _) in enumerate(steps)
     ]
-    applies = bool(transforms) and transforms[-1].applies
+    sizes = [size for _, size in steps]
 
     def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
@@ -257,27 +307,37 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"{len(transforms)} states), got {type(state).__name__}."
             )
 
+    def run(
+        fns: list[Callable[..., tuple[PyTree, Any]]], updates: PyTree, state: Any, params: PyTree
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        check(state)
+        new_state: list[Any] = []
+        at = 0
+        for fn, size in zip(fns, sizes, strict=True):
+            if size == 1:
+                updates, s = fn(updates, state[at], params)
+                new_state.append(s)
+            else:
+                updates, s = fn(updates, state[at : at + size], params)
+                new_state.extend(s)
+            at += size
+        return updates, tuple(new_state)
+
     def update(
         updates: PyTree, state: tuple[Any, ...], params: PyTree = None
     ) -> tuple[PyTree, tuple[Any, ...]]:
-        check(state)
-        new_state = []
-        for t, s in zip(transforms, state, strict=True):
-            updates, s = t.update(updates, s, params)
-            new_state.append(s)
-        return updates, tuple(new_state)
+        return run([t.update for t, _ in steps], updates, state, params)
 
     def update_inplace(
         updates: PyTree, state: tuple[Any, ...], params: PyTree = None
     ) -> tuple[PyTree, tuple[Any, ...]]:
-        check(state)
-        new_state = []
-        for form, s in zip(forms, state, strict=True):
-            updates, s = form(updates, s, params)
-            new_state.append(s)
-        return updates, tuple(new_state)
+        return run(forms, updates, state, params)
 
-    return GradientTransformation(init, update, update_inplace, applies)
+    if len(steps) == 1 and sizes[0] == len(transforms) > 1:
+        # One folded step (adam): its own functions take the whole tuple and check it.
+        update, update_inplace = steps[0][0].update, forms[0]  # type: ignore[assignment]
+    out = GradientTransformation(init, update, update_inplace)
+    return with_traits(out, applies=bool(steps) and traits(steps[-1][0]).applies)
 
 
 def _checked_updates(

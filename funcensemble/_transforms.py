@@ -27,6 +27,7 @@ from ._optim import (
     leaves_like,
     scatter,
     trainable,
+    with_traits,
 )
 
 Schedule = Callable[[Int[Tensor, ""]], Any]
@@ -158,7 +159,8 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
         def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
             return scale(updates, constant), state
 
-        return GradientTransformation(init, update, update)
+        # Adam folds a learning rate that follows it into its own step (see chain).
+        return with_traits(GradientTransformation(init, update, update), learning_rate=constant)
 
     schedule = lr
 
@@ -185,7 +187,8 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
         state.count.add_(1)
         return out, state
 
-    return GradientTransformation(init_schedule, update_schedule, update_schedule_)
+    out = GradientTransformation(init_schedule, update_schedule, update_schedule_)
+    return with_traits(out, learning_rate=schedule)
 
 
 def scale_by_learning_rate(lr: float | PerMember | Schedule = 1e-3) -> GradientTransformation:
