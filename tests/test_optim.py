@@ -723,3 +723,20 @@ def test_a_state_saved_with_amsgrad_is_refused_without_it(tmp_path):
         fe.save(path, fe.optim.adam(amsgrad=saved).init(params))
         with pytest.raises(ValueError, match=rf"{word} leaf `\[0\].nu_max\['w'\]`"):
             fe.load(path, fe.optim.adam(amsgrad=template).init(params))
+
+
+def test_the_optimizer_layer_depends_on_pytrees_only():
+    # Module -> stack -> vmap -> grad -> optimizer -> params: the optimizer modules import
+    # nothing of Ensemble; an Ensemble reaches them through its registered view.
+    import ast
+    import pathlib
+
+    root = pathlib.Path(fe.__file__).parent
+    for name in ("_optim", "_transforms", "_adam", "_adam_step", "_polyak", "_ensemble_optimizer"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        assert "_ensemble" not in imported, name
