@@ -261,7 +261,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     [`update_`][funcensemble.optim.GradientTransformation.update_] runs each
     transform's in-place form in turn (its own, or one derived from its ``update``),
     so it writes every state in place and agrees exactly with ``update`` followed by
-    [`apply_updates`][funcensemble.optim.apply_updates].
+    [`apply_updates`][funcensemble.optim.apply_updates]. One exception:
+    [`scale_by_adam`][funcensemble.optim.scale_by_adam] directly followed by
+    [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate] fold into
+    one step, [`adam`][funcensemble.optim.adam]'s, which computes torch.optim's
+    arithmetic in both and runs its fused kernel in ``update_`` (equal up to
+    rounding, as ``adam``'s own ``update`` and ``update_`` are).
 
     Example:
         >>> import torch, funcensemble as fe
