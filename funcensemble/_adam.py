@@ -185,12 +185,13 @@ def _adam_moments(
         return step(updates, state, in_place=True)
 
     def fold(rate: GradientTransformation) -> GradientTransformation | None:
-        lr = traits(rate).learning_rate
-        if lr is None:
+        found = traits(rate).learning_rate
+        if found is None:
             return None
+        lr_where, lr = found
         # Placeholder lr in the options: the step puts the current value in (a schedule's).
         options = Options(Hyper("lr", 0.0), b1, b2, eps, weight_decay, amsgrad, maximize, decoupled)
-        pair_update, pair_update_ = _steps(where, lr, options)
+        pair_update, pair_update_ = _steps(where, lr, options, lr_where)
 
         def pair_init(params: PyTree) -> tuple[Any, Any]:
             return init(params), rate.init(params)
@@ -323,7 +324,7 @@ class _Step(NamedTuple):
 
 
 def _steps(
-    where: str, lr: Hyper | Schedule, options: Options
+    where: str, lr: Hyper | Schedule, options: Options, lr_where: str
 ) -> tuple[Callable[..., tuple[PyTree, Any]], Callable[[PyTree, Any, PyTree], Any]]:
     """The pure ``update`` and the in-place form of Adam folded with its learning rate:
     the state is the pair (AdamState, the rate's state). Both compute torch.optim's step
@@ -349,7 +350,7 @@ def _steps(
             )
         if not constant and not isinstance(state[-1], ScheduleState):
             raise TypeError(
-                f"{where}: expected a ScheduleState (from this transform's init), got "
+                f"{lr_where}: expected a ScheduleState (from this transform's init), got "
                 f"{type(state[-1]).__name__}."
             )
         if params is None:  # the pure update needs the parameters for weight decay only
@@ -377,9 +378,10 @@ def _steps(
                 if counts[i] is not None:
                     active.append(i)
         _check_leaves(where, spec, active, leaves, gs, counts, fields, gradient)
-        value = lr if constant else schedule_value(where, "lr", lr(state[-1].count))
-        for h in [*per_member, value]:
+        value = lr if constant else schedule_value(lr_where, "lr", lr(state[-1].count))
+        for h in per_member:
             check_members(h, where, spec, leaves, active)
+        check_members(value, lr_where, spec, leaves, active)
         mu, nu, *nu_max = ([xs[i] for i in active] for xs in fields.values())
         picked = Moments(mu, nu, nu_max[0] if nu_max else [], [counts[i] for i in active])
         return _Step(spec, leaves, gs, counts, picked, active, value)

@@ -113,7 +113,8 @@ class Traits(NamedTuple):
     Adam kernel), so it may run only last. ``fold(next)``: the one exact transform
     doing this one and ``next`` together, or None; a chain asks pair by pair (Adam
     folds the learning rate into its bias correction, as torch.optim does).
-    ``learning_rate``: the value or schedule of a ``scale_by_learning_rate``.
+    ``learning_rate``: ``(where, value or schedule)`` of a ``scale_by_learning_rate``
+    (``where`` names it in error messages).
     """
 
     applies: bool = False

@@ -160,7 +160,9 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
             return scale(updates, constant), state
 
         # Adam folds a learning rate that follows it into its own step (see chain).
-        return with_traits(GradientTransformation(init, update, update), learning_rate=constant)
+        return with_traits(
+            GradientTransformation(init, update, update), learning_rate=(where, constant)
+        )
 
     schedule = lr
 
@@ -188,7 +190,7 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
         return out, state
 
     out = GradientTransformation(init_schedule, update_schedule, update_schedule_)
-    return with_traits(out, learning_rate=schedule)
+    return with_traits(out, learning_rate=(where, schedule))
 
 
 def scale_by_learning_rate(lr: float | PerMember | Schedule = 1e-3) -> GradientTransformation:

@@ -476,3 +476,16 @@ def test_a_chain_that_raises_leaves_params_and_later_states_as_they_were():
         opt.update_(small_tree(), state, params)
     torch.testing.assert_close((params, state[2]), before, rtol=0, atol=0)
     assert state[0].count["w"].item() == 1  # scale_by_adam stepped its own state
+
+
+def test_a_folded_learning_rate_keeps_its_own_name_in_errors():
+    opt = fe.optim.chain(
+        fe.optim.scale_by_adam(), fe.optim.scale_by_learning_rate(lambda c: "fast")
+    )
+    params = small_tree()
+    state = opt.init(params)
+    before = snapshot((params, state))
+    for call in (opt.update, opt.update_):
+        with pytest.raises(TypeError, match=r"scale_by_learning_rate: the lr schedule must"):
+            call(small_tree(), state, params)
+    torch.testing.assert_close((params, state), before, rtol=0, atol=0)
