@@ -29,6 +29,7 @@ METHODS = (
     "fe.optim.EnsembleOptimizer(adam)",
     "fe.optim.adam update_",
     "fe.optim.adam update + apply_updates",
+    "fe.optim.chain(scale_by_adam, scale_by_learning_rate) update_",
 )
 # (workload, N): the stacked parameter sets timed by default.
 CASES = (("S", 128), ("L", 32))
@@ -95,6 +96,16 @@ def step_functions(
         pure["params"] = fe.optim.apply_updates(pure["params"], updates)
 
     out[METHODS[4]] = (update, lambda: pure["params"])
+
+    # The composition folds into adam's own step: it should time like `adam update_`.
+    chained = fe.optim.chain(fe.optim.scale_by_adam(), fe.optim.scale_by_learning_rate(LR))
+    stepped = {k: v.clone() for k, v in params.items()}
+    chained_box = {"state": chained.init(stepped)}
+
+    def chained_update_() -> None:
+        chained_box["state"] = chained.update_(grads, chained_box["state"], stepped)
+
+    out[METHODS[5]] = (chained_update_, lambda: stepped)
     return out
 
 

@@ -27,8 +27,10 @@ from ._optim import (
     leaves_like,
     scatter,
     trainable,
+    traits,
+    with_traits,
 )
-from ._transforms import Schedule, ScheduleState, decayed_weights, flip_sign, learning_rate
+from ._transforms import Schedule, ScheduleState, learning_rate
 
 
 class AdamState(NamedTuple):
@@ -80,11 +82,28 @@ def _flag(where: str, name: str, value: object) -> bool:
     return value
 
 
+_NO_DECAY = Hyper("weight_decay", 0.0)
+
+
 def _adam_moments(
-    where: str, b1: Hyper, b2: Hyper, eps: Hyper, amsgrad: bool
+    where: str,
+    b1: Hyper,
+    b2: Hyper,
+    eps: Hyper,
+    amsgrad: bool,
+    *,
+    weight_decay: Hyper = _NO_DECAY,
+    maximize: bool = False,
+    decoupled: bool = False,
 ) -> GradientTransformation:
-    """``scale_by_adam`` from already validated hyperparameters."""
-    per_member = [h for h in (b1, b2, eps) if is_per_member(h)]
+    """``scale_by_adam`` from already validated hyperparameters.
+
+    Followed by a learning rate in a ``chain``, the two fold into one step computing
+    torch.optim's arithmetic (the rate enters the bias correction before the division),
+    with the sign flip and weight decay of ``adam``/``adamw`` inside it. Only ``adam``
+    passes those: without a learning rate to fold they have no meaning.
+    """
+    per_member = [h for h in (b1, b2, eps, weight_decay) if is_per_member(h)]
     # lr = -1 turns torch.optim's step -lr * m̂ / (sqrt(v̂) + eps) into the direction itself.
     options = Options(
         Hyper("lr", -1.0), b1, b2, eps, Hyper("weight_decay", 0.0), amsgrad, False, False
@@ -112,9 +131,8 @@ def _adam_moments(
             zeros() if amsgrad else spec.unflatten(none),
         )
 
-    def update(
-        updates: PyTree, state: AdamState, params: PyTree = None
-    ) -> tuple[PyTree, AdamState]:
+    def step(updates: PyTree, state: AdamState, in_place: bool) -> tuple[PyTree, AdamState]:
+        """``update`` and its in-place form: one arithmetic, the state written or not."""
         if not isinstance(state, AdamState):
             raise TypeError(
                 f"{where}: expected an AdamState (from this transform's init), got "
@@ -142,16 +160,57 @@ def _adam_moments(
 
         moments = Moments(pick(mu), pick(nu), pick(nu_max) if amsgrad else [], pick(counts))
         with torch.no_grad():
-            new, direction = foreach_adam(pick(mu), pick(grads), moments, options, in_place=False)
+            new, direction = foreach_adam(
+                pick(mu), pick(grads), moments, options, in_place=in_place, apply=False
+            )
+        out = spec.unflatten(scatter([None] * len(counts), active, direction))
+        if in_place:
+            return out, state
         new_state = AdamState(
             spec.unflatten(scatter(counts, active, new.counts)),
             spec.unflatten(scatter(mu, active, new.mu)),
             spec.unflatten(scatter(nu, active, new.nu)),
             spec.unflatten(scatter(nu_max, active, new.nu_max)) if amsgrad else state.nu_max,
         )
-        return spec.unflatten(scatter([None] * len(counts), active, direction)), new_state
+        return out, new_state
 
-    return GradientTransformation(init, update)
+    def update(
+        updates: PyTree, state: AdamState, params: PyTree = None
+    ) -> tuple[PyTree, AdamState]:
+        return step(updates, state, in_place=False)
+
+    def update_inplace(
+        updates: PyTree, state: AdamState, params: PyTree = None
+    ) -> tuple[PyTree, AdamState]:
+        return step(updates, state, in_place=True)
+
+    def fold(rate: GradientTransformation) -> GradientTransformation | None:
+        found = traits(rate).learning_rate
+        if found is None:
+            return None
+        lr_where, lr = found
+        # Placeholder lr in the options: the step puts the current value in (a schedule's).
+        options = Options(Hyper("lr", 0.0), b1, b2, eps, weight_decay, amsgrad, maximize, decoupled)
+        pair_update, pair_update_ = _steps(where, lr, options, lr_where)
+
+        def pair_init(params: PyTree) -> tuple[Any, Any]:
+            return init(params), rate.init(params)
+
+        pair = GradientTransformation(pair_init, pair_update, pair_update_)
+        return with_traits(pair, applies=True)
+
+    out = GradientTransformation(init, update, update_inplace)
+    if weight_decay is not _NO_DECAY or maximize:
+        # Never run alone: the decay and sign belong to the folded step.
+        out = GradientTransformation(init, _unfolded(where), _unfolded(where))
+    return with_traits(out, fold=fold)
+
+
+def _unfolded(where: str) -> Callable[..., tuple[PyTree, Any]]:
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        raise AssertionError(f"{where}: Adam with weight decay ran without its learning rate.")
+
+    return update
 
 
 def scale_by_adam(
@@ -164,10 +223,14 @@ def scale_by_adam(
 
     The building block of [`adam`][funcensemble.optim.adam]: the moments, bias
     corrections and AMSGrad maximum of ``torch.optim.Adam``, without the learning
-    rate, weight decay or sign. A chain of it with the other transforms computes
-    ``adam``'s step up to rounding: ``adam`` folds the learning rate into the bias
-    correction before dividing, as torch.optim does; a chain scales the finished
-    direction.
+    rate, weight decay or sign. Directly followed by
+    [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate] in a
+    [`chain`][funcensemble.optim.chain], the two fold into one step that computes
+    ``adam``'s result bit for bit, ``update_`` included (torch.optim's fused kernel
+    where it applies): the learning rate enters the bias correction before the
+    division, as in torch.optim. Followed by anything else, it rescales the
+    gradients into the direction, and its in-place form writes the state by the
+    same operations as ``update``.
 
     Args:
         betas: Decay rates of the first and second moment averages; each a float or
@@ -261,11 +324,12 @@ class _Step(NamedTuple):
 
 
 def _steps(
-    where: str, lr: Hyper | Schedule, options: Options, size: int, at: int
+    where: str, lr: Hyper | Schedule, options: Options, lr_where: str
 ) -> tuple[Callable[..., tuple[PyTree, Any]], Callable[[PyTree, Any, PyTree], Any]]:
-    """The pure ``update`` and the in-place step of the chain ``_adam`` builds: its state
-    has ``size`` entries, the AdamState at ``at`` and, for a schedule, the ScheduleState
-    last. Both compute torch.optim's step (``foreach_adam``, or the fused kernel in place)."""
+    """The pure ``update`` and the in-place form of Adam folded with its learning rate:
+    the state is the pair (AdamState, the rate's state). Both compute torch.optim's step
+    (``foreach_adam``, or the fused kernel in place)."""
+    size, at = 2, 0
     per_member = [h for h in options[1:5] if is_per_member(h)]
     moment_fields = AdamState._fields[1:] if options.amsgrad else AdamState._fields[1:3]
     constant = isinstance(lr, Hyper)
@@ -286,7 +350,7 @@ def _steps(
             )
         if not constant and not isinstance(state[-1], ScheduleState):
             raise TypeError(
-                f"{where}: expected a ScheduleState (from this transform's init), got "
+                f"{lr_where}: expected a ScheduleState (from this transform's init), got "
                 f"{type(state[-1]).__name__}."
             )
         if params is None:  # the pure update needs the parameters for weight decay only
@@ -314,9 +378,10 @@ def _steps(
                 if counts[i] is not None:
                     active.append(i)
         _check_leaves(where, spec, active, leaves, gs, counts, fields, gradient)
-        value = lr if constant else schedule_value(where, "lr", lr(state[-1].count))
-        for h in [*per_member, value]:
+        value = lr if constant else schedule_value(lr_where, "lr", lr(state[-1].count))
+        for h in per_member:
             check_members(h, where, spec, leaves, active)
+        check_members(value, lr_where, spec, leaves, active)
         mu, nu, *nu_max = ([xs[i] for i in active] for xs in fields.values())
         picked = Moments(mu, nu, nu_max[0] if nu_max else [], [counts[i] for i in active])
         return _Step(spec, leaves, gs, counts, picked, active, value)
@@ -349,26 +414,21 @@ def _steps(
                 new_state[-1] = ScheduleState(state[-1].count + 1)
         return spec.unflatten(out), tuple(new_state)
 
-    def update_(grads: PyTree, state: Any, params: PyTree) -> Any:
+    def update_inplace(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
         step = check(grads, state, params, ("grads", "the gradient"))
-        # torch.no_grad() as a context manager costs as much as a small kernel here.
-        grad_was_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            if step.active:
-                adam_step_(
-                    [step.params[i] for i in step.active],
-                    [step.grads[i] for i in step.active],
-                    step.moments,
-                    options._replace(lr=step.lr),
-                )
-            if not constant:
-                state[-1].count.add_(1)
-        finally:
-            torch._C._set_grad_enabled(grad_was_enabled)
-        return state
+        if step.active:
+            adam_step_(
+                [step.params[i] for i in step.active],
+                [step.grads[i] for i in step.active],
+                step.moments,
+                options._replace(lr=step.lr),
+            )
+        if not constant:
+            state[-1].count.add_(1)
+        # The step is applied: nothing is left for the caller to add.
+        return None, state
 
-    return update, update_
+    return update, update_inplace
 
 
 def _adam(
@@ -393,22 +453,16 @@ def _adam(
     amsgrad = _flag(where, "amsgrad", amsgrad)
     maximize = _flag(where, "maximize", maximize)
 
-    decay = [decayed_weights(where, wd)] if is_per_member(wd) or wd.value != 0 else []
-    # torch.optim negates the gradient first, then adds L2 decay to it (Adam) or
-    # shrinks the weights by lr * weight_decay beside the Adam step (AdamW).
-    steps = [flip_sign(where)] if maximize else []
-    steps += [] if decoupled else decay
-    at = len(steps)
-    steps.append(_adam_moments(where, b1, b2, eps_, amsgrad))
-    steps += decay if decoupled else []
-    steps.append(learning_rate(where, lr_))  # type: ignore[arg-type]
-    # Placeholder lr in the options: the step puts the current value in (a schedule's).
-    options = Options(Hyper("lr", 0.0), b1, b2, eps_, wd, amsgrad, maximize, decoupled)
-    # The chain gives the state its layout (one entry per transform); the steps compute
-    # torch.optim's arithmetic, which a chain of separate transforms cannot: torch folds
-    # the learning rate into the bias correction before dividing.
-    update, update_ = _steps(where, lr_, options, len(steps), at)  # type: ignore[arg-type]
-    return GradientTransformation(chain(*steps).init, update, update_)
+    # torch.optim negates the gradient first, then adds L2 decay to it (Adam) or shrinks
+    # the weights by lr * weight_decay beside the step (AdamW): both inside Adam's step,
+    # which folds the learning rate as torch.optim does. One state layout,
+    # (AdamState, the learning rate's state), whatever the hyperparameters' values.
+    return chain(
+        _adam_moments(
+            where, b1, b2, eps_, amsgrad, weight_decay=wd, maximize=maximize, decoupled=decoupled
+        ),
+        learning_rate(where, lr_),  # type: ignore[arg-type]
+    )
 
 
 def adam(
@@ -421,6 +475,10 @@ def adam(
     maximize: bool = False,
 ) -> GradientTransformation:
     """Adam, computing for each member what ``torch.optim.Adam`` computes for it alone.
+
+    It is ``chain(scale_by_adam(betas, eps, amsgrad=amsgrad),
+    scale_by_learning_rate(lr))`` with torch.optim's sign flip and L2 weight decay
+    inside the folded step.
 
     Any of ``lr``, each beta, ``eps`` and ``weight_decay`` may be a ``[N]`` tensor
     giving each member its own value (e.g. ``lr=torch.logspace(-4, -2, N)``); it
@@ -458,8 +516,13 @@ def adam(
 
     Returns:
         A [`GradientTransformation`][funcensemble.optim.GradientTransformation] whose
-        state is a tuple with one entry per step of the chain; the
-        [`AdamState`][funcensemble.optim.AdamState] in it holds the moments.
+        state is the pair ``(AdamState, lr state)``: the
+        [`AdamState`][funcensemble.optim.AdamState] holds the moments, the second
+        entry is an [`EmptyState`][funcensemble.optim.EmptyState] for a constant
+        ``lr`` or a [`ScheduleState`][funcensemble.optim.ScheduleState] for a
+        schedule. The layout does not depend on the other hyperparameters'
+        values (weight decay, amsgrad, maximize, floats or per-member tensors),
+        so a saved state loads into an optimizer built with other values.
 
     Raises:
         ValueError: A hyperparameter out of range, with ``torch.optim``'s wording
@@ -494,8 +557,9 @@ def adamw(
 
     Like [`adam`][funcensemble.optim.adam], except that weight decay shrinks the
     weights by ``lr * weight_decay`` beside the Adam step instead of entering the
-    gradient. Everything else (per-member tensors, schedules, skipping, precision,
-    non-finite gradients) is the same.
+    gradient. Its state has ``adam``'s layout, with or without weight decay.
+    Everything else (per-member tensors, schedules, skipping, precision, non-finite
+    gradients) is the same.
 
     Args:
         lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``.

@@ -193,6 +193,7 @@ def foreach_adam(
     o: Options,
     *,
     in_place: bool,
+    apply: bool | None = None,
 ) -> tuple[Moments, list[Tensor]]:
     """``torch.optim.Adam(foreach=True)``'s step, with any hyperparameter per member.
 
@@ -209,8 +210,14 @@ def foreach_adam(
     AdamW with weight decay they are ``new - params``, which ``params + updates``
     gives back up to one rounding.
 
-    ``in_place``: ``params`` and the state are written, the new state is ``state``
-    itself and the updates returned are empty. The last step is the one torch.optim
+    ``in_place`` without ``apply`` (the in-place form of ``scale_by_adam``): the
+    state is written, the new state is ``state`` itself, and the updates are
+    computed as above, by the same operations: the pure and in-place forms agree
+    bit for bit.
+
+    ``apply`` (by default ``in_place``): ``params`` and the state are written, the
+    new state is ``state`` itself and the updates returned are empty. The last step
+    is the one torch.optim
     takes for tensor hyperparameters (``capturable=True``): ``m / (denom / -step)``,
     which needs no buffer for ``-step * m``; it differs from the other order by a
     rounding per step. Full-size temporaries: the gradient when ``maximize`` or L2
@@ -218,6 +225,8 @@ def foreach_adam(
     ``torch.optim.Adam(foreach=True)``.
     """
     mu, nu, nu_max, counts = state
+    if apply is None:
+        apply = in_place
     if in_place:
         torch._foreach_add_(counts, 1.0)
     else:
@@ -228,7 +237,7 @@ def foreach_adam(
     decay = is_per_member(o.weight_decay) or o.weight_decay.value != 0
     if decay and o.decoupled:
         shrink = _shrink(o.lr, o.weight_decay, params)
-        if in_place:
+        if apply:
             torch._foreach_mul_(params, shrink)
         else:
             base = list(torch._foreach_mul(params, shrink))
@@ -263,7 +272,7 @@ def foreach_adam(
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, per_leaf(o.eps, denom))
     new_state = Moments(mu, nu, nu_max, counts)
-    if in_place:
+    if apply:
         # torch.optim's order for tensor hyperparameters (capturable=True): the step
         # size divides the denominator, then one addcdiv_; no second full-size buffer.
         torch._foreach_div_(denom, neg_step)

@@ -12,6 +12,7 @@ from ._seeding import check_seed, member_seed, seeded_cpu_rng
 from ._skeleton import meta_skeleton, replace_tensors
 from ._stack import FunctionalModule, member_module, stack_as
 from ._state_dict_checks import check_loadable
+from ._tree_view import register_view
 from ._vmap import InDims, Randomness, vmap
 
 
@@ -260,3 +261,10 @@ class Ensemble(nn.Module):
             strict=strict,
         )
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+# The optimizer layer works on pytrees and knows nothing of Ensemble: it sees one as
+# its stacked parameters and buffers.
+register_view(
+    Ensemble, lambda ens: {"params": ens.stacked_params(), "buffers": ens.stacked_buffers()}
+)

@@ -7,8 +7,8 @@ import optree
 import torch
 from torch import Tensor
 
-from ._ensemble import Ensemble
 from ._optim import GradientTransformation, PyTree, flatten
+from ._tree_view import Stacked, state_view
 
 
 def _state_keys(spec: optree.PyTreeSpec) -> list[str]:
@@ -46,11 +46,14 @@ class EnsembleOptimizer:
     """
 
     def __init__(
-        self, params: Ensemble | Mapping[str, Tensor], transform: GradientTransformation
+        self,
+        params: Stacked | Mapping[str, Tensor],
+        transform: GradientTransformation,
     ) -> None:
         where = "EnsembleOptimizer"
-        if isinstance(params, Ensemble):
-            named = dict(params.stacked_params())
+        view = state_view(params)  # an Ensemble stands for its stacked parameters
+        if view is not None:
+            named = dict(view["params"])
         elif isinstance(params, Mapping):
             named = dict(params)
             for name, p in named.items():

@@ -5,6 +5,7 @@ with ``none_is_leaf=True`` so a ``None`` (an unused parameter's gradient, a skip
 leaf's state) keeps its slot and nothing downstream misaligns.
 """
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ PyTree = Any
 
 
 class GradientTransformation(NamedTuple):
-    """An optimizer: two pure functions over pytrees, and an in-place step.
+    """An optimizer: two pure functions over pytrees, and their in-place form.
 
     ``init(params) -> state`` builds the state; ``update(grads, state, params) ->
     (updates, new_state)`` turns gradients into parameter updates. Neither mutates
@@ -27,9 +28,15 @@ class GradientTransformation(NamedTuple):
     or do both at once, in place, with
     [`update_`][funcensemble.optim.GradientTransformation.update_].
 
-    ``update_inplace`` is where a transform plugs in a dedicated in-place step
-    (``fe.optim.adam``'s runs ``torch.optim.Adam``'s fused kernel); leave it None
-    and ``update_`` derives one from ``update``. Call ``update_``, not this field.
+    ``update_inplace(updates, state, params) -> (updates, state)`` is the in-place
+    form of ``update``: the same arithmetic, but the new state is written into
+    ``state``'s own tensors. It never writes the ``updates`` it is given (they may be
+    the caller's gradients), nor ``params``, except ``fe.optim.adam``'s own: that one
+    adds its step to ``params`` with ``torch.optim.Adam``'s fused kernel and returns
+    None for the updates, so a chain runs it only last. Leave it None and the
+    in-place form is derived from ``update``; [`chain`][funcensemble.optim.chain]
+    runs its transforms' in-place forms one after the other. Call ``update_``, not
+    this field.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -44,7 +51,7 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
-    update_inplace: Callable[[PyTree, Any, PyTree], Any] | None = None
+    update_inplace: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]] | None = None
 
     def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
         """Step ``params`` in place; return the new state.
@@ -53,15 +60,18 @@ class GradientTransformation(NamedTuple):
         followed by ``params = apply_updates(params, updates)``, but writes the result
         into the ``params`` tensors (under ``torch.no_grad()``, so they may be
         ``nn.Parameter``s) and into the state's tensors, instead of allocating new
-        ones. The derived step computes exactly what those two calls compute;
-        ``fe.optim.adam``'s own step runs torch's fused kernel or orders its last
-        operations as torch.optim does for tensor hyperparameters, so it agrees
-        with them up to float rounding (see [`adam`][funcensemble.optim.adam]).
+        ones. Each transform runs its in-place form: the same operations as its
+        ``update``, so the two agree exactly; ``fe.optim.adam``'s own step runs
+        torch's fused kernel or orders its last operations as torch.optim does for
+        tensor hyperparameters, so it agrees with ``update`` up to float rounding
+        (see [`adam`][funcensemble.optim.adam]).
 
         The returned state holds the same tensors as ``state`` wherever their shapes
         allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need the
-        old values. Everything is checked before anything is written: a call that
-        raises leaves ``params`` and ``state`` as they were.
+        old values. A transform checks everything before it writes anything: a call
+        that raises leaves ``params`` and ``state`` as they were, except that in a
+        [`chain`][funcensemble.optim.chain] the transforms before the one that
+        raised have stepped their own state.
 
         Args:
             grads: Gradients shaped like ``params``; None for a leaf without one.
@@ -84,12 +94,69 @@ class GradientTransformation(NamedTuple):
             >>> torch.allclose(params["w"], torch.full((4, 3), 0.9)), state[0].count["w"]
             (True, tensor(1.))
         """
-        if self.update_inplace is not None:
-            return self.update_inplace(grads, state, params)
-        with torch.no_grad():
-            updates, new_state = self.update(grads, state, params)
-            add_updates_("update_", params, updates)
-            return refill(state, new_state)
+        # torch.no_grad() as a context manager costs as much as a small kernel here.
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            updates, state = inplace_form(self)(grads, state, params)
+            if not traits(self).applies:
+                add_updates_("update_", params, updates)
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
+        return state
+
+
+class Traits(NamedTuple):
+    """What ``chain`` and ``update_`` need to know of a transform beyond its fields.
+
+    ``applies``: its in-place form adds its step to the parameters itself (the fused
+    Adam kernel), so it may run only last. ``fold(next)``: the one exact transform
+    doing this one and ``next`` together, or None; a chain asks pair by pair (Adam
+    folds the learning rate into its bias correction, as torch.optim does).
+    ``learning_rate``: ``(where, value or schedule)`` of a ``scale_by_learning_rate``
+    (``where`` names it in error messages).
+    """
+
+    applies: bool = False
+    fold: Callable[[Any], Any] | None = None
+    learning_rate: Any = None
+
+
+# Keyed by the transform's `update` function: a GradientTransformation is a plain
+# NamedTuple of three functions (users build and unpack it), so what the library knows
+# about its own transforms lives beside them, not in extra fields.
+_TRAITS: "weakref.WeakKeyDictionary[Callable[..., Any], Traits]" = weakref.WeakKeyDictionary()
+_NONE = Traits()
+
+
+def with_traits(t: GradientTransformation, **kw: Any) -> GradientTransformation:
+    """``t``, with ``Traits(**kw)`` recorded for it."""
+    _TRAITS[t.update] = Traits(**kw)
+    return t
+
+
+def traits(t: GradientTransformation) -> Traits:
+    """What is recorded for ``t`` (nothing, for a transform of the user's own)."""
+    try:
+        return _TRAITS.get(t.update, _NONE)
+    except TypeError:  # an update that cannot be weakly referenced: the user's own
+        return _NONE
+
+
+def derived_inplace(update: Callable[..., tuple[PyTree, Any]]) -> Callable[..., tuple[PyTree, Any]]:
+    """The in-place form of a transform without one: ``update``, then its new state
+    copied into the old state's tensors (where shapes allow)."""
+
+    def update_inplace(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        new_updates, new_state = update(updates, state, params)
+        return new_updates, refill(state, new_state)
+
+    return update_inplace
+
+
+def inplace_form(t: GradientTransformation) -> Callable[..., tuple[PyTree, Any]]:
+    """``t``'s in-place form: its own, or the one derived from its ``update``."""
+    return t.update_inplace if t.update_inplace is not None else derived_inplace(t.update)
 
 
 class EmptyState(NamedTuple):
@@ -191,7 +258,16 @@ def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Run transforms one after the other, each on the previous one's updates.
 
-    The state is a tuple with one entry per transform.
+    The state is a tuple with one entry per transform. The chain's
+    [`update_`][funcensemble.optim.GradientTransformation.update_] runs each
+    transform's in-place form in turn (its own, or one derived from its ``update``),
+    so it writes every state in place and agrees exactly with ``update`` followed by
+    [`apply_updates`][funcensemble.optim.apply_updates]. One exception:
+    [`scale_by_adam`][funcensemble.optim.scale_by_adam] directly followed by
+    [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate] fold into
+    one step, [`adam`][funcensemble.optim.adam]'s, which computes torch.optim's
+    arithmetic in both and runs its fused kernel in ``update_`` (equal up to
+    rounding, as ``adam``'s own ``update`` and ``update_`` are).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -212,21 +288,62 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: PyTree) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def update(
-        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
-    ) -> tuple[PyTree, tuple[Any, ...]]:
+    # Steps: a transform alone (one state entry), or a pair folded into one exact
+    # transform whose state is the pair's two entries.
+    steps: list[tuple[GradientTransformation, int]] = []
+    k = 0
+    while k < len(transforms):
+        fold = traits(transforms[k]).fold
+        folded = fold(transforms[k + 1]) if fold is not None and k + 1 < len(transforms) else None
+        steps.append((folded, 2) if folded is not None else (transforms[k], 1))
+        k += 2 if folded is not None else 1
+    # Each step's in-place form; one that adds its updates to the parameters itself
+    # may do so only last (what follows it could not change them any more).
+    last = len(steps) - 1
+    forms = [
+        inplace_form(t) if j == last or not traits(t).applies else derived_inplace(t.update)
+        for j, (t, _) in enumerate(steps)
+    ]
+    sizes = [size for _, size in steps]
+
+    def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain: expected the state returned by this chain's init (a tuple of "
                 f"{len(transforms)} states), got {type(state).__name__}."
             )
-        new_state = []
-        for t, s in zip(transforms, state, strict=True):
-            updates, s = t.update(updates, s, params)
-            new_state.append(s)
+
+    def run(
+        fns: list[Callable[..., tuple[PyTree, Any]]], updates: PyTree, state: Any, params: PyTree
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        check(state)
+        new_state: list[Any] = []
+        at = 0
+        for fn, size in zip(fns, sizes, strict=True):
+            if size == 1:
+                updates, s = fn(updates, state[at], params)
+                new_state.append(s)
+            else:
+                updates, s = fn(updates, state[at : at + size], params)
+                new_state.extend(s)
+            at += size
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    def update(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        return run([t.update for t, _ in steps], updates, state, params)
+
+    def update_inplace(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        return run(forms, updates, state, params)
+
+    if len(steps) == 1 and sizes[0] == len(transforms) > 1:
+        # One folded step (adam): its own functions take the whole tuple and check it.
+        update, update_inplace = steps[0][0].update, forms[0]  # type: ignore[assignment]
+    out = GradientTransformation(init, update, update_inplace)
+    return with_traits(out, applies=bool(steps) and traits(steps[-1][0]).applies)
 
 
 def _checked_updates(

@@ -6,7 +6,6 @@ import optree
 import torch
 from torch import Tensor
 
-from ._ensemble import Ensemble
 from ._hyper import (
     Hyper,
     PerMember,
@@ -15,23 +14,22 @@ from ._hyper import (
     per_leaf,
 )
 from ._optim import PyTree, flatten, leaf_name
-
-
-def _state(ens: Ensemble) -> dict[str, dict[str, Tensor]]:
-    return {"params": ens.stacked_params(), "buffers": ens.stacked_buffers()}
+from ._tree_view import state_view
 
 
 def _check(
     where: str, target: PyTree, online: PyTree, tau: object
 ) -> tuple[list[Any], list[Any], optree.PyTreeSpec, Hyper]:
     """Validate everything up front; return aligned leaves and tau."""
-    if isinstance(target, Ensemble) != isinstance(online, Ensemble):
+    # An Ensemble stands for its stacked parameters and buffers (its registered view).
+    target_view, online_view = state_view(target), state_view(online)
+    if (target_view is None) != (online_view is None):
         raise TypeError(
             f"{where}: target and online must both be Ensembles or both be pytrees of "
             f"tensors, got {type(target).__name__} and {type(online).__name__}."
         )
-    if isinstance(target, Ensemble):
-        target, online = _state(target), _state(online)
+    if target_view is not None:
+        target, online = target_view, online_view
     tau_ = hyperparameter(where, "tau", tau, label="tau", upper=1.0, upper_closed=True)
     targets, spec = flatten(target)
     onlines, online_spec = flatten(online)
@@ -67,9 +65,7 @@ def _split(targets: list[Any]) -> tuple[list[int], list[int]]:
     return floats, others
 
 
-def polyak_update_(
-    target: Ensemble | PyTree, online: Ensemble | PyTree, tau: float | PerMember
-) -> None:
+def polyak_update_(target: PyTree, online: PyTree, tau: float | PerMember) -> None:
     """Move ``target`` towards ``online`` in place: ``target <- tau*online + (1-tau)*target``.
 
     The soft target-network update of DDPG/SAC/TD3, for all leaves at once (one
@@ -136,7 +132,7 @@ def polyak_update(target: PyTree, online: PyTree, tau: float | PerMember) -> PyT
         ([0.0, 0.5, 1.0], 0.0)
     """
     where = "polyak_update"
-    if isinstance(target, Ensemble) or isinstance(online, Ensemble):
+    if state_view(target) is not None or state_view(online) is not None:
         raise TypeError(
             f"{where}: got an Ensemble; use polyak_update_ to update an Ensemble in place, "
             "or pass pytrees such as ens.stacked_params()."

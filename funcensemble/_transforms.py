@@ -27,6 +27,7 @@ from ._optim import (
     leaves_like,
     scatter,
     trainable,
+    with_traits,
 )
 
 Schedule = Callable[[Int[Tensor, ""]], Any]
@@ -73,7 +74,8 @@ def flip_sign(where: str) -> GradientTransformation:
             new = list(torch._foreach_neg([leaves[i] for i in active])) if active else []
         return _only(spec, len(leaves), active, new), state
 
-    return GradientTransformation(init, update)
+    # Stateless, and `update` writes none of its inputs: it is its own in-place form.
+    return GradientTransformation(init, update, update)
 
 
 def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
@@ -108,7 +110,7 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
             out = scatter(out, active, new)
         return spec.unflatten(out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, update)
 
 
 def add_decayed_weights(weight_decay: float | PerMember = 0.0) -> GradientTransformation:
@@ -157,25 +159,38 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
         def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
             return scale(updates, constant), state
 
-        return GradientTransformation(init, update)
+        # Adam folds a learning rate that follows it into its own step (see chain).
+        return with_traits(
+            GradientTransformation(init, update, update), learning_rate=(where, constant)
+        )
 
     schedule = lr
 
     def init_schedule(params: PyTree) -> ScheduleState:
         return ScheduleState(torch.zeros((), dtype=torch.int64))
 
-    def update_schedule(
-        updates: PyTree, state: ScheduleState, params: PyTree = None
-    ) -> tuple[PyTree, ScheduleState]:
+    def scheduled(updates: PyTree, state: ScheduleState) -> PyTree:
         if not isinstance(state, ScheduleState):
             raise TypeError(
                 f"{where}: expected a ScheduleState (from this transform's init), got "
                 f"{type(state).__name__}."
             )
-        value = schedule_value(where, "lr", schedule(state.count))
-        return scale(updates, value), ScheduleState(state.count + 1)
+        return scale(updates, schedule_value(where, "lr", schedule(state.count)))
 
-    return GradientTransformation(init_schedule, update_schedule)
+    def update_schedule(
+        updates: PyTree, state: ScheduleState, params: PyTree = None
+    ) -> tuple[PyTree, ScheduleState]:
+        return scheduled(updates, state), ScheduleState(state.count + 1)
+
+    def update_schedule_(
+        updates: PyTree, state: ScheduleState, params: PyTree = None
+    ) -> tuple[PyTree, ScheduleState]:
+        out = scheduled(updates, state)  # checked and computed before the count moves
+        state.count.add_(1)
+        return out, state
+
+    out = GradientTransformation(init_schedule, update_schedule, update_schedule_)
+    return with_traits(out, learning_rate=(where, schedule))
 
 
 def scale_by_learning_rate(lr: float | PerMember | Schedule = 1e-3) -> GradientTransformation:

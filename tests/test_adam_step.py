@@ -199,35 +199,137 @@ def test_state_tensors_are_updated_in_place():
     assert adam_state(new).count["w"].item() == 1
 
 
-# --- the generic step of other transforms ------------------------------------------------
+# --- the in-place forms of other transforms, carried through chain -----------------------
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
+def counting_sgd() -> fe.optim.GradientTransformation:
+    """A transform of the user's own, without an in-place form: one is derived."""
+
+    def init(params):
+        return {"seen": torch.zeros(())}
+
+    def update(updates, state, params=None):
+        new = optree.tree_map(lambda u: None if u is None else -0.1 * u, updates, none_is_leaf=True)
+        return new, {"seen": state["seen"] + 1}
+
+    return fe.optim.GradientTransformation(init, update)
+
+
+# (transform, whether update_ equals update + apply_updates bit for bit): scale_by_adam
+# followed by a learning rate folds into adam's step, whose in-place form runs torch's
+# fused kernel or ends in torch's order for tensor hyperparameters (agreeing with update
+# up to rounding, like adam's own).
+IN_PLACE_CASES = [
+    pytest.param(
         lambda: fe.optim.chain(
             fe.optim.add_decayed_weights(0.1), fe.optim.scale_by_adam(amsgrad=True),
             fe.optim.scale_by_learning_rate(lambda c: 0.1 * 0.5**c),
         ),
-        lambda: fe.optim.scale_by_adam(),
-        lambda: fe.optim.scale_by_learning_rate(LR),
-    ],
-    ids=["chain", "scale_by_adam", "scale_by_learning_rate"],
-)  # fmt: skip
-def test_generic_step_equals_update_then_apply_updates(make):
+        False, id="chain-folded",
+    ),
+    pytest.param(
+        lambda: fe.optim.chain(fe.optim.scale_by_adam(), fe.optim.scale_by_learning_rate(LR)),
+        False, id="chain-adam-per-member-lr",  # adam's order for tensor hyperparameters in place
+    ),
+    pytest.param(
+        lambda: fe.optim.chain(
+            fe.optim.scale_by_adam(amsgrad=True), fe.optim.add_decayed_weights(0.1),
+            fe.optim.scale_by_learning_rate(lambda c: 0.1 * 0.5**c),
+        ),
+        True, id="chain-unfolded",
+    ),
+    pytest.param(
+        lambda: fe.optim.chain(counting_sgd(), fe.optim.scale_by_learning_rate(LR)),
+        True, id="chain-derived",
+    ),
+    pytest.param(fe.optim.scale_by_adam, True, id="scale_by_adam"),
+    pytest.param(lambda: fe.optim.scale_by_learning_rate(LR), True, id="scale_by_learning_rate"),
+    pytest.param(counting_sgd, True, id="derived"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "exact"), IN_PLACE_CASES)
+def test_in_place_step_equals_update_then_apply_updates(make, exact):
     opt = make()
-    assert opt.update_inplace is None
     pure, mutated = int_tree(), int_tree()
     pure_state, state = opt.init(pure), opt.init(mutated)
     tensors = optree.tree_leaves(state)
     for step in range(3):
-        updates, pure_state = opt.update(grads_at(step), pure_state, pure)
+        grads = grads_at(step)
+        before = optree.tree_map(torch.clone, grads)
+        updates, pure_state = opt.update(grads, pure_state, pure)
         pure = fe.optim.apply_updates(pure, updates)
-        state = opt.update_(grads_at(step), state, mutated)
-    torch.testing.assert_close(mutated, pure, **CLOSE)
-    torch.testing.assert_close(state, pure_state, **CLOSE)
+        state = opt.update_(grads, state, mutated)
+        torch.testing.assert_close(grads, before, rtol=0, atol=0)  # grads are never written
+    # One arithmetic: the in-place forms compute exactly what update computes.
+    tol = {"rtol": 0, "atol": 0} if exact else CLOSE
+    torch.testing.assert_close(mutated, pure, **tol)
+    torch.testing.assert_close(state, pure_state, **tol)
     # The state's tensors were written into, not replaced.
     assert all(a is b for a, b in zip(tensors, optree.tree_leaves(state), strict=True))
+
+
+def test_chain_runs_each_transforms_in_place_form():
+    calls = []
+
+    def spy(t, name):
+        def update_inplace(updates, state, params=None):
+            calls.append(name)
+            return t.update_inplace(updates, state, params)
+
+        return t._replace(update_inplace=update_inplace)
+
+    opt = fe.optim.chain(
+        spy(fe.optim.scale_by_adam(), "adam"),
+        spy(fe.optim.add_decayed_weights(0.1), "decay"),
+        spy(fe.optim.scale_by_learning_rate(LR), "lr"),
+    )
+    params = int_tree()
+    opt.update_(grads_at(0), opt.init(params), params)
+    assert calls == ["adam", "decay", "lr"]
+
+
+@pytest.mark.parametrize(
+    "lr", [1e-2, LR, lambda c: 1e-2 * 0.5**c], ids=["float", "per-member", "schedule"]
+)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_scale_by_adam_then_learning_rate_is_adam(lr, amsgrad):
+    # The composition folds the learning rate into Adam's step: adam's result, bit for bit.
+    chained = fe.optim.chain(
+        fe.optim.scale_by_adam(amsgrad=amsgrad), fe.optim.scale_by_learning_rate(lr)
+    )
+    adam = fe.optim.adam(lr, amsgrad=amsgrad)
+    for method in ("update", "update_"):
+        a, b = int_tree(), int_tree()
+        sa, sb = chained.init(a), adam.init(b)
+        for step in range(3):
+            if method == "update":
+                ua, sa = chained.update(grads_at(step), sa, a)
+                ub, sb = adam.update(grads_at(step), sb, b)
+                a, b = fe.optim.apply_updates(a, ua), fe.optim.apply_updates(b, ub)
+            else:
+                sa = chained.update_(grads_at(step), sa, a)
+                sb = adam.update_(grads_at(step), sb, b)
+        torch.testing.assert_close((a, sa), (b, sb), rtol=0, atol=0)
+
+
+def test_a_transform_that_applies_its_step_runs_it_only_last():
+    # adam's in-place form adds its step to the parameters itself (the fused kernel):
+    # last in a chain it does; before another transform, the chain derives one that
+    # returns the updates for the next transform to change.
+    for make in (
+        lambda: fe.optim.chain(fe.optim.add_decayed_weights(0.1), fe.optim.adam(LR)),
+        lambda: fe.optim.chain(fe.optim.adam(LR), fe.optim.scale_by_learning_rate(0.5)),
+    ):
+        opt = make()
+        pure, mutated = int_tree(), int_tree()
+        pure_state, state = opt.init(pure), opt.init(mutated)
+        for step in range(3):
+            updates, pure_state = opt.update(grads_at(step), pure_state, pure)
+            pure = fe.optim.apply_updates(pure, updates)
+            state = opt.update_(grads_at(step), state, mutated)
+        torch.testing.assert_close(mutated, pure, **CLOSE)
+        torch.testing.assert_close(state, pure_state, **CLOSE)
 
 
 def test_generic_step_checks_updates_before_writing():
@@ -358,3 +460,32 @@ def test_ensemble_optimizer_state_dict_is_live_and_round_trips():
     assert not torch.equal(live["state"][key], saved["state"][key])  # stepped in place
     torch.testing.assert_close(dict(resumed.named_parameters()), dict(ens.named_parameters()))
     torch.testing.assert_close(resumed_opt.state_dict(), opt.state_dict())
+
+
+def test_a_chain_that_raises_leaves_params_and_later_states_as_they_were():
+    # Each transform checks before it writes; the ones before it have stepped their state.
+    opt = fe.optim.chain(
+        fe.optim.scale_by_adam(),
+        fe.optim.add_decayed_weights(0.1),
+        fe.optim.scale_by_learning_rate(lambda c: torch.full((N + 1,), 1e-2)),
+    )
+    params = small_tree()
+    state = opt.init(params)
+    before = snapshot((params, state[2]))
+    with pytest.raises(ValueError, match=r"lr has 4 per-member values"):
+        opt.update_(small_tree(), state, params)
+    torch.testing.assert_close((params, state[2]), before, rtol=0, atol=0)
+    assert state[0].count["w"].item() == 1  # scale_by_adam stepped its own state
+
+
+def test_a_folded_learning_rate_keeps_its_own_name_in_errors():
+    opt = fe.optim.chain(
+        fe.optim.scale_by_adam(), fe.optim.scale_by_learning_rate(lambda c: "fast")
+    )
+    params = small_tree()
+    state = opt.init(params)
+    before = snapshot((params, state))
+    for call in (opt.update, opt.update_):
+        with pytest.raises(TypeError, match=r"scale_by_learning_rate: the lr schedule must"):
+            call(small_tree(), state, params)
+    torch.testing.assert_close((params, state), before, rtol=0, atol=0)

@@ -162,7 +162,12 @@ def test_load_state_dict_rejects_a_mismatch_before_changing_anything():
     ):
         opt.load_state_dict(bigger.state_dict())
     chained = fe.optim.EnsembleOptimizer(
-        fe.Ensemble(optim_net_members(N)), fe.optim.adam(weight_decay=0.1, amsgrad=True)
+        fe.Ensemble(optim_net_members(N)),
+        fe.optim.chain(
+            fe.optim.add_decayed_weights(0.1),
+            fe.optim.scale_by_adam(amsgrad=True),
+            fe.optim.scale_by_learning_rate(1e-3),
+        ),
     )
     with pytest.raises(ValueError, match=r"missing keys .* unexpected keys"):
         opt.load_state_dict(chained.state_dict())
@@ -200,3 +205,14 @@ def test_repr():
     assert repr(fe.optim.EnsembleOptimizer(ens, fe.optim.adam())) == (
         "EnsembleOptimizer(2 stacked parameters)"
     )
+
+
+def test_state_dict_loads_into_an_optimizer_with_another_weight_decay():
+    # One state layout whatever the hyperparameter values: changing weight_decay (or
+    # maximize) on resume keeps the moments.
+    ens = fe.Ensemble(optim_net_members(N))
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, weight_decay=0.1))
+    train(ens, opt, range(2))
+    resumed = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, weight_decay=0.0, maximize=True))
+    resumed.load_state_dict(opt.state_dict())
+    torch.testing.assert_close(resumed.state, opt.state, rtol=0, atol=0)

@@ -660,3 +660,83 @@ def test_standalone_transforms_validate_like_the_aliases():
         fe.optim.add_decayed_weights(-0.5)
     with pytest.raises(ValueError, match=r"scale_by_learning_rate: Invalid learning rate: -2\.0"):
         fe.optim.scale_by_learning_rate(-2.0)
+
+
+# --- one state layout per optimizer, whatever its hyperparameter values ------------------
+
+LAYOUT_OPTIONS = [
+    {},
+    {"weight_decay": 0.1},
+    {"weight_decay": torch.tensor([0.0, 0.1, 0.2])},
+    {"maximize": True},
+    {"amsgrad": True},
+    {"betas": (torch.tensor([0.8, 0.9, 0.95]), 0.99), "eps": torch.tensor([1e-8, 1e-6, 1e-4])},
+]
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("options", LAYOUT_OPTIONS, ids=lambda o: ",".join(o) or "defaults")
+def test_state_layout_does_not_depend_on_hyperparameter_values(kind, options):
+    params = {"w": torch.zeros(3, 4, 2), "steps": torch.zeros(3, dtype=torch.int64)}
+
+    # A None (no state for an integer leaf, no nu_max without amsgrad) keeps its slot.
+    def layout(state):
+        return optree.tree_structure(state, none_is_leaf=True)
+
+    default = getattr(fe.optim, kind)(1e-3).init(params)
+    state = getattr(fe.optim, kind)(1e-3, **options).init(params)
+    assert layout(state) == layout(default)
+    assert [type(s) for s in state] == [fe.optim.AdamState, fe.optim.EmptyState]
+    assert layout(fe.optim.adamw(0.1, weight_decay=0.0).init(params)) == layout(default)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_saved_state_loads_into_an_optimizer_with_another_weight_decay(kind, tmp_path):
+    torch.manual_seed(0)
+    make = getattr(fe.optim, kind)
+    params = {"w": torch.randn(3, 4, 2, dtype=torch.float64)}
+    grads = {"w": torch.randn(3, 4, 2, dtype=torch.float64)}
+    before = make(1e-2, weight_decay=0.1)
+    state = before.init(params)
+    for _ in range(2):
+        state = before.update_(grads, state, params)
+    fe.save(tmp_path / "opt.safetensors", {"params": params, "opt_state": state})
+    after = make(1e-2, weight_decay=0.0)
+    loaded = fe.load(
+        tmp_path / "opt.safetensors",
+        {"params": {"w": torch.zeros_like(params["w"])}, "opt_state": after.init(params)},
+    )
+    torch.testing.assert_close(loaded, {"params": params, "opt_state": state}, rtol=0, atol=0)
+    # And it steps on from there as the new optimizer does from the old state.
+    expected, resumed = optree.tree_map(torch.clone, (params, state)), loaded
+    exp_state = after.update_(grads, expected[1], expected[0])
+    res_state = after.update_(grads, resumed["opt_state"], resumed["params"])
+    torch.testing.assert_close((resumed["params"], res_state), (expected[0], exp_state))
+
+
+def test_a_state_saved_with_amsgrad_is_refused_without_it(tmp_path):
+    # amsgrad keeps a running maximum that a state without it cannot supply, or drop
+    # silently: the load is refused with the leaf's name, in either direction.
+    params = {"w": torch.zeros(3, 2)}
+    for saved, template, word in ((True, False, "extra"), (False, True, "lacks")):
+        path = tmp_path / f"{saved}.safetensors"
+        fe.save(path, fe.optim.adam(amsgrad=saved).init(params))
+        with pytest.raises(ValueError, match=rf"{word} leaf `\[0\].nu_max\['w'\]`"):
+            fe.load(path, fe.optim.adam(amsgrad=template).init(params))
+
+
+def test_the_optimizer_layer_depends_on_pytrees_only():
+    # Module -> stack -> vmap -> grad -> optimizer -> params: the optimizer modules import
+    # nothing of Ensemble; an Ensemble reaches them through its registered view.
+    import ast
+    import pathlib
+
+    root = pathlib.Path(fe.__file__).parent
+    for name in ("_optim", "_transforms", "_adam", "_adam_step", "_polyak", "_ensemble_optimizer"):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        assert "_ensemble" not in imported, name

@@ -1,0 +1,40 @@
+"""How a container of stacked tensors shows itself as a pytree to the layers below it.
+
+The optimizer layer (``EnsembleOptimizer``, Polyak averaging) works on pytrees and
+imports nothing above it; a container such as ``Ensemble`` registers a view of itself
+here (its stacked parameters and buffers), and those functions accept it through
+the view.
+"""
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+View = dict[str, dict[str, Tensor]]
+
+
+@runtime_checkable
+class Stacked(Protocol):
+    """A container of stacked ``[N, ...]`` tensors, such as an ``Ensemble``."""
+
+    def stacked_params(self) -> Any: ...
+
+    def stacked_buffers(self) -> Any: ...
+
+
+_VIEWS: dict[type, Callable[[Any], View]] = {}
+
+
+def register_view(cls: type, view: Callable[[Any], View]) -> None:
+    """Let instances of ``cls`` stand for ``view(x)``: ``{"params": ..., "buffers": ...}``."""
+    _VIEWS[cls] = view
+
+
+def state_view(x: object) -> View | None:
+    """``x``'s registered view (its stacked parameters and buffers), or None."""
+    for cls in type(x).__mro__:
+        view = _VIEWS.get(cls)
+        if view is not None:
+            return view(x)
+    return None
