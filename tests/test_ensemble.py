@@ -695,6 +695,7 @@ def test_from_factory_peak_memory_is_about_the_stacked_tensors() -> None:
     ratio = _peak_memory_ratio("from_factory")
     assert ratio <= 1.3, f"from_factory peaked at {ratio:.2f}x the stacked tensors"
     # The measurement can tell: stacking prebuilt modules holds both copies at once.
-    # (Measured 1.5x-2.1x here: the allocator returns some freed module memory early.)
+    # (Measured 1.2x-2.1x here: the allocator returns some freed module memory early,
+    # more of it on a loaded machine; from_factory measured 0.1x-0.3x.)
     baseline = _peak_memory_ratio("stack_prebuilt")
-    assert baseline >= max(1.4, ratio + 0.3), f"stacking prebuilt modules peaked at {baseline:.2f}x"
+    assert baseline >= max(1.1, ratio + 0.5), f"stacking prebuilt modules peaked at {baseline:.2f}x"
