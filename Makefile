@@ -1,13 +1,20 @@
 # Two entry points: `make demo` and `make test`. Each creates ./.venv on first use and
 # installs everything into it (the CPU wheel of torch is pinned here, for dev and CI only;
-# the library itself requires torch>=2.4).
+# the library itself requires torch>=2.6). `make test-oldest` runs the tests again in
+# ./.venv-oldest, on the oldest versions pyproject.toml allows (CI runs both).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_DEV := torch==2.13.0
+# The floors of pyproject.toml's dependencies, exactly (tests/test_versions.py checks
+# that they agree). torch 2.6.0 has no CPU-only wheel on PyPI: this is the CUDA build,
+# which runs on the CPU.
+OLDEST := torch==2.6.0 optree==0.13.0 numpy==1.24.4 jaxtyping==0.2.37 safetensors==0.4.0
+OLD_VENV := .venv-oldest
+OLD_STAMP := $(OLD_VENV)/.installed
 
-.PHONY: install demo test lint docs bench clean
+.PHONY: install demo test test-oldest lint docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +40,20 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 	$(BIN)/mkdocs build --strict --quiet
 
+$(OLD_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install --quiet -e '.[dev]' $(OLDEST)
+	touch $(OLD_STAMP)
+
+# The test suite less its slow tests (`-m "not slow"`: the compiled steps, the long
+# distributed and example runs), on the oldest supported versions.
+test-oldest: $(OLD_STAMP)
+	$(OLD_VENV)/bin/python -c 'import torch; print("oldest versions: torch", torch.__version__)'
+	$(OLD_VENV)/bin/python -m pytest -m "not slow"
+
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]' $(TORCH_DEV)
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) $(OLD_VENV) site

@@ -17,6 +17,7 @@ are described to DCP directly, through its planner interface.
 """
 
 import contextlib
+import inspect
 import os
 import warnings
 from collections.abc import Iterator
@@ -55,7 +56,8 @@ from ._paths import flatten_by_key
 
 T = TypeVar("T")
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
-_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+# torch 2.6 and older say "unavailable or uninitialized", without "disabled, ".
+_NO_DIST_WARNING = "torch.distributed is (disabled, )?unavailable or uninitialized"
 
 
 @dataclass(frozen=True)
@@ -147,15 +149,26 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
-def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
+def _no_dist() -> dict[str, bool]:
+    """``no_dist=`` for ``dcp.save``/``dcp.load``: run in this process alone without a
+    process group. torch 2.6 and older take no such argument and decide the same way."""
+    alone = not (dist.is_available() and dist.is_initialized())
+    return {"no_dist": alone} if _TAKES_NO_DIST else {}
+
+
+_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters
 
 
 @contextlib.contextmanager
 def _dcp_call() -> Iterator[None]:
-    """Silence DCP's note that it runs without a process group, which is intended here."""
+    """Silence DCP's note that it runs without a process group, which is intended here,
+    and torch 2.6 and older's own deprecation note on ``Tensor.storage()``, which their
+    DCP writer calls."""
     with warnings.catch_warnings():
-        if _no_dist():
+        warnings.filterwarnings(
+            "ignore", message="TypedStorage is deprecated", category=UserWarning
+        )
+        if not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         yield
 
@@ -252,7 +265,7 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             checkpoint_id=path,
             planner=_SavePlanner(offsets, shard.num_members),
             process_group=shard.group,
-            no_dist=_no_dist(),
+            **_no_dist(),
         )
 
 
@@ -408,7 +421,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             checkpoint_id=path,
             planner=_LoadPlanner(offsets),
             process_group=shard.group,
-            no_dist=_no_dist(),
+            **_no_dist(),
         )
 
     if flat.ensemble:

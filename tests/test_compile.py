@@ -10,7 +10,7 @@ SCRIPT = Path(__file__).with_name("compile_check.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("face", ["functional", "module", "mlp"])
+@pytest.mark.parametrize("face", ["functional", "in_place", "pure_refused", "module", "mlp"])
 def test_compiled_training_step_matches_eager(face):
     """fullgraph=True compile of a full step equals eager for 3 steps (see the script)."""
     done = subprocess.run(
