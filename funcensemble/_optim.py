@@ -49,8 +49,10 @@ class GradientTransformation(NamedTuple):
     def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
         """Step ``params`` in place; return the new state.
 
-        Computes exactly what ``updates, state = update(grads, state, params)``
-        followed by ``params = apply_updates(params, updates)`` computes, but writes
+        Computes what ``updates, state = update(grads, state, params)`` followed by
+        ``params = apply_updates(params, updates)`` computes (the same step; the
+        results may differ in the last bits where ``fe.optim.adam``'s in-place step
+        runs torch's fused kernel, which orders the arithmetic its own way), but writes
         the result into the ``params`` tensors (under ``torch.no_grad()``, so they may
         be ``nn.Parameter``s) and into the state's tensors, instead of allocating new
         ones. The returned state holds the same tensors as ``state`` wherever their
