@@ -11,6 +11,9 @@ TORCH_DEV := torch==2.13.0
 # that they agree). torch 2.6.0 has no CPU-only wheel on PyPI: this is the CUDA build,
 # which runs on the CPU.
 OLDEST := torch==2.6.0 optree==0.13.0 numpy==1.24.4 jaxtyping==0.2.37 safetensors==0.4.0
+# Python 3.10 too, where the machine has it (pyenv's, as on CI's machine, or a plain
+# python3.10); otherwise the default $(PYTHON). test-oldest prints which one ran.
+PYTHON_OLDEST ?= $(shell PYENV_VERSION=3.10 python3.10 -c 'import sys; print(sys.executable)' 2>/dev/null || echo $(PYTHON))
 OLD_VENV := .venv-oldest
 OLD_STAMP := $(OLD_VENV)/.installed
 
@@ -41,14 +44,14 @@ test: $(STAMP)
 	$(BIN)/mkdocs build --strict --quiet
 
 $(OLD_STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(OLD_VENV)
+	$(PYTHON_OLDEST) -m venv --clear $(OLD_VENV)
 	$(OLD_VENV)/bin/python -m pip install --quiet -e '.[dev]' $(OLDEST)
 	touch $(OLD_STAMP)
 
 # The test suite less its slow tests (`-m "not slow"`: the compiled steps, the long
 # distributed and example runs), on the oldest supported versions.
 test-oldest: $(OLD_STAMP)
-	$(OLD_VENV)/bin/python -c 'import torch; print("oldest versions: torch", torch.__version__)'
+	$(OLD_VENV)/bin/python -c 'import sys, torch; print("oldest versions: Python", sys.version.split()[0], "torch", torch.__version__)'
 	$(OLD_VENV)/bin/python -m pytest -m "not slow"
 
 bench: $(STAMP)
