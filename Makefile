@@ -1,13 +1,23 @@
 # Two entry points: `make demo` and `make test`. Each creates ./.venv on first use and
 # installs everything into it (the CPU wheel of torch is pinned here, for dev and CI only;
-# the library itself requires torch>=2.4).
+# the library itself requires torch>=2.6). `make test-oldest` runs the tests again in
+# ./.venv-oldest, on the oldest versions pyproject.toml allows (CI runs both).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_DEV := torch==2.13.0
+# The floors of pyproject.toml's dependencies, exactly (tests/test_versions.py checks
+# that they agree). torch 2.6.0 has no CPU-only wheel on PyPI: this is the CUDA build,
+# which runs on the CPU.
+OLDEST := torch==2.6.0 optree==0.13.0 numpy==1.24.4 jaxtyping==0.2.37 safetensors==0.4.0
+# Python 3.10 too, where the machine has it (pyenv's, as on CI's machine, or a plain
+# python3.10); otherwise the default $(PYTHON). test-oldest prints which one ran.
+PYTHON_OLDEST ?= $(shell PYENV_VERSION=3.10 python3.10 -c 'import sys; print(sys.executable)' 2>/dev/null || echo $(PYTHON))
+OLD_VENV := .venv-oldest
+OLD_STAMP := $(OLD_VENV)/.installed
 
-.PHONY: install demo test lint docs bench clean
+.PHONY: install demo test test-oldest lint docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,12 +43,24 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 	$(BIN)/mkdocs build --strict --quiet
 
+$(OLD_STAMP): pyproject.toml Makefile
+	$(PYTHON_OLDEST) -m venv --clear $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install --quiet -e '.[dev]' $(OLDEST)
+	touch $(OLD_STAMP)
+
+# The test suite less its slow and multi-process tests (the compiled steps, the long
+# example runs, the runs of several ranks, whose start-up deadlines the 5 GB CUDA build
+# of torch overran on a loaded 2-core machine), on the oldest supported versions.
+test-oldest: $(OLD_STAMP)
+	$(OLD_VENV)/bin/python -c 'import sys, torch; print("oldest versions: Python", sys.version.split()[0], "torch", torch.__version__)'
+	$(OLD_VENV)/bin/python -m pytest -m "not slow and not multiprocess"
+
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]' $(TORCH_DEV)
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) $(OLD_VENV) site
 
 # The figures in docs/img come from full runs of the examples; the examples themselves
 # write into ./out/<example>/ and never touch docs/img unless told to, as here. Takes

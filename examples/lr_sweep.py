@@ -7,9 +7,10 @@ one initial model, each stepped by Adam with its own learning rate
 member). All N runs then train as one vectorized model, in one loop.
 
 The script fits a small MLP to a fixed random teacher network, picks the learning rate
-with the lowest validation loss, checks that this member trained exactly as a plain
-``torch.optim.Adam`` run at that learning rate would, and saves every member's training
-loss curve in one plot, ``lr_sweep.png`` in ``--out`` (default ``./out/lr_sweep/``).
+with the lowest validation loss, checks that this member trained as a plain
+``torch.optim.Adam`` run at that learning rate would (final training losses within a
+relative ``RTOL``), and saves every member's training loss curve in one plot,
+``lr_sweep.png`` in ``--out`` (default ``./out/lr_sweep/``).
 
 Run ``python examples/lr_sweep.py`` (``--quick`` for a seconds-long smoke run). Needs
 matplotlib and tqdm (``pip install 'funcensemble[examples]'``) unless run with

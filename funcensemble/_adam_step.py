@@ -137,7 +137,9 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
     lrs: dict[torch.device, float | Tensor | None] = {}
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest = []
-    devices = _fused_devices()
+    # Under torch.compile the fused kernel fails functionalization (an internal assert in
+    # torch); the multi-tensor ops trace, and inductor fuses them anyway.
+    devices = frozenset() if torch.compiler.is_compiling() else _fused_devices()
     for k, p in enumerate(params):
         if p.device not in lrs:
             fusable = shared and kernel is not None and p.device.type in devices

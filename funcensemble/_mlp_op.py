@@ -62,7 +62,14 @@ def _activation_grad(g: Tensor, y: Tensor, act: int) -> Tensor:
     return g
 
 
-@torch.library.custom_op("funcensemble::mlp_forward", mutates_args=())
+# The schemas are written out: torch < 2.7 cannot infer one from ``list[Tensor]``
+# annotations (it accepts only ``typing.List``), and a written schema reads the same on
+# every version.
+@torch.library.custom_op(
+    "funcensemble::mlp_forward",
+    mutates_args=(),
+    schema="(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, int[] acts) -> Tensor[]",
+)
 def mlp_forward(
     x: Tensor, weights: list[Tensor], biases: list[Tensor], has_bias: list[bool], acts: list[int]
 ) -> list[Tensor]:
@@ -98,7 +105,12 @@ def _(x, weights, biases, has_bias, acts):
     return out + [x.new_empty(n, w.shape[1], rows) for w in weights[:-1]]
 
 
-@torch.library.custom_op("funcensemble::mlp_backward", mutates_args=())
+@torch.library.custom_op(
+    "funcensemble::mlp_backward",
+    mutates_args=(),
+    schema="(Tensor grad, Tensor out, Tensor x, Tensor[] weights, Tensor[] hidden, "
+    "bool[] has_bias, int[] acts, bool need_x) -> Tensor[]",
+)
 def mlp_backward(
     grad: Tensor,
     out: Tensor,

@@ -415,6 +415,9 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
     Raises:
         ValueError: ``updates`` do not match ``params`` in structure or leaf shapes.
+        RuntimeError: Under ``torch.compile``, a parameter with an update requires
+            grad: a compiled graph cannot return new autograd leaves. Step in place
+            with [`update_`][funcensemble.optim.GradientTransformation.update_] there.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -427,6 +430,16 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     leaves, spec, ups, active = _checked_updates(where, params, updates)
     if not active:
         return spec.unflatten(leaves)
+    if torch.compiler.is_compiling() and any(leaves[i].requires_grad for i in active):
+        # Dynamo refuses a graph output made an autograd leaf by requires_grad_() (it
+        # would drop the flag); returning the new tensors without it would silently
+        # turn trainable parameters into frozen ones.
+        raise RuntimeError(
+            f"{where}: cannot return new parameters that require grad under torch.compile "
+            f"(got {leaf_name(spec, active[0])} with requires_grad=True; a compiled graph "
+            "cannot make its outputs autograd leaves). Step in place inside the compiled "
+            "function instead: state = opt.update_(grads, state, params)."
+        )
     with torch.no_grad():
         new = torch._foreach_add([leaves[i] for i in active], [ups[i] for i in active])
     for i, t in zip(active, new, strict=True):

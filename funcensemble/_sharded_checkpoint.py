@@ -19,6 +19,7 @@ are described to DCP directly, through its planner interface.
 """
 
 import contextlib
+import inspect
 import os
 import warnings
 from collections.abc import Iterator
@@ -68,7 +69,8 @@ from ._paths import flatten_by_key
 
 T = TypeVar("T")
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
-_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+# torch 2.6 and older say "unavailable or uninitialized", without "disabled, ".
+_NO_DIST_WARNING = "torch.distributed is (disabled, )?unavailable or uninitialized"
 
 
 @dataclass(frozen=True)
@@ -160,15 +162,26 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
-def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
+def _no_dist() -> dict[str, bool]:
+    """``no_dist=`` for ``dcp.save``/``dcp.load``: run in this process alone without a
+    process group. torch 2.6 and older take no such argument and decide the same way."""
+    alone = not (dist.is_available() and dist.is_initialized())
+    return {"no_dist": alone} if _TAKES_NO_DIST else {}
+
+
+_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters
 
 
 @contextlib.contextmanager
 def _dcp_call() -> Iterator[None]:
-    """Silence DCP's note that it runs without a process group, which is intended here."""
+    """Silence DCP's note that it runs without a process group, which is intended here,
+    and torch 2.6 and older's own deprecation note on ``Tensor.storage()``, which their
+    DCP writer calls."""
     with warnings.catch_warnings():
-        if _no_dist():
+        warnings.filterwarnings(
+            "ignore", message="TypedStorage is deprecated", category=UserWarning
+        )
+        if not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         yield
 
@@ -280,7 +293,7 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             storage_writer=ChecksummingWriter(path),
             planner=_SavePlanner(offsets, shard.num_members),
             process_group=shard.group,
-            no_dist=_no_dist(),
+            **_no_dist(),
         )
 
 
@@ -489,7 +502,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             storage_reader=VerifiedReader(path, metadata),
             planner=_LoadPlanner(offsets),
             process_group=shard.group,
-            no_dist=_no_dist(),
+            **_no_dist(),
         )
 
     if flat.ensemble:

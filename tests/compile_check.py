@@ -7,6 +7,7 @@ Dynamo cannot trace; users compile the plain library, as this script does.
 import copy
 import sys
 
+import optree
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -52,6 +53,52 @@ def functional_training_step() -> None:
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
     assert comp[1]["1.num_batches_tracked"].tolist() == [3, 3, 3]
+
+
+def in_place_training_step() -> None:
+    """compile.md's step (fe.stack's own outputs, update_ inside the graph), with
+    per-member hyperparameters (the page itself runs one lr)."""
+    modules = make_members(3)
+    opt = fe.optim.adamw(lr=torch.tensor([1e-2, 3e-3, 1e-3]), betas=(0.9, 0.999))
+    fmodel, params, buffers = fe.stack(copy.deepcopy(modules))
+    _, ref_params, ref_buffers = fe.stack(copy.deepcopy(modules))
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    def train_step(params, buffers, state, x, y):
+        losses, grads, buffers = fe.value_and_grad(loss_fn)(params, buffers, x, y)
+        state = opt.update_(grads, state, params)
+        return buffers, state, losses
+
+    compiled = torch.compile(train_step, fullgraph=True)
+    x, y = torch.randn(32, 4), torch.randn(32, 2)
+    state, ref_state = opt.init(params), opt.init(ref_params)
+    for _ in range(3):
+        buffers, state, losses = compiled(params, buffers, state, x, y)
+        ref_buffers, ref_state, ref_losses = train_step(ref_params, ref_buffers, ref_state, x, y)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, want in ((params, ref_params), (buffers, ref_buffers), (state, ref_state)):
+        for g, w in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert all(p.requires_grad and p.is_leaf for p in params.values())  # stack's flags kept
+
+
+def pure_step_refused() -> None:
+    """apply_updates under fullgraph compile on parameters that require grad: a clear error."""
+    _, params, _ = fe.stack(make_members(3))
+    updates = {k: torch.ones_like(v) for k, v in params.items()}
+    before = {k: v.detach().clone() for k, v in params.items()}
+    try:
+        torch.compile(fe.optim.apply_updates, fullgraph=True)(params, updates)
+    except Exception as error:  # Dynamo wraps the library's RuntimeError
+        message = str(error)
+    else:
+        raise AssertionError("apply_updates compiled on parameters that require grad ran")
+    assert "apply_updates: cannot return new parameters that require grad" in message, message
+    assert "opt.update_(grads, state, params)" in message, message
+    for k, v in before.items():
+        assert torch.equal(params[k], v)
 
 
 def module_face_training_step() -> None:
@@ -151,6 +198,8 @@ if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
         "functional": functional_training_step,
+        "in_place": in_place_training_step,
+        "pure_refused": pure_step_refused,
         "module": module_face_training_step,
         "mlp": mlp_training_step,
     }

@@ -5,8 +5,10 @@ Other test modules append their own helpers below the existing ones.
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any
 
 import jaxtyping
 import optree
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -279,3 +282,37 @@ def load_example(name: str) -> ModuleType:
     finally:
         del sys.modules[spec.name]
     return module
+
+
+# --- what older torch versions cannot do -----------------------------------------------
+# The one place for tests that depend on the torch version: each was found by running the
+# suite on the oldest supported version (`make test-oldest`), and docs/how-to/versions.md
+# tells users the same.
+
+
+@functools.cache
+def dynamo_traces_optree() -> bool:
+    """Whether ``torch.compile(fullgraph=True)`` traces optree's C functions.
+
+    torch 2.6's Dynamo stops at them (``Unsupported``), so no ``fe.optim`` step
+    compiles there.
+    """
+
+    def first_leaf_plus_one(tree: Any) -> Tensor:
+        return optree.tree_leaves(tree)[0] + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Dynamo's own note on the graph break
+        try:
+            compiled = torch.compile(first_leaf_plus_one, backend="eager", fullgraph=True)
+            compiled({"a": torch.zeros(1)})
+        except torch._dynamo.exc.Unsupported:
+            return False
+        finally:
+            torch._dynamo.reset()
+    return True
+
+
+def skip_unless_dynamo_traces_optree() -> None:
+    if not dynamo_traces_optree():
+        pytest.skip(f"torch {torch.__version__}: Dynamo cannot trace optree (see versions.md)")

@@ -13,6 +13,7 @@ from helpers import (
     optim_loss,
     optim_net_members,
     runtime_typecheck_off,
+    skip_unless_dynamo_traces_optree,
 )
 from torch import nn
 
@@ -457,6 +458,7 @@ def test_chain_composes_building_blocks_into_adam():
 
 @pytest.mark.slow
 def test_update_under_torch_compile_fullgraph():
+    skip_unless_dynamo_traces_optree()
     lrs = torch.tensor([1e-2, 3e-3, 1e-3], dtype=torch.float64)
     opt = fe.optim.adam(
         lambda c: lrs * 0.9**c, (torch.tensor([0.9, 0.8, 0.95]), 0.999), amsgrad=True

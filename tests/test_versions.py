@@ -1,0 +1,42 @@
+"""The oldest versions the package declares are the ones `make test-oldest` tests."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def declared_floors() -> dict[str, str]:
+    """``{name: floor}`` of pyproject.toml's runtime dependencies."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", text, re.M | re.S)[1]  # no tomllib on 3.10
+    requirements = re.findall(r'^\s*"([^"]+)"', block, re.M)
+    floors = {}
+    for requirement in requirements:
+        name, floor = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement).groups()
+        floors[name] = floor
+    assert len(floors) == 5, requirements
+    return floors
+
+
+def oldest_pins() -> dict[str, str]:
+    """``{name: version}`` pinned by the Makefile's OLDEST line."""
+    line = re.search(r"^OLDEST := (.*)$", (ROOT / "Makefile").read_text(), re.M)[1]
+    return dict(pin.split("==") for pin in line.split())
+
+
+def test_every_floor_is_the_version_test_oldest_installs():
+    assert oldest_pins() == declared_floors()
+
+
+def test_ci_runs_the_oldest_versions_after_the_readme_command():
+    steps = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.startswith("make")]
+    assert steps == ["make test", "make test-oldest"]
+
+
+def test_readme_and_versions_page_state_the_floors():
+    floors = declared_floors()
+    for doc in (ROOT / "README.md", ROOT / "docs" / "how-to" / "versions.md"):
+        text = " ".join(doc.read_text().split())
+        for name, floor in floors.items():
+            assert f"{name} {floor}" in text, f"{doc.name} does not state {name} {floor}"
