@@ -28,6 +28,7 @@ from ._optim import (
     scatter,
     trainable,
 )
+from ._torch_compat import set_grad_enabled_fast
 from ._transforms import Schedule, ScheduleState, decayed_weights, flip_sign, learning_rate
 
 
@@ -353,7 +354,7 @@ def _steps(
         step = check(grads, state, params, ("grads", "the gradient"))
         # torch.no_grad() as a context manager costs as much as a small kernel here.
         grad_was_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        set_grad_enabled_fast(False)
         try:
             if step.active:
                 adam_step_(
@@ -365,7 +366,7 @@ def _steps(
             if not constant:
                 state[-1].count.add_(1)
         finally:
-            torch._C._set_grad_enabled(grad_was_enabled)
+            set_grad_enabled_fast(grad_was_enabled)
         return state
 
     return update, update_
