@@ -67,8 +67,10 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
 def plan(skeleton: nn.Module) -> Plan | None:
     """The layer chain of ``skeleton`` if it is a plain MLP, else ``None``.
 
-    Recomputed on every call (about 10 us): hooks, train/eval flags and submodules
-    may change between calls.
+    Recomputed on every call (about 10 us, under 0.1% of a call of the S benchmark
+    workload): hooks, train/eval flags and submodules may change between calls, and
+    a cache keyed on shapes, dtypes and devices would not see a hook added or a layer
+    replaced; checking for those costs what planning does.
     """
     steps: Plan = []
     if not _visit(skeleton, "", steps) or not any(w for _, w, _ in steps):

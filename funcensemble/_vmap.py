@@ -112,8 +112,11 @@ def vmap(
         in_dims: How the positional arguments after ``params`` and ``buffers`` are
             split over members: ``None`` (shared by all members), an int (the member
             dim of every mapped tensor), or a tuple with one entry per argument (each
-            ``None``, an int, or a pytree of those matching the argument). Keyword
-            arguments are always shared.
+            ``None``, an int, or a pytree of those matching the argument; a dict
+            entry names the argument's leaves by key, in any key order). Keyword
+            arguments are always shared. Argument pytrees are read as optree reads
+            them: tuples, lists, dicts, namedtuples, ``OrderedDict``, ``deque``; any
+            other object is one leaf. Calls from several threads at once are safe.
         randomness: ``"different"``: each member draws its own random numbers
             (independent dropout masks); ``"same"``: one draw shared by all members;
             ``"error"``: refuse random operations.
