@@ -26,12 +26,15 @@ Inventory (the floor is torch 2.4, ``pyproject.toml``; every call exists from it
   optimizer step without the cost of a ``torch.no_grad()`` object (``_adam.py``).
 - ``torch.nn.modules.module._global_forward_hooks`` and its pre/backward kin (2.0): a
   global module hook turns the MLP fast path off (the fast path would skip it).
-- ``torch.utils._foreach_utils._get_fused_kernels_supported_devices`` (CPU from 2.4):
-  which devices have ``torch._fused_adam_``. ``_adam_step.py`` still imports it
-  itself (that module is being reworked; [`fused_adam_devices`][] is the seam for it).
+- Still reached from ``_adam_step.py`` itself (that module is being reworked; its
+  lookups are to move here): ``torch.utils._foreach_utils.
+  _get_fused_kernels_supported_devices`` (which devices have ``torch._fused_adam_``;
+  CPU from 2.4), ``torch._fused_adam_``/``torch._fused_adamw_`` looked up with
+  ``getattr``, and the ``tensor_lr`` overload of ``aten._fused_adam_`` (2.4).
 - ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
   ``torch.serialization._get_layout`` (2.2): names a DCP ``.metadata`` pickle holds,
-  allowed by our restricted unpickler (``_dcp_metadata.py``).
+  allowed by our restricted unpickler (``_dcp_metadata.py``); and DCP's
+  ``StorageMeta``, looked up where the torch version has it (``_dcp_checksums.py``).
 
 And texts of torch's own messages that we match, each behind one named helper here:
 ``missing_batching_rule`` (vmap's error for an op without a batching rule, two
@@ -203,15 +206,6 @@ def global_module_hooks() -> bool:
     )
 
 
-def fused_adam_devices() -> frozenset[str]:
-    """Device types with ``torch._fused_adam_`` kernels (empty where torch does not say)."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:
-        return frozenset()
-    return frozenset(_get_fused_kernels_supported_devices())
-
-
 # ---- distributed checkpoints ----------------------------------------------------------------
 
 DCP_NO_PROCESS_GROUP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -223,6 +217,14 @@ def dcp_storage_info() -> type:
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
     return dcp_filesystem._StorageInfo
+
+
+def dcp_storage_meta() -> type | None:
+    """DCP's ``StorageMeta`` (what ``read_metadata`` attaches a ``load_id`` to), or
+    ``None`` on a torch without it."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    return getattr(dcp_metadata, "StorageMeta", None)
 
 
 def dcp_private_pickle_names() -> dict[tuple[str, str], Any]:
