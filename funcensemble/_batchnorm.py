@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.nn import functional as F
 
-from ._fastpath import _unwrap_at
+from . import _torch_compat
+from ._torch_compat import unwrap_at as _unwrap_at
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _NormBase = nn.modules.batchnorm._NormBase
@@ -77,10 +77,9 @@ def _fold(
     eps: float = 1e-5,
 ) -> Tensor | None:
     """``F.batch_norm`` of every member at once, or ``None`` to let vmap run it."""
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    if interpreter is None or interpreter.key() != torch._C._functorch.TransformType.Vmap:
+    level = _torch_compat.vmap_level()
+    if level is None:
         return None
-    level = interpreter.level()
     if not isinstance(input, Tensor):
         return None
     found = _unwrap_at(input, level)
@@ -106,16 +105,9 @@ def _fold(
     if any(t is not None and not t.is_contiguous() for t in stats):
         return None  # a copy would not receive the in-place statistics update
     flat = [None if t is None else t.reshape(n * c) for t in per_member]
-    with retrieve_current_functorch_interpreter().lower():
+    with _torch_compat.lower_transform():
         out = F.batch_norm(h.reshape(b, n * c, *spatial), *flat, training, momentum, eps)
-    return torch._C._functorch._add_batch_dim(out.view(b, n, c, *spatial), 1, level)
-
-
-def _fully_unwrapped(t: Tensor) -> Tensor:
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        t = functorch.get_unwrapped(t)
-    return t
+    return _torch_compat.add_batch_dim(out.view(b, n, c, *spatial), 1, level)
 
 
 def _per_member_average(
@@ -167,15 +159,12 @@ class BatchNormRule:
         if found is None:
             return None
         name, layer = found
-        counts = _fully_unwrapped(t)
+        counts = _torch_compat.fully_unwrapped(t)
         first = counts.reshape(-1)[:1]
         if bool((counts == first).all()):
             return float(first.item())  # one count: the layer runs as in the loop
-        interpreter = torch._C._functorch.peek_interpreter_stack()
-        vmapped = (
-            interpreter is not None and interpreter.key() == torch._C._functorch.TransformType.Vmap
-        )
-        batched = _unwrap_at(t, interpreter.level()) if vmapped else None
+        level = _torch_compat.vmap_level()
+        batched = _unwrap_at(t, level) if level is not None else None
         if batched is None or batched[1] is None or batched[0].dim() != 1:
             raise RuntimeError(
                 f"BatchNorm `{name}` has momentum=None (a cumulative moving average) and "

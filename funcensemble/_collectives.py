@@ -18,16 +18,12 @@ import torch.distributed as dist
 from jaxtyping import Float, Real
 from torch import Tensor
 
-from . import _reduce
+from . import _reduce, _tree
 from ._dist_errors import failures
 from ._distributed import MemberShard, rank_and_world
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
 # expression `member * rest` (jaxtyping's advice); jaxtyping ignores the space.
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(
-    dist, "all_gather_into_tensor", None
-)
 
 
 def _collective(where: str, rank: int, world: int, op: Callable[[], Any], group: Any = None) -> Any:
@@ -107,7 +103,9 @@ def _check_layout(
     """
     mine = torch.tensor(_layout_row(shape, t.dtype), dtype=torch.int64, device=t.device)
     rows = mine.new_empty(world * mine.numel())
-    _collective(where, rank, world, lambda: _all_gather_single(rows, mine, group=group), group)
+    _collective(
+        where, rank, world, lambda: dist.all_gather_into_tensor(rows, mine, group=group), group
+    )
     layouts = [r.tolist() for r in rows.view(world, -1).cpu()]
     if all(r == layouts[0] for r in layouts):
         return
@@ -166,7 +164,7 @@ def _gather_checked(where: str, shard: MemberShard, t: Tensor) -> Tensor:
         where,
         shard.rank,
         shard.world_size,
-        lambda: _all_gather_single(out, t.contiguous(), group=shard.group),
+        lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=shard.group),
         shard.group,
     )
     if all(size == rows for size in shard.sizes):
@@ -199,11 +197,11 @@ def all_gather(local: Any, shard: MemberShard) -> Any:
     """
     where = "all_gather"
     shard = _check_shard(where, shard)
-    leaves, spec = torch.utils._pytree.tree_flatten(local)
+    leaves, spec = _tree.flatten(local)
     checked = [_check_local(where, f"leaf {i}", x, shard) for i, x in enumerate(leaves)]
     with torch.no_grad():
         out = [_gather_one(where, shard, t) for t in checked]
-    return torch.utils._pytree.tree_unflatten(out, spec)
+    return _tree.unflatten(spec, out)
 
 
 def _floating(where: str, values: Tensor) -> Tensor:
@@ -435,7 +433,7 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
         raise ValueError(f"{where}: src must be a rank in 0..{world - 1}, got {src!r}.")
     global_src = dist.get_global_rank(group, src) if world > 1 and group is not None else src
-    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    leaves, spec = _tree.flatten(tree)
     out = []
     with torch.no_grad():
         for leaf in leaves:
@@ -451,4 +449,4 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
                         group,
                     )
             out.append(leaf)
-    return torch.utils._pytree.tree_unflatten(out, spec)
+    return _tree.unflatten(spec, out)

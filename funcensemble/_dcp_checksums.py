@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -31,6 +30,7 @@ from torch.futures import Future
 from ._atomic import atomic_write
 from ._checksum import digest, file_range_digest, is_digest
 from ._dcp_metadata import BadMetadata, RefusedName, load_metadata
+from ._torch_compat import dcp_storage_meta
 
 CHECKSUM_FILE = ".funcensemble-checksums"
 _FORMAT = "funcensemble-checksums"
@@ -242,7 +242,7 @@ class VerifiedReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # What FileSystemReader.read_metadata adds after unpickling, where this torch
         # version has it.
-        storage_meta = getattr(dcp_metadata, "StorageMeta", None)
+        storage_meta = dcp_storage_meta()
         if storage_meta is not None and hasattr(self, "load_id"):
             if getattr(self._metadata, "storage_meta", None) is None:
                 self._metadata.storage_meta = storage_meta()

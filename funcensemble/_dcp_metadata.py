@@ -15,7 +15,6 @@ import pickle
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -25,6 +24,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+
+from ._torch_compat import dcp_private_pickle_names, dcp_storage_info
 
 _METADATA_CLASSES = (
     "Metadata",
@@ -38,19 +39,18 @@ _METADATA_CLASSES = (
 )
 _PATH_CLASSES = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 
+_STORAGE_INFO = dcp_storage_info()
+
 
 def _allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {("torch", "Size"): torch.Size}
     for name in _METADATA_CLASSES:
         if hasattr(dcp_metadata, name):
             allowed[(dcp_metadata.__name__, name)] = getattr(dcp_metadata, name)
-    allowed[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo
+    allowed.update(dcp_private_pickle_names())
     for name in _PATH_CLASSES:
         cls = getattr(pathlib, name)
         allowed[("pathlib", name)] = allowed[(cls.__module__, name)] = cls
-    from torch.serialization import _get_layout  # how torch pickles a layout
-
-    allowed[("torch.serialization", "_get_layout")] = _get_layout
     return allowed
 
 
@@ -124,9 +124,7 @@ def _check(metadata: object) -> Metadata:
     if not isinstance(storage, dict):
         raise BadMetadata("its storage_data is not a dict")
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(
-            info, dcp_filesystem._StorageInfo
-        ):
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _STORAGE_INFO):
             raise BadMetadata("its storage_data does not map entries to places in files")
         _check_file_name(info.relative_path)
         for field in (info.offset, info.length):

@@ -12,15 +12,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from ._ensemble import Ensemble
 from ._grad import value_and_grad
+from ._in_dims import InDims, arg_dims, check_member_sizes, leaf_dims
 from ._optim import GradientTransformation, apply_updates
 from ._skeleton import meta_skeleton
 from ._slices import member_slices, narrow_members, slice_size
 from ._stack import FunctionalModule, _num_members, stack
-from ._vmap import InDims, Randomness, _arg_dims, _check_member_sizes, vmap
+from ._tree import flatten as tree_flatten
+from ._tree import unflatten
+from ._vmap import Randomness, vmap
 
 
 class PerShard(tuple):
@@ -102,16 +104,15 @@ def _async(device: torch.device) -> bool:
 
 def _place(arg: Any, dim: Any, members: slice, device: torch.device) -> Any:
     """``arg`` for one shard: mapped tensors cut to its members, all tensors on its device."""
-    leaves, spec = tree_flatten(arg)
-    dims = _broadcast_to_and_flatten(dim, spec)
-    assert dims is not None  # checked by _check_member_sizes
+    leaves, dims = leaf_dims(0, arg, dim)  # checked by check_member_sizes
+    spec = tree_flatten(arg)[1]
     out = []
     for leaf, d in zip(leaves, dims, strict=True):
         if isinstance(leaf, Tensor):
             leaf = leaf if d is None else narrow_members(leaf, members, d)
             leaf = leaf.to(device, non_blocking=_async(device))
         out.append(leaf)
-    return tree_unflatten(out, spec)
+    return unflatten(spec, out)
 
 
 def _renamed(where: str, error: Exception) -> Exception:
@@ -307,7 +308,7 @@ class ShardedEnsemble:
             raise TypeError(f"{where}: Expected a callable, got {type(fn).__name__}.")
         shards = len(self.devices)
         try:
-            dims = _arg_dims(in_dims, len(args))
+            dims = arg_dims(in_dims, len(args))
         except (TypeError, ValueError) as error:
             raise _renamed(where, error) from None
         named = [(f"argument {i}", a, d) for i, (a, d) in enumerate(zip(args, dims, strict=True))]
@@ -326,7 +327,7 @@ class ShardedEnsemble:
                     )
         plain = tuple(None if isinstance(a, PerShard) else a for a in args)
         try:
-            _check_member_sizes(plain, dims, self._num_members)
+            dims = check_member_sizes(plain, dims, self._num_members)
         except (TypeError, ValueError) as error:
             raise _renamed(where, error) from None
 
@@ -427,7 +428,7 @@ class ShardedEnsemble:
             torch.cat([leaves[j].to(target, non_blocking=not blocking) for leaves, _ in flat])
             for j in range(len(flat[0][0]))
         ]
-        return tree_unflatten(joined, spec)
+        return unflatten(spec, joined)
 
     # --- training ------------------------------------------------------------------
 
@@ -520,7 +521,7 @@ class ShardedEnsemble:
                 f"{type(state).__name__}."
             )
         try:
-            dims = _arg_dims(in_dims, len(batch))
+            dims = arg_dims(in_dims, len(batch))
         except (TypeError, ValueError) as error:
             raise _renamed(where, error) from None
         grad_fn = value_and_grad(

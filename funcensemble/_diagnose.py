@@ -14,10 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_leaves, tree_map
 
-from ._fastpath import _global_hooks, _has_hooks, width_error
+from . import _torch_compat
+from ._fastpath import _has_hooks, width_error
 from ._skeleton import meta_skeleton
+from ._tree import leaves as tree_leaves
+from ._tree import tree_map
 
 
 class _Found(Exception):
@@ -33,7 +35,7 @@ def linear_width_error(
     where: str, skeleton: nn.Module, params: Any, buffers: Any, args: Any, kwargs: Any
 ) -> ValueError | None:
     """The wrong-width Linear a forward of one member reaches, or ``None``."""
-    if _global_hooks() or any(_has_hooks(m) for m in skeleton.modules()):
+    if _torch_compat.global_module_hooks() or any(_has_hooks(m) for m in skeleton.modules()):
         return None  # a hook may reshape inputs: the meta run could mislead
     found: list[str] = []
     names: dict[int, str] = {}

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import _tree
 from ._agreement import agree, describe_ensemble, describe_optimizer, describe_state
 from ._ensemble import Ensemble
 from ._rendezvous import join
@@ -252,9 +253,9 @@ class MemberShard:
             nn.Module.__init__(ens)
             ens._adopt(tree.stacked, params, buffers, tree.randomness, tree.chunk_size)
             return ens
-        leaves, spec = torch.utils._pytree.tree_flatten(tree)
+        leaves, spec = _tree.flatten(tree)
         out = [cut(f"leaf {i}", x) if isinstance(x, Tensor) else x for i, x in enumerate(leaves)]
-        return torch.utils._pytree.tree_unflatten(out, spec)
+        return _tree.unflatten(spec, out)
 
     def from_factory(
         self,

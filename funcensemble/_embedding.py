@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from ._fastpath import _unwrap_at
+from . import _torch_compat
 
 
 def needs_embedding_rule(module: nn.Module) -> bool:
@@ -50,16 +49,11 @@ def _padding_row(padding_idx: int, num_embeddings: int) -> int:
 
 def _renorm_(input: Tensor, weight: Tensor, max_norm: float, norm_type: float) -> None:
     """Each member's looked-up rows of the stacked weight renormalised in place."""
-    interpreter = torch._C._functorch.peek_interpreter_stack()
+    level = None if torch.compiler.is_compiling() else _torch_compat.vmap_level()
     found_w = found_x = None
-    if (
-        interpreter is not None
-        and interpreter.key() == torch._C._functorch.TransformType.Vmap
-        and not torch.compiler.is_compiling()
-    ):
-        level = interpreter.level()
-        found_w = _unwrap_at(weight, level)
-        found_x = _unwrap_at(input, level)
+    if level is not None:
+        found_w = _torch_compat.unwrap_at(weight, level)
+        found_x = _torch_compat.unwrap_at(input, level)
     if found_w is None or found_w[1] != 0 or found_x is None:
         raise NotImplementedError(
             "nn.Embedding(max_norm=...): renormalising each member's rows in place is "
@@ -71,7 +65,7 @@ def _renorm_(input: Tensor, weight: Tensor, max_norm: float, norm_type: float) -
     w, (idx, bdim) = found_w[0], found_x
     n, rows = w.shape[0], w.shape[1]
     idx = idx.expand(n, *idx.shape) if bdim is None else idx.movedim(bdim, 0)
-    with retrieve_current_functorch_interpreter().lower(), torch.no_grad():
+    with _torch_compat.lower_transform(), torch.no_grad():
         if w.stride(0) == rows * w.stride(1):  # the members' rows form one table
             offsets = torch.arange(n, device=idx.device).mul_(rows)
             flat_idx = idx.reshape(n, -1) + offsets.unsqueeze(1)

@@ -6,14 +6,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _in_dims
 from ._architecture import Architecture, check_is_module, check_same_architecture
-from ._fastpath import try_module_call
+from ._fastpath import fast_call
+from ._in_dims import InDims
 from ._seeding import check_seed, member_seed, seeded_cpu_rng
 from ._skeleton import meta_skeleton, replace_tensors
 from ._stack import FunctionalModule, member_module, stack_as
 from ._state_dict_checks import check_loadable
 from ._tree_view import register_view
-from ._vmap import InDims, Randomness, vmap
+from ._vmap import Randomness, check_options, mapped_call
 
 
 class Ensemble(nn.Module):
@@ -65,7 +67,7 @@ class Ensemble(nn.Module):
         chunk_size: int | None,
     ) -> None:
         # Validate the vmap options once, here, rather than on the first call.
-        vmap(lambda p, b: None, randomness=randomness, chunk_size=chunk_size)
+        check_options("vmap", lambda p, b: None, randomness, chunk_size)
         self.stacked = replace_tensors(
             skeleton,
             lambda name, t: nn.Parameter(params[name], requires_grad=t.requires_grad),
@@ -203,12 +205,17 @@ class Ensemble(nn.Module):
                 own slice of every positional input, or one entry per input.
             **kwargs: Keyword inputs, shared by all members.
         """
-        if len(args) == 1 and not kwargs and self.chunk_size is None:
-            fast = try_module_call(self.stacked, args[0], in_dims)
+        if in_dims is None:  # inputs shared by all members: nothing to check
+            dims: tuple[Any, ...] = (None,) * len(args)
+        else:
+            _in_dims.check_type("vmap", in_dims)
+            dims = _in_dims.per_argument(in_dims, args, self.num_members)
+        if self.chunk_size is None:
+            fast = fast_call(self.stacked, None, args, kwargs, dims, where="Ensemble")
             if fast is not None:
                 return fast
-        mapped = vmap(self.fmodel, in_dims, randomness=self.randomness, chunk_size=self.chunk_size)
-        return mapped(self.stacked_params(), self.stacked_buffers(), *args, **kwargs)
+        mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size)
+        return mapped(self.stacked_params(), self.stacked_buffers(), args, kwargs, dims)
 
     def member(self, index: int) -> nn.Module:
         """An independent ordinary module holding member ``index`` (negative counts back).

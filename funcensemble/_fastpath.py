@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.nn import functional as F
 
-from . import _mlp_op
+from . import _mlp_op, _torch_compat
 
 _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
     nn.Identity: lambda m, x: x,
@@ -44,17 +43,6 @@ def _has_hooks(module: nn.Module) -> bool:
     )
 
 
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as module_mod
-
-    return bool(
-        module_mod._global_forward_hooks
-        or module_mod._global_forward_pre_hooks
-        or module_mod._global_backward_hooks
-        or module_mod._global_backward_pre_hooks
-    )
-
-
 def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
     if _has_hooks(module):
         return False
@@ -79,8 +67,10 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
 def plan(skeleton: nn.Module) -> Plan | None:
     """The layer chain of ``skeleton`` if it is a plain MLP, else ``None``.
 
-    Recomputed on every call (about 10 us): hooks, train/eval flags and submodules
-    may change between calls.
+    Recomputed on every call (about 10 us, under 0.1% of a call of the S benchmark
+    workload): hooks, train/eval flags and submodules may change between calls, and
+    a cache keyed on shapes, dtypes and devices would not see a hook added or a layer
+    replaced; checking for those costs what planning does.
     """
     steps: Plan = []
     if not _visit(skeleton, "", steps) or not any(w for _, w, _ in steps):
@@ -143,7 +133,7 @@ def run(
 
     Returns ``[N, *lead, out]``, or ``None`` if this call needs the general path.
     """
-    if _global_hooks() or x.dim() < 1:
+    if _torch_compat.global_module_hooks() or x.dim() < 1:
         return None
     for module, weight, _ in steps:
         if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
@@ -251,70 +241,61 @@ def _direct_plan(skeleton: nn.Module, x: Any, in_dims: Any) -> tuple[Plan, int |
         return None
     if dim is not None and not -x.dim() <= dim < x.dim():
         return None  # the general path explains
-    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack():
+    if not torch.compiler.is_compiling() and _torch_compat.inside_transform():
         return None  # inside another torch.func transform: let vmap compose with it
     steps = plan(skeleton)
     return None if steps is None else (steps, dim)
 
 
-def try_fast_call(
+def fast_call(
     skeleton: nn.Module,
-    params: dict[str, Any],
+    params: dict[str, Any] | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    in_dims: Any,
-    chunk_size: int | None,
+    dims: tuple[Any, ...] | None,
+    *,
+    where: str = "vmap",
 ) -> Tensor | None:
-    """The fast path for ``vmap(fmodel)(params, buffers, x)``, or ``None``."""
-    if kwargs or chunk_size is not None or len(args) != 1:
+    """The one entry to the fast path: the stacked output of an MLP call, or ``None``.
+
+    The three ways a stacked MLP is called all come here:
+
+    - ``fe.vmap(fmodel)(params, buffers, x)``: ``params`` the stacked dict, ``dims``
+      the call's checked ``in_dims`` (see ``_in_dims``);
+    - ``Ensemble.forward(x)``: ``params=None``, the stacked tensors are read straight
+      off ``skeleton``'s layers (no name-to-tensor dicts: for a small MLP this per-call
+      overhead is what separates one vectorized member from one plain module);
+    - ``fmodel(params, buffers, x)`` for ONE member inside ``fe.vmap`` (e.g. in a loss
+      given to ``fe.value_and_grad``): ``dims=None``, ``params`` are BatchedTensors
+      (see [`_batched_call`][]).
+
+    ``None`` means: take the general ``vmap`` path (it also explains errors).
+    """
+    if kwargs or len(args) != 1:
         return None
-    found = _direct_plan(skeleton, args[0], in_dims)
+    if dims is None:
+        return _batched_call(skeleton, params or {}, args[0])
+    found = _direct_plan(skeleton, args[0], dims)
     if found is None:
         return None
     steps, dim = found
-    if any(
+    if params is None:
+        params = {}
+        for module, weight, bias in steps:
+            if weight is not None:
+                params[weight] = module.weight
+                if bias is not None:
+                    params[bias] = module.bias
+    elif any(
         name is not None and not isinstance(params.get(name), Tensor)
         for _, weight, bias in steps
         for name in (weight, bias)
     ):
         return None  # e.g. one Linear instance used twice: its second name is not a key
-    return run(steps, params, args[0], dim)
+    return run(steps, params, args[0], dim, where)
 
 
-def try_module_call(skeleton: nn.Module, x: Any, in_dims: Any) -> Tensor | None:
-    """The fast path for ``Ensemble.forward(x)``, or ``None``.
-
-    Reads the stacked tensors straight off ``skeleton``'s layers (no name-to-tensor
-    dicts, no ``vmap`` wrapper): for a small MLP this per-call overhead is what
-    separates one vectorized member from one plain module.
-    """
-    found = _direct_plan(skeleton, x, in_dims)
-    if found is None:
-        return None
-    steps, dim = found
-    params: dict[str, Tensor] = {}
-    for module, weight, bias in steps:
-        if weight is not None:
-            params[weight] = module.weight
-            if bias is not None:
-                params[bias] = module.bias
-    return run(steps, params, x, dim, "Ensemble")
-
-
-def _unwrap_at(t: Tensor, level: int) -> tuple[Tensor, int | None] | None:
-    """``t``'s plain tensor and member dim if batched at ``level`` (``None`` dim if not)."""
-    functorch = torch._C._functorch
-    if not functorch.is_functorch_wrapped_tensor(t):
-        return t, None
-    if not functorch.is_batchedtensor(t) or functorch.maybe_get_level(t) != level:
-        return None
-    inner = functorch.get_unwrapped(t)
-    if functorch.is_functorch_wrapped_tensor(inner):
-        return None
-    return inner, functorch.maybe_get_bdim(t)
-
-
-def try_batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor | None:
+def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor | None:
     """The fast path for ``fmodel(params, buffers, x)`` called inside ``fe.vmap``.
 
     Inside ``vmap`` (e.g. in a loss given to ``fe.value_and_grad``) ``params`` are
@@ -325,10 +306,9 @@ def try_batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Ten
     """
     if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() < 1:
         return None
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    if interpreter is None or interpreter.key() != torch._C._functorch.TransformType.Vmap:
+    level = _torch_compat.vmap_level()
+    if level is None:
         return None
-    level = interpreter.level()
     steps = plan(skeleton)
     if steps is None:
         return None
@@ -338,17 +318,17 @@ def try_batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Ten
             if name is None or name in unwrapped:
                 continue
             value = params.get(name)
-            found = _unwrap_at(value, level) if isinstance(value, Tensor) else None
+            found = _torch_compat.unwrap_at(value, level) if isinstance(value, Tensor) else None
             if found is None or found[1] != 0:
                 return None
             unwrapped[name] = found[0]
-    found_x = _unwrap_at(x, level)
+    found_x = _torch_compat.unwrap_at(x, level)
     if found_x is None:
         return None
     # Step out of this vmap level while running on its unwrapped tensors: our kernels
     # (and their autograd.Function) then see no transform at all.
-    with retrieve_current_functorch_interpreter().lower():
+    with _torch_compat.lower_transform():
         out = run(steps, unwrapped, *found_x)
     if out is None:
         return None
-    return torch._C._functorch._add_batch_dim(out, 0, level)
+    return _torch_compat.add_batch_dim(out, 0, level)

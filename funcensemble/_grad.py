@@ -5,18 +5,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
+from . import _in_dims, _torch_compat, _tree
+from ._in_dims import InDims
 from ._stack import _num_members, check_state_dicts
-from ._vmap import InDims, Randomness, _arg_dims, _check_member_sizes, vmap
+from ._vmap import Randomness, check_options, mapped_call
 
 
 def _differentiable(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
-
-
-def _inside_functorch_transform() -> bool:
-    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def _requires_grad(t: Tensor) -> bool:
@@ -27,10 +24,10 @@ def _requires_grad(t: Tensor) -> bool:
     """
     if t.requires_grad:
         return True
-    functorch = torch._C._functorch
-    if not torch.compiler.is_compiling() and functorch.is_functorch_wrapped_tensor(t):
-        return _requires_grad(functorch.get_unwrapped(t))
-    return False
+    if torch.compiler.is_compiling():
+        return False
+    inner = _torch_compat.unwrap_once(t)
+    return inner is not None and _requires_grad(inner)
 
 
 def _trainable(params: dict[str, Tensor]) -> set[str]:
@@ -70,25 +67,7 @@ def _split_aux(where: str, out: Any, has_aux: bool) -> tuple[Any, Any]:
 
 
 def _detach(tree: Any) -> Any:
-    return torch.utils._pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
-
-
-def _member_slice(args: tuple[Any, ...], dims: tuple[Any, ...], start: int, stop: int) -> Any:
-    """The batch arguments of members ``start:stop``: mapped leaves narrowed, others shared."""
-    sliced = []
-    for arg, dim in zip(args, dims, strict=True):
-        if dim is None:
-            sliced.append(arg)
-            continue
-        leaves, spec = tree_flatten(arg)
-        flat_dims = _broadcast_to_and_flatten(dim, spec)
-        assert flat_dims is not None  # checked by _check_member_sizes
-        leaves = [
-            x if d is None else x.narrow(d, start, stop - start)
-            for x, d in zip(leaves, flat_dims, strict=True)
-        ]
-        sliced.append(tree_unflatten(leaves, spec))
-    return tuple(sliced)
+    return _tree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
 def _rng_state(device: torch.device) -> list[Tensor]:
@@ -111,13 +90,17 @@ def _autograd_step(
     buffers: Any,
     args: tuple[Any, ...],
     kwargs: Any,
+    dims: tuple[Any, ...],
     trainable: set[str],
     where: str,
 ) -> tuple[Tensor, dict[str, Tensor | None], Any]:
-    """Autograd through one vectorized forward; the graph is freed on return."""
+    """Autograd through one vectorized forward; the graph is freed on return.
+
+    ``mapped_loss`` is a ``_vmap.mapped_call``; ``dims`` the call's checked ``in_dims``.
+    """
     with torch.enable_grad():
         leaves = {k: v.detach().requires_grad_(k in trainable) for k, v in params.items()}
-        out = mapped_loss(leaves, buffers, *args, **kwargs)
+        out = mapped_loss(leaves, buffers, args, kwargs, dims)
         losses, aux = _split_aux(where, out, has_aux)
         losses = _check_losses(losses)
         wrt = [k for k, v in leaves.items() if v.requires_grad]
@@ -134,7 +117,7 @@ def _chunked_step(
     args: tuple[Any, ...],
     kwargs: Any,
     *,
-    in_dims: InDims,
+    dims: tuple[Any, ...],
     randomness: Randomness,
     has_aux: bool,
     chunk_size: int,
@@ -149,9 +132,6 @@ def _chunked_step(
     preallocated ``[N, ...]`` tensors rather than concatenated, which would briefly
     hold the gradients twice.
     """
-    dims = _arg_dims(in_dims, len(args))
-    if any(d is not None for d in dims):
-        _check_member_sizes(args, dims, n)
     # As torch.func.vmap's own chunking does: with randomness="same" every chunk
     # replays one draw, so all members share it; with "different" the chunks draw in
     # turn, exactly the numbers vmap(..., chunk_size=k) draws.
@@ -170,8 +150,9 @@ def _chunked_step(
             has_aux,
             {k: v[start:stop] for k, v in params.items()},
             {k: v[start:stop] for k, v in buffers.items()},  # views: updates land in place
-            _member_slice(args, dims, start, stop),
+            _in_dims.narrow(args, dims, start, stop),
             kwargs,
+            dims,
             trainable,
             where,
         )
@@ -189,13 +170,13 @@ def _chunked_step(
                 full[:start].zero_()
             full[start:stop].copy_(g)
         if has_aux:
-            leaves, aux_spec = tree_flatten(c_aux)
+            leaves, aux_spec = _tree.flatten(c_aux)
             if not aux_leaves:
                 aux_leaves = [x.new_empty((n, *x.shape[1:])) for x in leaves]
             for full_aux, x in zip(aux_leaves, leaves, strict=True):
                 full_aux[start:stop].copy_(x)
         del c_losses, c_grads, c_aux
-    aux = tree_unflatten(aux_leaves, aux_spec) if aux_spec is not None else None
+    aux = _tree.unflatten(aux_spec, aux_leaves) if aux_spec is not None else None
     return torch.cat(losses), grads, aux
 
 
@@ -284,7 +265,11 @@ def _value_and_grad(
     chunk_size: int | None,
 ) -> Callable[..., tuple[Any, ...]]:
     """[`value_and_grad`][funcensemble.value_and_grad], with errors naming ``where``."""
-    mapped_loss = vmap(loss_fn, in_dims, randomness=randomness, chunk_size=chunk_size)
+    # The options and in_dims' type are checked here, once; each call checks its
+    # arguments against in_dims once (_in_dims.per_argument), and nothing below again.
+    check_options("vmap", loss_fn, randomness, chunk_size)
+    _in_dims.check_type("vmap", in_dims)
+    mapped_loss = mapped_call(loss_fn, randomness, chunk_size)
 
     def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:
         # buffers go in as an argument, not a closure: torch.func.grad forbids in-place
@@ -296,36 +281,33 @@ def _value_and_grad(
 
         return torch.func.grad_and_value(loss_and_aux, has_aux=True)(params, buffers)
 
-    chunk_loss = vmap(loss_fn, in_dims, randomness=randomness)
+    chunk_loss = mapped_call(loss_fn, randomness, None)
+    mapped_grad = mapped_call(one_member, randomness, chunk_size)
 
     def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         check_state_dicts(where, params, buffers)
         trainable = _trainable(params)
+        n = _num_members("vmap", params, buffers)
+        dims = _in_dims.per_argument(in_dims, args, n)
         buffers = {k: v.clone() for k, v in buffers.items()}
-        if torch.compiler.is_compiling() or _inside_functorch_transform():
-            mapped_grad = vmap(
-                one_member,
-                (0, *_arg_dims(in_dims, len(args))),
-                randomness=randomness,
-                chunk_size=chunk_size,
-            )
+        if torch.compiler.is_compiling() or _torch_compat.inside_transform():
             grads, (losses, aux) = mapped_grad(
                 {k: v for k, v in params.items() if k in trainable},
                 buffers,
-                {k: v for k, v in params.items() if k not in trainable},
-                *args,
-                **kwargs,
+                ({k: v for k, v in params.items() if k not in trainable}, *args),
+                kwargs,
+                (0, *dims),
             )
             losses = _check_losses(losses)
             grads = {k: grads.get(k) for k in params}
-        elif chunk_size is not None and chunk_size < (n := _num_members("vmap", params, buffers)):
+        elif chunk_size is not None and chunk_size < n:
             losses, grads, aux = _chunked_step(
                 chunk_loss,
                 params,
                 buffers,
                 args,
                 kwargs,
-                in_dims=in_dims,
+                dims=dims,
                 randomness=randomness,
                 has_aux=has_aux,
                 chunk_size=chunk_size,
@@ -337,7 +319,7 @@ def _value_and_grad(
             # Autograd through one vectorized forward: cheaper than torch.func.grad at
             # small N, and it reports unused parameters as None like the loop would.
             losses, grads, aux = _autograd_step(
-                mapped_loss, has_aux, params, buffers, args, kwargs, trainable, where
+                mapped_loss, has_aux, params, buffers, args, kwargs, dims, trainable, where
             )
         return (losses, grads, buffers, aux) if has_aux else (losses, grads, buffers)
 

@@ -13,6 +13,8 @@ import optree
 import torch
 from torch import Tensor
 
+from ._torch_compat import set_grad_enabled_fast
+
 # Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
 # `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
 # cannot be resolved by beartype at run time.
@@ -96,13 +98,13 @@ class GradientTransformation(NamedTuple):
         """
         # torch.no_grad() as a context manager costs as much as a small kernel here.
         grad_was_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        set_grad_enabled_fast(False)
         try:
             updates, state = inplace_form(self)(grads, state, params)
             if not traits(self).applies:
                 add_updates_("update_", params, updates)
         finally:
-            torch._C._set_grad_enabled(grad_was_enabled)
+            set_grad_enabled_fast(grad_was_enabled)
         return state
 
 

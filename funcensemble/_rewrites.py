@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from torch.nn.utils import parametrizations
 from torch.overrides import TorchFunctionMode
 
-from . import _batchnorm
+from . import _batchnorm, _torch_compat
 from ._embedding import PerMemberEmbedding, embedding_per_member, needs_embedding_rule
 
 _POOLS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
@@ -101,7 +101,7 @@ class VmapRewrites(TorchFunctionMode):
 def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
     """``VmapRewrites`` for a call of ``skeleton`` under a transform, if it needs one."""
     # A plain nullcontext otherwise, which torch.compile traces without a graph break.
-    if torch._C._functorch.peek_interpreter_stack() is None:
+    if not _torch_compat.inside_transform():
         return contextlib.nullcontext()
     embedding = needs_embedding_rule(skeleton)
     if torch.compiler.is_compiling():

@@ -66,11 +66,11 @@ from ._dist_errors import failures
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
 from ._paths import flatten_by_key
+from ._torch_compat import DCP_NO_PROCESS_GROUP_WARNING
 
 T = TypeVar("T")
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
-# torch 2.6 and older say "unavailable or uninitialized", without "disabled, ".
-_NO_DIST_WARNING = "torch.distributed is (disabled, )?unavailable or uninitialized"
+_NO_DIST_WARNING = DCP_NO_PROCESS_GROUP_WARNING
 
 
 @dataclass(frozen=True)

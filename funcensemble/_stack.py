@@ -8,10 +8,11 @@ from jaxtyping import Shaped
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from . import _torch_compat
 from ._architecture import Architecture, check_is_module, check_same_architecture
 from ._batchnorm import norm_layers, updated_in_place
 from ._diagnose import linear_width_error
-from ._fastpath import try_batched_call
+from ._fastpath import fast_call
 from ._rewrites import vmap_rewrites
 from ._rollback import save_before_update
 from ._skeleton import meta_skeleton, replace_tensors
@@ -44,13 +45,10 @@ class FunctionalModule:
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
     ) -> Any:
         if len(args) == 1 and not kwargs:
-            fast = try_batched_call(self.skeleton, params, args[0])
+            fast = fast_call(self.skeleton, params, args, kwargs, None)
             if fast is not None:
                 return fast
-        if (
-            not torch.compiler.is_compiling()
-            and torch._C._functorch.peek_interpreter_stack() is not None
-        ):
+        if not torch.compiler.is_compiling() and _torch_compat.inside_transform():
             # Inside fe.vmap: keep a copy of the statistics this forward will update,
             # put back if the call fails (see _rollback).
             save_before_update(updated_in_place(norm_layers(self.skeleton)))
@@ -64,7 +62,7 @@ class FunctionalModule:
         except RuntimeError:
             if torch.compiler.is_compiling():
                 raise
-            inside = torch._C._functorch.peek_interpreter_stack() is not None
+            inside = _torch_compat.inside_transform()
             where = "vmap" if inside else "FunctionalModule"
             clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
             if clear is None:

@@ -2,26 +2,19 @@
 
 import contextlib
 import functools
-import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten
 
-from ._fastpath import try_fast_call
+from . import _in_dims, _torch_compat
+from ._fastpath import fast_call
+from ._in_dims import InDims
 from ._rollback import rollback_on_error
 from ._stack import FunctionalModule, _num_members
 
 Randomness = Literal["different", "same", "error"]
-InDims = int | None | tuple[Any, ...]
-
-_NO_RULE = re.compile(
-    r"Batching rule not implemented for (\S+?)\.? We could not generate"
-    r"|(\S+) hit the vmap fallback which is currently disabled"
-    r"|we do not yet support (\S+?)\. Please file"
-)
 
 # What to do about operators that ordinary layers call, where the generic advice misleads.
 # Inside a FunctionalModule's layers these are rewritten (see _rewrites); these hints are
@@ -56,20 +49,12 @@ def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
         with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
             yield
         return
-    functorch = torch._C._functorch
-    fallback = functorch._is_vmap_fallback_enabled()
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    functorch._set_vmap_fallback_enabled(False)
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
+    with _torch_compat.no_silent_vmap_loops():
         if on_cpu:
             with sdpa_kernel(SDPBackend.MATH):
                 yield
         else:
             yield
-    finally:
-        functorch._set_vmap_fallback_enabled(fallback)
-        torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 def _on_cpu(params: Any, buffers: Any) -> bool:
@@ -79,64 +64,16 @@ def _on_cpu(params: Any, buffers: Any) -> bool:
     return True
 
 
-def _arg_dims(in_dims: InDims, num_args: int) -> tuple[Any, ...]:
-    if isinstance(in_dims, tuple):
-        if len(in_dims) != num_args:
-            raise ValueError(
-                f"vmap: in_dims has {len(in_dims)} entries but the call passed {num_args} "
-                "positional argument(s) after params and buffers. Give one entry per "
-                "argument (None = shared by all members, 0 = one slice per member)."
-            )
-        return in_dims
-    if in_dims is None or isinstance(in_dims, int):
-        return (in_dims,) * num_args
-    raise TypeError(
-        f"vmap: in_dims must be None, an int or a tuple with one entry per argument, got "
-        f"{type(in_dims).__name__}."
-    )
-
-
-def _check_member_sizes(args: tuple[Any, ...], dims: tuple[Any, ...], n: int) -> None:
-    for index, (arg, dim) in enumerate(zip(args, dims, strict=True)):
-        leaves, spec = tree_flatten(arg)
-        flat_dims = _broadcast_to_and_flatten(dim, spec)
-        if flat_dims is None:
-            raise ValueError(
-                f"vmap: in_dims entry {index} ({dim!r}) does not match the structure of "
-                f"argument {index} ({type(arg).__name__})."
-            )
-        for leaf, d in zip(leaves, flat_dims, strict=True):
-            if d is None:
-                continue
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"vmap: argument {index} is mapped (in_dims {d}) but holds a "
-                    f"{type(leaf).__name__}; only tensors can be split over members."
-                )
-            if not -leaf.dim() <= d < leaf.dim():
-                raise ValueError(
-                    f"vmap: argument {index} has {leaf.dim()} dimension(s); it cannot be "
-                    f"split over members along dim {d}."
-                )
-            if leaf.shape[d] != n:
-                raise ValueError(
-                    f"vmap: argument {index} has size {leaf.shape[d]} along its member "
-                    f"dim {d}, but the ensemble has {n} members. A per-member input needs "
-                    "one slice per member; pass in_dims=None for an input shared by all."
-                )
-
-
 def _explain(error: RuntimeError, randomness: str) -> Exception | None:
     message = str(error)
-    match = _NO_RULE.search(message)
-    if match:
-        op = match.group(1) or match.group(2) or match.group(3)
+    op = _torch_compat.missing_batching_rule(message)
+    if op is not None:
         return RuntimeError(
             f"vmap: the operator {op} has no vmap batching rule, so the members "
             "cannot run as one vectorized call (funcensemble does not silently loop over "
             "them). "
             + _HINTS.get(
-                op.removesuffix("."),
+                op,
                 "Replace the layer that calls it (fused RNN kernels are the usual "
                 "cause: write the recurrence with nn.Linear; nn.RReLU in eval mode is "
                 "nn.LeakyReLU((lower + upper) / 2)), or loop over the members yourself.",
@@ -175,8 +112,11 @@ def vmap(
         in_dims: How the positional arguments after ``params`` and ``buffers`` are
             split over members: ``None`` (shared by all members), an int (the member
             dim of every mapped tensor), or a tuple with one entry per argument (each
-            ``None``, an int, or a pytree of those matching the argument). Keyword
-            arguments are always shared.
+            ``None``, an int, or a pytree of those matching the argument; a dict
+            entry names the argument's leaves by key, in any key order). Keyword
+            arguments are always shared. Argument pytrees are read as optree reads
+            them: tuples, lists, dicts, namedtuples, ``OrderedDict``, ``deque``; any
+            other object is one leaf. Calls from several threads at once are safe.
         randomness: ``"different"``: each member draws its own random numbers
             (independent dropout masks); ``"same"``: one draw shared by all members;
             ``"error"``: refuse random operations.
@@ -201,34 +141,58 @@ def vmap(
         >>> fe.vmap(fmodel, in_dims=(0,))(params, buffers, xs).shape
         torch.Size([4, 10, 2])
     """
-    if not callable(fn):
-        raise TypeError(f"vmap: Expected a callable, got {type(fn).__name__}.")
-    if randomness not in ("different", "same", "error"):
-        raise ValueError(
-            f"vmap: randomness must be 'different', 'same' or 'error', got {randomness!r}."
-        )
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
-        raise TypeError(
-            f"vmap: chunk_size must be a positive int or None, got {type(chunk_size).__name__}."
-        )
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"vmap: chunk_size must be a positive int or None, got {chunk_size!r}.")
-    if not (in_dims is None or isinstance(in_dims, (int, tuple))) or isinstance(in_dims, bool):
-        raise TypeError(
-            f"vmap: in_dims must be None, an int or a tuple, got {type(in_dims).__name__}."
-        )
-
-    def one_member(params: Any, buffers: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        return fn(params, buffers, *args, **kwargs)
+    check_options("vmap", fn, randomness, chunk_size)
+    _in_dims.check_type("vmap", in_dims)
+    run = mapped_call(fn, randomness, chunk_size)
 
     @functools.wraps(fn)
     def mapped(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         n = _num_members("vmap", params, buffers)
-        dims = _arg_dims(in_dims, len(args))
-        if any(d is not None for d in dims):  # nothing to check for shared inputs
-            _check_member_sizes(args, dims, n)
-        if isinstance(fn, FunctionalModule):
-            fast = try_fast_call(fn.skeleton, params, args, kwargs, dims, chunk_size)
+        return run(params, buffers, args, kwargs, _in_dims.per_argument(in_dims, args, n))
+
+    return mapped
+
+
+def check_options(where: str, fn: Any, randomness: Any, chunk_size: Any) -> None:
+    """Refuse a non-callable ``fn`` or a malformed ``randomness``/``chunk_size``."""
+    if not callable(fn):
+        raise TypeError(f"{where}: Expected a callable, got {type(fn).__name__}.")
+    if randomness not in ("different", "same", "error"):
+        raise ValueError(
+            f"{where}: randomness must be 'different', 'same' or 'error', got {randomness!r}."
+        )
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
+        raise TypeError(
+            f"{where}: chunk_size must be a positive int or None, got {type(chunk_size).__name__}."
+        )
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"{where}: chunk_size must be a positive int or None, got {chunk_size!r}.")
+
+
+def mapped_call(
+    fn: Callable[..., Any], randomness: Randomness, chunk_size: int | None
+) -> Callable[[Any, Any, tuple[Any, ...], dict[str, Any], tuple[Any, ...]], Any]:
+    """``fn`` mapped over members, taking ``(params, buffers, args, kwargs, dims)``.
+
+    The layer under the public entry points: options checked by
+    [`check_options`][], ``dims`` by ``_in_dims.per_argument``, and the stacked state by
+    ``_num_members``; nothing is checked again here.
+    """
+
+    def one_member(params: Any, buffers: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        return fn(params, buffers, *args, **kwargs)
+
+    skeleton = fn.skeleton if isinstance(fn, FunctionalModule) else None
+
+    def run(
+        params: Any,
+        buffers: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dims: tuple[Any, ...],
+    ) -> Any:
+        if skeleton is not None and chunk_size is None:
+            fast = fast_call(skeleton, params, args, kwargs, dims)
             if fast is not None:
                 return fast
         vmapped = torch.func.vmap(
@@ -248,4 +212,4 @@ def vmap(
             # Keep the frames down to the offending op, but not torch's internal wording.
             raise clear.with_traceback(error.__traceback__) from None
 
-    return mapped
+    return run

@@ -410,3 +410,18 @@ def test_wrong_width_reaching_a_later_linear_names_it() -> None:
     ):
         fe.vmap(fmodel)(params, buffers, torch.randn(5, 2, 10))
     assert fe.vmap(fmodel)(params, buffers, torch.randn(5, 2, 8)).shape == (2, 5, 1)
+
+
+def test_dict_in_dims_pair_by_key_not_by_position():
+    # torch.func.vmap pairs a dict in_dims with the argument's keys by position; a dict
+    # given in another key order must still map the leaf it names (as the loop does).
+    a, b = torch.randn(3, 2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    fmodel, params, buffers = fe.stack([torch.nn.Linear(2, 1).double() for _ in range(3)])
+
+    def f(p, bufs, d):
+        return fmodel(p, bufs, d["a"] + d["b"])
+
+    out = fe.vmap(f, in_dims=({"a": 0, "b": None},))(params, buffers, {"b": b, "a": a})
+    members = fe.unstack(fmodel, params, buffers)
+    expected = torch.stack([m(a[i] + b) for i, m in enumerate(members)])
+    torch.testing.assert_close(out, expected.detach())

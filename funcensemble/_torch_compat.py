@@ -1,0 +1,240 @@
+"""Everything funcensemble uses from inside PyTorch, in one place.
+
+No other module of the package reaches ``torch._C``, ``torch._functorch`` or
+``torch.utils._pytree`` (``tests/test_layout.py`` fails if one does). Each private
+name is looked up once, when this module is imported; a torch without it fails at
+``import funcensemble`` with an ``ImportError`` naming the call and the version that
+has it, never in the middle of a training step.
+
+Inventory (the floor is torch 2.4, ``pyproject.toml``; every call exists from it on):
+
+- ``torch._C._functorch.peek_interpreter_stack`` (torch 2.0): are we inside a
+  ``torch.func`` transform, and is the innermost one ``vmap`` (its ``key()`` against
+  ``torch._C._functorch.TransformType.Vmap``, its ``level()``)?
+- ``torch._C._functorch.is_functorch_wrapped_tensor``, ``is_batchedtensor``,
+  ``maybe_get_level``, ``maybe_get_bdim``, ``get_unwrapped`` (2.0): a BatchedTensor's
+  plain tensor and member dim. The MLP fast path, the BatchNorm fold and the Embedding
+  rule are batching rules for a whole layer; they run on the plain tensors.
+- ``torch._C._functorch._add_batch_dim`` (2.0): hand such a rule's result back to
+  vmap as a BatchedTensor.
+- ``torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter().lower()``
+  (2.0): run the rule's own kernels one transform level down.
+- ``torch._C._functorch._is_vmap_fallback_enabled``, ``_set_vmap_fallback_enabled``
+  (2.0): refuse vmap's silent per-member loop for an op without a batching rule. A
+  process-wide flag: see [`no_silent_vmap_loops`][] for how threads share it.
+- ``torch._C._set_grad_enabled`` (1.x): autograd off around a small in-place
+  optimizer step without the cost of a ``torch.no_grad()`` object (``_adam.py``).
+- ``torch.nn.modules.module._global_forward_hooks`` and its pre/backward kin (2.0): a
+  global module hook turns the MLP fast path off (the fast path would skip it).
+- Still reached from ``_adam_step.py`` itself (that module is being reworked; its
+  lookups are to move here): ``torch.utils._foreach_utils.
+  _get_fused_kernels_supported_devices`` (which devices have ``torch._fused_adam_``;
+  CPU from 2.4), ``torch._fused_adam_``/``torch._fused_adamw_`` looked up with
+  ``getattr``, and the ``tensor_lr`` overload of ``aten._fused_adam_`` (2.4).
+- ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
+  ``torch.serialization._get_layout`` (2.2): names a DCP ``.metadata`` pickle holds,
+  allowed by our restricted unpickler (``_dcp_metadata.py``); and DCP's
+  ``StorageMeta``, looked up where the torch version has it (``_dcp_checksums.py``).
+
+And texts of torch's own messages that we match, each behind one named helper here:
+``missing_batching_rule`` (vmap's error for an op without a batching rule, two
+wordings) and ``DCP_NO_PROCESS_GROUP_WARNING`` (DCP's note that it runs without a
+process group). ``torch._foreach_*`` kernels (the optimizers) are not listed: they are
+the kernels ``torch.optim`` itself documents as its ``foreach`` implementation.
+"""
+
+import contextlib
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._functorch import pyfunctorch as _pyfunctorch
+from torch.nn.modules import module as module_mod
+
+
+def _require(owner: Any, name: str, where: str, since: str) -> Any:
+    found = getattr(owner, name, None)
+    if found is None:
+        raise ImportError(
+            f"funcensemble: this torch ({torch.__version__}) lacks {where}.{name}, which "
+            f"funcensemble needs (expected torch >= {since}). Install torch >= 2.4."
+        )
+    return found
+
+
+_functorch = _require(torch._C, "_functorch", "torch._C", "2.0")
+_peek = _require(_functorch, "peek_interpreter_stack", "torch._C._functorch", "2.0")
+_VMAP = _require(_functorch, "TransformType", "torch._C._functorch", "2.0").Vmap
+_is_wrapped = _require(_functorch, "is_functorch_wrapped_tensor", "torch._C._functorch", "2.0")
+_is_batched = _require(_functorch, "is_batchedtensor", "torch._C._functorch", "2.0")
+_level_of = _require(_functorch, "maybe_get_level", "torch._C._functorch", "2.0")
+_bdim_of = _require(_functorch, "maybe_get_bdim", "torch._C._functorch", "2.0")
+_unwrap = _require(_functorch, "get_unwrapped", "torch._C._functorch", "2.0")
+_add_batch_dim = _require(_functorch, "_add_batch_dim", "torch._C._functorch", "2.0")
+_fallback_enabled = _require(_functorch, "_is_vmap_fallback_enabled", "torch._C._functorch", "2.0")
+_set_fallback = _require(_functorch, "_set_vmap_fallback_enabled", "torch._C._functorch", "2.0")
+_set_grad = _require(torch._C, "_set_grad_enabled", "torch._C", "1.0")
+
+_current_interpreter = _require(
+    _pyfunctorch, "retrieve_current_functorch_interpreter", "torch._functorch.pyfunctorch", "2.0"
+)
+
+
+# ---- functorch transforms ---------------------------------------------------------------
+
+
+def inside_transform() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, ...) is active in this thread."""
+    return _peek() is not None
+
+
+def vmap_level() -> int | None:
+    """The level of the innermost transform if it is a ``vmap``, else ``None``."""
+    interpreter = _peek()
+    if interpreter is None or interpreter.key() != _VMAP:
+        return None
+    return interpreter.level()
+
+
+def unwrap_at(t: Tensor, level: int) -> tuple[Tensor, int | None] | None:
+    """``t``'s plain tensor and batch dim if batched at ``level`` (``None`` dim if not
+    wrapped at all); ``None`` if it is wrapped otherwise (another level or transform)."""
+    if not _is_wrapped(t):
+        return t, None
+    if not _is_batched(t) or _level_of(t) != level:
+        return None
+    inner = _unwrap(t)
+    if _is_wrapped(inner):
+        return None
+    return inner, _bdim_of(t)
+
+
+def unwrap_once(t: Tensor) -> Tensor | None:
+    """The tensor a ``torch.func`` wrapper holds, or ``None`` if ``t`` is not wrapped."""
+    return _unwrap(t) if _is_wrapped(t) else None
+
+
+def fully_unwrapped(t: Tensor) -> Tensor:
+    """``t`` with every ``torch.func`` wrapper taken off."""
+    while _is_wrapped(t):
+        t = _unwrap(t)
+    return t
+
+
+def add_batch_dim(t: Tensor, dim: int, level: int) -> Tensor:
+    """``t`` handed back to the vmap at ``level`` as a BatchedTensor batched along ``dim``."""
+    return _add_batch_dim(t, dim, level)
+
+
+def lower_transform() -> contextlib.AbstractContextManager:
+    """Run what follows one transform level down (a batching rule's own kernels)."""
+    return _current_interpreter().lower()
+
+
+# ---- vmap's silent per-member loop --------------------------------------------------------
+
+# torch keeps the vmap-fallback flag and the MHA fast-path flag process-wide (C++ and
+# Python globals, not thread-local). A plain save/set/restore per call lets two threads
+# trip each other: the second saves the first's "off" and, leaving last, leaves the
+# flags off for good (or the first, leaving, turns them back on under the second). So
+# every funcensemble call holds them under one count: the first to enter saves the
+# user's values and turns both off, the last to leave restores them.
+_switch_lock = threading.Lock()
+_switch_holders = 0
+_switch_saved: tuple[bool, bool] = (True, True)
+
+
+@contextlib.contextmanager
+def no_silent_vmap_loops() -> Iterator[None]:
+    """vmap's per-member fallback loop and ``nn.MultiheadAttention``'s fused fast path off.
+
+    Safe across threads and nestable: the flags stay off while any thread is inside,
+    and the values they had before the first entry are restored when the last leaves.
+    (Being process-wide in torch, they are off for other threads' plain torch calls
+    meanwhile too.)
+    """
+    global _switch_holders, _switch_saved
+    with _switch_lock:
+        if _switch_holders == 0:
+            _switch_saved = (_fallback_enabled(), torch.backends.mha.get_fastpath_enabled())
+            _set_fallback(False)
+            torch.backends.mha.set_fastpath_enabled(False)
+        _switch_holders += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_holders -= 1
+            if _switch_holders == 0:
+                fallback, fastpath = _switch_saved
+                _set_fallback(fallback)
+                torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+_NO_RULE = re.compile(
+    r"Batching rule not implemented for (\S+?)\.? We could not generate"
+    r"|(\S+) hit the vmap fallback which is currently disabled"
+    r"|we do not yet support (\S+?)\. Please file"
+)
+
+
+def missing_batching_rule(message: str) -> str | None:
+    """The operator named by vmap's "no batching rule" error (both wordings torch has
+    used since 2.0, e.g. ``aten::_weight_norm``), or ``None`` for another error."""
+    match = _NO_RULE.search(message)
+    if match is None:
+        return None
+    return (match.group(1) or match.group(2) or match.group(3)).removesuffix(".")
+
+
+# ---- autograd, hooks, kernels ---------------------------------------------------------------
+
+set_grad_enabled_fast: Callable[[bool], None] = _set_grad
+"""``torch.set_grad_enabled`` as a plain call (no context-manager object): restore the
+previous value yourself in a ``finally``."""
+
+
+def global_module_hooks() -> bool:
+    """Whether a global ``nn.Module`` hook (``register_module_forward_hook`` and kin) is set."""
+    return bool(
+        module_mod._global_forward_hooks
+        or module_mod._global_forward_pre_hooks
+        or module_mod._global_backward_hooks
+        or module_mod._global_backward_pre_hooks
+    )
+
+
+# ---- distributed checkpoints ----------------------------------------------------------------
+
+DCP_NO_PROCESS_GROUP_WARNING = "torch.distributed is (disabled, )?unavailable or uninitialized"
+"""A regex for the start of DCP's warning when it saves or loads without a process group
+(torch 2.6 and older say "unavailable or uninitialized", without "disabled, ")."""
+
+
+def dcp_storage_info() -> type:
+    """DCP's ``_StorageInfo``: where in which file a saved entry's bytes lie."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    return dcp_filesystem._StorageInfo
+
+
+def dcp_storage_meta() -> type | None:
+    """DCP's ``StorageMeta`` (what ``read_metadata`` attaches a ``load_id`` to), or
+    ``None`` on a torch without it."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    return getattr(dcp_metadata, "StorageMeta", None)
+
+
+def dcp_private_pickle_names() -> dict[tuple[str, str], Any]:
+    """Private classes and functions a DCP ``.metadata`` pickle names, by (module, name)."""
+    from torch.serialization import _get_layout  # how torch pickles a layout
+
+    storage_info = dcp_storage_info()
+    return {
+        (storage_info.__module__, "_StorageInfo"): storage_info,
+        ("torch.serialization", "_get_layout"): _get_layout,
+    }

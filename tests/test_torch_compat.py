@@ -1,0 +1,109 @@
+"""The one seam to torch's internals: feature lookups, and flags shared by threads."""
+
+import threading
+
+import pytest
+import torch
+
+import funcensemble as fe
+from funcensemble import _torch_compat
+
+
+def _flags() -> tuple[bool, bool]:
+    return (
+        torch._C._functorch._is_vmap_fallback_enabled(),
+        torch.backends.mha.get_fastpath_enabled(),
+    )
+
+
+def test_two_threads_do_not_trip_each_other():
+    # A enters, B enters, A leaves while B is still inside: B must still run with the
+    # silent loop refused, and the user's flags must come back once both have left.
+    before = _flags()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, tuple[bool, bool]] = {}
+
+    def a() -> None:
+        with _torch_compat.no_silent_vmap_loops():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(10)
+        with _torch_compat.no_silent_vmap_loops():
+            b_in.set()
+            a_out.wait(10)
+            seen["b after a left"] = _flags()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen["b after a left"] == (False, False)
+    assert _flags() == before == (True, True)
+
+
+def test_the_users_own_settings_are_restored():
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(2)])
+        fe.vmap(lambda p, b, x: fmodel(p, b, x) * 1)(params, buffers, torch.ones(4, 3))
+        assert _flags() == (True, False)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
+def test_concurrent_vmaps_leave_the_flags_as_they_were():
+    fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(3)])
+    f = fe.vmap(lambda p, b, x: fmodel(p, b, x).tanh())
+    x = torch.randn(5, 3)
+    expected = f(params, buffers, x)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(50):
+                torch.testing.assert_close(f(params, buffers, x), expected)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert _flags() == (True, True)
+
+
+def test_missing_batching_rule_reads_both_wordings():
+    old = "Batching rule not implemented for aten::_weight_norm. We could not generate a fallback."
+    new = "RuntimeError: aten::as_strided_ hit the vmap fallback which is currently disabled"
+    assert _torch_compat.missing_batching_rule(old) == "aten::_weight_norm"
+    assert _torch_compat.missing_batching_rule(new) == "aten::as_strided_"
+    assert _torch_compat.missing_batching_rule("some other error") is None
+
+
+def test_transform_helpers_see_vmap_levels():
+    assert not _torch_compat.inside_transform()
+    assert _torch_compat.vmap_level() is None
+    seen = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        level = _torch_compat.vmap_level()
+        inner, bdim = _torch_compat.unwrap_at(x, level)
+        seen.append((level, tuple(inner.shape), bdim))
+        with _torch_compat.lower_transform():
+            doubled = inner * 2
+        return _torch_compat.add_batch_dim(doubled, bdim, level)
+
+    x = torch.arange(6.0).view(2, 3)
+    torch.testing.assert_close(torch.func.vmap(f, in_dims=1)(x), (x * 2).t())
+    assert seen[0][1:] == ((2, 3), 1)
+
+
+def test_a_missing_private_call_fails_at_import_with_the_version():
+    with pytest.raises(ImportError, match=r"lacks torch\._C\.no_such_call.*torch >= 2\.9"):
+        _torch_compat._require(torch._C, "no_such_call", "torch._C", "2.9")
