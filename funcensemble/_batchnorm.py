@@ -159,16 +159,21 @@ class BatchNormRule:
         if found is None:
             return None
         name, layer = found
-        counts = _torch_compat.fully_unwrapped(t)
-        first = counts.reshape(-1)[:1]
-        if bool((counts == first).all()):
-            return float(first.item())  # one count: the layer runs as in the loop
+        try:
+            counts = _torch_compat.fully_unwrapped(t)
+            first = counts.reshape(-1)[:1]
+            if bool((counts == first).all()):
+                return float(first.item())  # one count: the layer runs as in the loop
+            shown = counts.tolist()
+        except RuntimeError:
+            # torch 2.6: under an outer grad transform the counts have no storage to read.
+            shown = "not readable inside this transform"
         level = _torch_compat.vmap_level()
         batched = _unwrap_at(t, level) if level is not None else None
         if batched is None or batched[1] is None or batched[0].dim() != 1:
             raise RuntimeError(
                 f"BatchNorm `{name}` has momentum=None (a cumulative moving average) and "
-                f"members with different num_batches_tracked ({counts.tolist()}), inside "
+                f"members with different num_batches_tracked ({shown}), inside "
                 "a torch.func transform funcensemble cannot see through. Call it through "
                 "fe.vmap, fe.value_and_grad or fe.Ensemble directly, give the members one "
                 "count (e.g. set num_batches_tracked to the same value), or set momentum "

@@ -162,11 +162,15 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
+def _alone() -> bool:
+    """Whether this process runs without a process group (one process, or a test)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def _no_dist() -> dict[str, bool]:
     """``no_dist=`` for ``dcp.save``/``dcp.load``: run in this process alone without a
     process group. torch 2.6 and older take no such argument and decide the same way."""
-    alone = not (dist.is_available() and dist.is_initialized())
-    return {"no_dist": alone} if _TAKES_NO_DIST else {}
+    return {"no_dist": _alone()} if _TAKES_NO_DIST else {}
 
 
 _TAKES_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters
@@ -317,7 +321,7 @@ def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberSha
     except Corrupt as error:
         found = str(error)
     findings = [found]
-    if shard.world_size > 1 and not _no_dist():
+    if shard.world_size > 1 and not _alone():
         findings = [None] * shard.world_size
         dist.all_gather_object(findings, found, group=shard.group)
     for rank, finding in enumerate(findings):

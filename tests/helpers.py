@@ -316,3 +316,26 @@ def dynamo_traces_optree() -> bool:
 def skip_unless_dynamo_traces_optree() -> None:
     if not dynamo_traces_optree():
         pytest.skip(f"torch {torch.__version__}: Dynamo cannot trace optree (see versions.md)")
+
+
+def dcp_save_alone(state: dict, path: Any) -> None:
+    """``torch.distributed.checkpoint.save`` in this process alone, as plain DCP writes a
+    checkpoint (torch 2.6 has no ``no_dist`` argument and decides it by itself)."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    alone = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that no process group is running
+        dcp.save(state, checkpoint_id=path, **alone)
+
+
+def vmap_batches_matrix_exp() -> bool:
+    """torch 2.6's vmap has no batching rule for ``matrix_exp`` (the default
+    trivialization of ``parametrizations.orthogonal``); 2.7 and later have one."""
+    try:
+        torch.func.vmap(torch.linalg.matrix_exp)(torch.zeros(2, 3, 3))
+    except RuntimeError:
+        return False
+    return True

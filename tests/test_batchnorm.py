@@ -274,7 +274,8 @@ def test_momentum_none_with_different_counts_inside_another_transform_is_refused
     with pytest.raises(
         RuntimeError,
         match=r"BatchNorm `1` has momentum=None \(a cumulative moving average\) and members "
-        r"with different num_batches_tracked \(\[1, 4, 7\]\), inside a torch.func transform",
+        r"with different num_batches_tracked \((\[1, 4, 7\]|not readable inside this transform)\), "
+        r"inside a torch.func transform",
     ):
         torch.func.grad(outer)(torch.tensor(1.0, dtype=torch.float64))
     for name, buf in buffers.items():

@@ -12,14 +12,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, dcp_save_alone
 from torch import nn
 
 import funcensemble as fe
@@ -120,9 +118,7 @@ def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path: Path) -> No
     assert_trees_equal(loaded, state)
     # A checkpoint written by DCP itself, keyed as fe.distributed.save keys it.
     flat = {"['w']": torch.arange(6.0).reshape(3, 2), "['step']": torch.tensor(4)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP's note that no process group is running
-        dcp.save(flat, checkpoint_id=tmp_path / "plain", no_dist=True)
+    dcp_save_alone(flat, tmp_path / "plain")
     with pytest.warns(UserWarning, match="has no"):
         loaded = fe.distributed.load(tmp_path / "plain", {"w": torch.zeros(3, 2), "step": 0})
     assert torch.equal(loaded["w"], flat["['w']"]) and loaded["step"] == 4
@@ -241,9 +237,7 @@ def test_data_files_are_read_as_weights_only(tmp_path: Path, monkeypatch: Any) -
 def test_entries_stored_as_pickled_objects_are_refused(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     flat = {"['w']": torch.zeros(3), "['step']": RunsCode(builtins.open, str(marker), "w")}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP's note that no process group is running
-        dcp.save(flat, checkpoint_id=tmp_path / "plain", no_dist=True)
+    dcp_save_alone(flat, tmp_path / "plain")
     with pytest.raises(ValueError, match=r"stores leaf `\['step'\]` as pickled bytes"):
         fe.distributed.load(tmp_path / "plain", {"w": torch.zeros(3), "step": 0})
     assert not marker.exists()
