@@ -62,10 +62,24 @@ def grads(modules: list[nn.Module]) -> dict[str, torch.Tensor | None]:
     return out
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("per_member", [False, True])
-def test_matches_clip_grad_norm_and_adam_per_member(in_place, per_member):
-    ref = members(torch.float64)
+# float32: the per-member norm sums in another order than torch's whole-tensor norm, so
+# the clip factor agrees to rounding, and Adam carries that on.
+TOLS = {torch.float64: {"rtol": 1e-10, "atol": 1e-12}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+
+
+@pytest.mark.parametrize(
+    ("in_place", "per_member", "dtype"),
+    [
+        (False, False, torch.float64),
+        (True, False, torch.float64),
+        (False, True, torch.float64),
+        (True, True, torch.float64),
+        (False, False, torch.float32),
+        (True, True, torch.float32),
+    ],
+)
+def test_matches_clip_grad_norm_and_adam_per_member(in_place, per_member, dtype):
+    ref = members(dtype)
     ours = copy.deepcopy(ref)
     limits = [MAX_NORM, 2.0, 0.5] if per_member else [MAX_NORM] * N
     opts, norms = reference(ref, limits)
@@ -73,7 +87,7 @@ def test_matches_clip_grad_norm_and_adam_per_member(in_place, per_member):
     # The case the test is about: one member never clipped, one always clipped.
     assert all(row[0] < limits[0] and row[1] > limits[1] for row in norms), norms
 
-    max_norm = torch.tensor(limits, dtype=torch.float64) if per_member else MAX_NORM
+    max_norm = torch.tensor(limits, dtype=dtype) if per_member else MAX_NORM
     opt = fe.optim.chain(fe.optim.clip_by_global_norm(max_norm), fe.optim.adam(lr=0.01))
     params = stacked(ours)
     state = opt.init(params)
@@ -95,7 +109,7 @@ def test_matches_clip_grad_norm_and_adam_per_member(in_place, per_member):
 
     expected = stacked(ref)
     for k in expected:
-        torch.testing.assert_close(params[k], expected[k], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(params[k], expected[k], **TOLS[dtype])
     (adam_state,) = [
         s
         for s in optree.tree_leaves(state, is_leaf=lambda s: isinstance(s, fe.optim.AdamState))
@@ -106,11 +120,12 @@ def test_matches_clip_grad_norm_and_adam_per_member(in_place, per_member):
             assert adam_state.mu[k] is None or not adam_state.mu[k].any()
             continue
         torch_mu = torch.stack([opt.state[m.get_parameter(k)]["exp_avg"] for m, opt in ref_opts])
-        torch.testing.assert_close(adam_state.mu[k], torch_mu, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(adam_state.mu[k], torch_mu, **TOLS[dtype])
 
 
 def test_float32_matches_clip_grad_norm_():
-    """One clip in float32 (mixed with a float64 leaf): torch's arithmetic, bitwise."""
+    """One clip in float32 mixed with a float64 leaf: torch's arithmetic and dtypes (the
+    per-member norm may round differently from torch's whole-tensor norm)."""
     torch.manual_seed(1)
     w = torch.randn(N, 5, 4) * torch.tensor(SCALES).reshape(N, 1, 1)
     b = torch.randn(N, 5, dtype=torch.float64)
@@ -122,7 +137,7 @@ def test_float32_matches_clip_grad_norm_():
         pw.grad, pb.grad = w[i].clone(), b[i].clone()
         nn.utils.clip_grad_norm_([pw, pb], 0.7)
         torch.testing.assert_close(updates["w"][i], pw.grad, rtol=1e-6, atol=0)
-        torch.testing.assert_close(updates["b"][i], pb.grad, rtol=0, atol=0)
+        torch.testing.assert_close(updates["b"][i], pb.grad, rtol=1e-6, atol=0)
     assert updates["w"].dtype == torch.float32 and updates["b"].dtype == torch.float64
 
 
