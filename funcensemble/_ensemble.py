@@ -10,7 +10,7 @@ from . import _in_dims
 from ._architecture import Architecture, check_is_module, check_same_architecture
 from ._fastpath import fast_call
 from ._in_dims import InDims
-from ._seeding import check_seed, member_seed, seeded_cpu_rng
+from ._seeding import check_seed, global_rng_restored_on_error, member_seed, seeded_cpu_rng
 from ._skeleton import meta_skeleton, replace_tensors
 from ._stack import FunctionalModule, member_module, stack_as
 from ._state_dict_checks import check_loadable
@@ -86,18 +86,24 @@ class Ensemble(nn.Module):
         factory: Callable[[], nn.Module],
         num_members: int,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         randomness: Randomness = "different",
         chunk_size: int | None = None,
     ) -> "Ensemble":
-        """Build N members by calling ``factory()`` once per member, each freshly seeded.
+        """Build N members by calling ``factory()`` once per member, in order.
 
-        Member i is built with the global CPU generator seeded from ``(seed, i)`` alone,
-        so it gets the factory's own default initialization, members differ, and
-        growing ``num_members`` keeps the existing members unchanged. Members are
-        copied into preallocated stacked tensors one at a time: peak memory is the
-        stacked tensors plus about two members, never N modules. The global generator
-        is restored afterwards. Build on the CPU and move the ensemble with ``.to()``.
+        With ``seed=None``, the members draw from PyTorch's global generators as they
+        are built, exactly as ``[factory() for _ in range(num_members)]`` would: the
+        ensemble equals ``fe.Ensemble`` of that list, so ``torch.manual_seed(k)`` before
+        the call reproduces it, and the global generators move on as after that loop
+        (a call that raises puts them back as they were).
+        With an int ``seed``, member i is built with the global CPU generator seeded
+        from ``(seed, i)`` alone, whatever the global generator's state, and that state
+        is restored afterwards. Either way each member gets the factory's own default
+        initialization, members differ, and growing ``num_members`` keeps the existing
+        members unchanged. Members are copied into preallocated stacked tensors one at
+        a time: peak memory is the stacked tensors plus about two members, never N
+        modules. Build on the CPU and move the ensemble with ``.to()``.
         Every member is checked against member 0 as in [`stack`][funcensemble.stack]:
         the factory must build the same architecture and non-tensor state each time.
 
@@ -105,7 +111,8 @@ class Ensemble(nn.Module):
             factory: Called with no arguments once per member; returns an ``nn.Module``,
                 the same architecture every time.
             num_members: N, a positive int.
-            seed: Any int >= 0 (no upper bound); member i depends on ``(seed, i)`` only.
+            seed: None to draw from the global generators (see above), or any int
+                >= 0 (no upper bound): member i then depends on ``(seed, i)`` only.
             randomness: As in [`Ensemble`][funcensemble.Ensemble].
             chunk_size: As in [`Ensemble`][funcensemble.Ensemble].
 
@@ -123,6 +130,12 @@ class Ensemble(nn.Module):
             >>> small = fe.Ensemble.from_factory(make, num_members=4, seed=0)
             >>> torch.equal(ens.member(3)[0].weight, small.member(3)[0].weight)
             True
+            >>> _ = torch.manual_seed(7)
+            >>> a = fe.Ensemble.from_factory(make, num_members=4)  # the global generator
+            >>> _ = torch.manual_seed(7)
+            >>> b = fe.Ensemble.from_factory(make, num_members=4)
+            >>> torch.equal(a.stacked[0].weight, b.stacked[0].weight)
+            True
         """
         where = "Ensemble.from_factory"
         if not callable(factory):
@@ -133,37 +146,51 @@ class Ensemble(nn.Module):
             )
         if num_members < 1:
             raise ValueError(f"{where}: num_members must be a positive int, got {num_members!r}.")
-        seed = check_seed(where, seed)
+        if seed is None:
 
-        def build(i: int) -> nn.Module:
-            with seeded_cpu_rng(member_seed(seed, i)):
+            def build(i: int) -> nn.Module:
                 return check_is_module(where, i, factory())
 
-        first = build(0)
-        ref = Architecture.of(first)
-        first_params, first_buffers = dict(first.named_parameters()), dict(first.named_buffers())
-        with torch.no_grad():
-            params = {
-                k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
-                for k, s in ref.params.items()
-            }
-            buffers = {
-                k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
-                for k, s in ref.buffers.items()
-            }
+        else:
+            base = check_seed(where, seed, none_ok=True)
 
-            def put(i: int, own_params: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]):
-                for k, t in own_params.items():
-                    params[k][i].copy_(t)
-                for k, t in own_buffers.items():
-                    buffers[k][i].copy_(t)
+            def build(i: int) -> nn.Module:
+                with seeded_cpu_rng(member_seed(base, i)):
+                    return check_is_module(where, i, factory())
 
-            put(0, first_params, first_buffers)
-            for i in range(1, num_members):
-                member = build(i)
-                check_same_architecture(where, i, ref, member)
-                put(i, dict(member.named_parameters()), dict(member.named_buffers()))
-                del member
+        # With seed=None the members draw from the global generators; a refused call
+        # (a member that raises or differs from member 0) puts them back as they were.
+        with global_rng_restored_on_error():
+            first = build(0)
+            ref = Architecture.of(first)
+            first_params, first_buffers = (
+                dict(first.named_parameters()),
+                dict(first.named_buffers()),
+            )
+            with torch.no_grad():
+                params = {
+                    k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
+                    for k, s in ref.params.items()
+                }
+                buffers = {
+                    k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
+                    for k, s in ref.buffers.items()
+                }
+
+                def put(
+                    i: int, own_params: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]
+                ):
+                    for k, t in own_params.items():
+                        params[k][i].copy_(t)
+                    for k, t in own_buffers.items():
+                        buffers[k][i].copy_(t)
+
+                put(0, first_params, first_buffers)
+                for i in range(1, num_members):
+                    member = build(i)
+                    check_same_architecture(where, i, ref, member)
+                    put(i, dict(member.named_parameters()), dict(member.named_buffers()))
+                    del member
         for k, s in ref.params.items():
             params[k].requires_grad_(s.requires_grad)
         ens = cls.__new__(cls)

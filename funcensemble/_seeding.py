@@ -8,12 +8,17 @@ import numpy as np
 import torch
 
 
-def check_seed(where: str, seed: object) -> int:
-    """``seed`` as an int if it is a valid ensemble seed (an int >= 0), else a clear error."""
+def check_seed(where: str, seed: object, *, none_ok: bool = False) -> int:
+    """``seed`` as an int if it is a valid ensemble seed (an int >= 0), else a clear error.
+
+    With ``none_ok``, the type error says that None (the caller's other choice) is allowed.
+    """
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        also = " or None" if none_ok else ""
         raise TypeError(
-            f"{where}: seed must be an int >= 0 (expected an int, got "
-            f"{type(seed).__name__} {seed!r}). Pass a non-negative whole number, e.g. seed=0."
+            f"{where}: seed must be an int >= 0{also} (expected an int{also}, got "
+            f"{type(seed).__name__} {seed!r}). Pass a non-negative whole number, e.g. seed=0"
+            + (", or None to draw from the global torch generator." if none_ok else ".")
         )
     if seed < 0:
         raise ValueError(
@@ -39,3 +44,18 @@ def seeded_cpu_rng(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
         yield
+
+
+@contextlib.contextmanager
+def global_rng_restored_on_error() -> Iterator[None]:
+    """Run a block; if it raises, put the global CPU (and initialized CUDA) generators
+    back as they were, so a refused call leaves the user's random stream untouched."""
+    cpu = torch.random.default_generator.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    except BaseException:
+        torch.random.default_generator.set_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        raise

@@ -11,6 +11,7 @@ from ._adam import AdamState as AdamState
 from ._adam import adam as adam
 from ._adam import adamw as adamw
 from ._adam import scale_by_adam as scale_by_adam
+from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._ensemble_optimizer import EnsembleOptimizer as EnsembleOptimizer
 from ._optim import EmptyState as EmptyState
 from ._optim import GradientTransformation as GradientTransformation
@@ -33,6 +34,7 @@ __all__ = [
     "add_decayed_weights",
     "apply_updates",
     "chain",
+    "clip_by_global_norm",
     "polyak_update",
     "polyak_update_",
     "scale_by_adam",

@@ -532,10 +532,9 @@ def test_from_factory_member_depends_only_on_seed_and_index() -> None:
     [
         (-1, ValueError, r"\(expected 0 or more, got -1\)\. Pass a non-negative whole number"),
         (-(2**70), ValueError, r"got -1180591620717411303424"),
-        (True, TypeError, r"\(expected an int, got bool True\)"),
-        (1.5, TypeError, r"expected an int, got float 1\.5"),
-        ("3", TypeError, r"expected an int, got str '3'"),
-        (None, TypeError, r"expected an int, got NoneType None"),
+        (True, TypeError, r"\(expected an int or None, got bool True\)"),
+        (1.5, TypeError, r"expected an int or None, got float 1\.5"),
+        ("3", TypeError, r"expected an int or None, got str '3'\)\. .* or None to draw"),
     ],
 )
 def test_from_factory_refuses_bad_seeds(seed, error, pattern) -> None:
@@ -549,12 +548,41 @@ def test_from_factory_refuses_bad_seeds(seed, error, pattern) -> None:
     with (
         runtime_typecheck_off(),
         pytest.raises(
-            error, match=rf"^Ensemble\.from_factory: seed must be an int >= 0 .*{pattern}"
+            error, match=rf"^Ensemble\.from_factory: seed must be an int >= 0.*{pattern}"
         ),
     ):
         fe.Ensemble.from_factory(factory, 2, seed=seed)
     assert not calls  # refused before building anything
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_from_factory_without_a_seed_draws_from_the_global_generator() -> None:
+    torch.manual_seed(3)
+    first = fe.Ensemble.from_factory(_mlp_factory, 4)
+    after_first = torch.rand(3)
+    torch.manual_seed(3)
+    again = fe.Ensemble.from_factory(_mlp_factory, 4)
+    assert_trees_equal(dict(again.state_dict()), dict(first.state_dict()))
+    # Exactly the plain loop over the factory, and the generator moves on as after it.
+    torch.manual_seed(3)
+    loop = fe.Ensemble([_mlp_factory() for _ in range(4)])
+    assert_trees_equal(dict(loop.state_dict()), dict(first.state_dict()))
+    assert torch.equal(torch.rand(3), after_first)
+    torch.manual_seed(4)
+    other = fe.Ensemble.from_factory(_mlp_factory, 4)
+    for k, v in other.stacked_params().items():
+        assert not torch.equal(v, first.stacked_params()[k]), k
+    w = first.stacked_params()["0.weight"]
+    assert all(not torch.equal(w[i], w[j]) for i in range(4) for j in range(i + 1, 4))
+    # An int seed ignores the global state, with or without a seeded call before it.
+    torch.manual_seed(3)
+    seeded = fe.Ensemble.from_factory(_mlp_factory, 4, seed=3)
+    torch.manual_seed(11)
+    assert_trees_equal(
+        dict(fe.Ensemble.from_factory(_mlp_factory, 4, seed=3).state_dict()),
+        dict(seeded.state_dict()),
+    )
+    assert not torch.equal(seeded.stacked_params()["0.weight"], w)
 
 
 def test_from_factory_refuses_a_later_non_module_naming_the_member() -> None:
