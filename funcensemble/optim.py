@@ -19,6 +19,8 @@ from ._optim import apply_updates as apply_updates
 from ._optim import chain as chain
 from ._polyak import polyak_update as polyak_update
 from ._polyak import polyak_update_ as polyak_update_
+from ._sgd import SGDState as SGDState
+from ._sgd import sgd as sgd
 from ._transforms import ScheduleState as ScheduleState
 from ._transforms import add_decayed_weights as add_decayed_weights
 from ._transforms import scale_by_learning_rate as scale_by_learning_rate
@@ -28,6 +30,7 @@ __all__ = [
     "EmptyState",
     "EnsembleOptimizer",
     "GradientTransformation",
+    "SGDState",
     "ScheduleState",
     "adam",
     "adamw",
@@ -39,4 +42,5 @@ __all__ = [
     "polyak_update_",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "sgd",
 ]

@@ -1,0 +1,234 @@
+"""fe.optim.sgd against torch.optim.SGD run per member."""
+
+import copy
+
+import pytest
+import torch
+from helpers import runtime_typecheck_off
+from torch import nn
+
+import funcensemble as fe
+
+N = 3
+STEPS = 6
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def members() -> list[nn.Module]:
+    torch.manual_seed(0)
+    out = []
+    for _ in range(N):
+        m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+        m[2].bias.requires_grad_(False)  # a frozen leaf: no gradient, skipped
+        out.append(m)
+    return out
+
+
+def loss(m: nn.Module, i: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + i)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    return m(x).pow(2).mean()
+
+
+def stacked(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    names = [k for k, _ in modules[0].named_parameters()]
+    return {k: torch.stack([m.get_parameter(k).detach() for m in modules]) for k in names}
+
+
+def grads(modules: list[nn.Module]) -> dict[str, torch.Tensor | None]:
+    out = {}
+    for k, p in modules[0].named_parameters():
+        out[k] = None if p.grad is None else torch.stack([m.get_parameter(k).grad for m in modules])
+    return out
+
+
+# Per member: one dict of torch.optim.SGD keyword arguments per member.
+CASES = {
+    "plain": [{"lr": 0.1}] * N,
+    "momentum": [{"lr": 0.1, "momentum": 0.9}] * N,
+    "dampening_decay": [{"lr": 0.05, "momentum": 0.8, "dampening": 0.3, "weight_decay": 0.1}] * N,
+    "nesterov_maximize": [
+        {"lr": 0.02, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "maximize": True}
+    ]
+    * N,
+    "per_member": [
+        {"lr": 0.1, "momentum": 0.0, "dampening": 0.5, "weight_decay": 0.0},
+        {"lr": 0.05, "momentum": 0.9, "dampening": 0.5, "weight_decay": 0.2},
+        {"lr": 0.01, "momentum": 0.5, "dampening": 0.0, "weight_decay": 0.0},
+    ],
+    "per_member_nesterov": [
+        {"lr": lr, "momentum": m, "nesterov": True}
+        for lr, m in ((0.1, 0.9), (0.05, 0.5), (0.0, 0.1))
+    ],
+}
+
+
+def ours(case: str) -> fe.optim.GradientTransformation:
+    kws = CASES[case]
+    out = {}
+    for key in ("lr", "momentum", "dampening", "weight_decay"):
+        values = [kw.get(key, 0.0) for kw in kws]
+        out[key] = torch.tensor(values, dtype=torch.float64) if len(set(values)) > 1 else values[0]
+    return fe.optim.sgd(
+        **out, nesterov=kws[0].get("nesterov", False), maximize=kws[0].get("maximize", False)
+    )
+
+
+def reference(case: str) -> tuple[list[nn.Module], list[torch.optim.SGD]]:
+    modules = members()
+    opts = [
+        torch.optim.SGD(m.parameters(), **kw) for m, kw in zip(modules, CASES[case], strict=True)
+    ]
+    for step in range(STEPS):
+        for i, (m, opt) in enumerate(zip(modules, opts, strict=True)):
+            opt.zero_grad()
+            loss(m, i, step).backward()
+            opt.step()
+    return modules, opts
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch_sgd_per_member(case, in_place):
+    ref, ref_opts = reference(case)
+    mods = members()
+    opt = ours(case)
+    params = stacked(mods)
+    state = opt.init(params)
+    for step in range(STEPS):
+        for i, m in enumerate(mods):
+            m.zero_grad(set_to_none=True)
+            loss(m, i, step).backward()
+        g = grads(mods)
+        assert g["2.bias"] is None
+        if in_place:
+            state = opt.update_(g, state, params)
+        else:
+            updates, state = opt.update(g, state, params)
+            assert updates["2.bias"] is None
+            params = fe.optim.apply_updates(params, updates)
+        with torch.no_grad():
+            for i, m in enumerate(mods):
+                for k, p in m.named_parameters():
+                    p.copy_(params[k][i])
+    expected = stacked(ref)
+    for k in expected:
+        torch.testing.assert_close(params[k], expected[k], **TOL)
+    sgd_state = state[0]
+    assert isinstance(sgd_state, fe.optim.SGDState)
+    for k, p in ref[0].named_parameters():
+        if not p.requires_grad:
+            assert sgd_state.count[k] is None or sgd_state.count[k].item() == 0
+            continue
+        assert sgd_state.count[k].item() == STEPS
+        for i, (m, o) in enumerate(zip(ref, ref_opts, strict=True)):
+            buf = o.state[m.get_parameter(k)].get("momentum_buffer")
+            if buf is not None:
+                torch.testing.assert_close(sgd_state.momentum_buffer[k][i], buf, **TOL)
+
+
+def test_update_and_update_agree_exactly():
+    opt = fe.optim.sgd(lr=torch.tensor([0.1, 0.2]), momentum=0.9, weight_decay=0.1)
+    torch.manual_seed(0)
+    p1 = {"w": torch.randn(2, 3, dtype=torch.float64)}
+    p2 = {"w": p1["w"].clone()}
+    s1, s2 = opt.init(p1), opt.init(p2)
+    for _ in range(3):
+        g = {"w": torch.randn(2, 3, dtype=torch.float64)}
+        u, s1 = opt.update(g, s1, p1)
+        p1 = fe.optim.apply_updates(p1, u)
+        s2 = opt.update_(g, s2, p2)
+    assert torch.equal(p1["w"], p2["w"])
+    assert torch.equal(s1[0].momentum_buffer["w"], s2[0].momentum_buffer["w"])
+
+
+@pytest.mark.parametrize("case", ["momentum", "nesterov_maximize", "per_member"])
+def test_ensemble_optimizer_matches_torch_sgd(case):
+    ref = members()
+    for m in ref:
+        m[2].bias.requires_grad_(True)
+    ens = fe.Ensemble(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), **kw) for m, kw in zip(ref, CASES[case], strict=True)]
+    opt = fe.optim.EnsembleOptimizer(ens, ours(case))
+    for step in range(STEPS):
+        xs = []
+        for i, (m, o) in enumerate(zip(ref, opts, strict=True)):
+            g = torch.Generator().manual_seed(100 * step + i)
+            xs.append(torch.randn(8, 4, generator=g, dtype=torch.float64))
+            o.zero_grad()
+            m(xs[-1]).pow(2).mean().backward()
+            o.step()
+        opt.zero_grad()
+        ens(torch.stack(xs), in_dims=0).pow(2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+    expected = stacked(ref)
+    for k, p in ens.stacked_params().items():
+        torch.testing.assert_close(p.detach(), expected[k], **TOL)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lr": -1.0}, ValueError, "Invalid learning rate: -1.0"),
+        ({"momentum": -0.5}, ValueError, "Invalid momentum value: -0.5"),
+        ({"weight_decay": torch.tensor([0.1, -0.1])}, ValueError, "member 1"),
+        ({"dampening": torch.ones(2, 2)}, ValueError, r"shape \[N\]"),
+        ({"nesterov": True}, ValueError, "Nesterov momentum requires a momentum"),
+        ({"nesterov": True, "momentum": 0.9, "dampening": 0.1}, ValueError, "zero dampening"),
+        (
+            {"nesterov": True, "momentum": torch.tensor([0.9, 0.0])},
+            ValueError,
+            "Nesterov momentum requires",
+        ),
+        ({"nesterov": 1}, TypeError, "nesterov must be a bool"),
+        ({"maximize": "yes"}, TypeError, "maximize must be a bool"),
+        ({"momentum": "0.9"}, TypeError, "momentum must be a float"),
+    ],
+)
+def test_invalid_hyperparameters_are_refused_at_construction(kwargs, error, match):
+    with runtime_typecheck_off(), pytest.raises(error, match=match):
+        fe.optim.sgd(**{"lr": 0.1, **kwargs})
+
+
+def test_torch_refuses_what_sgd_refuses():
+    w = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):
+        torch.optim.SGD(w, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="Invalid momentum value"):
+        torch.optim.SGD(w, lr=0.1, momentum=-0.5)
+
+
+def test_state_layout_and_checks():
+    params = {"w": torch.zeros(2, 3), "steps": torch.zeros(2, dtype=torch.int64)}
+    plain, _ = fe.optim.sgd(lr=0.1).init(params)
+    moving, _ = fe.optim.sgd(lr=0.1, momentum=torch.tensor([0.0, 0.9])).init(params)
+    assert plain.momentum_buffer == {"w": None, "steps": None}
+    assert moving.momentum_buffer["w"].shape == (2, 3) and moving.momentum_buffer["steps"] is None
+    opt = fe.optim.sgd(lr=torch.ones(3))
+    with pytest.raises(ValueError, match="3 per-member values"):
+        opt.init(params)
+    opt = fe.optim.sgd(lr=0.1, weight_decay=0.1)
+    with pytest.raises(ValueError, match="weight decay needs the parameters"):
+        opt.update({"w": torch.ones(2, 3), "steps": None}, opt.init(params))
+    with pytest.raises(TypeError, match="expected an SGDState"):
+        opt.update({"w": torch.ones(2, 3), "steps": None}, (None, fe.optim.EmptyState()), params)
+
+
+def test_schedule_lr_matches_lambda_lr():
+    torch.manual_seed(0)
+    w0 = torch.randn(2, 3, dtype=torch.float64)
+    opt = fe.optim.sgd(lr=lambda count: 0.1 * 0.5 ** count.item(), momentum=0.9)
+    params = {"w": w0.clone()}
+    state = opt.init(params)
+    ref = [nn.Parameter(w0[i].clone()) for i in range(2)]
+    topt = [torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in ref]
+    sched = [torch.optim.lr_scheduler.LambdaLR(o, lambda c: 0.5**c) for o in topt]
+    for step in range(4):
+        g = torch.randn(2, 3, dtype=torch.float64)
+        state = opt.update_({"w": g}, state, params)
+        for i in range(2):
+            ref[i].grad = g[i].clone()
+            topt[i].step()
+            sched[i].step()
+        del step
+    torch.testing.assert_close(params["w"], torch.stack([p.detach() for p in ref]), **TOL)
