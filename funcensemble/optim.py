@@ -19,6 +19,8 @@ from ._optim import apply_updates as apply_updates
 from ._optim import chain as chain
 from ._polyak import polyak_update as polyak_update
 from ._polyak import polyak_update_ as polyak_update_
+from ._rmsprop import RMSpropState as RMSpropState
+from ._rmsprop import rmsprop as rmsprop
 from ._sgd import SGDState as SGDState
 from ._sgd import sgd as sgd
 from ._transforms import ScheduleState as ScheduleState
@@ -30,6 +32,7 @@ __all__ = [
     "EmptyState",
     "EnsembleOptimizer",
     "GradientTransformation",
+    "RMSpropState",
     "SGDState",
     "ScheduleState",
     "adam",
@@ -40,6 +43,7 @@ __all__ = [
     "clip_by_global_norm",
     "polyak_update",
     "polyak_update_",
+    "rmsprop",
     "scale_by_adam",
     "scale_by_learning_rate",
     "sgd",

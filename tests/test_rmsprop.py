@@ -1,0 +1,156 @@
+"""fe.optim.rmsprop against torch.optim.RMSprop run per member."""
+
+import copy
+
+import pytest
+import torch
+from helpers import runtime_typecheck_off
+from test_sgd import STEPS, TOL, N, grads, loss, members, stacked
+from torch import nn
+
+import funcensemble as fe
+
+CASES = {
+    "plain": [{"lr": 0.01}] * N,
+    "momentum_decay": [{"lr": 0.01, "momentum": 0.9, "weight_decay": 0.1, "alpha": 0.9}] * N,
+    "centered_maximize": [
+        {"lr": 0.005, "centered": True, "momentum": 0.5, "eps": 1e-6, "maximize": True}
+    ]
+    * N,
+    "per_member": [
+        {"lr": 0.01, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0},
+        {"lr": 0.02, "alpha": 0.9, "eps": 1e-4, "weight_decay": 0.1, "momentum": 0.9},
+        {"lr": 0.0, "alpha": 0.5, "eps": 1e-2, "weight_decay": 0.0, "momentum": 0.3},
+    ],
+    "per_member_centered": [
+        {"lr": lr, "alpha": a, "centered": True}
+        for lr, a in ((0.01, 0.99), (0.02, 0.8), (0.005, 0.9))
+    ],
+}
+DEFAULTS = {"lr": 0.01, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0}
+
+
+def ours(case: str) -> fe.optim.GradientTransformation:
+    kws = CASES[case]
+    out = {}
+    for key, default in DEFAULTS.items():
+        values = [kw.get(key, default) for kw in kws]
+        out[key] = torch.tensor(values, dtype=torch.float64) if len(set(values)) > 1 else values[0]
+    return fe.optim.rmsprop(
+        **out, centered=kws[0].get("centered", False), maximize=kws[0].get("maximize", False)
+    )
+
+
+def reference(case: str) -> tuple[list[nn.Module], list[torch.optim.RMSprop]]:
+    modules = members()
+    opts = [
+        torch.optim.RMSprop(m.parameters(), **kw)
+        for m, kw in zip(modules, CASES[case], strict=True)
+    ]
+    for step in range(STEPS):
+        for i, (m, opt) in enumerate(zip(modules, opts, strict=True)):
+            opt.zero_grad()
+            loss(m, i, step).backward()
+            opt.step()
+    return modules, opts
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch_rmsprop_per_member(case, in_place):
+    ref, ref_opts = reference(case)
+    mods = members()
+    opt = ours(case)
+    params = stacked(mods)
+    state = opt.init(params)
+    for step in range(STEPS):
+        for i, m in enumerate(mods):
+            m.zero_grad(set_to_none=True)
+            loss(m, i, step).backward()
+        g = grads(mods)
+        assert g["2.bias"] is None
+        if in_place:
+            state = opt.update_(g, state, params)
+        else:
+            updates, state = opt.update(g, state, params)
+            assert updates["2.bias"] is None
+            params = fe.optim.apply_updates(params, updates)
+        with torch.no_grad():
+            for i, m in enumerate(mods):
+                for k, p in m.named_parameters():
+                    p.copy_(params[k][i])
+    expected = stacked(ref)
+    for k in expected:
+        torch.testing.assert_close(params[k], expected[k], **TOL)
+    rms = state[0]
+    assert isinstance(rms, fe.optim.RMSpropState)
+    for k, p in ref[0].named_parameters():
+        if not p.requires_grad:
+            assert rms.step[k].item() == 0 and not rms.square_avg[k].any()
+            continue
+        for i, (m, o) in enumerate(zip(ref, ref_opts, strict=True)):
+            torch_state = o.state[m.get_parameter(k)]
+            assert rms.step[k].item() == torch_state["step"].item() == STEPS
+            for field in ("square_avg", "momentum_buffer", "grad_avg"):
+                if field in torch_state:
+                    torch.testing.assert_close(getattr(rms, field)[k][i], torch_state[field], **TOL)
+
+
+@pytest.mark.parametrize("case", ["momentum_decay", "centered_maximize", "per_member"])
+def test_ensemble_optimizer_matches_torch_rmsprop(case):
+    ref = members()
+    for m in ref:
+        m[2].bias.requires_grad_(True)
+    ens = fe.Ensemble(copy.deepcopy(ref))
+    opts = [
+        torch.optim.RMSprop(m.parameters(), **kw) for m, kw in zip(ref, CASES[case], strict=True)
+    ]
+    opt = fe.optim.EnsembleOptimizer(ens, ours(case))
+    for step in range(STEPS):
+        xs = []
+        for i, (m, o) in enumerate(zip(ref, opts, strict=True)):
+            g = torch.Generator().manual_seed(100 * step + i)
+            xs.append(torch.randn(8, 4, generator=g, dtype=torch.float64))
+            o.zero_grad()
+            m(xs[-1]).pow(2).mean().backward()
+            o.step()
+        opt.zero_grad()
+        ens(torch.stack(xs), in_dims=0).pow(2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+    expected = stacked(ref)
+    for k, p in ens.stacked_params().items():
+        torch.testing.assert_close(p.detach(), expected[k], **TOL)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lr": -1.0}, ValueError, "Invalid learning rate: -1.0"),
+        ({"eps": -1.0}, ValueError, "Invalid epsilon value: -1.0"),
+        ({"momentum": -0.5}, ValueError, "Invalid momentum value: -0.5"),
+        ({"weight_decay": -0.1}, ValueError, "Invalid weight_decay value: -0.1"),
+        ({"alpha": -0.1}, ValueError, "Invalid alpha value: -0.1"),
+        ({"alpha": torch.tensor([0.9, -0.1])}, ValueError, "member 1"),
+        ({"centered": 1}, TypeError, "centered must be a bool"),
+        ({"maximize": "yes"}, TypeError, "maximize must be a bool"),
+    ],
+)
+def test_invalid_hyperparameters_are_refused_at_construction(kwargs, error, match):
+    with runtime_typecheck_off(), pytest.raises(error, match=match):
+        fe.optim.rmsprop(**kwargs)
+
+
+def test_state_layout_and_checks():
+    params = {"w": torch.zeros(2, 3), "steps": torch.zeros(2, dtype=torch.int64)}
+    plain, _ = fe.optim.rmsprop().init(params)
+    assert plain.momentum_buffer == {"w": None, "steps": None}
+    assert plain.grad_avg == {"w": None, "steps": None}
+    full, _ = fe.optim.rmsprop(momentum=0.9, centered=True).init(params)
+    assert full.momentum_buffer["w"].shape == full.grad_avg["w"].shape == (2, 3)
+    with pytest.raises(ValueError, match="3 per-member values"):
+        fe.optim.rmsprop(alpha=torch.full((3,), 0.9)).init(params)
+    opt = fe.optim.rmsprop(weight_decay=0.1)
+    with pytest.raises(ValueError, match="weight decay needs the parameters"):
+        opt.update({"w": torch.ones(2, 3), "steps": None}, opt.init(params))
+    with pytest.raises(TypeError, match="expected an RMSpropState"):
+        opt.update({"w": torch.ones(2, 3), "steps": None}, (None, fe.optim.EmptyState()), params)
