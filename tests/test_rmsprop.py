@@ -154,3 +154,31 @@ def test_state_layout_and_checks():
         opt.update({"w": torch.ones(2, 3), "steps": None}, opt.init(params))
     with pytest.raises(TypeError, match="expected an RMSpropState"):
         opt.update({"w": torch.ones(2, 3), "steps": None}, (None, fe.optim.EmptyState()), params)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_float32_matches_torch_rmsprop(in_place):
+    torch.manual_seed(0)
+    w0 = torch.randn(N, 5, 4)
+    alphas = (0.9, 0.99, 0.5)
+    opt = fe.optim.rmsprop(lr=0.01, alpha=torch.tensor(alphas), momentum=0.5, centered=True)
+    params = {"w": w0.clone()}
+    state = opt.init(params)
+    ref = [nn.Parameter(w0[i].clone()) for i in range(N)]
+    topt = [
+        torch.optim.RMSprop([p], lr=0.01, alpha=a, momentum=0.5, centered=True)
+        for p, a in zip(ref, alphas, strict=True)
+    ]
+    for _ in range(STEPS):
+        g = torch.randn(N, 5, 4)
+        if in_place:
+            state = opt.update_({"w": g}, state, params)
+        else:
+            updates, state = opt.update({"w": g}, state, params)
+            params = fe.optim.apply_updates(params, updates)
+        for i in range(N):
+            ref[i].grad = g[i].clone()
+            topt[i].step()
+    assert params["w"].dtype == torch.float32
+    expected = torch.stack([p.detach() for p in ref])
+    torch.testing.assert_close(params["w"], expected, rtol=1e-5, atol=1e-6)

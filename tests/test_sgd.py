@@ -232,3 +232,31 @@ def test_schedule_lr_matches_lambda_lr():
             sched[i].step()
         del step
     torch.testing.assert_close(params["w"], torch.stack([p.detach() for p in ref]), **TOL)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_float32_matches_torch_sgd(in_place):
+    torch.manual_seed(0)
+    w0 = torch.randn(N, 5, 4)
+    opt = fe.optim.sgd(lr=torch.tensor([0.1, 0.05, 0.01]), momentum=0.9, nesterov=True)
+    params = {"w": w0.clone()}
+    state = opt.init(params)
+    ref = [nn.Parameter(w0[i].clone()) for i in range(N)]
+    lrs = (0.1, 0.05, 0.01)
+    topt = [
+        torch.optim.SGD([p], lr=lr, momentum=0.9, nesterov=True)
+        for p, lr in zip(ref, lrs, strict=True)
+    ]
+    for _ in range(STEPS):
+        g = torch.randn(N, 5, 4)
+        if in_place:
+            state = opt.update_({"w": g}, state, params)
+        else:
+            updates, state = opt.update({"w": g}, state, params)
+            params = fe.optim.apply_updates(params, updates)
+        for i in range(N):
+            ref[i].grad = g[i].clone()
+            topt[i].step()
+    assert params["w"].dtype == torch.float32
+    expected = torch.stack([p.detach() for p in ref])
+    torch.testing.assert_close(params["w"], expected, rtol=1e-6, atol=1e-6)
