@@ -30,7 +30,7 @@ from ._optim import (
     traits,
     with_traits,
 )
-from ._transforms import Schedule, ScheduleState, learning_rate
+from ._transforms import Schedule, ScheduleState, checked_learning_rate, learning_rate
 
 
 class AdamState(NamedTuple):
@@ -443,10 +443,7 @@ def _adam(
     decoupled: bool,
 ) -> GradientTransformation:
     # Validate everything, in torch.optim.Adam's order, before building anything.
-    schedule = callable(lr) and not isinstance(lr, Tensor)
-    lr_ = (
-        lr if schedule else hyperparameter(where, "lr", lr, label="learning rate", schedule_ok=True)
-    )
+    lr_ = checked_learning_rate(where, lr)
     eps_ = hyperparameter(where, "eps", eps, label="epsilon value")
     b1, b2 = _betas(where, betas)
     wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")

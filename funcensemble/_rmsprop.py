@@ -18,7 +18,7 @@ from ._optim import (
     trainable,
 )
 from ._sgd import _flag
-from ._transforms import Schedule, learning_rate
+from ._transforms import Schedule, checked_learning_rate, learning_rate
 
 
 class RMSpropState(NamedTuple):
@@ -222,10 +222,7 @@ def rmsprop(
         tensor([0.9900, 1.0000])
     """
     where = "rmsprop"
-    schedule = callable(lr) and not isinstance(lr, Tensor)
-    lr_ = (
-        lr if schedule else hyperparameter(where, "lr", lr, label="learning rate", schedule_ok=True)
-    )
+    lr_ = checked_learning_rate(where, lr)
     eps_ = hyperparameter(where, "eps", eps, label="epsilon value")
     m = hyperparameter(where, "momentum", momentum, label="momentum value")
     wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")

@@ -3,7 +3,6 @@
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
 
 from ._hyper import Hyper, PerMember, check_members, hyperparameter, is_per_member, per_leaf
 from ._optim import (
@@ -17,7 +16,7 @@ from ._optim import (
     scatter,
     trainable,
 )
-from ._transforms import Schedule, learning_rate
+from ._transforms import Schedule, checked_learning_rate, learning_rate
 
 
 class SGDState(NamedTuple):
@@ -220,10 +219,7 @@ def sgd(
         tensor([0.7100, 0.4200])
     """
     where = "sgd"
-    schedule = callable(lr) and not isinstance(lr, Tensor)
-    lr_ = (
-        lr if schedule else hyperparameter(where, "lr", lr, label="learning rate", schedule_ok=True)
-    )
+    lr_ = checked_learning_rate(where, lr)
     m = hyperparameter(where, "momentum", momentum, label="momentum value")
     d = hyperparameter(where, "dampening", dampening, label="dampening value")
     wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")

@@ -135,6 +135,13 @@ def add_decayed_weights(weight_decay: float | PerMember = 0.0) -> GradientTransf
     return decayed_weights(where, wd)
 
 
+def checked_learning_rate(where: str, lr: Any) -> Hyper | Schedule:
+    """``lr`` as the aliases take it: a schedule as given, anything else validated."""
+    if callable(lr) and not isinstance(lr, Tensor):
+        return lr
+    return hyperparameter(where, "lr", lr, label="learning rate", schedule_ok=True)
+
+
 def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
     """``scale_by_learning_rate`` from an already validated value or schedule."""
 
