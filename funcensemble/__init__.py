@@ -4,17 +4,17 @@ from . import optim as optim
 from . import reduce as reduce
 from ._bagging import BaggingSampler as BaggingSampler
 from ._bagging import bootstrap_indices as bootstrap_indices
-from ._checkpoint import load as load
-from ._checkpoint import save as save
-from ._ensemble import Ensemble as Ensemble
-from ._export import export_state_dicts as export_state_dicts
-from ._export import import_state_dicts as import_state_dicts
-from ._grad import grad as grad
-from ._grad import value_and_grad as value_and_grad
-from ._stack import FunctionalModule as FunctionalModule
-from ._stack import stack as stack
-from ._stack import unstack as unstack
-from ._vmap import vmap as vmap
+from ._checkpoint.export import export_state_dicts as export_state_dicts
+from ._checkpoint.export import import_state_dicts as import_state_dicts
+from ._checkpoint.save_load import load as load
+from ._checkpoint.save_load import save as save
+from ._core.ensemble import Ensemble as Ensemble
+from ._core.functional_module import FunctionalModule as FunctionalModule
+from ._core.grad import grad as grad
+from ._core.grad import value_and_grad as value_and_grad
+from ._core.stack import stack as stack
+from ._core.stack import unstack as unstack
+from ._core.vmap import vmap as vmap
 
 __version__ = "0.1.0"
 

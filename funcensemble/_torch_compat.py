@@ -6,7 +6,7 @@ name is looked up once, when this module is imported; a torch without it fails a
 ``import funcensemble`` with an ``ImportError`` naming the call and the version that
 has it, never in the middle of a training step.
 
-Inventory (the floor is torch 2.4, ``pyproject.toml``; every call exists from it on):
+Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it on):
 
 - ``torch._C._functorch.peek_interpreter_stack`` (torch 2.0): are we inside a
   ``torch.func`` transform, and is the innermost one ``vmap`` (its ``key()`` against
@@ -26,11 +26,13 @@ Inventory (the floor is torch 2.4, ``pyproject.toml``; every call exists from it
   optimizer step without the cost of a ``torch.no_grad()`` object (``_adam.py``).
 - ``torch.nn.modules.module._global_forward_hooks`` and its pre/backward kin (2.0): a
   global module hook turns the MLP fast path off (the fast path would skip it).
-- Still reached from ``_adam_step.py`` itself (that module is being reworked; its
-  lookups are to move here): ``torch.utils._foreach_utils.
-  _get_fused_kernels_supported_devices`` (which devices have ``torch._fused_adam_``;
-  CPU from 2.4), ``torch._fused_adam_``/``torch._fused_adamw_`` looked up with
-  ``getattr``, and the ``tensor_lr`` overload of ``aten._fused_adam_`` (2.4).
+- ``torch.utils._foreach_utils._get_fused_kernels_supported_devices`` (which devices
+  have ``torch._fused_adam_``; CPU from 2.4), ``torch._fused_adam_``/``_fused_adamw_``
+  and the ``tensor_lr`` overload of ``aten._fused_adam_`` (2.4): the fused Adam kernel
+  ``torch.optim.Adam(fused=True)`` runs, looked up where the torch version has them
+  ([`fused_adam_devices`][], [`fused_adam_kernel`][], [`fused_adam_takes_tensor_lr`][]).
+- ``torch._weight_norm`` (the kernel behind ``weight_norm``): recognised in
+  ``_kernels/rewrites.py`` and recomputed as its math, which vmap batches.
 - ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
   ``torch.serialization._get_layout`` (2.2): names a DCP ``.metadata`` pickle holds,
   allowed by our restricted unpickler (``_dcp_metadata.py``); and DCP's
@@ -44,6 +46,7 @@ the kernels ``torch.optim`` itself documents as its ``foreach`` implementation.
 """
 
 import contextlib
+import functools
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -205,6 +208,30 @@ def global_module_hooks() -> bool:
         or module_mod._global_backward_hooks
         or module_mod._global_backward_pre_hooks
     )
+
+
+# ---- the fused Adam kernel ------------------------------------------------------------------
+
+
+@functools.cache
+def fused_adam_devices() -> frozenset[str]:
+    """Device types that have ``torch._fused_adam_`` kernels (CPU since torch 2.4)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch without the lookup: rely on no fused kernel
+        return frozenset()
+    return frozenset(_get_fused_kernels_supported_devices())
+
+
+def fused_adam_kernel(*, decoupled: bool) -> Callable[..., Any] | None:
+    """``torch._fused_adamw_`` (``decoupled``) or ``torch._fused_adam_``, if torch has it."""
+    return getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
+
+
+@functools.cache
+def fused_adam_takes_tensor_lr() -> bool:
+    """Whether ``aten._fused_adam_`` has the ``tensor_lr`` overload (a device tensor lr)."""
+    return hasattr(torch.ops.aten._fused_adam_, "tensor_lr")
 
 
 # ---- distributed checkpoints ----------------------------------------------------------------

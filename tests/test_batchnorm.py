@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import funcensemble as fe
-from funcensemble import _batchnorm
+from funcensemble._kernels import batchnorm as _batchnorm
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 

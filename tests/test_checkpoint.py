@@ -19,11 +19,11 @@ from helpers import ZOO, IntBuffers, assert_trees_equal
 from torch import Tensor, nn
 
 import funcensemble as fe
-import funcensemble._checkpoint_file as checkpoint_file
-from funcensemble._architecture import Architecture
-from funcensemble._atomic import TEMP_TAG
-from funcensemble._checksum import tensor_digest
-from funcensemble._safetensors_file import write_safetensors
+import funcensemble._checkpoint.file as checkpoint_file
+from funcensemble._checkpoint.atomic import TEMP_TAG
+from funcensemble._checkpoint.checksum import tensor_digest
+from funcensemble._checkpoint.safetensors_file import write_safetensors
+from funcensemble._structure.architecture import Architecture
 
 
 def snapshot(ens: fe.Ensemble) -> dict[str, Tensor]:
@@ -789,7 +789,7 @@ def dead_pid() -> int:
 def test_stale_temporary_files_of_dead_writers_are_removed_on_the_next_save(
     tmp_path: Path,
 ) -> None:
-    from funcensemble._atomic import _host
+    from funcensemble._checkpoint.atomic import _host
 
     fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
     host = _host()

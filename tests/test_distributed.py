@@ -105,7 +105,7 @@ def test_select_copies_and_checks_the_member_axis():
 
 
 def test_descriptions_that_differ_name_every_rank_and_every_difference():
-    from funcensemble._agreement import compare
+    from funcensemble.distributed._agreement import compare
 
     same = {"the member count N": "5", "leaf `['step']`": "3"}
     compare("f", [same, dict(same), dict(same)], "Fix it.")  # alike: no error
@@ -122,7 +122,11 @@ def test_descriptions_that_differ_name_every_rank_and_every_difference():
 
 
 def test_what_is_compared_across_ranks():
-    from funcensemble._agreement import describe_ensemble, describe_optimizer, describe_tree
+    from funcensemble.distributed._agreement import (
+        describe_ensemble,
+        describe_optimizer,
+        describe_tree,
+    )
 
     def make(slope=0.1, width=4, dtype=torch.float32):
         return lambda: torch.nn.Sequential(
@@ -554,7 +558,7 @@ def test_init_process_group_refuses_a_malformed_launch(monkeypatch, env, message
 
 
 def test_a_distributed_error_keeps_the_cause_without_the_cpp_trace():
-    from funcensemble._dist_errors import failures
+    from funcensemble.distributed._errors import failures
 
     with (
         pytest.raises(fe.distributed.DistributedError) as info,

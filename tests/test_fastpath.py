@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import funcensemble as fe
-from funcensemble import _fastpath
+from funcensemble._kernels import fastpath as _fastpath
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 

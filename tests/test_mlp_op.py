@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import funcensemble as fe
-from funcensemble import _fastpath, _mlp_op
+from funcensemble._kernels import fastpath as _fastpath
+from funcensemble._kernels import mlp_op as _mlp_op
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from funcensemble._same_value import SameValue, same_tensor
+from funcensemble._structure.same_value import SameValue, same_tensor
 
 
 class Color(enum.Enum):

@@ -21,8 +21,8 @@ from helpers import assert_trees_equal, dcp_save_alone
 from torch import nn
 
 import funcensemble as fe
-from funcensemble._checksum import digest
-from funcensemble._dcp_checksums import CHECKSUM_FILE
+from funcensemble._checkpoint.checksum import digest
+from funcensemble.distributed._dcp_checksums import CHECKSUM_FILE
 
 FILES = [CHECKSUM_FILE, ".metadata", "__0_0.distcp"]
 

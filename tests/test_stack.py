@@ -6,7 +6,7 @@ from helpers import ZOO, assert_trees_equal, runtime_typecheck_off, stacked_stat
 from torch import Tensor, nn
 
 import funcensemble as fe
-from funcensemble._architecture import Architecture
+from funcensemble._structure.architecture import Architecture
 
 
 def _storages(tensors: list[Tensor]) -> set[int]:

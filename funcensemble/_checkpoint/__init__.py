@@ -1,0 +1,1 @@
+"""Checkpoint files of ensembles and pytrees: safetensors, checksums, per-member state_dicts."""

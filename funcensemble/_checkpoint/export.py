@@ -1,0 +1,212 @@
+"""Per-member ``state_dict``s: out of an ensemble for plain PyTorch, and back in."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._core.ensemble import Ensemble
+from .._core.functional_module import FunctionalModule
+from .._core.stack import StackedTensors, unstack
+from .._structure.same_value import SameValue, show
+
+
+def export_state_dicts(
+    ensemble: Ensemble | FunctionalModule,
+    params: StackedTensors | None = None,
+    buffers: StackedTensors | None = None,
+) -> list[dict[str, Any]]:
+    """Each member's ``state_dict``, as the original architecture would write it.
+
+    Member ``i``'s dict is exactly what ``module.state_dict()`` returns for an ordinary
+    module holding member ``i``: every key the architecture has (tied weights under
+    each of their names, non-persistent buffers left out, state-dict hooks applied),
+    so ``module.load_state_dict(sd)`` (strict) loads it into the original
+    architecture. The tensors are fresh copies that share nothing with the ensemble.
+
+    Args:
+        ensemble: An [`Ensemble`][funcensemble.Ensemble], or the
+            [`FunctionalModule`][funcensemble.FunctionalModule] returned by
+            [`stack`][funcensemble.stack] together with its ``params`` and ``buffers``.
+        params: The stacked parameters, with a ``FunctionalModule`` only.
+        buffers: The stacked buffers, with a ``FunctionalModule`` only.
+
+    Returns:
+        A list of N state_dicts, member 0 first.
+
+    Raises:
+        TypeError: An ``Ensemble`` with ``params``/``buffers``, or a
+            ``FunctionalModule`` without them.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> state_dicts = fe.export_state_dicts(ens)
+        >>> plain = torch.nn.Linear(3, 2)
+        >>> _ = plain.load_state_dict(state_dicts[2])
+        >>> len(state_dicts), torch.equal(plain.weight, ens.stacked.weight[2])
+        (4, True)
+    """
+    where = "export_state_dicts"
+    if isinstance(ensemble, Ensemble):
+        if params is not None or buffers is not None:
+            raise TypeError(
+                f"{where}: pass an Ensemble alone; params and buffers go with the "
+                "FunctionalModule returned by fe.stack."
+            )
+        members = ensemble.unstack()
+    else:
+        if params is None or buffers is None:
+            raise TypeError(
+                f"{where}: a FunctionalModule needs its stacked params and buffers: "
+                "export_state_dicts(fmodel, params, buffers)."
+            )
+        members = unstack(ensemble, params, buffers)
+    return [member.state_dict() for member in members]
+
+
+def _name(key: str) -> str:
+    return f"`{key}`"
+
+
+def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, Any]]) -> Ensemble:
+    """Copy N per-member ``state_dict``s into ``ensemble``, in place.
+
+    The inverse of [`export_state_dicts`][funcensemble.export_state_dicts]: member
+    ``i`` of ``ensemble`` receives ``state_dicts[i]``, e.g. ``torch.load``-ed
+    checkpoints of N separately trained models. All dicts are checked against the
+    ensemble's architecture before anything is copied: the same keys as the
+    architecture's own ``state_dict`` (tied weights under each of their names, with
+    equal values), the same per-member shapes and the same dtypes. Tensors may be on
+    any device. A module's non-tensor extra state (``get_extra_state``) is not stacked:
+    it must be the same in every dict, and is set once with ``set_extra_state``.
+
+    Args:
+        ensemble: The ensemble to overwrite.
+        state_dicts: One mapping from state-dict names to tensors per member.
+
+    Returns:
+        ``ensemble`` itself.
+
+    Raises:
+        TypeError: ``state_dicts`` is not a sequence of mappings of tensors.
+        ValueError: Not one dict per member, or a dict with missing or extra keys, a
+            different shape or dtype, tied names holding different values, or extra
+            states that differ between members.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> trained = [torch.nn.Linear(3, 2) for _ in range(4)]
+        >>> ens = fe.Ensemble.from_factory(lambda: torch.nn.Linear(3, 2), num_members=4)
+        >>> _ = fe.import_state_dicts(ens, [m.state_dict() for m in trained])
+        >>> torch.equal(ens.stacked.bias[3], trained[3].bias)
+        True
+    """
+    where = "import_state_dicts"
+    if isinstance(state_dicts, Mapping) or not isinstance(state_dicts, Sequence):
+        raise TypeError(
+            f"{where}: expected a sequence of state_dicts, one per member, got a "
+            f"{type(state_dicts).__name__}. Wrap a single state_dict in a list."
+        )
+    n = ensemble.num_members
+    if len(state_dicts) != n:
+        raise ValueError(
+            f"{where}: got {len(state_dicts)} state_dicts; the ensemble has {n} members. "
+            "Pass exactly one state_dict per member."
+        )
+    # The architecture's state_dict names, each mapped to its live stacked tensor, and
+    # the names of its modules' non-tensor extra states (get_extra_state).
+    own = ensemble.stacked.state_dict(keep_vars=True)
+    targets: dict[str, Tensor] = {k: v for k, v in own.items() if isinstance(v, Tensor)}
+    extras = [k for k, v in own.items() if not isinstance(v, Tensor)]
+    tied: dict[int, list[str]] = {}
+    for key, target in targets.items():
+        tied.setdefault(id(target), []).append(key)
+    for i, state_dict in enumerate(state_dicts):
+        _check_member(where, i, state_dict, targets, extras, list(tied.values()))
+    _check_extra_states(where, state_dicts, extras)
+    for key in extras:
+        path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
+        ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
+    with torch.no_grad():
+        for names in tied.values():
+            target = targets[names[0]]
+            for i, state_dict in enumerate(state_dicts):
+                target[i].copy_(state_dict[names[0]])
+    return ensemble
+
+
+_EXTRA_STATE = "_extra_state"
+
+
+def _check_extra_states(
+    where: str, state_dicts: Sequence[Mapping[str, Any]], extras: list[str]
+) -> None:
+    same = SameValue({}, set())
+    for key in extras:
+        first = state_dicts[0][key]
+        for i, state_dict in enumerate(state_dicts[1:], start=1):
+            if not same(first, state_dict[key]):
+                raise ValueError(
+                    f"{where}: member {i} has `{key}` = {show(state_dict[key])}; member 0 "
+                    f"has {show(first)}. The ensemble runs one copy of this module for all "
+                    "members, so its extra state (get_extra_state) must be the same in "
+                    "every member: make it equal, or build one ensemble per value."
+                )
+
+
+def _check_member(
+    where: str,
+    i: int,
+    state_dict: Any,
+    targets: dict[str, Tensor],
+    extras: list[str],
+    tied_groups: list[list[str]],
+) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, expected a "
+            "mapping from names to tensors such as module.state_dict()."
+        )
+    expected = targets.keys() | set(extras)
+    missing, extra = expected - state_dict.keys(), state_dict.keys() - expected
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append("is missing " + ", ".join(map(_name, sorted(missing))))
+        if extra:
+            parts.append("has extra " + ", ".join(map(_name, sorted(extra, key=str))))
+        raise ValueError(
+            f"{where}: member {i} {' and '.join(parts)} compared with the ensemble's "
+            "architecture. All members must share one architecture (same names, and the "
+            "same tied weights)."
+        )
+    for key, target in targets.items():
+        value = state_dict[key]
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"{where}: member {i} has `{key}` of type {type(value).__name__}, expected "
+                "a Tensor."
+            )
+        if value.shape != target.shape[1:]:
+            raise ValueError(
+                f"{where}: member {i} has `{key}` with shape {tuple(value.shape)}; the "
+                f"ensemble has {tuple(target.shape[1:])}. All members must share one "
+                "architecture."
+            )
+        if value.dtype != target.dtype:
+            raise ValueError(
+                f"{where}: member {i} has `{key}` with dtype {value.dtype}; the ensemble "
+                f"has {target.dtype}. Convert the state_dicts or the ensemble first (e.g. "
+                "ens.to(...))."
+            )
+    for names in tied_groups:
+        first = state_dict[names[0]]
+        for other in names[1:]:
+            value = state_dict[other]
+            if value is not first and not torch.equal(value.to(first.device), first):
+                raise ValueError(
+                    f"{where}: member {i} has different values under `{names[0]}` and "
+                    f"`{other}`, which are one tied weight in this architecture."
+                )

@@ -1,0 +1,60 @@
+"""Stable string keys for pytree leaves, as written into checkpoint files."""
+
+from typing import Any
+
+import optree
+from torch import Tensor, nn
+
+from .._core.ensemble import Ensemble
+
+
+def path_key(accessor: optree.PyTreeAccessor) -> str:
+    """A leaf's path, e.g. ``['opt'].mu['w']``.
+
+    Written out by hand rather than with ``accessor.codify()`` so that the keys in
+    files do not change with optree's formatting.
+    """
+    parts = []
+    for entry in accessor:
+        if isinstance(entry, optree.NamedTupleEntry | optree.StructSequenceEntry):
+            parts.append(f".{entry.field}")
+        elif isinstance(entry, optree.GetAttrEntry):
+            parts.append(f".{entry.name}")
+        else:
+            parts.append(f"[{entry.entry!r}]")
+    return "".join(parts)
+
+
+def flatten_by_key(
+    where: str, obj: Any, value_types: Any, values_text: str
+) -> tuple[dict[str, Any], optree.PyTreeSpec]:
+    """An Ensemble's stacked state or a pytree's leaves, keyed by [`path_key`][].
+
+    Raises before anything is written: an ordinary module, two leaves with one key,
+    or a leaf that is neither a tensor nor of one of the exact ``value_types``.
+    """
+    if isinstance(obj, Ensemble):
+        tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
+    elif isinstance(obj, nn.Module):
+        raise TypeError(
+            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble or a pytree of "
+            "tensors. For an ordinary module, pass module.state_dict()."
+        )
+    else:
+        tree = obj
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
+    keys = [path_key(a) for a in accessors]
+    if len(set(keys)) != len(keys):
+        raise ValueError(
+            f"{where}: two leaves of the pytree have the same path string; use dict keys "
+            f"whose repr() differ. Paths: {keys}."
+        )
+    for key, leaf in zip(keys, leaves, strict=True):
+        # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
+        if not isinstance(leaf, Tensor) and type(leaf) not in value_types:
+            noun = type(leaf).__name__
+            raise TypeError(
+                f"{where}: leaf `{key}` is {'an' if noun[0] in 'aeio' else 'a'} {noun}; "
+                f"expected {values_text}."
+            )
+    return dict(zip(keys, leaves, strict=True)), treedef

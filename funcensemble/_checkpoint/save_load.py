@@ -1,0 +1,315 @@
+"""``save`` and ``load``: ensembles and pytrees of tensors as safetensors checkpoints.
+
+A checkpoint is a plain safetensors file (no code runs on load; any safetensors tool
+can list it; the header is described in ``_checkpoint_file``) holding one tensor per
+tensor leaf, keyed by its pytree path, e.g. ``['opt'].mu['net.0.weight']``. An
+[`Ensemble`][funcensemble.Ensemble] is stored as the pytree
+``{"params": ..., "buffers": ...}`` of its stacked ``[N, ...]`` tensors.
+
+``load`` verifies the checksums first (``_checkpoint_file``), then compares the parts
+(member count, class, each leaf) rather than the header's fingerprints, to name what
+differs; a member class is compared by name, not module (see ``_check_ensemble``).
+"""
+
+import ast
+import os
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import optree
+import torch
+from torch import Tensor
+
+from .._core.ensemble import Ensemble
+from .._structure.architecture import Architecture
+from .file import (
+    VALUE_TYPES,
+    Spec,
+    leaf_spec,
+    leaf_specs,
+    read_checkpoint,
+    savable,
+    write_checkpoint,
+)
+from .paths import flatten_by_key
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """What is saved from, or loaded into, one object: its leaves by path."""
+
+    kind: str
+    leaves: dict[str, Any]
+    treedef: optree.PyTreeSpec
+    this: str  # how messages name the object: "this ensemble" or "the template"
+
+    def label(self, path: str) -> str:
+        if self.kind == "ensemble":
+            for group, word in (("params", "parameter"), ("buffers", "buffer")):
+                prefix = f"[{group!r}]["
+                if path.startswith(prefix):
+                    return f"{word} `{ast.literal_eval(path[len(prefix) : -1])}`"
+        return f"leaf `{path}`"
+
+
+def _contents(where: str, obj: Any) -> _Contents:
+    leaves, treedef = flatten_by_key(
+        where,
+        obj,
+        VALUE_TYPES,
+        "a Tensor or a Python bool, int, float or str (None is kept as structure)",
+    )
+    if isinstance(obj, Ensemble):
+        return _Contents("ensemble", leaves, treedef, "this ensemble")
+    return _Contents("pytree", leaves, treedef, "the template")
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeio' else 'a'} {noun}"
+
+
+def _describe(spec: Spec) -> str:
+    if spec[0] == "tensor":
+        return f"{_a(spec[2])} tensor of shape {spec[1]}"
+    return f"a Python {spec[0]}"
+
+
+def _member_architecture(ens: Ensemble) -> Architecture:
+    """The architecture of one member: the stacked module's, without the member axis."""
+    arch = Architecture.of(ens.stacked)
+
+    def strip(specs: dict) -> dict:
+        return {k: replace(s, shape=s.shape[1:]) for k, s in specs.items()}
+
+    return replace(arch, params=strip(arch.params), buffers=strip(arch.buffers))
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def save(path: str | os.PathLike, obj: Any) -> None:
+    """Write an ensemble, or a pytree of tensors, to a checkpoint file, atomically.
+
+    The file is a safetensors file (no code runs when it is loaded; see
+    [`load`][funcensemble.load] for the checks). It is written to a temporary file in
+    the same directory, ``.<name>.funcensemble-tmp-<host>-<pid>-<random>``, flushed to
+    disk and renamed over ``path``: a crash or an exception mid-save leaves any
+    previous checkpoint at ``path`` intact. An exception or ``KeyboardInterrupt``
+    removes the temporary file; a process killed outright (SIGKILL, power loss)
+    leaves it, and the next save to ``path`` on the same host removes it once its
+    process has exited. Each tensor is stored under its pytree path (an ensemble's
+    as ``['params']['<name>']`` and ``['buffers']['<name>']``), so any safetensors
+    tool reads it; tensors shared between leaves are stored once per leaf. Python
+    leaves, the structure, the SHA-256 of every tensor's bytes and, for an ensemble,
+    the member count and an architecture fingerprint go into a JSON header in the
+    file's metadata, beside a SHA-256 of the header itself.
+
+    Args:
+        path: The file to create or replace.
+        obj: An [`Ensemble`][funcensemble.Ensemble], or any optree pytree (dicts,
+            lists, tuples, NamedTuples, ``None``) whose leaves are tensors or Python
+            ``bool``, ``int``, ``float`` or ``str``, e.g.
+            ``{"params": params, "buffers": buffers, "opt_state": state}``.
+
+    Raises:
+        TypeError: ``obj`` is another ``nn.Module`` (pass its ``state_dict()``), or
+            has a leaf of another type, a sparse tensor or a dtype safetensors cannot
+            store (complex).
+        FileNotFoundError: The directory of ``path`` does not exist.
+        IsADirectoryError: ``path`` is a directory.
+
+    Example:
+        >>> import os, tempfile, torch, funcensemble as fe
+        >>> ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     fe.save(os.path.join(tmp, "ens.safetensors"), ens)
+        ...     sorted(os.listdir(tmp))
+        ['ens.safetensors']
+    """
+    where = "save"
+    contents = _contents(where, obj)
+    tensors: dict[str, Tensor] = {}
+    values: dict[str, Any] = {}
+    for key, leaf in contents.leaves.items():
+        if isinstance(leaf, Tensor):
+            tensors[key] = savable(where, contents.label(key), leaf)
+        else:
+            values[key] = leaf
+    header: dict[str, Any] = {
+        "kind": contents.kind,
+        "num_members": None,
+        "architecture": None,
+        "values": values,
+        "treedef": str(contents.treedef),
+    }
+    if isinstance(obj, Ensemble):
+        arch = _member_architecture(obj)
+        header["num_members"] = obj.num_members
+        header["architecture"] = {"class": _class_name(arch.cls), "fingerprint": arch.fingerprint()}
+    write_checkpoint(where, path, tensors, header)
+
+
+def _check_kind(where: str, name: str, contents: _Contents, obj: Any, header: dict) -> None:
+    if header["kind"] == contents.kind:
+        return
+    if header["kind"] == "ensemble":
+        raise ValueError(
+            f"{where}: '{name}' holds an fe.Ensemble of {header['num_members']} members of "
+            f"{header['architecture']['class']}; got a {type(obj).__name__} to load it into. "
+            "Load it into an fe.Ensemble of that architecture."
+        )
+    raise ValueError(
+        f"{where}: '{name}' holds a pytree checkpoint; got an fe.Ensemble to load it into. "
+        "Load it with a template pytree of the saved structure."
+    )
+
+
+def _check_ensemble(where: str, name: str, ens: Ensemble, header: dict) -> None:
+    n, arch = ens.num_members, _member_architecture(ens)
+    if header["num_members"] != n:
+        raise ValueError(
+            f"{where}: '{name}' holds an ensemble of {header['num_members']} members; this "
+            f"ensemble has {n}. Build the ensemble with num_members={header['num_members']}."
+        )
+    saved_class = header["architecture"]["class"]
+    # The class's own name is compared, not its module: a model saved from a script
+    # (`__main__.Net`) must load where the class is imported (`train.Net`). So the stored
+    # fingerprint is not compared either; the tensors' names, shapes and dtypes, checked
+    # next, are the rest of it.
+    if saved_class.rpartition(".")[2] != arch.cls.__qualname__.rpartition(".")[2]:
+        raise ValueError(
+            f"{where}: '{name}' holds an ensemble of {saved_class}; this ensemble's members "
+            f"are {_class_name(arch.cls)}. Load it into an ensemble of that architecture."
+        )
+
+
+def _check_leaves(
+    where: str, name: str, contents: _Contents, tensors: dict[str, Tensor], values: dict
+) -> None:
+    expected = {k: leaf_spec(v) for k, v in contents.leaves.items()}
+    got = leaf_specs(tensors, values)
+    hint = (
+        "It was saved from a different architecture."
+        if contents.kind == "ensemble"
+        else "Build the template with the structure that was saved (e.g. the same model "
+        "and optimizer)."
+    )
+    missing, extra = expected.keys() - got.keys(), got.keys() - expected.keys()
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append("lacks " + ", ".join(contents.label(k) for k in sorted(missing)))
+        if extra:
+            parts.append("has extra " + ", ".join(contents.label(k) for k in sorted(extra)))
+        raise ValueError(
+            f"{where}: '{name}' does not match {contents.this}: the file "
+            f"{' and '.join(parts)}. {hint}"
+        )
+    for key, spec in expected.items():
+        if got[key] != spec:
+            if got[key][:2] == spec[:2] and spec[0] == "tensor":
+                hint = (
+                    f"Convert {contents.this} to {got[key][2]} before loading (e.g. "
+                    f".to(torch.{got[key][2]})), and back afterwards if needed."
+                )
+            raise ValueError(
+                f"{where}: '{name}' does not match {contents.this}: "
+                f"{contents.label(key)} is {_describe(got[key])} in the file; "
+                f"{contents.this} has {_describe(spec)}. {hint}"
+            )
+
+
+def load(path: str | os.PathLike, obj: T) -> T:
+    """Read a checkpoint written by [`save`][funcensemble.save].
+
+    Everything is checked before anything is copied: the file (empty, truncated or
+    garbage files), the checksums of its header and of every tensor's bytes (a
+    changed byte anywhere raises "checkpoint ... is corrupt", naming the header or
+    the tensor), its header (format, version, kind), for an ensemble the member
+    count and member class (by name: a class saved as ``__main__.Net`` loads into
+    ``train.Net``), and every leaf's path, type, shape and dtype. Any mismatch
+    raises a ``ValueError`` that names the file, what was expected and what was found,
+    and leaves ``obj`` untouched. Dtypes must match exactly: convert ``obj`` to the
+    saved dtype first. A file written before checksums were added (format version
+    1) loads with a ``UserWarning`` saying that it could not be verified; save it
+    again to add them.
+
+    Args:
+        path: A checkpoint file.
+        obj: Either an [`Ensemble`][funcensemble.Ensemble] of the saved architecture
+            and member count, which is loaded **in place** (its stacked parameters and
+            buffers are overwritten, on their own devices) and returned; or a template
+            pytree of the saved structure (e.g. freshly built ``params`` and
+            ``opt.init(params)``), which is left untouched: a new pytree of the
+            template's structure is returned, with the saved values. Its tensors are
+            new tensors on the template leaf's device, with its dtype and
+            ``requires_grad``; its Python ``bool``/``int``/``float``/``str`` leaves
+            are the saved values.
+
+    Returns:
+        ``obj`` itself for an ensemble; a new pytree for a template.
+
+    Raises:
+        ValueError: An unreadable, corrupt or invalid file, or one that does not match
+            ``obj``; or ``obj`` holds tensors on the meta device.
+        FileNotFoundError: No file at ``path``.
+        TypeError: ``obj`` is another ``nn.Module`` or has a leaf of an unsupported type.
+
+    Example:
+        >>> import os, tempfile, torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> state = {"params": params, "step": 10}
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     fe.save(os.path.join(tmp, "run.safetensors"), state)
+        ...     template = {"params": {k: torch.zeros_like(v) for k, v in params.items()},
+        ...                 "step": 0}
+        ...     loaded = fe.load(os.path.join(tmp, "run.safetensors"), template)
+        >>> loaded["step"], torch.equal(loaded["params"]["weight"], params["weight"])
+        (10, True)
+        >>> template["step"]  # the template is untouched
+        0
+    """
+    where = "load"
+    name = os.fspath(path)
+    contents = _contents(where, obj)
+    for key, leaf in contents.leaves.items():
+        if isinstance(leaf, Tensor) and leaf.device.type == "meta":
+            raise ValueError(
+                f"{where}: {contents.label(key)} of {contents.this} is on the meta device, "
+                "which holds no values, so nothing could be loaded into it. Build "
+                f"{contents.this} on a real device (for fe.stack, its returned params and "
+                "buffers, not the tensors of the module it returns)."
+            )
+
+    def check(header: dict[str, Any]) -> None:
+        _check_kind(where, name, contents, obj, header)
+        if isinstance(obj, Ensemble):
+            _check_ensemble(where, name, obj, header)
+
+    header, tensors, verified = read_checkpoint(where, path, check)
+    _check_leaves(where, name, contents, tensors, header["values"])
+    if not verified:
+        warnings.warn(
+            f"{where}: '{name}' was written before checkpoints had checksums (format "
+            f"version {header['version']}), so a byte changed since it was saved could "
+            "not be detected. Save it again with fe.save to add them.",
+            UserWarning,
+            stacklevel=2,
+        )
+    if isinstance(obj, Ensemble):
+        with torch.no_grad():
+            for key, target in contents.leaves.items():
+                target.copy_(tensors[key])
+        return obj
+    leaves = []
+    for key, leaf in contents.leaves.items():
+        if isinstance(leaf, Tensor):
+            value = tensors[key].to(leaf.device)
+            leaves.append(value.requires_grad_() if leaf.requires_grad else value)
+        else:
+            leaves.append(header["values"][key])
+    return optree.tree_unflatten(contents.treedef, leaves)

@@ -1,0 +1,1 @@
+"""The core: modules to stateless functions over stacked state, vmap, grad, Ensemble."""

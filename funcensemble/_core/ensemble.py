@@ -1,0 +1,305 @@
+"""``Ensemble``: N members as one ``nn.Module`` holding stacked ``[N, ...]`` parameters."""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._checkpoint.state_dict_checks import check_loadable
+from .._kernels.fastpath import fast_call
+from .._structure.architecture import Architecture, check_is_module, check_same_architecture
+from . import in_dims as _in_dims
+from .functional_module import FunctionalModule
+from .in_dims import InDims
+from .seeding import check_seed, global_rng_restored_on_error, member_seed, seeded_cpu_rng
+from .skeleton import meta_skeleton, replace_tensors
+from .stack import member_module, stack_as
+from .tree_view import register_view
+from .vmap import Randomness, check_options, mapped_call
+
+
+class Ensemble(nn.Module):
+    """N same-architecture modules run as one vectorized module.
+
+    Its parameters are the members' parameters stacked along a leading member axis
+    (``ens.stacked`` is a copy of the architecture holding them), so
+    ``torch.optim.Adam(ens.parameters())``, ``state_dict``, ``.to()``, ``.double()``,
+    ``.train()``/``.eval()``, hooks and ``torch.compile`` work as for any module.
+    Calling it runs every member on the inputs and stacks the outputs.
+
+    Args:
+        modules: A non-empty sequence of modules of one architecture that differ
+            only in their tensors (see [`stack`][funcensemble.stack]). Their tensors
+            are copied, not shared.
+        randomness: Passed to [`vmap`][funcensemble.vmap]: ``"different"`` dropout
+            masks per member, or ``"same"`` for all members.
+        chunk_size: Passed to [`vmap`][funcensemble.vmap]: run at most this many
+            members at a time to bound memory.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> ens = fe.Ensemble([torch.nn.Linear(8, 4) for _ in range(5)])
+        >>> len(ens), ens(torch.randn(32, 8)).shape
+        (5, torch.Size([5, 32, 4]))
+        >>> ens(torch.randn(5, 32, 8), in_dims=0).shape  # one batch per member
+        torch.Size([5, 32, 4])
+    """
+
+    stacked: nn.Module
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module] | nn.ModuleList,
+        *,
+        randomness: Randomness = "different",
+        chunk_size: int | None = None,
+    ) -> None:
+        fmodel, params, buffers = stack_as("Ensemble", modules)
+        super().__init__()
+        self._adopt(fmodel.skeleton, params, buffers, randomness, chunk_size)
+
+    def _adopt(
+        self,
+        skeleton: nn.Module,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        randomness: Randomness,
+        chunk_size: int | None,
+    ) -> None:
+        # Validate the vmap options once, here, rather than on the first call.
+        check_options("vmap", lambda p, b: None, randomness, chunk_size)
+        self.stacked = replace_tensors(
+            skeleton,
+            lambda name, t: nn.Parameter(params[name], requires_grad=t.requires_grad),
+            lambda name, _: buffers[name],
+        )
+        self.randomness: Randomness = randomness
+        self.chunk_size = chunk_size
+        self.fmodel = FunctionalModule(self.stacked)
+        # Report the members' mode: an ensemble of eval-mode members is in eval mode.
+        # (Not self.train(...): that would overwrite submodules' own, possibly mixed, flags.)
+        self.training = skeleton.training
+
+    @classmethod
+    def from_factory(
+        cls,
+        factory: Callable[[], nn.Module],
+        num_members: int,
+        *,
+        seed: int | None = None,
+        randomness: Randomness = "different",
+        chunk_size: int | None = None,
+    ) -> "Ensemble":
+        """Build N members by calling ``factory()`` once per member, in order.
+
+        With ``seed=None``, the members draw from PyTorch's global generators as they
+        are built, exactly as ``[factory() for _ in range(num_members)]`` would: the
+        ensemble equals ``fe.Ensemble`` of that list, so ``torch.manual_seed(k)`` before
+        the call reproduces it, and the global generators move on as after that loop
+        (a call that raises puts them back as they were).
+        With an int ``seed``, member i is built with the global CPU generator seeded
+        from ``(seed, i)`` alone, whatever the global generator's state, and that state
+        is restored afterwards. Either way each member gets the factory's own default
+        initialization, members differ, and growing ``num_members`` keeps the existing
+        members unchanged. Members are copied into preallocated stacked tensors one at
+        a time: peak memory is the stacked tensors plus about two members, never N
+        modules. Build on the CPU and move the ensemble with ``.to()``.
+        Every member is checked against member 0 as in [`stack`][funcensemble.stack]:
+        the factory must build the same architecture and non-tensor state each time.
+
+        Args:
+            factory: Called with no arguments once per member; returns an ``nn.Module``,
+                the same architecture every time.
+            num_members: N, a positive int.
+            seed: None to draw from the global generators (see above), or any int
+                >= 0 (no upper bound): member i then depends on ``(seed, i)`` only.
+            randomness: As in [`Ensemble`][funcensemble.Ensemble].
+            chunk_size: As in [`Ensemble`][funcensemble.Ensemble].
+
+        Raises:
+            TypeError: A non-callable ``factory``, a ``num_members`` or ``seed`` that is
+                not an int (``bool`` included), a factory returning a non-module, or
+                members of different classes.
+            ValueError: ``num_members < 1``, ``seed < 0``, or members differing in
+                names, shapes, dtypes, devices, ``requires_grad`` or train/eval mode.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> make = lambda: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh())
+            >>> ens = fe.Ensemble.from_factory(make, num_members=128, seed=0)
+            >>> small = fe.Ensemble.from_factory(make, num_members=4, seed=0)
+            >>> torch.equal(ens.member(3)[0].weight, small.member(3)[0].weight)
+            True
+            >>> _ = torch.manual_seed(7)
+            >>> a = fe.Ensemble.from_factory(make, num_members=4)  # the global generator
+            >>> _ = torch.manual_seed(7)
+            >>> b = fe.Ensemble.from_factory(make, num_members=4)
+            >>> torch.equal(a.stacked[0].weight, b.stacked[0].weight)
+            True
+        """
+        where = "Ensemble.from_factory"
+        if not callable(factory):
+            raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}.")
+        if isinstance(num_members, bool) or not isinstance(num_members, int):
+            raise TypeError(
+                f"{where}: num_members must be a positive int, got {type(num_members).__name__}."
+            )
+        if num_members < 1:
+            raise ValueError(f"{where}: num_members must be a positive int, got {num_members!r}.")
+        if seed is None:
+
+            def build(i: int) -> nn.Module:
+                return check_is_module(where, i, factory())
+
+        else:
+            base = check_seed(where, seed, none_ok=True)
+
+            def build(i: int) -> nn.Module:
+                with seeded_cpu_rng(member_seed(base, i)):
+                    return check_is_module(where, i, factory())
+
+        # With seed=None the members draw from the global generators; a refused call
+        # (a member that raises or differs from member 0) puts them back as they were.
+        with global_rng_restored_on_error():
+            first = build(0)
+            ref = Architecture.of(first)
+            first_params, first_buffers = (
+                dict(first.named_parameters()),
+                dict(first.named_buffers()),
+            )
+            with torch.no_grad():
+                params = {
+                    k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
+                    for k, s in ref.params.items()
+                }
+                buffers = {
+                    k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
+                    for k, s in ref.buffers.items()
+                }
+
+                def put(
+                    i: int, own_params: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]
+                ):
+                    for k, t in own_params.items():
+                        params[k][i].copy_(t)
+                    for k, t in own_buffers.items():
+                        buffers[k][i].copy_(t)
+
+                put(0, first_params, first_buffers)
+                for i in range(1, num_members):
+                    member = build(i)
+                    check_same_architecture(where, i, ref, member)
+                    put(i, dict(member.named_parameters()), dict(member.named_buffers()))
+                    del member
+        for k, s in ref.params.items():
+            params[k].requires_grad_(s.requires_grad)
+        ens = cls.__new__(cls)
+        nn.Module.__init__(ens)
+        ens._adopt(meta_skeleton(first), params, buffers, randomness, chunk_size)
+        return ens
+
+    def __len__(self) -> int:
+        return self.num_members
+
+    @property
+    def num_members(self) -> int:
+        """N, the size of the leading member axis."""
+        for t in self.stacked_params().values():
+            return t.shape[0]
+        for t in self.stacked_buffers().values():
+            return t.shape[0]
+        raise ValueError("Ensemble: the architecture has no parameters or buffers.")
+
+    def stacked_params(self) -> dict[str, nn.Parameter]:
+        """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""
+        return dict(self.stacked.named_parameters())
+
+    def stacked_buffers(self) -> dict[str, Tensor]:
+        """The live stacked buffers ``[N, ...]`` by state-dict name."""
+        return dict(self.stacked.named_buffers())
+
+    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
+        """Run every member; outputs get a leading member axis.
+
+        In train mode, BatchNorm running statistics are updated for every member; if the
+        call raises (e.g. a wrong input shape for a later layer), they are left as they
+        were.
+
+        Args:
+            *args: Positional inputs, shared by all members unless ``in_dims`` says
+                otherwise.
+            in_dims: As in [`vmap`][funcensemble.vmap]: ``0`` to give each member its
+                own slice of every positional input, or one entry per input.
+            **kwargs: Keyword inputs, shared by all members.
+        """
+        if in_dims is None:  # inputs shared by all members: nothing to check
+            dims: tuple[Any, ...] = (None,) * len(args)
+        else:
+            _in_dims.check_type("vmap", in_dims)
+            dims = _in_dims.per_argument(in_dims, args, self.num_members)
+        if self.chunk_size is None:
+            fast = fast_call(self.stacked, None, args, kwargs, dims, where="Ensemble")
+            if fast is not None:
+                return fast
+        mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size)
+        return mapped(self.stacked_params(), self.stacked_buffers(), args, kwargs, dims)
+
+    def member(self, index: int) -> nn.Module:
+        """An independent ordinary module holding member ``index`` (negative counts back).
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(4)])
+            >>> torch.equal(ens.member(-1).weight, ens.stacked.weight[3])
+            True
+        """
+        n = self.num_members
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"Ensemble.member: index must be an int, got {type(index).__name__}.")
+        if not -n <= index < n:
+            raise IndexError(
+                f"Ensemble.member: index {index} is out of range for an ensemble of {n} "
+                f"members (valid: {-n} to {n - 1})."
+            )
+        return member_module(self.stacked, self.stacked_params(), self.stacked_buffers(), index % n)
+
+    def unstack(self) -> list[nn.Module]:
+        """All members as independent ordinary modules (see [`unstack`][funcensemble.unstack])."""
+        return [self.member(i) for i in range(self.num_members)]
+
+    def extra_repr(self) -> str:
+        return f"num_members={self.num_members}"
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """``nn.Module.load_state_dict``, checked in full before anything is copied.
+
+        A state_dict that fails any check changes nothing: no parameter or buffer is
+        written unless every entry is loadable. Values of another floating-point (or
+        integer) dtype are converted, as ``nn.Module.load_state_dict`` converts them.
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
+            ValueError: Missing or unexpected keys (when ``strict``); keys of one member
+                module's state_dict (``"0.weight"`` for ``"stacked.0.weight"``, also
+                when not ``strict``); a different member count; a shape that does not
+                match this ensemble; a tensor on the meta device; or a dtype of
+                another kind (floating-point, integer, complex, bool).
+        """
+        check_loadable(
+            "Ensemble.load_state_dict",
+            self.state_dict(keep_vars=True),
+            state_dict,
+            self.num_members,
+            strict=strict,
+        )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+# The optimizer layer works on pytrees and knows nothing of Ensemble: it sees one as
+# its stacked parameters and buffers.
+register_view(
+    Ensemble, lambda ens: {"params": ens.stacked_params(), "buffers": ens.stacked_buffers()}
+)

@@ -1,0 +1,67 @@
+"""``FunctionalModule``: one member's module as a pure function of its tensors."""
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from .. import _torch_compat
+from .._kernels.batchnorm import norm_layers, updated_in_place
+from .._kernels.fastpath import fast_call
+from .._kernels.rewrites import vmap_rewrites
+from .diagnose import linear_width_error
+from .rollback import save_before_update
+
+
+class FunctionalModule:
+    """A module turned into a pure function of ``(params, buffers, *args, **kwargs)``.
+
+    It computes ONE member: ``params`` and ``buffers`` are dicts keyed by state-dict
+    names holding one member's tensors. Map it over members with
+    [`funcensemble.vmap`][]. The wrapped ``skeleton`` holds no weights of its own (its
+    tensors are on the meta device, or are the stacked tensors of an
+    [`Ensemble`][funcensemble.Ensemble]); its ``training`` flags decide train/eval
+    behaviour.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> one = {k: v[0] for k, v in params.items()}
+        >>> fmodel(one, {}, torch.ones(5, 3)).shape
+        torch.Size([5, 2])
+    """
+
+    def __init__(self, skeleton: nn.Module) -> None:
+        self.skeleton = skeleton
+
+    def __call__(
+        self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
+    ) -> Any:
+        if len(args) == 1 and not kwargs:
+            fast = fast_call(self.skeleton, params, args, kwargs, None)
+            if fast is not None:
+                return fast
+        if not torch.compiler.is_compiling() and _torch_compat.inside_transform():
+            # Inside fe.vmap: keep a copy of the statistics this forward will update,
+            # put back if the call fails (see _rollback).
+            save_before_update(updated_in_place(norm_layers(self.skeleton)))
+        try:
+            # Under vmap, BatchNorm of all members runs as one call, and a few calls that
+            # vmap cannot batch, or batches wrongly, run as the loop's math (see _rewrites).
+            with vmap_rewrites(self.skeleton):
+                return functional_call(
+                    self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
+                )
+        except RuntimeError:
+            if torch.compiler.is_compiling():
+                raise
+            inside = _torch_compat.inside_transform()
+            where = "vmap" if inside else "FunctionalModule"
+            clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
+            if clear is None:
+                raise
+        raise clear from None
+
+    def __repr__(self) -> str:
+        return f"FunctionalModule({self.skeleton!r})"

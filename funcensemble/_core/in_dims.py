@@ -1,0 +1,130 @@
+"""``in_dims``: checked once where a user gives it, then trusted below.
+
+``in_dims`` says how the positional arguments after ``params`` and ``buffers`` are split
+over members, as in ``torch.func.vmap``: ``None`` (shared by all members), an int (the
+member dim of every mapped tensor), or a tuple with one entry per argument (each
+``None``, an int, or a pytree of those matching a prefix of the argument). The public
+entry points ([`vmap`][funcensemble.vmap], [`value_and_grad`][funcensemble.value_and_grad],
+``Ensemble.forward``, ``ShardedEnsemble.map``) call [`check_type`][] when they are
+built and [`per_argument`][] once per call; the layers below take its result as given.
+"""
+
+from typing import Any
+
+import torch
+
+from .. import _tree
+
+InDims = int | None | tuple[Any, ...]
+
+
+def check_type(where: str, in_dims: Any) -> None:
+    """Refuse an ``in_dims`` that is not ``None``, an int or a tuple."""
+    if not (in_dims is None or isinstance(in_dims, (int, tuple))) or isinstance(in_dims, bool):
+        raise TypeError(
+            f"{where}: in_dims must be None, an int or a tuple, got {type(in_dims).__name__}."
+        )
+
+
+def arg_dims(in_dims: InDims, num_args: int, where: str = "vmap") -> tuple[Any, ...]:
+    """One ``in_dims`` entry per positional argument."""
+    if isinstance(in_dims, tuple):
+        if len(in_dims) != num_args:
+            raise ValueError(
+                f"{where}: in_dims has {len(in_dims)} entries but the call passed {num_args} "
+                "positional argument(s) after params and buffers. Give one entry per "
+                "argument (None = shared by all members, 0 = one slice per member)."
+            )
+        return in_dims
+    if in_dims is None or isinstance(in_dims, int):
+        return (in_dims,) * num_args
+    raise TypeError(
+        f"{where}: in_dims must be None, an int or a tuple with one entry per argument, got "
+        f"{type(in_dims).__name__}."
+    )
+
+
+def leaf_dims(index: int, arg: Any, dim: Any, where: str = "vmap") -> tuple[list[Any], list[Any]]:
+    """``arg``'s leaves and the member dim of each (``dim`` broadcast over ``arg``)."""
+    leaves, spec = _tree.flatten(arg)
+    flat = _tree.broadcast_prefix(dim, spec)
+    if flat is None:
+        raise ValueError(
+            f"{where}: in_dims entry {index} ({dim!r}) does not match the structure of "
+            f"argument {index} ({type(arg).__name__})."
+        )
+    return leaves, flat
+
+
+def check_member_sizes(
+    args: tuple[Any, ...], dims: tuple[Any, ...], n: int, where: str = "vmap"
+) -> tuple[Any, ...]:
+    """Check every mapped leaf has ``n`` members along its dim.
+
+    Returns ``dims`` with each non-``None`` entry spelled out over its argument's whole
+    structure (one int or ``None`` per leaf, in the argument's own container order):
+    ``torch.func.vmap`` pairs a dict entry of ``in_dims`` with the argument's keys by
+    position, so a dict given in another key order would map the wrong leaf.
+    """
+    out = []
+    for index, (arg, dim) in enumerate(zip(args, dims, strict=True)):
+        if dim is None:
+            out.append(None)
+            continue
+        leaves, flat = leaf_dims(index, arg, dim, where)
+        for leaf, d in zip(leaves, flat, strict=True):
+            if d is None:
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{where}: argument {index} is mapped (in_dims {d}) but holds a "
+                    f"{type(leaf).__name__}; only tensors can be split over members."
+                )
+            if not -leaf.dim() <= d < leaf.dim():
+                raise ValueError(
+                    f"{where}: argument {index} has {leaf.dim()} dimension(s); it cannot be "
+                    f"split over members along dim {d}."
+                )
+            if leaf.shape[d] != n:
+                raise ValueError(
+                    f"{where}: argument {index} has size {leaf.shape[d]} along its member "
+                    f"dim {d}, but the ensemble has {n} members. A per-member input needs "
+                    "one slice per member; pass in_dims=None for an input shared by all."
+                )
+        out.append(dim if isinstance(dim, int) else _tree.unflatten(_tree.flatten(arg)[1], flat))
+    return tuple(out)
+
+
+def per_argument(
+    in_dims: InDims, args: tuple[Any, ...], n: int, where: str = "vmap"
+) -> tuple[Any, ...]:
+    """The one check of a call's ``in_dims`` against its arguments: one entry per
+    argument, each ``None``, an int, or a pytree of those shaped like its argument."""
+    dims = arg_dims(in_dims, len(args), where)
+    if all(d is None for d in dims):  # nothing to check for shared inputs
+        return dims
+    return check_member_sizes(args, dims, n, where)
+
+
+def narrow(args: tuple[Any, ...], dims: tuple[Any, ...], start: int, stop: int) -> tuple[Any, ...]:
+    """The arguments of members ``start:stop``: mapped leaves narrowed, others shared.
+
+    ``dims`` as [`per_argument`][] returns them (trusted, not checked again).
+    """
+    out = []
+    for index, (arg, dim) in enumerate(zip(args, dims, strict=True)):
+        if dim is None:
+            out.append(arg)
+            continue
+        leaves, flat = leaf_dims(index, arg, dim)
+        spec = _tree.flatten(arg)[1]
+        out.append(
+            _tree.unflatten(
+                spec,
+                [
+                    x if d is None else x.narrow(d, start, stop - start)
+                    for x, d in zip(leaves, flat, strict=True)
+                ],
+            )
+        )
+    return tuple(out)

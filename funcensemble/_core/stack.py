@@ -1,0 +1,191 @@
+"""Stacking N same-architecture modules into one stateless function plus stacked state."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Shaped
+from torch import Tensor, nn
+
+from .._structure.architecture import Architecture, check_is_module, check_same_architecture
+from .functional_module import FunctionalModule
+from .skeleton import meta_skeleton, replace_tensors
+
+StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
+
+
+def _stack_one(name: str, tensors: list[Tensor], requires_grad: bool) -> Tensor:
+    out = torch.stack([t.detach() for t in tensors])
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def stack(
+    modules: Sequence[nn.Module] | nn.ModuleList,
+) -> tuple[FunctionalModule, StackedTensors, StackedTensors]:
+    """Stack N same-architecture modules into one stateless function and its state.
+
+    Only the members' tensors may differ. ``fmodel`` runs every member through one
+    copy of ``modules[0]``, so the members must agree on everything else ``forward``
+    can read: submodule classes and tree, every non-tensor attribute of every
+    submodule (except ``nn.Module``'s own bookkeeping), hooks and parametrizations
+    (see the how-to page "Unsupported layers"). Modules parametrized with
+    ``torch.nn.utils.parametrize`` stack their original tensors.
+
+    Args:
+        modules: A non-empty sequence of modules of one architecture (same class,
+            parameter and buffer names, shapes, dtypes, devices, train/eval modes,
+            and the same non-tensor state).
+
+    Returns:
+        ``(fmodel, params, buffers)``: ``fmodel`` is a
+        [`FunctionalModule`][funcensemble.FunctionalModule] computing one member;
+        ``params`` and ``buffers`` are dicts keyed by state-dict names whose tensors
+        have a leading member axis of size N. Stacked parameters
+        are fresh autograd leaves: nothing aliases the input modules' tensors. They
+        keep the members' ``requires_grad``: a frozen parameter stays frozen (see
+        [`value_and_grad`][funcensemble.value_and_grad]).
+
+    Raises:
+        ValueError: No modules, or members differing in names, shapes, dtypes,
+            devices, ``requires_grad``, train/eval mode, submodule tree, any non-tensor
+            attribute, hooks or parametrizations (the message names the member, the
+            submodule, the attribute and both values).
+        TypeError: A member that is not an ``nn.Module``, members (or submodules) of
+            different classes, or a layer that cannot run under ``vmap`` (fused RNNs).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> heads = [torch.nn.Linear(8, 4) for _ in range(16)]
+        >>> fmodel, params, buffers = fe.stack(heads)
+        >>> params["weight"].shape
+        torch.Size([16, 4, 8])
+        >>> fe.vmap(fmodel)(params, buffers, torch.randn(32, 8)).shape
+        torch.Size([16, 32, 4])
+    """
+    return stack_as("stack", modules)
+
+
+def stack_as(
+    where: str, modules: Sequence[nn.Module] | nn.ModuleList
+) -> tuple[FunctionalModule, dict[str, Tensor], dict[str, Tensor]]:
+    """[`stack`][funcensemble.stack], with errors naming the public entry point ``where``."""
+    if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
+        raise TypeError(
+            f"{where}: Expected a sequence of modules (e.g. a list or nn.ModuleList), got a "
+            f"single {type(modules).__name__}."
+        )
+    modules = list(modules)
+    if not modules:
+        raise ValueError(f"{where}: Expected at least one module, got 0.")
+    first = check_is_module(where, 0, modules[0])
+    ref = Architecture.of(first)
+    for k, module in enumerate(modules[1:], start=1):
+        check_same_architecture(where, k, ref, check_is_module(where, k, module))
+    per_member = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in modules]
+    params = {
+        name: _stack_one(name, [p[name] for p, _ in per_member], spec.requires_grad)
+        for name, spec in ref.params.items()
+    }
+    buffers = {
+        name: _stack_one(name, [b[name] for _, b in per_member], False) for name in ref.buffers
+    }
+    return FunctionalModule(meta_skeleton(first)), params, buffers
+
+
+def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
+    """Check that ``params`` and ``buffers`` are dicts of tensors, as ``stack`` returns."""
+    for argument, tree in (("params", params), ("buffers", buffers)):
+        if not isinstance(tree, dict):
+            raise TypeError(
+                f"{where}: {argument} must be a dict of stacked tensors keyed by state-dict "
+                f"names (as fe.stack returns), got {type(tree).__name__}. Pass the "
+                f"{argument} dict from fe.stack"
+                + (" ({} for a module without buffers)." if argument == "buffers" else ".")
+            )
+        for name, t in tree.items():
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, expected a "
+                    "tensor with the member axis first. Pass the dicts from fe.stack."
+                )
+
+
+def _num_members(where: str, params: Any, buffers: Any) -> int:
+    check_state_dicts(where, params, buffers)
+    sizes = {
+        name: (t.shape[0] if t.dim() else None)
+        for name, t in list(params.items()) + list(buffers.items())
+    }
+    if not sizes:
+        raise ValueError(
+            f"{where}: Expected stacked parameters or buffers with a leading member axis, "
+            "got none (the module has no state to map over)."
+        )
+    first_name, n = next(iter(sizes.items()))
+    for name, size in sizes.items():
+        if size != n or size is None:
+            raise ValueError(
+                f"{where}: `{name}` has leading size {size}, but `{first_name}` has {n}. "
+                "Every stacked tensor must have the member axis first, of one size N."
+            )
+    assert n is not None
+    return n
+
+
+def unstack(
+    fmodel: FunctionalModule, params: StackedTensors, buffers: StackedTensors
+) -> list[nn.Module]:
+    """Turn a stacked ensemble back into N ordinary modules.
+
+    Each returned module is an independent, contiguous copy (same class, hooks,
+    tied weights and train/eval flags as the stacked architecture) that shares no
+    storage with ``params`` or ``buffers``.
+
+    Args:
+        fmodel: The function returned by [`stack`][funcensemble.stack].
+        params: Stacked parameters, leading member axis first.
+        buffers: Stacked buffers, leading member axis first.
+
+    Returns:
+        A list of N modules; ``stack(unstack(fmodel, params, buffers))`` gives back
+        exactly ``params`` and ``buffers``.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> heads = fe.unstack(fmodel, params, buffers)
+        >>> len(heads), torch.equal(heads[2].weight, params["weight"][2])
+        (4, True)
+    """
+    if not isinstance(fmodel, FunctionalModule):
+        raise TypeError(
+            f"unstack: Expected the FunctionalModule returned by stack, got "
+            f"{type(fmodel).__name__}."
+        )
+    check_state_dicts("unstack", params, buffers)
+    ref = Architecture.of(fmodel.skeleton)
+    for kind, expected, got in (
+        ("parameters", ref.params, params),
+        ("buffers", ref.buffers, buffers),
+    ):
+        if expected.keys() != got.keys():
+            raise ValueError(
+                f"unstack: {kind} {sorted(got)} do not match the architecture's {sorted(expected)}."
+            )
+    n = _num_members("unstack", params, buffers)
+    return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]
+
+
+def member_module(
+    skeleton: nn.Module, params: dict[str, Tensor], buffers: dict[str, Tensor], i: int
+) -> nn.Module:
+    """An independent module holding member ``i`` of the stacked tensors."""
+
+    def param(name: str, t: Tensor) -> Tensor:
+        value = params[name][i].detach().clone(memory_format=torch.contiguous_format)
+        return nn.Parameter(value, requires_grad=t.requires_grad)
+
+    def buffer(name: str, _: Tensor) -> Tensor:
+        return buffers[name][i].detach().clone(memory_format=torch.contiguous_format)
+
+    return replace_tensors(skeleton, param, buffer)

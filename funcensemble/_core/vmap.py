@@ -1,0 +1,217 @@
+"""Mapping a one-member function over the member axis of stacked state."""
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .. import _torch_compat
+from .._kernels.fastpath import fast_call
+from . import in_dims as _in_dims
+from .functional_module import FunctionalModule
+from .in_dims import InDims
+from .rollback import rollback_on_error
+from .stack import _num_members
+
+Randomness = Literal["different", "same", "error"]
+
+# What to do about operators that ordinary layers call, where the generic advice misleads.
+# Inside a FunctionalModule's layers these are rewritten (see _rewrites); these hints are
+# for the same calls written in a user's own forward or function.
+_HINTS = {
+    "aten::as_strided_": (
+        "It is usually F.adaptive_avg_pool2d/3d to an output of size 1 on a "
+        "channels_last tensor, called in your own code (nn.AdaptiveAvgPool layers of a "
+        "stacked module are handled): write x.mean((-2, -1), keepdim=True) (the same "
+        "values), or call x.contiguous() before pooling."
+    ),
+}
+_HINTS["aten::_weight_norm"] = _HINTS["aten::_weight_norm_interface"] = (
+    "It is torch._weight_norm (as in torch.nn.utils.weight_norm): use "
+    "torch.nn.utils.parametrizations.weight_norm, which funcensemble handles, or write "
+    "v * (g / torch.linalg.vector_norm(v, dim=<all dims but dim>, keepdim=True))."
+)
+
+
+@contextlib.contextmanager
+def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
+    """Forbid vmap's per-element fallback loop for one call, and avoid its usual causes.
+
+    Without this, ops lacking a batching rule silently run one member at a time. Two
+    such ops sit inside ordinary attention layers, so they are routed around:
+    ``nn.MultiheadAttention``'s fused inference fast path, and the CPU flash-attention
+    kernel of ``scaled_dot_product_attention`` (its math backend batches fine).
+    """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the global fallback/fast-path switches, but it does trace
+        # sdpa_kernel: without it the CPU flash kernel would loop over members.
+        with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
+            yield
+        return
+    with _torch_compat.no_silent_vmap_loops():
+        if on_cpu:
+            with sdpa_kernel(SDPBackend.MATH):
+                yield
+        else:
+            yield
+
+
+def _on_cpu(params: Any, buffers: Any) -> bool:
+    for tree in (params, buffers):
+        for t in tree.values():
+            return t.device.type == "cpu"
+    return True
+
+
+def _explain(error: RuntimeError, randomness: str) -> Exception | None:
+    message = str(error)
+    op = _torch_compat.missing_batching_rule(message)
+    if op is not None:
+        return RuntimeError(
+            f"vmap: the operator {op} has no vmap batching rule, so the members "
+            "cannot run as one vectorized call (funcensemble does not silently loop over "
+            "them). "
+            + _HINTS.get(
+                op,
+                "Replace the layer that calls it (fused RNN kernels are the usual "
+                "cause: write the recurrence with nn.Linear; nn.RReLU in eval mode is "
+                "nn.LeakyReLU((lower + upper) / 2)), or loop over the members yourself.",
+            )
+        )
+    if "randomness" in message and randomness == "error":
+        return RuntimeError(
+            "vmap: the model draws random numbers (e.g. Dropout in train mode) but "
+            "randomness='error'. Pass randomness='different' for independent draws per "
+            "member, randomness='same' to share one draw across members, or call .eval()."
+        )
+    return None
+
+
+def vmap(
+    fn: Callable[..., Any],
+    in_dims: InDims = None,
+    *,
+    randomness: Randomness = "different",
+    chunk_size: int | None = None,
+) -> Callable[..., Any]:
+    """Map a one-member function over all members of stacked parameters and buffers.
+
+    ``fn(params, buffers, *args, **kwargs)`` is written for ONE member (e.g. the
+    ``fmodel`` from [`stack`][funcensemble.stack], or a loss built on it). The result
+    takes stacked ``params`` and ``buffers`` (member axis first) and returns ``fn``'s
+    outputs stacked along a new leading member axis, as a pytree if ``fn`` returns one.
+    Buffers that ``fn`` updates in place (BatchNorm running statistics in train mode)
+    are updated for every member in the stacked tensors. If the call raises, the running
+    statistics that the normalization layers of a
+    [`FunctionalModule`][funcensemble.FunctionalModule] updated in ``buffers`` are put
+    back as they were (a custom module's own in-place buffer updates are not).
+
+    Args:
+        fn: The one-member function.
+        in_dims: How the positional arguments after ``params`` and ``buffers`` are
+            split over members: ``None`` (shared by all members), an int (the member
+            dim of every mapped tensor), or a tuple with one entry per argument (each
+            ``None``, an int, or a pytree of those matching the argument; a dict
+            entry names the argument's leaves by key, in any key order). Keyword
+            arguments are always shared. Argument pytrees are read as optree reads
+            them: tuples, lists, dicts, namedtuples, ``OrderedDict``, ``deque``; any
+            other object is one leaf. Calls from several threads at once are safe.
+        randomness: ``"different"``: each member draws its own random numbers
+            (independent dropout masks); ``"same"``: one draw shared by all members;
+            ``"error"``: refuse random operations.
+        chunk_size: Map at most this many members at a time, bounding peak memory
+            at the cost of speed. ``None`` maps all members at once.
+
+    Returns:
+        The mapped function ``(params, buffers, *args, **kwargs) -> outputs``.
+
+    Raises:
+        ValueError: A per-member argument whose size along its member dim is not N,
+            or a malformed ``in_dims``/``chunk_size``/``randomness``.
+        TypeError: A non-callable ``fn``, or ``in_dims``/``chunk_size`` of a wrong type.
+        RuntimeError: An operator with no vmap batching rule (named in the message).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(4)])
+        >>> fe.vmap(fmodel)(params, buffers, torch.randn(10, 3)).shape
+        torch.Size([4, 10, 2])
+        >>> xs = torch.randn(4, 10, 3)  # one batch per member
+        >>> fe.vmap(fmodel, in_dims=(0,))(params, buffers, xs).shape
+        torch.Size([4, 10, 2])
+    """
+    check_options("vmap", fn, randomness, chunk_size)
+    _in_dims.check_type("vmap", in_dims)
+    run = mapped_call(fn, randomness, chunk_size)
+
+    @functools.wraps(fn)
+    def mapped(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
+        n = _num_members("vmap", params, buffers)
+        return run(params, buffers, args, kwargs, _in_dims.per_argument(in_dims, args, n))
+
+    return mapped
+
+
+def check_options(where: str, fn: Any, randomness: Any, chunk_size: Any) -> None:
+    """Refuse a non-callable ``fn`` or a malformed ``randomness``/``chunk_size``."""
+    if not callable(fn):
+        raise TypeError(f"{where}: Expected a callable, got {type(fn).__name__}.")
+    if randomness not in ("different", "same", "error"):
+        raise ValueError(
+            f"{where}: randomness must be 'different', 'same' or 'error', got {randomness!r}."
+        )
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
+        raise TypeError(
+            f"{where}: chunk_size must be a positive int or None, got {type(chunk_size).__name__}."
+        )
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"{where}: chunk_size must be a positive int or None, got {chunk_size!r}.")
+
+
+def mapped_call(
+    fn: Callable[..., Any], randomness: Randomness, chunk_size: int | None
+) -> Callable[[Any, Any, tuple[Any, ...], dict[str, Any], tuple[Any, ...]], Any]:
+    """``fn`` mapped over members, taking ``(params, buffers, args, kwargs, dims)``.
+
+    The layer under the public entry points: options checked by
+    [`check_options`][], ``dims`` by ``_in_dims.per_argument``, and the stacked state by
+    ``_num_members``; nothing is checked again here.
+    """
+
+    def one_member(params: Any, buffers: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        return fn(params, buffers, *args, **kwargs)
+
+    skeleton = fn.skeleton if isinstance(fn, FunctionalModule) else None
+
+    def run(
+        params: Any,
+        buffers: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dims: tuple[Any, ...],
+    ) -> Any:
+        if skeleton is not None and chunk_size is None:
+            fast = fast_call(skeleton, params, args, kwargs, dims)
+            if fast is not None:
+                return fast
+        vmapped = torch.func.vmap(
+            one_member,
+            in_dims=(0, 0, dims, None),
+            randomness=randomness,
+            chunk_size=chunk_size,
+        )
+        try:
+            # A call that raises leaves the buffers as they were (see _rollback).
+            with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
+                return vmapped(params, buffers, args, kwargs)
+        except RuntimeError as error:
+            clear = _explain(error, randomness)
+            if clear is None:
+                raise
+            # Keep the frames down to the offending op, but not torch's internal wording.
+            raise clear.with_traceback(error.__traceback__) from None
+
+    return run

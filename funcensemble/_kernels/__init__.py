@@ -1,0 +1,1 @@
+"""How members are computed batched: the MLP fast path and calls vmap cannot batch as written."""

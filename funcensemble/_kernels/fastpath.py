@@ -1,0 +1,335 @@
+"""Direct batched kernels for plain MLPs, used instead of ``vmap`` where they apply.
+
+Under ``vmap`` a batched ``F.linear`` becomes ``bmm`` plus separate bias passes and
+copies. For the most common ensemble architecture, a chain of ``nn.Linear`` layers and
+elementwise activations, running ``torch.baddbmm`` on the stacked weights directly
+folds the bias into the GEMM and skips vmap's dispatch entirely. Anything this module
+does not recognise exactly (subclasses, hooks, parametrizations, dropout in train
+mode, other layers) returns ``None`` and the caller takes the general ``vmap`` path.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .. import _torch_compat
+from . import mlp_op as _mlp_op
+
+_ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
+    nn.Identity: lambda m, x: x,
+    nn.Tanh: lambda m, x: torch.tanh(x),
+    nn.ReLU: lambda m, x: torch.relu(x),
+    nn.Sigmoid: lambda m, x: torch.sigmoid(x),
+    nn.SiLU: lambda m, x: F.silu(x),
+    nn.Mish: lambda m, x: F.mish(x),
+    nn.GELU: lambda m, x: F.gelu(x, approximate=m.approximate),
+    nn.LeakyReLU: lambda m, x: F.leaky_relu(x, m.negative_slope),
+    nn.ELU: lambda m, x: F.elu(x, m.alpha),
+    nn.Softplus: lambda m, x: F.softplus(x, m.beta, m.threshold),
+}
+
+# A step is (module, weight name, bias name) for a Linear, or (module, None, None).
+Plan = list[tuple[nn.Module, str | None, str | None]]
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
+    if _has_hooks(module):
+        return False
+    kind = type(module)
+    if kind is nn.Sequential:
+        # Sequential.forward runs _modules in order, repeats included (named_children
+        # would skip a module instance used twice).
+        return all(
+            child is not None and _visit(child, f"{prefix}{name}.", steps)
+            for name, child in module._modules.items()
+        )
+    if kind is nn.Linear:
+        bias = f"{prefix}bias" if module.bias is not None else None
+        steps.append((module, f"{prefix}weight", bias))
+        return True
+    if kind in _ELEMENTWISE or kind is nn.Dropout:
+        steps.append((module, None, None))
+        return True
+    return False
+
+
+def plan(skeleton: nn.Module) -> Plan | None:
+    """The layer chain of ``skeleton`` if it is a plain MLP, else ``None``.
+
+    Recomputed on every call (about 10 us, under 0.1% of a call of the S benchmark
+    workload): hooks, train/eval flags and submodules may change between calls, and
+    a cache keyed on shapes, dtypes and devices would not see a hook added or a layer
+    replaced; checking for those costs what planning does.
+    """
+    steps: Plan = []
+    if not _visit(skeleton, "", steps) or not any(w for _, w, _ in steps):
+        return None
+    return steps
+
+
+# Activations autograd differentiates from their output alone: applied in place to the
+# fresh output of the layer before them, which saves one activation-sized tensor per
+# layer (the layer's backward does not need its own output).
+_IN_PLACE: dict[type, Callable[[Tensor], Tensor]] = {
+    nn.Tanh: torch.tanh_,
+    nn.Sigmoid: torch.sigmoid_,
+    nn.ReLU: torch.relu_,
+}
+
+
+def width_error(where: str, weight: str, shape: tuple[int, ...], got: int, *, first: bool) -> str:
+    """The message for a Linear (weight ``weight``, one member's ``shape``) fed ``got``
+    input features; ``first``: the layer the input itself reaches."""
+    layer = weight.removesuffix("weight").rstrip(".") or "(the module itself)"
+    head = f"{where}: layer `{layer}` (Linear, weight `{weight}` of shape {shape} per member)"
+    expected = shape[-1]
+    if first:
+        return (
+            f"{head} expects {expected} input features (expected an input of shape "
+            f"(..., {expected}), got (..., {got})). Pass inputs whose last dim is {expected}."
+        )
+    return (
+        f"{head} expects {expected} input features, but is given {got}. Each member's own "
+        "module fails the same way: fix the width of what feeds it."
+    )
+
+
+def check_widths(where: str, steps: Plan, params: dict[str, Tensor], width: int) -> None:
+    """Check each Linear's ``in_features`` against the width reaching it, before any GEMM.
+
+    Otherwise a wrong input width surfaces as the shapes of our internal matrix
+    products (``(20x3 and 4x10)``), which name neither the input nor the layer.
+    """
+    first = True
+    for _, weight, _ in steps:
+        if weight is None:
+            continue
+        w = params[weight]
+        if w.shape[-1] != width:
+            raise ValueError(width_error(where, weight, tuple(w.shape[1:]), width, first=first))
+        width = w.shape[-2]
+        first = False
+
+
+def run(
+    steps: Plan,
+    params: dict[str, Tensor],
+    x: Tensor,
+    member_dim: int | None,
+    where: str = "vmap",
+) -> Tensor | None:
+    """Run the chain on stacked ``params``; ``x`` is shared or has ``member_dim``.
+
+    Returns ``[N, *lead, out]``, or ``None`` if this call needs the general path.
+    """
+    if _torch_compat.global_module_hooks() or x.dim() < 1:
+        return None
+    for module, weight, _ in steps:
+        if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
+            return None  # random masks follow vmap's randomness rules: general path
+    n = next(params[w].shape[0] for _, w, _ in steps if w is not None)
+    if member_dim is not None:
+        x = x.movedim(member_dim, 0)
+        if x.dim() < 2 or x.shape[0] != n:
+            return None
+    check_widths(where, steps, params, x.shape[-1])
+    if torch.compiler.is_compiling():
+        out = _compiled_chain(steps, params, x, n, shared=member_dim is None)
+        if out is not None:
+            lead = x.shape[:-1] if member_dim is None else x.shape[1:-1]
+            return out.view(n, *lead, out.shape[-1])
+    # Activations run feature-major, [N, features, rows]: each layer is then
+    # W @ h + b on the weights exactly as stored ([N, out, in]), so no operand is
+    # transposed and the weight gradients g @ h^T come out in the weights' own layout
+    # (row-major activations would hand autograd transposed gradients to copy).
+    if member_dim is None:
+        lead = x.shape[:-1]
+        h = x.reshape(-1, x.shape[-1]).t()  # shared by all members: [in, rows]
+    else:
+        lead = x.shape[1:-1]
+        h = x.reshape(n, -1, x.shape[-1]).transpose(1, 2)
+    h = _chain(steps, params, h, n, shared=member_dim is None)
+    h = _members_first(h, n)
+    return h.transpose(1, 2).contiguous().view(n, *lead, h.shape[1])
+
+
+def _members_first(h: Tensor, n: int) -> Tensor:
+    """``[N * features, rows]`` as ``[N, features, rows]`` (sizes spelled out: with no
+    rows, a ``-1`` would be ambiguous); a 3-d ``h`` is returned as it is."""
+    return h.view(n, h.shape[0] // n, h.shape[-1]) if h.dim() == 2 else h
+
+
+def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared: bool) -> Tensor:
+    """The layers on feature-major ``h``; returns ``[N, out, rows]`` or ``[N * out, rows]``.
+
+    ``h`` is ``[N, in, rows]``, or ``[in, rows]`` when every member sees the same
+    input (``shared``): the first Linear then runs as ONE matrix product of all
+    members' weights, ``[N * out, in] @ [in, rows]``, whose ``[N * out, rows]`` result
+    is already member-major (one large GEMM instead of N small ones, in the forward
+    and for the weight gradient).
+    """
+    fresh = False  # whether h is a layer output of ours that nothing else holds
+    for module, weight, bias in steps:
+        kind = type(module)
+        if weight is None:
+            if kind is nn.Dropout:
+                continue
+            if fresh and kind in _IN_PLACE:
+                # In place on h itself, never on a view of it: autograd would record
+                # a copy of the whole base for an in-place op on a view.
+                h = _IN_PLACE[kind](h)
+            else:
+                h = _ELEMENTWISE[kind](module, h)
+            fresh = False
+            continue
+        w = params[weight]
+        if shared:
+            w2 = w.reshape(-1, w.shape[-1])
+            b = None if bias is None else params[bias].reshape(-1, 1)
+            h = torch.mm(w2, h) if b is None else torch.addmm(b, w2, h)
+            shared = False
+        else:
+            h = _members_first(h, n)
+            if bias is None:
+                h = torch.bmm(w, h)
+            else:
+                h = torch.baddbmm(params[bias].unsqueeze(2), w, h)
+        fresh = True
+    if shared:  # no Linear ran (plan() refuses such chains; kept for safety)
+        h = h.expand(n, -1, -1)
+    return h
+
+
+def _compiled_chain(
+    steps: Plan, params: dict[str, Tensor], x: Tensor, n: int, *, shared: bool
+) -> Tensor | None:
+    """The chain as one opaque op for ``torch.compile`` (see ``_mlp_op``), or ``None``."""
+    found = _mlp_op.layers(steps)
+    if found is None:
+        return None
+    weights, biases, acts = found
+    x = x.reshape(-1, x.shape[-1]) if shared else x.reshape(n, -1, x.shape[-1])
+    outputs = _mlp_op.mlp_forward(
+        x,
+        [params[w] for w in weights],
+        [params[b] for b in biases if b is not None],
+        [b is not None for b in biases],
+        acts,
+    )
+    return outputs[0]
+
+
+def _direct_plan(skeleton: nn.Module, x: Any, in_dims: Any) -> tuple[Plan, int | None] | None:
+    """The chain and member dim for a direct (not inside a transform) call on ``x``."""
+    dim = in_dims[0] if isinstance(in_dims, tuple) and len(in_dims) == 1 else in_dims
+    if (
+        not isinstance(x, Tensor)
+        or isinstance(dim, bool)
+        or not (dim is None or isinstance(dim, int))
+    ):
+        return None
+    if dim is not None and not -x.dim() <= dim < x.dim():
+        return None  # the general path explains
+    if not torch.compiler.is_compiling() and _torch_compat.inside_transform():
+        return None  # inside another torch.func transform: let vmap compose with it
+    steps = plan(skeleton)
+    return None if steps is None else (steps, dim)
+
+
+def fast_call(
+    skeleton: nn.Module,
+    params: dict[str, Any] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dims: tuple[Any, ...] | None,
+    *,
+    where: str = "vmap",
+) -> Tensor | None:
+    """The one entry to the fast path: the stacked output of an MLP call, or ``None``.
+
+    The three ways a stacked MLP is called all come here:
+
+    - ``fe.vmap(fmodel)(params, buffers, x)``: ``params`` the stacked dict, ``dims``
+      the call's checked ``in_dims`` (see ``_in_dims``);
+    - ``Ensemble.forward(x)``: ``params=None``, the stacked tensors are read straight
+      off ``skeleton``'s layers (no name-to-tensor dicts: for a small MLP this per-call
+      overhead is what separates one vectorized member from one plain module);
+    - ``fmodel(params, buffers, x)`` for ONE member inside ``fe.vmap`` (e.g. in a loss
+      given to ``fe.value_and_grad``): ``dims=None``, ``params`` are BatchedTensors
+      (see [`_batched_call`][]).
+
+    ``None`` means: take the general ``vmap`` path (it also explains errors).
+    """
+    if kwargs or len(args) != 1:
+        return None
+    if dims is None:
+        return _batched_call(skeleton, params or {}, args[0])
+    found = _direct_plan(skeleton, args[0], dims)
+    if found is None:
+        return None
+    steps, dim = found
+    if params is None:
+        params = {}
+        for module, weight, bias in steps:
+            if weight is not None:
+                params[weight] = module.weight
+                if bias is not None:
+                    params[bias] = module.bias
+    elif any(
+        name is not None and not isinstance(params.get(name), Tensor)
+        for _, weight, bias in steps
+        for name in (weight, bias)
+    ):
+        return None  # e.g. one Linear instance used twice: its second name is not a key
+    return run(steps, params, args[0], dim, where)
+
+
+def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor | None:
+    """The fast path for ``fmodel(params, buffers, x)`` called inside ``fe.vmap``.
+
+    Inside ``vmap`` (e.g. in a loss given to ``fe.value_and_grad``) ``params`` are
+    BatchedTensors. When they are batched along dim 0 at the innermost level and no
+    other transform is involved, run the stacked kernels on the unwrapped tensors and
+    hand the result back to vmap as a BatchedTensor: this is a batching rule for the
+    whole MLP. Autograd sees ordinary ops on the unwrapped leaves.
+    """
+    if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() < 1:
+        return None
+    level = _torch_compat.vmap_level()
+    if level is None:
+        return None
+    steps = plan(skeleton)
+    if steps is None:
+        return None
+    unwrapped = {}
+    for _, weight, bias in steps:
+        for name in (weight, bias):
+            if name is None or name in unwrapped:
+                continue
+            value = params.get(name)
+            found = _torch_compat.unwrap_at(value, level) if isinstance(value, Tensor) else None
+            if found is None or found[1] != 0:
+                return None
+            unwrapped[name] = found[0]
+    found_x = _torch_compat.unwrap_at(x, level)
+    if found_x is None:
+        return None
+    # Step out of this vmap level while running on its unwrapped tensors: our kernels
+    # (and their autograd.Function) then see no transform at all.
+    with _torch_compat.lower_transform():
+        out = run(steps, unwrapped, *found_x)
+    if out is None:
+        return None
+    return _torch_compat.add_batch_dim(out, 0, level)

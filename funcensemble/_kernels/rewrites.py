@@ -1,0 +1,115 @@
+"""Calls that ``vmap`` cannot batch as written, rewritten into the same math that it can.
+
+When a ``FunctionalModule`` runs inside a ``torch.func`` transform (funcensemble's
+``vmap``, with or without ``grad`` inside it), one ``TorchFunctionMode`` intercepts a few
+functional calls:
+
+- ``F.batch_norm``: all members as one call over ``N * C`` channels, and BatchNorm's
+  ``float(num_batches_tracked)`` with ``momentum=None`` (see ``_batchnorm``);
+- ``torch._weight_norm`` (``torch.nn.utils.parametrizations.weight_norm``): its kernel
+  has no batching rule; it is ``v * (g / norm of v over every dim but dim)``, written
+  here with ``torch.linalg.vector_norm``;
+- ``F.normalize(..., out=buffer)`` (the power iteration of
+  ``torch.nn.utils.parametrizations.spectral_norm`` in train mode): ``out=`` has no
+  batching rule; the result is computed, then copied into ``out`` in place, so each
+  member's ``_u``/``_v`` buffers are updated exactly as the loop updates them;
+- ``F.adaptive_avg_pool{1,2,3}d`` to an output of size 1: PyTorch computes a mean over
+  the spatial dims and then, for a ``channels_last`` input, restrides the result in
+  place (``as_strided_``), which has no batching rule. The mean is computed here
+  directly (the same values; only the output's memory layout can differ);
+- ``F.embedding`` with ``padding_idx`` or ``max_norm``: vmap's rule keeps only member
+  0's padding row out of the gradient and cannot renormalise in place; each member's
+  own embedding is computed instead (see ``_embedding``).
+
+The mode is entered only for skeletons holding a layer that makes these calls
+(checked on every call: submodules may change), so other models pay nothing.
+"""
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.utils import parametrizations
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_compat
+from . import batchnorm as _batchnorm
+from .embedding import PerMemberEmbedding, embedding_per_member, needs_embedding_rule
+
+_POOLS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+_POOL_LAYERS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+_NORM_LAYERS = (parametrizations._WeightNorm, parametrizations._SpectralNorm)
+
+
+def _weight_norm(v: Tensor, g: Tensor, dim: int = 0) -> Tensor:
+    # torch.norm_except_dim's convention: dim=-1 means the norm over every dim.
+    if dim == -1:
+        norm = torch.linalg.vector_norm(v)
+    else:
+        keep = dim % v.dim()
+        others = [d for d in range(v.dim()) if d != keep]
+        norm = torch.linalg.vector_norm(v, 2, dim=others, keepdim=True)
+    return v * (g / norm)
+
+
+def _global_pool(spatial: int, input: Tensor, output_size: Any) -> Tensor | None:
+    sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,) * spatial
+    if not isinstance(input, Tensor) or input.dim() < spatial + 1 or len(sizes) != spatial:
+        return None
+    dims = tuple(range(-spatial, 0))
+    if any(
+        not (s == 1 or (s is None and input.shape[d] == 1))
+        for s, d in zip(sizes, dims, strict=True)
+    ):
+        return None
+    return input.mean(dims, keepdim=True)
+
+
+class VmapRewrites(TorchFunctionMode):
+    """Within this mode, the calls listed in the module docstring run batchable math."""
+
+    def __init__(self, batch_norm: _batchnorm.BatchNormRule | None) -> None:
+        super().__init__()
+        self.batch_norm = batch_norm
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            out = self.batch_norm.batch_norm(args, kwargs) if self.batch_norm else None
+            if out is not None:
+                return out
+        elif func in (Tensor.__float__, Tensor.item) and args and self.batch_norm:
+            count = self.batch_norm.step_count(args[0])
+            if count is not None:
+                return count
+        elif func is F.embedding:
+            return embedding_per_member(*args, **kwargs)
+        elif func is torch._weight_norm:
+            return _weight_norm(*args, **kwargs)
+        elif func is F.normalize and kwargs.get("out") is not None:
+            out = kwargs.pop("out")
+            return out.copy_(func(*args, **kwargs))
+        elif func in _POOLS and args:
+            size = args[1] if len(args) > 1 else kwargs.get("output_size")
+            pooled = _global_pool(_POOLS[func], args[0], size)
+            if pooled is not None:
+                return pooled
+        return func(*args, **kwargs)
+
+
+def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
+    """``VmapRewrites`` for a call of ``skeleton`` under a transform, if it needs one."""
+    # A plain nullcontext otherwise, which torch.compile traces without a graph break.
+    if not _torch_compat.inside_transform():
+        return contextlib.nullcontext()
+    embedding = needs_embedding_rule(skeleton)
+    if torch.compiler.is_compiling():
+        # Only the embedding rule is traced; the others have no compiled use.
+        return PerMemberEmbedding() if embedding else contextlib.nullcontext()
+    norms = _batchnorm.norm_layers(skeleton)
+    rule = _batchnorm.BatchNormRule(_batchnorm.cumulative(norms))
+    fold = _batchnorm.has_batch_norm(norms)
+    other = embedding or any(isinstance(m, _POOL_LAYERS + _NORM_LAYERS) for m in skeleton.modules())
+    return VmapRewrites(rule if fold else None) if fold or other else contextlib.nullcontext()

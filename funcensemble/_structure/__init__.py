@@ -1,0 +1,1 @@
+"""What makes members the same architecture, and the errors when they are not."""

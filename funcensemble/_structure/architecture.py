@@ -1,0 +1,161 @@
+"""What makes two modules the same architecture, and the errors when they are not."""
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .._core.skeleton import modes, named_tensors
+from .attributes import check_same_state, check_same_tree, class_names, original_class
+
+# Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
+# an obscure "Batching rule not implemented" error or fall back to a per-member loop.
+_UNBATCHABLE = (nn.RNNBase, nn.RNNCellBase)
+_UNBATCHABLE_HINT = (
+    "torch.func.vmap has no batching rule for the fused recurrent kernels "
+    "(aten::lstm, aten::gru, aten::lstm_cell, cuDNN RNNs), so an ensemble of them cannot "
+    "run as one vectorized call. Write the recurrence as a loop over time steps with "
+    "nn.Linear layers (e.g. gates = x @ W_ih.T + h @ W_hh.T + b) inside your module, "
+    "or keep a plain Python loop over the members for this layer."
+)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: Tensor) -> "TensorSpec":
+        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The parts of a module that all members of one ensemble must share."""
+
+    cls: type
+    params: dict[str, TensorSpec]
+    buffers: dict[str, TensorSpec]
+    modes: dict[str, bool]
+    # The module itself, for the comparison of everything that is not a tensor.
+    module: nn.Module = dataclasses.field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "Architecture":
+        params, buffers = named_tensors(module)
+        return cls(
+            type(module),
+            {k: TensorSpec.of(v) for k, v in params.items()},
+            {k: TensorSpec.of(v) for k, v in buffers.items()},
+            modes(module),
+            module,
+        )
+
+    def fingerprint(self) -> str:
+        """A short hash of class, names, per-member shapes and dtypes (not values)."""
+        desc = {
+            "class": f"{self.cls.__module__}.{self.cls.__qualname__}",
+            "params": {k: [list(s.shape), str(s.dtype)] for k, s in self.params.items()},
+            "buffers": {k: [list(s.shape), str(s.dtype)] for k, s in self.buffers.items()},
+        }
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_is_module(where: str, index: int, module: object) -> nn.Module:
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{where}: member {index} is a {type(module).__name__}, expected an nn.Module."
+        )
+    for name, sub in module.named_modules():
+        if isinstance(sub, _UNBATCHABLE):
+            label = f"`{name}`" if name else "the root module"
+            raise TypeError(
+                f"{where}: member {index} contains {type(sub).__name__} at {label}. "
+                + _UNBATCHABLE_HINT
+            )
+    return module
+
+
+def _names(names: object) -> str:
+    return ", ".join(f"`{n}`" for n in sorted(names))  # type: ignore[call-overload]
+
+
+def _check_tensors(
+    where: str, index: int, kind: str, ref: dict[str, TensorSpec], got: dict[str, TensorSpec]
+) -> None:
+    missing, extra = ref.keys() - got.keys(), got.keys() - ref.keys()
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"is missing {kind} {_names(missing)}")
+        if extra:
+            parts.append(f"has extra {kind} {_names(extra)}")
+        raise ValueError(
+            f"{where}: member {index} {' and '.join(parts)} compared with member 0. "
+            "All members must share one architecture (same names, and the same tied "
+            "weights)."
+        )
+    for name, spec in ref.items():
+        other = got[name]
+        for field in ("shape", "dtype", "device"):
+            a, b = getattr(other, field), getattr(spec, field)
+            if a != b:
+                shown_a = tuple(a) if field == "shape" else a
+                shown_b = tuple(b) if field == "shape" else b
+                raise ValueError(
+                    f"{where}: member {index} has {kind[:-1]} `{name}` with {field} "
+                    f"{shown_a}; member 0 has {shown_b}. "
+                    + (
+                        "All members must share one architecture."
+                        if field == "shape"
+                        else f"All members must share one {field}: convert them first "
+                        f"(e.g. module.to({shown_b!r}))."
+                    )
+                )
+        if kind == "parameters" and other.requires_grad != spec.requires_grad:
+            raise ValueError(
+                f"{where}: member {index} has parameter `{name}` with requires_grad="
+                f"{other.requires_grad}; member 0 has requires_grad={spec.requires_grad}. "
+                "Freeze or unfreeze the same parameters in every member."
+            )
+
+
+def check_same_architecture(
+    where: str, index: int, ref: Architecture, module: nn.Module
+) -> Architecture:
+    """Raise a clear error if ``module`` (member ``index``) differs from ``ref``.
+
+    Compares the class, the parameters and buffers (names, shapes, dtypes, devices,
+    ``requires_grad``), the train/eval modes, then everything else ``forward`` may
+    read (see ``_structure``).
+    """
+    got = Architecture.of(module)
+    if original_class(got.module) is not original_class(ref.module):
+        ref_name, got_name = class_names(ref.module, got.module)
+        raise TypeError(
+            f"{where}: member {index} is a {got_name}; member 0 is a {ref_name}. All "
+            "members must share one architecture."
+        )
+    pairs = check_same_tree(where, index, ref.module, module)
+    _check_tensors(where, index, "parameters", ref.params, got.params)
+    _check_tensors(where, index, "buffers", ref.buffers, got.buffers)
+    if got.modes != ref.modes:
+        name = next(
+            (k for k in ref.modes if got.modes.get(k) != ref.modes[k]),
+            next(iter(got.modes.keys() - ref.modes.keys()), ""),
+        )
+        label = f"submodule `{name}`" if name else "the root module"
+        mode = "train" if got.modes.get(name) else "eval"
+        ref_mode = "train" if ref.modes.get(name) else "eval"
+        raise ValueError(
+            f"{where}: member {index} has {label} in {mode} mode; member 0 has it in "
+            f"{ref_mode} mode. Call .train() or .eval() on all members first."
+        )
+    check_same_state(where, index, pairs)
+    return got

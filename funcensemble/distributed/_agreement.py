@@ -1,0 +1,244 @@
+"""Checking that every rank set up the same ensemble, before any rank computes with it.
+
+Ranks that disagree (on the member count, the architecture, a dtype, a parameter name,
+an optimizer's hyperparameters) would otherwise run: the collectives would combine
+tensors of different meanings, or gloo would abort the process on mismatched sizes.
+Each rank describes its set-up as a small dict of strings, the descriptions are
+exchanged with one ``all_gather_object``, and every rank compares the same list, so
+every rank raises the same error, naming the ranks and what differs.
+"""
+
+import math
+import numbers
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .._checkpoint.paths import path_key
+from .._core.ensemble import Ensemble
+from .._core.skeleton import replace_tensors
+from .._structure.architecture import Architecture
+from ..optim._protocol import GradientTransformation
+from ._errors import failures
+
+Description = dict[str, str]
+_SHOWN = 4  # differences named in one message
+_DEPTH = 12  # how deep an optimizer's closures are followed
+
+
+def exchange(
+    where: str, description: Description, rank: int, world: int, group: Any
+) -> list[Description]:
+    """Every rank's description, in rank order (this one alone without other ranks)."""
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [description]
+    out: list[Any] = [None] * world
+    with failures(where, "exchanging its set-up with the other ranks", rank, world, group=group):
+        dist.all_gather_object(out, description, group=group)
+    return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def compare(where: str, descriptions: list[Description], advice: str) -> None:
+    """Raise ``ValueError`` naming each entry on which the ranks' descriptions differ."""
+    keys = list(dict.fromkeys(k for d in descriptions for k in d))
+    differences = []
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for rank, description in enumerate(descriptions):
+            by_value.setdefault(description.get(key, "(absent)"), []).append(rank)
+        if len(by_value) > 1:
+            parts = [f"{_ranks(ranks)}: {value}" for value, ranks in by_value.items()]
+            differences.append(f"{key} ({'; '.join(parts)})")
+    if not differences:
+        return
+    more = len(differences) - _SHOWN
+    shown = "; ".join(differences[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+    raise ValueError(
+        f"{where}: the {len(descriptions)} ranks were not set up alike: they differ in "
+        f"{shown}. {advice}"
+    )
+
+
+def agree(
+    where: str, description: Description, rank: int, world: int, group: Any, advice: str
+) -> None:
+    """Exchange ``description`` and raise on every rank if any rank's differs."""
+    compare(where, exchange(where, description, rank, world, group), advice)
+
+
+# --- descriptions ----------------------------------------------------------------------
+
+
+def _tensor(t: Tensor, member_first: bool) -> str:
+    shape = tuple(t.shape[1:]) if member_first else tuple(t.shape)
+    words = "per-member shape" if member_first else "shape"
+    grad = ", requires_grad" if t.requires_grad else ""
+    return f"{str(t.dtype).removeprefix('torch.')}, {words} {shape}{grad}"
+
+
+def _weightless_member(ens: Ensemble) -> nn.Module:
+    """One member's module with meta tensors: its structure, without copying weights."""
+
+    def param(_: str, t: Tensor) -> Tensor:
+        empty = torch.empty(t.shape[1:], dtype=t.dtype, device="meta")
+        return nn.Parameter(empty, requires_grad=t.requires_grad)
+
+    def buffer(_: str, t: Tensor) -> Tensor:
+        return torch.empty(t.shape[1:], dtype=t.dtype, device="meta")
+
+    return replace_tensors(ens.stacked, param, buffer)
+
+
+def describe_ensemble(ens: Ensemble) -> Description:
+    """Class, architecture fingerprint, each tensor's per-member spec, modes and options."""
+    member = _weightless_member(ens)
+    out = {
+        "the member class": f"{type(member).__module__}.{type(member).__qualname__}",
+        "the architecture fingerprint": Architecture.of(member).fingerprint(),
+        "randomness": repr(ens.randomness),
+    }
+    for kind, tensors in (("parameter", ens.stacked_params()), ("buffer", ens.stacked_buffers())):
+        for name, t in tensors.items():
+            out[f"{kind} `{name}`"] = _tensor(t, member_first=True)
+    for name, module in member.named_modules():
+        label = f"`{name or '(root)'}`"
+        out[f"the mode of {label}"] = "train" if module.training else "eval"
+        # A module's extra_repr shows its settings (a slope, eps, stride, p), which the
+        # tensors do not: the fingerprint may not cover them all.
+        out[f"the settings of {label}"] = f"{type(module).__name__}({module.extra_repr()})"
+        hooks = {
+            "forward hooks": len(module._forward_hooks),
+            "forward pre-hooks": len(module._forward_pre_hooks),
+        }
+        for kind, count in hooks.items():
+            if count:
+                out[f"the {kind} of {label}"] = str(count)
+    return out
+
+
+def _value(x: Any) -> str:
+    if isinstance(x, Tensor):
+        if x.dim() == 0:
+            return f"{x.item()!r} ({str(x.dtype).removeprefix('torch.')})"
+        return f"one value per member ({_tensor(x, member_first=True)})"
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    return repr(x)
+
+
+def describe_leaves(leaves: Mapping[str, Any], *, values: bool = True) -> Description:
+    """Leaves by path: member-first tensors by spec, other leaves by value.
+
+    With ``values=False`` (a template to load into) other leaves are described by type.
+    """
+    out = {}
+    for key, leaf in leaves.items():
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            out[f"leaf `{key}`"] = _tensor(leaf, member_first=True)
+        elif values:
+            out[f"leaf `{key}`"] = _value(leaf)
+        elif isinstance(leaf, Tensor):
+            out[f"leaf `{key}`"] = _tensor(leaf, member_first=False)
+        else:
+            out[f"leaf `{key}`"] = type(leaf).__name__
+    return out
+
+
+def describe_tree(tree: Any) -> Description:
+    """A pytree of this rank's state by leaf path (see ``describe_leaves``)."""
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=True)
+    return describe_leaves({path_key(a): x for a, x in zip(accessors, leaves, strict=True)})
+
+
+def _constants(obj: Any, owner: str, depth: int, seen: set[int]) -> Iterator[tuple[str, str]]:
+    """The numbers, strings and tensors an optimizer's functions close over, in order.
+
+    Lists and dicts in a closure are caches filled while training, not settings, and
+    are skipped.
+    """
+    if depth > _DEPTH or id(obj) in seen:
+        return
+    if obj is None or isinstance(obj, (bool, str, numbers.Number, Tensor)):
+        yield owner, _value(obj)
+        return
+    seen.add(id(obj))
+    if isinstance(obj, tuple):  # GradientTransformation is a NamedTuple too
+        for x in obj:
+            yield from _constants(x, owner, depth + 1, seen)
+    elif callable(obj) and not isinstance(obj, type):
+        name = getattr(obj, "__qualname__", type(obj).__qualname__)
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            yield from _constants(contents, name, depth + 1, seen)
+
+
+def describe_optimizer(where: str, optimizer: Any) -> Description:
+    """An ``fe.optim`` transformation or a ``torch.optim`` optimizer, by hyperparameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        out = {"the optimizer": type(optimizer).__qualname__}
+        for i, group in enumerate(optimizer.param_groups):
+            for name, value in group.items():
+                if name != "params":
+                    out[f"the optimizer's group {i} `{name}`"] = _value(value)
+        return out
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"{where}: optimizer must be an fe.optim transformation "
+            f"(e.g. fe.optim.adam(1e-3)) or a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}."
+        )
+    out: Description = {}
+    counts: dict[str, int] = {}
+    label: dict[str, str] = {}  # fe.optim keeps a setting's name just before its value
+    for owner, value in _constants(optimizer, "", 0, set()):
+        counts[owner] = counts.get(owner, 0) + 1
+        where = f"value {counts[owner]} of `{owner}`"
+        name = label.pop(owner, None)
+        key = f"the optimizer's `{name}` ({where})" if name else f"the optimizer's {where}"
+        out[key] = value
+        if value.startswith("'") and value.endswith("'"):
+            label[owner] = value[1:-1]
+    return out
+
+
+def describe_state(where: str, value: Any) -> Description:
+    """An ``Ensemble`` by its architecture, any other pytree by its leaves."""
+    if isinstance(value, Ensemble):
+        return describe_ensemble(value)
+    if isinstance(value, nn.Module):
+        raise TypeError(
+            f"{where}: state is a {type(value).__name__}; expected an fe.Ensemble (this "
+            "rank's members) or a pytree of member-first tensors."
+        )
+    return describe_tree(value)
+
+
+def agree_to_write(
+    where: str, path: str, leaves: Mapping[str, Any], shard: Any, *, values: bool
+) -> None:
+    """Before a sharded save or load: every rank passes the same structure (and values)."""
+    agree(
+        where,
+        describe_leaves(leaves, values=values),
+        shard.rank,
+        shard.world_size,
+        shard.group,
+        f"Every rank must pass the same structure for '{path}' (the same keys, dtypes and "
+        "per-member shapes"
+        + (
+            ", and equal values for the leaves written once, such as a step count)."
+            if values
+            else ")."
+        ),
+    )

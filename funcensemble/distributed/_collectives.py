@@ -1,0 +1,452 @@
+"""Looking at all members across ranks: gathered outputs and member-axis reductions.
+
+Each function takes this rank's outputs ``[n_r, ...]`` (its members first) and a
+``MemberShard``, runs ``torch.distributed`` collectives, and returns on every rank
+what the single-process function returns for all N members. Every rank must call it,
+in the same order, with tensors of the same trailing shape and dtype (checked first,
+with one small exchange: ranks that differ all raise a ``ValueError`` naming them).
+Results carry no autograd history: members train independently, so nothing here is
+differentiated.
+"""
+
+import builtins
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from jaxtyping import Float, Real
+from torch import Tensor
+
+from .. import _reduce, _tree
+from ._errors import failures
+from ._member_shard import MemberShard, rank_and_world
+
+# " member *rest" starts with a space so that linters do not parse it as the Python
+# expression `member * rest` (jaxtyping's advice); jaxtyping ignores the space.
+
+
+def _collective(where: str, rank: int, world: int, op: Callable[[], Any], group: Any = None) -> Any:
+    """Run ``op``; if the collective fails, raise a ``DistributedError`` naming this rank."""
+    with failures(
+        where,
+        f"waiting for the other ranks in a collective over {world} ranks",
+        rank,
+        world,
+        group=group,
+    ):
+        return op()
+
+
+def _check_shard(where: str, shard: object) -> MemberShard:
+    if not isinstance(shard, MemberShard):
+        raise TypeError(
+            f"{where}: Expected a fe.distributed.MemberShard describing this rank's members, "
+            f"got {type(shard).__name__}."
+        )
+    return shard
+
+
+def _check_local(where: str, label: str, values: object, shard: MemberShard) -> Tensor:
+    if not isinstance(values, Tensor):
+        raise TypeError(
+            f"{where}: {label} must be a tensor of this rank's outputs, members first, got "
+            f"{type(values).__name__}."
+        )
+    if values.dim() == 0 or values.shape[0] != shard.size:
+        got = values.shape[0] if values.dim() else "no member axis"
+        raise ValueError(
+            f"{where}: {label} has leading size {got}, but rank {shard.rank} holds "
+            f"{shard.size} members ({shard.members.start}:{shard.members.stop} of "
+            f"{shard.num_members}). Pass this rank's outputs with the member axis first."
+        )
+    return values.detach()
+
+
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+)
+_MAX_DIMS = 16
+
+
+def _layout_row(shape: tuple[int, ...], dtype: torch.dtype) -> list[int]:
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+    dims = list(shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - len(shape[:_MAX_DIMS]))
+    return [len(shape), code, *dims]
+
+
+def _layout_text(row: list[int]) -> str:
+    ndim, code, *dims = row
+    dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "other dtype"
+    shown = tuple(dims[: builtins.min(ndim, _MAX_DIMS)])
+    return f"{dtype} {shown}" + (" ..." if ndim > _MAX_DIMS else "")
+
+
+def _check_layout(
+    where: str, rank: int, world: int, group: Any, t: Tensor, shape: tuple[int, ...], what: str
+) -> None:
+    """Every rank's ``shape`` and dtype, compared before the collective that needs them equal.
+
+    Collectives of tensors with other shapes either combine values of different
+    meanings without a word (same element count) or abort the process inside gloo.
+    """
+    mine = torch.tensor(_layout_row(shape, t.dtype), dtype=torch.int64, device=t.device)
+    rows = mine.new_empty(world * mine.numel())
+    _collective(
+        where, rank, world, lambda: dist.all_gather_into_tensor(rows, mine, group=group), group
+    )
+    layouts = [r.tolist() for r in rows.view(world, -1).cpu()]
+    if all(r == layouts[0] for r in layouts):
+        return
+    by_layout: dict[str, list[int]] = {}
+    for r, row in enumerate(layouts):
+        by_layout.setdefault(_layout_text(row), []).append(r)
+    parts = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}"
+        for text, rs in by_layout.items()
+    )
+    raise ValueError(
+        f"{where}: the ranks passed {what} of different dtypes or shapes ({parts}), so "
+        "the collective would combine values of different meanings. Every rank must pass "
+        "tensors of the same dtype and shape (after its member axis)."
+    )
+
+
+def _all_reduce(where: str, shard: MemberShard, t: Tensor, op: Any) -> Tensor:
+    _check_layout(
+        where, shard.rank, shard.world_size, shard.group, t, tuple(t.shape), "reduced outputs"
+    )
+    _collective(
+        where,
+        shard.rank,
+        shard.world_size,
+        lambda: dist.all_reduce(t, op=op, group=shard.group),
+        shard.group,
+    )
+    return t
+
+
+def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
+    if shard.world_size == 1:
+        return t.clone()
+    _check_layout(
+        where,
+        shard.rank,
+        shard.world_size,
+        shard.group,
+        t,
+        tuple(t.shape[1:]),
+        "outputs (shape after the member axis)",
+    )
+    if t.dtype == torch.bool:  # not every backend reduces or gathers bools
+        return _gather_checked(where, shard, t.to(torch.uint8)).bool()
+    return _gather_checked(where, shard, t)
+
+
+def _gather_checked(where: str, shard: MemberShard, t: Tensor) -> Tensor:
+    rows = builtins.max(shard.sizes)
+    rest = t.shape[1:]
+    if t.shape[0] < rows:  # uneven shards: pad to equal sizes, cut the padding afterwards
+        t = torch.cat([t, t.new_zeros((rows - t.shape[0], *rest))])
+    out = t.new_empty((shard.world_size * rows, *rest))
+    _collective(
+        where,
+        shard.rank,
+        shard.world_size,
+        lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=shard.group),
+        shard.group,
+    )
+    if all(size == rows for size in shard.sizes):
+        return out
+    return torch.cat([out[r * rows : r * rows + size] for r, size in enumerate(shard.sizes)])
+
+
+def all_gather(local: Any, shard: MemberShard) -> Any:
+    """All N members' outputs on every rank, from each rank's own.
+
+    Args:
+        local: This rank's outputs: a tensor, or a pytree of tensors, with its
+            ``shard.size`` members first.
+        shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
+
+    Returns:
+        The same structure with ``[N, ...]`` tensors in member order (new tensors, no
+        autograd history), equal to the single-process ensemble's outputs.
+
+    Raises:
+        ValueError: A tensor whose leading size is not this rank's member count.
+        DistributedError: The collective failed (another rank crashed or timed out).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> shard = fe.distributed.MemberShard(4)  # one process here; the same under torchrun
+        >>> ens = shard.from_factory(lambda: torch.nn.Linear(3, 2))
+        >>> fe.distributed.all_gather(ens(torch.randn(5, 3)), shard).shape
+        torch.Size([4, 5, 2])
+    """
+    where = "all_gather"
+    shard = _check_shard(where, shard)
+    leaves, spec = _tree.flatten(local)
+    checked = [_check_local(where, f"leaf {i}", x, shard) for i, x in enumerate(leaves)]
+    with torch.no_grad():
+        out = [_gather_one(where, shard, t) for t in checked]
+    return _tree.unflatten(spec, out)
+
+
+def _floating(where: str, values: Tensor) -> Tensor:
+    if not values.is_floating_point():
+        raise TypeError(
+            f"{where}: Expected a floating-point tensor, got dtype {values.dtype}. "
+            "Convert it with .float() first."
+        )
+    return values
+
+
+def _mean(where: str, values: Tensor, shard: MemberShard) -> Tensor:
+    total = values.sum(dim=0)
+    return _all_reduce(where, shard, total, dist.ReduceOp.SUM) / shard.num_members
+
+
+def mean(local: Float[Tensor, " member *rest"], shard: MemberShard) -> Float[Tensor, "*rest"]:
+    """The mean over all N members, from each rank's own outputs (all-reduce of sums).
+
+    Like [`fe.reduce.mean`][funcensemble.reduce.mean] over the gathered outputs, up to
+    rounding (the sum runs in another order), without gathering them.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> shard = fe.distributed.MemberShard(2)
+        >>> fe.distributed.mean(torch.tensor([[1.0, 2.0], [3.0, 6.0]]), shard).tolist()
+        [2.0, 4.0]
+    """
+    where = "mean"
+    shard = _check_shard(where, shard)
+    values = _floating(where, _check_local(where, "local", local, shard))
+    if shard.world_size == 1:
+        return _reduce.mean(values)
+    with torch.no_grad():
+        return _mean(where, values, shard)
+
+
+def _var(where: str, local: Tensor, shard: MemberShard, correction: int | float) -> Tensor:
+    values = _floating(where, _check_local(where, "local", local, shard))
+    _reduce._check_correction(where, correction, shard.num_members)
+    if shard.world_size == 1:
+        return torch.var(values, dim=0, correction=correction)
+    with torch.no_grad():
+        # Two passes (mean, then squared deviations) as torch.var does: the one-pass
+        # E[x^2] - E[x]^2 loses digits when the spread is small next to the mean.
+        centred = values - _mean(where, values, shard)
+        squares = (centred * centred).sum(dim=0)
+        return _all_reduce(where, shard, squares, dist.ReduceOp.SUM) / (
+            shard.num_members - correction
+        )
+
+
+def var(
+    local: Float[Tensor, " member *rest"], shard: MemberShard, *, correction: int | float = 1
+) -> Float[Tensor, "*rest"]:
+    """The variance over all N members, from each rank's own outputs.
+
+    As [`fe.reduce.var`][funcensemble.reduce.var] (``correction=1``: the unbiased
+    sample variance), computed in two all-reduces without gathering the outputs.
+
+    Raises:
+        ValueError: ``N - correction <= 0``.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> shard = fe.distributed.MemberShard(2)
+        >>> fe.distributed.var(torch.tensor([[1.0, 0.0], [3.0, 0.0]]), shard).tolist()
+        [2.0, 0.0]
+    """
+    return _var("var", local, _check_shard("var", shard), correction)
+
+
+def std(
+    local: Float[Tensor, " member *rest"], shard: MemberShard, *, correction: int | float = 1
+) -> Float[Tensor, "*rest"]:
+    """The standard deviation over all N members, the root of [`var`][funcensemble.distributed.var].
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> shard = fe.distributed.MemberShard(2)
+        >>> fe.distributed.std(torch.tensor([[1.0, 5.0], [3.0, 5.0]]), shard, correction=0).tolist()
+        [1.0, 0.0]
+    """
+    return _var("std", local, _check_shard("std", shard), correction).sqrt()
+
+
+def _extreme(where: str, local: Tensor, shard: MemberShard, largest: bool) -> Tensor:
+    shard = _check_shard(where, shard)
+    values = _check_local(where, "local", local, shard)
+    if values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{where}: Expected a real-valued tensor, got dtype {values.dtype}.")
+    with torch.no_grad():
+        out = values.amax(dim=0) if largest else values.amin(dim=0)
+        if shard.world_size == 1:
+            return out
+        op = dist.ReduceOp.MAX if largest else dist.ReduceOp.MIN
+        return _all_reduce(where, shard, out, op)
+
+
+def min(local: Real[Tensor, " member *rest"], shard: MemberShard) -> Real[Tensor, "*rest"]:
+    """The elementwise minimum over all N members (values only), exactly.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> shard = fe.distributed.MemberShard(2)
+        >>> fe.distributed.min(torch.tensor([[1.0, 7.0], [3.0, 2.0]]), shard).tolist()
+        [1.0, 2.0]
+    """
+    return _extreme("min", local, shard, largest=False)
+
+
+def max(local: Real[Tensor, " member *rest"], shard: MemberShard) -> Real[Tensor, "*rest"]:
+    """The elementwise maximum over all N members (values only), exactly.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> shard = fe.distributed.MemberShard(2)
+        >>> fe.distributed.max(torch.tensor([[1.0, 7.0], [3.0, 2.0]]), shard).tolist()
+        [3.0, 7.0]
+    """
+    return _extreme("max", local, shard, largest=True)
+
+
+def subset_min(
+    local: Real[Tensor, " member *rest"],
+    shard: MemberShard,
+    k: int,
+    *,
+    generator: torch.Generator | None = None,
+    per_sample: bool = False,
+) -> Real[Tensor, "*rest"]:
+    """The minimum over a random subset of ``k`` of all N members (REDQ's target), exactly.
+
+    Every rank draws the same subset of member indices, the way
+    [`fe.reduce.subset_min`][funcensemble.reduce.subset_min] draws it, takes the
+    minimum over its own selected members and all-reduces the minima. So with the
+    generator in the same state on every rank (e.g. each rank seeds
+    ``torch.Generator().manual_seed(step)``, or all ranks seed torch alike) the result
+    equals ``fe.reduce.subset_min`` on the gathered outputs with that generator, bit
+    for bit. Each call advances the generator as ``fe.reduce.subset_min`` does.
+
+    Args:
+        local: This rank's outputs, members first (e.g. target Q-values ``[n_r, batch]``).
+        shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
+        k: How many members to take the minimum over, ``1 <= k <= N``.
+        generator: Draw the subset from this generator; ``None`` uses torch's default
+            generator for the device of ``local``. Its state must match on every rank.
+        per_sample: An independent subset for each index of dim 1.
+
+    Raises:
+        ValueError: ``k`` out of range, or ``per_sample`` with no dim after the
+            member axis.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> q = torch.tensor([[3.0, 3.0], [1.0, 1.0], [2.0, 2.0]])  # 3 members, batch 2
+        >>> shard = fe.distributed.MemberShard(3)
+        >>> got = fe.distributed.subset_min(q, shard, 2, generator=torch.Generator().manual_seed(0))
+        >>> torch.equal(got, fe.reduce.subset_min(q, 2, generator=torch.Generator().manual_seed(0)))
+        True
+    """
+    where = "subset_min"
+    shard = _check_shard(where, shard)
+    values = _check_local(where, "local", local, shard)
+    n = shard.num_members
+    _reduce.check_subset_options(where, "local", values, n, k, generator, per_sample)
+    if values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{where}: Expected a real-valued tensor, got dtype {values.dtype}.")
+
+    device = values.device if generator is None else generator.device
+    with torch.no_grad():
+        # The same draws as fe.reduce.subset_min, turned into a mask over all N members.
+        if not per_sample:
+            chosen = torch.randperm(n, generator=generator, device=device)[:k]
+            mask = torch.zeros(n, dtype=torch.bool, device=device)
+            mask[chosen] = True
+            mine = mask[shard.members].to(values.device)
+            mine = mine.reshape(-1, *[1] * (values.dim() - 1))
+        else:
+            batch = values.shape[1]
+            keys = torch.rand(batch, n, generator=generator, device=device, dtype=torch.float64)
+            chosen = keys.argsort(dim=1)[:, :k]
+            mask = torch.zeros(batch, n, dtype=torch.bool, device=device)
+            mask.scatter_(1, chosen, True)
+            mine = mask[:, shard.members].T.to(values.device)
+            mine = mine.reshape(*mine.shape, *[1] * (values.dim() - 2))
+        if values.is_floating_point():
+            fill = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+        else:
+            fill = torch.tensor(
+                torch.iinfo(values.dtype).max, dtype=values.dtype, device=values.device
+            )
+        # Members that are not selected become +inf (or the largest int): they never
+        # win the minimum, here or in the all-reduce.
+        out = torch.where(mine, values, fill).amin(dim=0)
+        if shard.world_size == 1:
+            return out
+        return _all_reduce(where, shard, out, dist.ReduceOp.MIN)
+
+
+def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s tensors, on every rank: one batch of data for all members.
+
+    Every rank passes a pytree of the same structure, with tensors of the same shapes
+    and dtypes (on non-``src`` ranks their values are ignored, e.g. ``torch.empty``).
+    Drawing the batch from the same seed on every rank gives the same result with no
+    communication at all; broadcast when the batch comes from a source only one rank
+    reads (an environment, a stream).
+
+    Args:
+        tree: A tensor or pytree of tensors; non-tensor leaves are kept as they are.
+        src: The rank whose values everyone gets.
+        group: The process group; the default group if ``None``.
+
+    Returns:
+        A new pytree holding ``src``'s values (new tensors; the input is untouched).
+
+    Raises:
+        ValueError: ``src`` is not a rank of the group.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> batch = {"x": torch.ones(4, 3), "y": torch.zeros(4)}
+        >>> fe.distributed.broadcast(batch)["x"].shape  # one process: a copy
+        torch.Size([4, 3])
+    """
+    where = "broadcast"
+    rank, world = rank_and_world(where, group)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
+        raise ValueError(f"{where}: src must be a rank in 0..{world - 1}, got {src!r}.")
+    global_src = dist.get_global_rank(group, src) if world > 1 and group is not None else src
+    leaves, spec = _tree.flatten(tree)
+    out = []
+    with torch.no_grad():
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                leaf = leaf.detach().clone(memory_format=torch.contiguous_format)
+                if world > 1:
+                    _check_layout(where, rank, world, group, leaf, tuple(leaf.shape), "tensors")
+                    _collective(
+                        where,
+                        rank,
+                        world,
+                        lambda t=leaf: dist.broadcast(t, global_src, group=group),
+                        group,
+                    )
+            out.append(leaf)
+    return _tree.unflatten(spec, out)

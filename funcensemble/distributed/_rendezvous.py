@@ -1,0 +1,182 @@
+"""Joining the ranks at start-up, within one deadline, naming any rank that never came.
+
+``torch.distributed``'s own ``env://`` rendezvous overruns its timeout (a client that
+finds no server retries for twice the timeout; the server waits a second more) and then
+raises a bare ``DistStoreError``. Here every phase shares one deadline, ``timeout`` from
+the call: the client waits for rank 0's store server, every rank announces itself in
+the store and waits until all have, and only then is the process group built on that
+store. A rank that is missing makes the others fail at the deadline, within a fraction
+of a second, with a message that names it.
+"""
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ._errors import failures, raise_failure
+
+_POLL = 0.05  # seconds between checks of the store
+_KEY = "funcensemble/joined"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher (``torchrun``, or the user) put in the environment."""
+
+    rank: int
+    world_size: int
+    host: str
+    port: int
+    agent_store: bool  # torchrun's agent hosts the store; no rank serves it
+
+    @classmethod
+    def from_env(cls, where: str) -> "Launch":
+        values = {}
+        for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+            text = os.environ[name]
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"{where}: the environment variable {name} must be an integer, got {text!r}."
+                ) from None
+        rank, world, port = values["RANK"], values["WORLD_SIZE"], values["MASTER_PORT"]
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(
+                f"{where}: RANK must be in 0..WORLD_SIZE-1, got RANK={rank} and WORLD_SIZE={world}."
+            )
+        if not 0 <= port < 2**16:
+            raise ValueError(f"{where}: MASTER_PORT must be in 0..65535, got {port}.")
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        return cls(rank, world, os.environ["MASTER_ADDR"], port, agent)
+
+    @property
+    def serves(self) -> bool:
+        return self.rank == 0 and not self.agent_store
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _remaining(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _wait_for_server(where: str, launch: Launch, started: float, timeout: timedelta) -> None:
+    """Wait until the store server accepts connections, at most until the deadline."""
+    deadline = started + timeout.total_seconds()
+    last: OSError | None = None
+    while True:
+        left = _remaining(deadline)
+        if left <= 0:
+            break
+        try:
+            with socket.create_connection((launch.host, launch.port), timeout=min(left, 1.0)):
+                return
+        except OSError as error:
+            last = error
+            time.sleep(min(_POLL * 4, max(_remaining(deadline), 0)))
+    server = "torchrun's agent" if launch.agent_store else "rank 0"
+    raise_failure(
+        where,
+        f"waiting for the rendezvous server ({server}) at {launch.address}",
+        launch.rank,
+        launch.world_size,
+        started,
+        timeout,
+        f"It never answered: {server} has not started, has crashed, or MASTER_ADDR/"
+        "MASTER_PORT point elsewhere. Start every rank with the same MASTER_ADDR and "
+        "MASTER_PORT (torchrun does), or give a longer timeout.",
+        last,
+    )
+
+
+def _store(where: str, launch: Launch, started: float, timeout: timedelta) -> dist.Store:
+    left = max(_remaining(started + timeout.total_seconds()), 0.001)
+    role = "starting the rendezvous server" if launch.serves else "connecting to the rendezvous"
+    with failures(
+        where,
+        f"{role} at {launch.address}",
+        launch.rank,
+        launch.world_size,
+        timeout=timeout,
+        hint="Check that MASTER_PORT is free on rank 0's machine and reachable from every rank.",
+    ):
+        return dist.TCPStore(
+            launch.host,
+            launch.port,
+            launch.world_size,
+            is_master=launch.serves,
+            timeout=timedelta(seconds=left),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+
+
+def _wait_for_ranks(
+    where: str, store: dist.Store, launch: Launch, started: float, timeout: timedelta
+) -> None:
+    """Announce this rank in the store and wait until every rank has, or the deadline."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    keys = [f"{_KEY}/{attempt}/{r}" for r in range(launch.world_size)]
+    deadline = started + timeout.total_seconds()
+    what = f"waiting for all {launch.world_size} ranks to join the rendezvous at {launch.address}"
+    with failures(where, what, launch.rank, launch.world_size, timeout=timeout):
+        store.set(keys[launch.rank], "1")
+        while not store.check(keys):
+            if _remaining(deadline) <= 0:
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                break
+            time.sleep(_POLL)
+        else:
+            return
+    names = ", ".join(map(str, missing))
+    raise_failure(
+        where,
+        what,
+        launch.rank,
+        launch.world_size,
+        started,
+        timeout,
+        f"Rank(s) {names} never joined ({launch.world_size - len(missing)} of "
+        f"{launch.world_size} did): they were not started, crashed before calling "
+        "init_process_group, or were given another MASTER_ADDR/MASTER_PORT or WORLD_SIZE. "
+        "Their own output says which.",
+    )
+
+
+def join(
+    where: str, backend: str, timeout: timedelta, device: torch.device | None
+) -> dist.ProcessGroup:
+    """Rendezvous with every rank and build the default process group, or fail in time."""
+    launch = Launch.from_env(where)
+    started = time.monotonic()
+    if not launch.serves:
+        _wait_for_server(where, launch, started, timeout)
+    store = _store(where, launch, started, timeout)
+    _wait_for_ranks(where, store, launch, started, timeout)
+    store.set_timeout(timeout)
+    with failures(
+        where,
+        f"connecting the {backend} process group of {launch.world_size} ranks",
+        launch.rank,
+        launch.world_size,
+        timeout=timeout,
+    ):
+        # The same layout as torch's env:// rendezvous: the default group's keys live
+        # under "default_pg" in the (possibly shared) store.
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("default_pg", store),
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+            device_id=device,
+        )
+    return dist.group.WORLD

@@ -1,0 +1,524 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at any world size.
+
+A checkpoint is a plain DCP directory: one ``.distcp`` file per rank and a ``.metadata``
+file, plus ``.funcensemble-checksums`` (``_dcp_checksums``: the SHA-256 of everything
+written, verified before reading); ``.metadata`` is read without running code
+(``_dcp_metadata``). Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
+``['params']['net.0.weight']``; an [`Ensemble`][funcensemble.Ensemble] is saved as
+``{"params": ..., "buffers": ...}``):
+
+- a tensor with dimensions is *member-sharded*: each rank writes its rows as a chunk of
+  the global ``[N, ...]`` tensor, at the offset of its first member;
+- a 0-dim tensor or a Python ``bool``/``int``/``float`` (a step count) is *replicated*,
+  written once; Python values are stored as 0-dim tensors.
+
+DCP records each chunk's offset and size, so any world size can read any rows. DTensor's
+``Shard(0)`` would do the same with ``torch.chunk``'s sizes, which leave a rank empty
+(5 members on 4 ranks: 2, 2, 1, 0); funcensemble's own split never does, so the chunks
+are described to DCP directly, through its planner interface.
+"""
+
+import contextlib
+import inspect
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from .._checkpoint.paths import flatten_by_key
+from .._core.ensemble import Ensemble
+from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING
+from ._agreement import agree_to_write
+from ._dcp_checksums import (
+    CHECKSUM_FILE,
+    ChecksummingWriter,
+    Corrupt,
+    VerifiedReader,
+    read_metadata,
+    reads_of,
+    verify_reads,
+)
+from ._errors import failures
+from ._member_shard import MemberShard, rank_and_world
+
+T = TypeVar("T")
+_VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_NO_DIST_WARNING = DCP_NO_PROCESS_GROUP_WARNING
+
+
+@dataclass(frozen=True)
+class _Flat:
+    """One object's leaves by key, and how to name them in messages."""
+
+    leaves: dict[str, Any]
+    treedef: optree.PyTreeSpec
+    ensemble: bool
+
+    def label(self, key: str) -> str:
+        if self.ensemble:
+            for group, word in (("params", "parameter"), ("buffers", "buffer")):
+                prefix = f"[{group!r}]["
+                if key.startswith(prefix):
+                    return f"{word} {key[len(prefix) : -1]}"
+        return f"leaf `{key}`"
+
+    def sharded(self) -> list[str]:
+        """Keys of the member-sharded leaves: tensors with at least one dimension."""
+        return [k for k, v in self.leaves.items() if isinstance(v, Tensor) and v.dim() > 0]
+
+
+def _flatten(where: str, obj: Any) -> _Flat:
+    leaves, treedef = flatten_by_key(
+        where,
+        obj,
+        _VALUE_DTYPES,
+        "a tensor or a Python bool, int or float value (None is kept as structure); "
+        "save other things separately",
+    )
+    return _Flat(leaves, treedef, isinstance(obj, Ensemble))
+
+
+def _chunk(offset: int, t: Tensor) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([offset] + [0] * (t.dim() - 1)), sizes=t.size())
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default planner, plus member-sharded entries at their members' offsets."""
+
+    def __init__(self, offsets: dict[str, int], num_members: int) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._offsets = offsets
+        self._num_members = num_members
+
+    def create_local_plan(self) -> SavePlan:
+        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
+        items = list(create_default_local_save_plan(replicated, self.is_coordinator).items)
+        for key, offset in self._offsets.items():
+            t = self.state_dict[key]
+            chunk = _chunk(offset, t)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk,
+                        properties=TensorProperties.create_from_tensor(t),
+                        size=torch.Size([self._num_members, *t.shape[1:]]),
+                    ),
+                )
+            )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.state_dict[index.fqn]
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading member-sharded entries at this rank's offsets."""
+
+    def __init__(self, offsets: dict[str, int]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
+        requests = list(create_default_local_load_plan(replicated, self.metadata).items)
+        for key, offset in self._offsets.items():
+            saved = self.metadata.state_dict_metadata[key]
+            chunk = _chunk(offset, self.state_dict[key])
+            requests += create_read_items_for_chunk_list(key, saved, [chunk])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        return self.state_dict[index.fqn]
+
+
+def _alone() -> bool:
+    """Whether this process runs without a process group (one process, or a test)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _no_dist() -> dict[str, bool]:
+    """``no_dist=`` for ``dcp.save``/``dcp.load``: run in this process alone without a
+    process group. torch 2.6 and older take no such argument and decide the same way."""
+    return {"no_dist": _alone()} if _TAKES_NO_DIST else {}
+
+
+_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp.save).parameters
+
+
+@contextlib.contextmanager
+def _dcp_call() -> Iterator[None]:
+    """Silence DCP's note that it runs without a process group, which is intended here,
+    and torch 2.6 and older's own deprecation note on ``Tensor.storage()``, which their
+    DCP writer calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="TypedStorage is deprecated", category=UserWarning
+        )
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        yield
+
+
+def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractContextManager:
+    return failures(where, what, shard.rank, shard.world_size, group=shard.group)
+
+
+def _check_shard(where: str, shard: object) -> MemberShard:
+    if not isinstance(shard, MemberShard):
+        raise TypeError(
+            f"{where}: shard must be a fe.distributed.MemberShard, got {type(shard).__name__}."
+        )
+    return shard
+
+
+def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) -> None:
+    """Write this rank's members to a sharded checkpoint directory, with DCP.
+
+    Every rank calls it with the same path and a pytree of the same structure. Each
+    tensor with dimensions holds this rank's ``shard.size`` members first and is
+    written as its rows of the global ``[N, ...]`` tensor; 0-dim tensors and Python
+    ``bool``/``int``/``float`` values are replicated (written once: they must be equal
+    on every rank, like a step count). The checkpoint can be loaded at any world size,
+    and into a single-process [`Ensemble`][funcensemble.Ensemble], by
+    [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint keyed by
+    pytree paths, plus a ``.funcensemble-checksums`` file written last by rank 0: the
+    SHA-256 of ``.metadata`` and of every byte range each rank wrote (each rank hashes
+    its own). DCP writes ``.metadata`` after the data, so an interrupted save is
+    refused on load rather than read half-written (a save killed after ``.metadata``
+    but before the checksum file loads with a warning that it cannot be verified);
+    for the same reason a directory that already holds a checkpoint is refused rather
+    than overwritten.
+
+    Args:
+        path: The checkpoint directory (created if needed; it must not hold a checkpoint
+            yet).
+        obj: This rank's [`Ensemble`][funcensemble.Ensemble] (e.g. from
+            [`MemberShard.from_factory`][funcensemble.distributed.MemberShard.from_factory]),
+            or a pytree such as ``{"params": params, "buffers": buffers,
+            "opt": opt_state, "step": 10}``.
+        shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
+            Optional in a single process, where ``obj`` holds all members.
+
+    Raises:
+        ValueError: A member-sharded tensor whose leading size is not this rank's
+            member count, or several ranks without ``shard``.
+        TypeError: ``obj`` is another ``nn.Module``, or has a leaf of another type.
+        NotADirectoryError: ``path`` is a file.
+        FileExistsError: ``path`` already holds a checkpoint.
+        DistributedError: Writing failed, or another rank did not take part in time
+            (the message names this rank, what it waited for and how long). Ranks that
+            pass different structures or different values written once raise
+            ``ValueError`` on every rank before anything is written.
+
+    Example:
+        >>> import os, tempfile, torch, funcensemble as fe
+        >>> ens = fe.Ensemble.from_factory(lambda: torch.nn.Linear(3, 2), num_members=4)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     fe.distributed.save(os.path.join(tmp, "ckpt"), ens)
+        ...     sorted(os.listdir(os.path.join(tmp, "ckpt")))
+        ['.funcensemble-checksums', '.metadata', '__0_0.distcp']
+    """
+    where = "distributed.save"
+    name = os.fspath(path)
+    flat = _flatten(where, obj)
+    keys = flat.sharded()
+    if shard is None:
+        _, world = rank_and_world(where)
+        if world > 1:
+            raise ValueError(
+                f"{where}: with {world} ranks, pass shard=fe.distributed.MemberShard(N) so "
+                "that each rank's rows are placed among all N members."
+            )
+        shard = MemberShard(flat.leaves[keys[0]].shape[0] if keys else 1)
+    shard = _check_shard(where, shard)
+    for key in keys:
+        size = flat.leaves[key].shape[0]
+        if size != shard.size:
+            raise ValueError(
+                f"{where}: {flat.label(key)} has leading size {size}, but rank {shard.rank} "
+                f"holds {shard.size} of the {shard.num_members} members. Every tensor with "
+                "dimensions is saved as this rank's members (first axis); save other "
+                "tensors separately, or as 0-dim tensors."
+            )
+    if os.path.isfile(path):
+        raise NotADirectoryError(
+            f"{where}: '{os.fspath(path)}' is a file; a sharded checkpoint is a directory."
+        )
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileExistsError(
+            f"{where}: '{os.fspath(path)}' already holds a checkpoint. Write each "
+            "checkpoint to a new directory (e.g. one per step) and delete old ones once "
+            "the new one is complete: overwriting in place, a save that dies half-way "
+            "would leave the old .metadata describing half-written files."
+        )
+    state = {
+        key: leaf.detach()
+        if isinstance(leaf, Tensor)
+        else torch.tensor(leaf, dtype=_VALUE_DTYPES[type(leaf)])
+        for key, leaf in flat.leaves.items()
+    }
+    offsets = dict.fromkeys(keys, shard.members.start)
+    agree_to_write(where, name, flat.leaves, shard, values=True)
+    with _dcp_call(), _failures(where, f"writing its members to '{name}'", shard):
+        dcp.save(
+            state,
+            checkpoint_id=path,
+            storage_writer=ChecksummingWriter(path),
+            planner=_SavePlanner(offsets, shard.num_members),
+            process_group=shard.group,
+            **_no_dist(),
+        )
+
+
+def _corrupt(where: str, name: str, error: Corrupt) -> ValueError:
+    return ValueError(
+        f"{where}: checkpoint '{name}' is corrupt: {error}. It changed after it was saved "
+        "(a disk, memory or transfer error, an interrupted copy, or an edit). Nothing was "
+        "loaded; use another copy of the checkpoint."
+    )
+
+
+def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberShard) -> None:
+    """Check this rank's reads; with several ranks, every rank learns what any rank found.
+
+    Each rank checks only what it reads, so a damaged chunk may be found by one rank
+    alone: the others must fail too rather than wait for it inside DCP's load.
+    """
+    try:
+        verify_reads(name, checksums, reads)
+        found = None
+    except Corrupt as error:
+        found = str(error)
+    findings = [found]
+    if shard.world_size > 1 and not _alone():
+        findings = [None] * shard.world_size
+        dist.all_gather_object(findings, found, group=shard.group)
+    for rank, finding in enumerate(findings):
+        if finding is not None:
+            by = f" (found by rank {rank} of {shard.world_size})" if len(findings) > 1 else ""
+            raise _corrupt(where, name, Corrupt(finding + by))
+
+
+def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
+    """The verified DCP metadata (read without unpickling code) and the checksums, if any."""
+    name = os.fspath(path)
+    if not os.path.isdir(name):
+        raise FileNotFoundError(f"{where}: no checkpoint directory at '{name}'.")
+    if not os.path.isfile(os.path.join(name, ".metadata")):
+        raise ValueError(
+            f"{where}: '{name}' has no .metadata file, so it is not a complete DCP "
+            "checkpoint (DCP writes it last: the save may have been interrupted)."
+        )
+    try:
+        return read_metadata(where, name)
+    except Corrupt as error:
+        raise _corrupt(where, name, error) from None
+
+
+def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')} tensor of shape {shape}"
+
+
+def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) -> int | None:
+    sizes = {}
+    for key in flat.sharded():
+        md = saved.get(key)  # a missing key is reported by _check
+        if isinstance(md, TensorStorageMetadata) and len(md.size) > 0:
+            sizes[key] = md.size[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"{where}: '{name}' holds tensors with different member counts "
+            f"({', '.join(f'{flat.label(k)}: {n}' for k, n in sizes.items())}); it was "
+            "not written by fe.distributed.save from one ensemble."
+        )
+    return next(iter(sizes.values()), None)
+
+
+def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: MemberShard) -> None:
+    missing, extra = flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys()
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append("lacks " + ", ".join(flat.label(k) for k in sorted(missing)))
+        if extra:
+            parts.append("has extra " + ", ".join(flat.label(k) for k in sorted(extra)))
+        raise ValueError(
+            f"{where}: '{name}' does not match the object to load into: the checkpoint "
+            f"{' and '.join(parts)}. Load it into the structure that was saved (same "
+            "architecture, optimizer and keys)."
+        )
+    sharded = set(flat.sharded())
+    for key, leaf in flat.leaves.items():
+        md = saved[key]
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(
+                f"{where}: '{name}' stores {flat.label(key)} as pickled bytes; "
+                "fe.distributed.load reads tensors only."
+            )
+        got = (tuple(md.size), md.properties.dtype)
+        if isinstance(leaf, Tensor):
+            rows = (shard.num_members, *leaf.shape[1:]) if key in sharded else tuple(leaf.shape)
+            want = (rows, leaf.dtype)
+        else:
+            want = ((), _VALUE_DTYPES[type(leaf)])
+        if got != want:
+            raise ValueError(
+                f"{where}: '{name}' does not match the object to load into: "
+                f"{flat.label(key)} is a {_describe(*got)} in the checkpoint; loading "
+                f"needs a {_describe(*want)}"
+                + (f" (all {shard.num_members} members)." if key in sharded else ".")
+            )
+        if key in sharded and leaf.shape[0] != shard.size and shard.world_size == 1:
+            raise ValueError(
+                f"{where}: '{name}' holds {shard.num_members} members; the object to load "
+                f"into has {leaf.shape[0]} ({flat.label(key)}). Build it with "
+                f"num_members={shard.num_members}."
+            )
+        if key in sharded and leaf.shape[0] != shard.size:
+            raise ValueError(
+                f"{where}: {flat.label(key)} has leading size {leaf.shape[0]}, but rank "
+                f"{shard.rank} of {shard.world_size} loads members "
+                f"{shard.members.start}:{shard.members.stop} ({shard.size}). Build this "
+                "rank's object for its members, e.g. with MemberShard.from_factory."
+            )
+
+
+def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T:
+    """Read a checkpoint written by [`save`][funcensemble.distributed.save], at any world size.
+
+    Each rank reads the rows of its own members, wherever they were saved: a
+    checkpoint written by 2 ranks loads on 4, or in one process into an ordinary
+    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked before
+    anything is read: the checksum file, ``.metadata`` against it, and every byte range
+    this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
+    corrupt", naming the file and the entry, on every rank); then the keys, member
+    count, shapes and dtypes. A mismatch raises and leaves ``obj`` untouched.
+    ``.metadata`` (a pickle, in DCP) is read by an unpickler that resolves only DCP's
+    metadata classes, so a crafted checkpoint cannot run code here; one naming
+    anything else is refused. A checkpoint without a checksum file (written by DCP
+    itself, or by funcensemble before checksums) loads with a ``UserWarning`` that it
+    could not be verified.
+
+    Args:
+        path: The checkpoint directory.
+        obj: This rank's [`Ensemble`][funcensemble.Ensemble], loaded **in place** and
+            returned; or a template pytree of the saved structure (e.g. fresh
+            ``params`` and ``opt.init(params)``), left untouched: a new pytree with the
+            saved values is returned, each tensor on its template's device with its
+            ``requires_grad``.
+        shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard];
+            by default one for the saved member count over the default group.
+
+    Returns:
+        ``obj`` itself for an ensemble; a new pytree for a template.
+
+    Raises:
+        FileNotFoundError: No directory at ``path``.
+        ValueError: An incomplete, corrupt or unsafe checkpoint (metadata naming
+            anything but DCP's classes, or data files outside the directory), one
+            that does not match ``obj`` or ``shard``, or ranks that pass different
+            structures.
+        DistributedError: Reading failed, or another rank did not take part in time.
+
+    Example:
+        >>> import os, tempfile, torch, funcensemble as fe
+        >>> make = lambda: torch.nn.Linear(3, 2)
+        >>> trained = fe.Ensemble.from_factory(make, num_members=4, seed=0)
+        >>> fresh = fe.Ensemble.from_factory(make, num_members=4, seed=1)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     fe.distributed.save(os.path.join(tmp, "ckpt"), trained)
+        ...     _ = fe.distributed.load(os.path.join(tmp, "ckpt"), fresh)
+        >>> torch.equal(fresh.stacked.weight, trained.stacked.weight)
+        True
+    """
+    where = "distributed.load"
+    name = os.fspath(path)
+    flat = _flatten(where, obj)
+    metadata, checksums = _metadata(where, path)
+    saved = dict(metadata.state_dict_metadata)
+    num_members = _saved_members(where, name, flat, saved)
+    if shard is None:
+        shard = MemberShard(1 if num_members is None else num_members)
+    else:
+        shard = _check_shard(where, shard)
+        if num_members is not None and shard.num_members != num_members:
+            raise ValueError(
+                f"{where}: '{name}' holds {num_members} members; the shard describes "
+                f"{shard.num_members}. Pass MemberShard({num_members})."
+            )
+    _check(where, name, flat, saved, shard)
+
+    dest = {
+        key: torch.empty_like(leaf, memory_format=torch.contiguous_format).detach()
+        if isinstance(leaf, Tensor)
+        else torch.empty((), dtype=_VALUE_DTYPES[type(leaf)])
+        for key, leaf in flat.leaves.items()
+    }
+    offsets = dict.fromkeys(flat.sharded(), shard.members.start)
+    agree_to_write(where, name, flat.leaves, shard, values=False)
+    if checksums is None:
+        warnings.warn(
+            f"{where}: '{name}' has no {CHECKSUM_FILE} file (written by plain "
+            "torch.distributed.checkpoint, by funcensemble before checkpoints had "
+            "checksums, or by a save killed just before writing it), so a byte changed "
+            "since it was saved could not be detected.",
+            UserWarning,
+            stacklevel=2,
+        )
+    else:
+        rows = {key: shard.members if key in offsets else None for key in flat.leaves}
+        _verify(where, name, checksums, reads_of(metadata, rows), shard)
+    with _dcp_call(), _failures(where, f"reading its members from '{name}'", shard):
+        dcp.load(
+            dest,
+            checkpoint_id=path,
+            storage_reader=VerifiedReader(path, metadata),
+            planner=_LoadPlanner(offsets),
+            process_group=shard.group,
+            **_no_dist(),
+        )
+
+    if flat.ensemble:
+        with torch.no_grad():
+            for key, leaf in flat.leaves.items():
+                leaf.copy_(dest[key])
+        return obj
+    out = []
+    for key, leaf in flat.leaves.items():
+        value = dest[key]
+        if isinstance(leaf, Tensor):
+            out.append(value.requires_grad_(True) if leaf.requires_grad else value)
+        else:
+            out.append(type(leaf)(value.item()))
+    return flat.treedef.unflatten(out)

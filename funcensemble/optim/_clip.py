@@ -1,0 +1,111 @@
+"""Per-member gradient clipping: ``clip_grad_norm_`` applied to each member on its own."""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._hyper import Hyper, PerMember, check_members, hyperparameter
+from ._protocol import (
+    EmptyState,
+    GradientTransformation,
+    PyTree,
+    check_tensors,
+    flatten,
+    leaf_name,
+    scatter,
+    trainable,
+)
+
+
+def _member_norms(where: str, spec: Any, leaves: list[Any], active: list[int]) -> Tensor:
+    """Each member's L2 norm over all its ``active`` leaves: a ``[N]`` tensor.
+
+    As ``torch.nn.utils.clip_grad_norm_`` computes it for one member: the norm of each
+    leaf, then the norm of those norms, in the promoted dtype, on the first leaf's device.
+    """
+    first = leaves[active[0]]
+    norms = []
+    for i in active:
+        g = leaves[i]
+        if g.dim() == 0 or g.shape[0] != first.shape[0]:
+            got = "no member axis (0-dim)" if g.dim() == 0 else f"leading size {g.shape[0]}"
+            raise ValueError(
+                f"{where}: {leaf_name(spec, i)} has {got}, expected leading size "
+                f"{first.shape[0]} like {leaf_name(spec, active[0])}. Every gradient needs "
+                "the member axis first."
+            )
+        per_member = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 2, dim=1)
+        norms.append(per_member.to(first.device))
+    return torch.linalg.vector_norm(torch.stack(norms), 2, dim=0)
+
+
+def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
+    """Clip each member's gradients by that member's own L2 norm over all its leaves.
+
+    Member i's updates are multiplied by ``min(max_norm / (norm_i + 1e-6), 1)``, where
+    ``norm_i`` is the L2 norm of member i's slices of every floating-point leaf: what
+    ``torch.nn.utils.clip_grad_norm_(member_i.parameters(), max_norm)`` does to
+    member i alone, with the same arithmetic (norms of the leaves, then the norm of
+    those; the factor in the promoted dtype of the leaves, cast to each leaf's dtype).
+    Members never affect each other. Leaves whose update is None (no gradient, a
+    frozen parameter) are skipped, as ``clip_grad_norm_`` skips parameters without a
+    ``.grad``. A non-finite norm makes that member's updates non-finite, as
+    ``clip_grad_norm_(error_if_nonfinite=False)`` does.
+
+    Put it first in a [`chain`][funcensemble.optim.chain]:
+    ``chain(clip_by_global_norm(1.0), adam(lr=1e-3))`` is, per member,
+    ``clip_grad_norm_(member.parameters(), 1.0)`` then ``torch.optim.Adam.step()``.
+
+    Args:
+        max_norm: The largest norm a member's gradients keep: one float, or a ``[N]``
+            tensor of per-member values.
+
+    Raises:
+        TypeError: ``max_norm`` is not a float or a floating-point tensor.
+        ValueError: A negative ``max_norm``, or a per-member tensor not shaped ``[N]``.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> clip = fe.optim.clip_by_global_norm(1.0)
+        >>> grads = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
+        >>> updates, _ = clip.update(grads, clip.init(grads))
+        >>> torch.linalg.vector_norm(updates["w"], dim=1)  # member 1 is left as it was
+        tensor([1.0000, 0.5000])
+    """
+    where = "clip_by_global_norm"
+    limit = hyperparameter(where, "max_norm", max_norm, label="max_norm")
+
+    def init(params: PyTree) -> EmptyState:
+        leaves, spec = flatten(params)
+        check_members(limit, where, spec, leaves, trainable(leaves))
+        return EmptyState()
+
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        leaves, spec = flatten(updates)
+        check_tensors(where, "the update", spec, leaves)
+        active = trainable(leaves)
+        check_members(limit, where, spec, leaves, active)
+        out: list[Any] = [None] * len(leaves)
+        if not active:
+            return spec.unflatten(out), state
+        with torch.no_grad():
+            total = _member_norms(where, spec, leaves, active)
+            coef = _max_norm(limit, total) / (total + 1e-6)
+            coef = torch.clamp(coef, max=1.0)
+            new = []
+            for i in active:
+                g = leaves[i]
+                factor = coef.to(device=g.device, dtype=g.dtype)
+                new.append(g * factor.reshape([-1] + [1] * (g.dim() - 1)))
+        return spec.unflatten(scatter(out, active, new)), state
+
+    # Stateless, and `update` writes none of its inputs: it is its own in-place form.
+    return GradientTransformation(init, update, update)
+
+
+def _max_norm(limit: Hyper, total: Tensor) -> float | Tensor:
+    """``max_norm`` as torch uses it: a Python float, or per-member values like ``total``."""
+    if isinstance(limit.value, Tensor):
+        return limit.value.to(device=total.device, dtype=total.dtype)
+    return limit.value

@@ -1,0 +1,150 @@
+"""Polyak averaging (soft target updates) of stacked parameters: ``t <- tau*o + (1-tau)*t``."""
+
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from .._core.tree_view import state_view
+from ._hyper import (
+    Hyper,
+    PerMember,
+    check_members,
+    hyperparameter,
+    per_leaf,
+)
+from ._protocol import PyTree, flatten, leaf_name
+
+
+def _check(
+    where: str, target: PyTree, online: PyTree, tau: object
+) -> tuple[list[Any], list[Any], optree.PyTreeSpec, Hyper]:
+    """Validate everything up front; return aligned leaves and tau."""
+    # An Ensemble stands for its stacked parameters and buffers (its registered view).
+    target_view, online_view = state_view(target), state_view(online)
+    if (target_view is None) != (online_view is None):
+        raise TypeError(
+            f"{where}: target and online must both be Ensembles or both be pytrees of "
+            f"tensors, got {type(target).__name__} and {type(online).__name__}."
+        )
+    if target_view is not None:
+        target, online = target_view, online_view
+    tau_ = hyperparameter(where, "tau", tau, label="tau", upper=1.0, upper_closed=True)
+    targets, spec = flatten(target)
+    onlines, online_spec = flatten(online)
+    if spec != online_spec:
+        raise ValueError(
+            f"{where}: target and online differ in structure: {spec} vs {online_spec}. "
+            "They must hold the same names (the same architecture)."
+        )
+    floats = []
+    for i, (t, o) in enumerate(zip(targets, onlines, strict=True)):
+        if t is None and o is None:
+            continue
+        if not isinstance(t, Tensor) or not isinstance(o, Tensor):
+            raise TypeError(
+                f"{where}: {leaf_name(spec, i, 'target')} must be a tensor in both trees, got "
+                f"{type(t).__name__} (target) and {type(o).__name__} (online)."
+            )
+        if t.shape != o.shape or t.dtype != o.dtype or t.device != o.device:
+            raise ValueError(
+                f"{where}: {leaf_name(spec, i, 'target')} is {tuple(t.shape)} {t.dtype} on "
+                f"{t.device} in target but {tuple(o.shape)} {o.dtype} on {o.device} in "
+                "online; they must match."
+            )
+        if t.is_floating_point():
+            floats.append(i)
+    check_members(tau_, where, spec, targets, floats, "target")
+    return targets, onlines, spec, tau_
+
+
+def _split(targets: list[Any]) -> tuple[list[int], list[int]]:
+    floats = [i for i, t in enumerate(targets) if t is not None and t.is_floating_point()]
+    others = [i for i, t in enumerate(targets) if t is not None and not t.is_floating_point()]
+    return floats, others
+
+
+def polyak_update_(target: PyTree, online: PyTree, tau: float | PerMember) -> None:
+    """Move ``target`` towards ``online`` in place: ``target <- tau*online + (1-tau)*target``.
+
+    The soft target-network update of DDPG/SAC/TD3, for all leaves at once (one
+    ``torch._foreach_lerp_`` kernel). With Ensembles, their stacked parameters and
+    floating-point buffers (e.g. BatchNorm running statistics) are averaged. Leaves
+    that are not floating point (e.g. BatchNorm's ``num_batches_tracked``) cannot be
+    averaged: they are copied from ``online``, whatever ``tau``. Everything is checked
+    before anything changes; no autograd history is recorded.
+
+    Args:
+        target: The tree updated in place: an [`Ensemble`][funcensemble.Ensemble] or a
+            pytree (e.g. dict) of tensors.
+        online: The tree averaged in; same kind, structure, shapes, dtypes and devices.
+        tau: How far to move, in ``[0, 1]`` (``1`` copies ``online``); a float or a
+            ``[N]`` tensor of per-member values.
+
+    Raises:
+        ValueError: ``tau`` outside ``[0, 1]``, a per-member ``tau`` not matching the
+            member count, or trees that differ in structure, shape, dtype or device.
+        TypeError: An Ensemble paired with a pytree, or non-tensor leaves.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> target = {"w": torch.zeros(2, 3)}
+        >>> fe.optim.polyak_update_(target, {"w": torch.ones(2, 3)}, tau=0.1)
+        >>> torch.allclose(target["w"], torch.full((2, 3), 0.1))
+        True
+    """
+    targets, onlines, _, tau_ = _check("polyak_update_", target, online, tau)
+    floats, others = _split(targets)
+    with torch.no_grad():
+        if floats:
+            ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
+            torch._foreach_lerp_(ts, os, per_leaf(tau_, ts))
+        if others:
+            torch._foreach_copy_([targets[i] for i in others], [onlines[i] for i in others])
+
+
+def polyak_update(target: PyTree, online: PyTree, tau: float | PerMember) -> PyTree:
+    """``tau * online + (1 - tau) * target`` as a new pytree; the inputs are untouched.
+
+    The pure form of [`polyak_update_`][funcensemble.optim.polyak_update_] for pytrees
+    (use the in-place form for Ensembles). Non-floating leaves are copies of
+    ``online``'s. Results are fresh autograd leaves with ``target``'s
+    ``requires_grad``.
+
+    Args:
+        target: A pytree of tensors.
+        online: A pytree of the same structure, shapes, dtypes and devices.
+        tau: In ``[0, 1]``; a float or a ``[N]`` tensor of per-member values.
+
+    Returns:
+        The averaged tree, shaped like ``target``.
+
+    Raises:
+        ValueError: As [`polyak_update_`][funcensemble.optim.polyak_update_].
+        TypeError: An Ensemble (use ``polyak_update_``), or non-tensor leaves.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> target, online = {"w": torch.zeros(3, 2)}, {"w": torch.ones(3, 2)}
+        >>> new = fe.optim.polyak_update(target, online, tau=torch.tensor([0.0, 0.5, 1.0]))
+        >>> new["w"][:, 0].tolist(), target["w"].sum().item()
+        ([0.0, 0.5, 1.0], 0.0)
+    """
+    where = "polyak_update"
+    if state_view(target) is not None or state_view(online) is not None:
+        raise TypeError(
+            f"{where}: got an Ensemble; use polyak_update_ to update an Ensemble in place, "
+            "or pass pytrees such as ens.stacked_params()."
+        )
+    targets, onlines, spec, tau_ = _check(where, target, online, tau)
+    floats, others = _split(targets)
+    out = list(targets)
+    with torch.no_grad():
+        if floats:
+            ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
+            for i, new in zip(floats, torch._foreach_lerp(ts, os, per_leaf(tau_, ts)), strict=True):
+                out[i] = new.requires_grad_(targets[i].requires_grad)
+        for i in others:
+            out[i] = onlines[i].clone()
+    return spec.unflatten(out)

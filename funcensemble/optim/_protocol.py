@@ -1,0 +1,450 @@
+"""Optimizers as pure ``(init, update)`` pairs over pytrees, and how they compose.
+
+The pytree plumbing shared by every transform lives here too: trees are flattened
+with ``none_is_leaf=True`` so a ``None`` (an unused parameter's gradient, a skipped
+leaf's state) keeps its slot and nothing downstream misaligns.
+"""
+
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+from .._torch_compat import set_grad_enabled_fast
+
+# Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
+# `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
+# cannot be resolved by beartype at run time.
+PyTree = Any
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer: two pure functions over pytrees, and their in-place form.
+
+    ``init(params) -> state`` builds the state; ``update(grads, state, params) ->
+    (updates, new_state)`` turns gradients into parameter updates. Neither mutates
+    its inputs. Apply the updates with [`apply_updates`][funcensemble.optim.apply_updates],
+    or do both at once, in place, with
+    [`update_`][funcensemble.optim.GradientTransformation.update_].
+
+    ``update_inplace(updates, state, params) -> (updates, state)`` is the in-place
+    form of ``update``: the same arithmetic, but the new state is written into
+    ``state``'s own tensors. It never writes the ``updates`` it is given (they may be
+    the caller's gradients), nor ``params``, except ``fe.optim.adam``'s own: that one
+    adds its step to ``params`` with ``torch.optim.Adam``'s fused kernel and returns
+    None for the updates, so a chain runs it only last. Leave it None and the
+    in-place form is derived from ``update``; [`chain`][funcensemble.optim.chain]
+    runs its transforms' in-place forms one after the other. Call ``update_``, not
+    this field.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.adam(lr=0.1)
+        >>> params = {"w": torch.ones(4, 3)}  # 4 members
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.ones(4, 3)}, state, params)
+        >>> params = fe.optim.apply_updates(params, updates)
+        >>> torch.allclose(params["w"], torch.full((4, 3), 0.9))
+        True
+    """
+
+    init: Callable[[PyTree], Any]
+    update: Callable[..., tuple[PyTree, Any]]
+    update_inplace: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]] | None = None
+
+    def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
+        """Step ``params`` in place; return the new state.
+
+        Computes the step of ``updates, state = update(grads, state, params)``
+        followed by ``params = apply_updates(params, updates)``, but writes the result
+        into the ``params`` tensors (under ``torch.no_grad()``, so they may be
+        ``nn.Parameter``s) and into the state's tensors, instead of allocating new
+        ones. Each transform runs its in-place form: the same operations as its
+        ``update``, so the two agree exactly; ``fe.optim.adam``'s own step runs
+        torch's fused kernel or orders its last operations as torch.optim does for
+        tensor hyperparameters, so it agrees with ``update`` up to float rounding
+        (see [`adam`][funcensemble.optim.adam]).
+
+        The returned state holds the same tensors as ``state`` wherever their shapes
+        allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need the
+        old values. A transform checks everything before it writes anything: a call
+        that raises leaves ``params`` and ``state`` as they were, except that in a
+        [`chain`][funcensemble.optim.chain] the transforms before the one that
+        raised have stepped their own state.
+
+        Args:
+            grads: Gradients shaped like ``params``; None for a leaf without one.
+            state: The state from ``init`` or the previous step.
+            params: The parameters to update in place.
+
+        Returns:
+            The new state.
+
+        Raises:
+            ValueError: ``grads`` or ``state`` do not match ``params``, with the
+                messages of ``update``.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> opt = fe.optim.adam(lr=0.1)
+            >>> params = {"w": torch.ones(4, 3)}
+            >>> state = opt.init(params)
+            >>> state = opt.update_({"w": torch.ones(4, 3)}, state, params)
+            >>> torch.allclose(params["w"], torch.full((4, 3), 0.9)), state[0].count["w"]
+            (True, tensor(1.))
+        """
+        # torch.no_grad() as a context manager costs as much as a small kernel here.
+        grad_was_enabled = torch.is_grad_enabled()
+        set_grad_enabled_fast(False)
+        try:
+            updates, state = inplace_form(self)(grads, state, params)
+            if not traits(self).applies:
+                add_updates_("update_", params, updates)
+        finally:
+            set_grad_enabled_fast(grad_was_enabled)
+        return state
+
+
+class Traits(NamedTuple):
+    """What ``chain`` and ``update_`` need to know of a transform beyond its fields.
+
+    ``applies``: its in-place form adds its step to the parameters itself (the fused
+    Adam kernel), so it may run only last. ``fold(next)``: the one exact transform
+    doing this one and ``next`` together, or None; a chain asks pair by pair (Adam
+    folds the learning rate into its bias correction, as torch.optim does).
+    ``learning_rate``: ``(where, value or schedule)`` of a ``scale_by_learning_rate``
+    (``where`` names it in error messages).
+    """
+
+    applies: bool = False
+    fold: Callable[[Any], Any] | None = None
+    learning_rate: Any = None
+
+
+# Keyed by the transform's `update` function: a GradientTransformation is a plain
+# NamedTuple of three functions (users build and unpack it), so what the library knows
+# about its own transforms lives beside them, not in extra fields.
+_TRAITS: "weakref.WeakKeyDictionary[Callable[..., Any], Traits]" = weakref.WeakKeyDictionary()
+_NONE = Traits()
+
+
+def with_traits(t: GradientTransformation, **kw: Any) -> GradientTransformation:
+    """``t``, with ``Traits(**kw)`` recorded for it."""
+    _TRAITS[t.update] = Traits(**kw)
+    return t
+
+
+def traits(t: GradientTransformation) -> Traits:
+    """What is recorded for ``t`` (nothing, for a transform of the user's own)."""
+    try:
+        return _TRAITS.get(t.update, _NONE)
+    except TypeError:  # an update that cannot be weakly referenced: the user's own
+        return _NONE
+
+
+def derived_inplace(update: Callable[..., tuple[PyTree, Any]]) -> Callable[..., tuple[PyTree, Any]]:
+    """The in-place form of a transform without one: ``update``, then its new state
+    copied into the old state's tensors (where shapes allow)."""
+
+    def update_inplace(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        new_updates, new_state = update(updates, state, params)
+        return new_updates, refill(state, new_state)
+
+    return update_inplace
+
+
+def inplace_form(t: GradientTransformation) -> Callable[..., tuple[PyTree, Any]]:
+    """``t``'s in-place form: its own, or the one derived from its ``update``."""
+    return t.update_inplace if t.update_inplace is not None else derived_inplace(t.update)
+
+
+class EmptyState(NamedTuple):
+    """The state of a transform that keeps none.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> fe.optim.add_decayed_weights(0.1).init({"w": torch.zeros(2, 3)})
+        EmptyState()
+    """
+
+
+# The checks below take whole lists of leaves, not one leaf per call: a transform calls
+# them on every step, and one call per leaf would cost as much as the kernels for small
+# models (more still under the test run's runtime type checker).
+
+
+def trainable(leaves: list[Any]) -> list[int]:
+    """The indices of the leaves a transform updates: floating-point tensors."""
+    out = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            continue
+        if leaf.is_complex():
+            raise TypeError(
+                "funcensemble.optim: complex parameters are not supported; store them as real "
+                "tensors (torch.view_as_real) in the parameter tree."
+            )
+        if leaf.is_floating_point():
+            out.append(i)
+    return out
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Leaves and structure, with every ``None`` kept as a leaf of its own."""
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def leaves_like(where: str, what: str, spec: optree.PyTreeSpec, tree: PyTree) -> list[Any]:
+    """``tree``'s leaves aligned with ``spec``'s, or a clear error if the shapes differ."""
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError) as error:
+        got = optree.tree_structure(tree, none_is_leaf=True)
+        raise ValueError(
+            f"{where}: {what} do not match the structure of the parameters: expected "
+            f"{spec}, got {got}. Pass a pytree shaped like the params (None for a leaf "
+            "without a gradient)."
+        ) from error
+
+
+def leaf_name(spec: optree.PyTreeSpec, index: int, root: str = "params") -> str:
+    """A readable name for leaf ``index``, e.g. ``params['net.0.weight']``."""
+    return optree.treespec_accessors(spec)[index].codify(root)
+
+
+def check_tensors(where: str, what: str, spec: optree.PyTreeSpec, xs: list[Any]) -> None:
+    """Check that every leaf is a tensor or None."""
+    for index, x in enumerate(xs):
+        if x is not None and not isinstance(x, Tensor):
+            raise TypeError(
+                f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
+                "expected a tensor or None."
+            )
+
+
+def check_like(
+    where: str,
+    what: str,
+    spec: optree.PyTreeSpec,
+    indices: list[int],
+    xs: list[Any],
+    refs: list[Any],
+) -> None:
+    """Check that ``xs[i]`` can stand in for ``refs[i]`` (same shape, dtype and device)."""
+    for index in indices:
+        x, ref = xs[index], refs[index]
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
+                "expected a tensor or None."
+            )
+        if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
+            raise ValueError(
+                f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "
+                f"dtype {x.dtype}, device {x.device}; expected {tuple(ref.shape)}, "
+                f"{ref.dtype}, {ref.device} like the parameter."
+            )
+
+
+def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, ...]) -> list:
+    """A copy of ``base`` with ``values`` placed at ``indices``."""
+    out = list(base)
+    for i, v in zip(indices, values, strict=True):
+        out[i] = v
+    return out
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Run transforms one after the other, each on the previous one's updates.
+
+    The state is a tuple with one entry per transform. The chain's
+    [`update_`][funcensemble.optim.GradientTransformation.update_] runs each
+    transform's in-place form in turn (its own, or one derived from its ``update``),
+    so it writes every state in place and agrees exactly with ``update`` followed by
+    [`apply_updates`][funcensemble.optim.apply_updates]. One exception:
+    [`scale_by_adam`][funcensemble.optim.scale_by_adam] directly followed by
+    [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate] fold into
+    one step, [`adam`][funcensemble.optim.adam]'s, which computes torch.optim's
+    arithmetic in both and runs its fused kernel in ``update_`` (equal up to
+    rounding, as ``adam``'s own ``update`` and ``update_`` are).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.chain(fe.optim.add_decayed_weights(0.5),
+        ...                      fe.optim.scale_by_learning_rate(0.1))
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> updates, _ = opt.update({"w": torch.zeros(2, 3)}, opt.init(params), params)
+        >>> torch.allclose(updates["w"], torch.full((2, 3), -0.05))
+        True
+    """
+    for k, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain: transform {k} is a {type(t).__name__}, expected a "
+                "GradientTransformation such as fe.optim.scale_by_adam()."
+            )
+
+    def init(params: PyTree) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    # Steps: a transform alone (one state entry), or a pair folded into one exact
+    # transform whose state is the pair's two entries.
+    steps: list[tuple[GradientTransformation, int]] = []
+    k = 0
+    while k < len(transforms):
+        fold = traits(transforms[k]).fold
+        folded = fold(transforms[k + 1]) if fold is not None and k + 1 < len(transforms) else None
+        steps.append((folded, 2) if folded is not None else (transforms[k], 1))
+        k += 2 if folded is not None else 1
+    # Each step's in-place form; one that adds its updates to the parameters itself
+    # may do so only last (what follows it could not change them any more).
+    last = len(steps) - 1
+    forms = [
+        inplace_form(t) if j == last or not traits(t).applies else derived_inplace(t.update)
+        for j, (t, _) in enumerate(steps)
+    ]
+    sizes = [size for _, size in steps]
+
+    def check(state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain: expected the state returned by this chain's init (a tuple of "
+                f"{len(transforms)} states), got {type(state).__name__}."
+            )
+
+    def run(
+        fns: list[Callable[..., tuple[PyTree, Any]]], updates: PyTree, state: Any, params: PyTree
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        check(state)
+        new_state: list[Any] = []
+        at = 0
+        for fn, size in zip(fns, sizes, strict=True):
+            if size == 1:
+                updates, s = fn(updates, state[at], params)
+                new_state.append(s)
+            else:
+                updates, s = fn(updates, state[at : at + size], params)
+                new_state.extend(s)
+            at += size
+        return updates, tuple(new_state)
+
+    def update(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        return run([t.update for t, _ in steps], updates, state, params)
+
+    def update_inplace(
+        updates: PyTree, state: tuple[Any, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[Any, ...]]:
+        return run(forms, updates, state, params)
+
+    if len(steps) == 1 and sizes[0] == len(transforms) > 1:
+        # One folded step (adam): its own functions take the whole tuple and check it.
+        update, update_inplace = steps[0][0].update, forms[0]  # type: ignore[assignment]
+    out = GradientTransformation(init, update, update_inplace)
+    return with_traits(out, applies=bool(steps) and traits(steps[-1][0]).applies)
+
+
+def _checked_updates(
+    where: str, params: PyTree, updates: PyTree
+) -> tuple[list[Any], optree.PyTreeSpec, list[Any], list[int]]:
+    """Params' leaves and spec, the updates' leaves, and which leaves have an update.
+
+    Every updated leaf must be a tensor shaped like its update; checked before anything
+    is applied.
+    """
+    leaves, spec = flatten(params)
+    ups = leaves_like(where, "updates", spec, updates)
+    active = [i for i, u in enumerate(ups) if u is not None]
+    for i in active:
+        if not isinstance(leaves[i], Tensor):
+            raise TypeError(
+                f"{where}: {leaf_name(spec, i)} is a {type(leaves[i]).__name__} but has an "
+                "update; only tensor leaves can be updated."
+            )
+    check_like(where, "the update", spec, active, ups, leaves)
+    return leaves, spec, ups, active
+
+
+def add_updates_(where: str, params: PyTree, updates: PyTree) -> None:
+    """``params += updates`` in place, leaf by leaf, after checking every leaf."""
+    leaves, _, ups, active = _checked_updates(where, params, updates)
+    if active:
+        with torch.no_grad():
+            torch._foreach_add_([leaves[i] for i in active], [ups[i] for i in active])
+
+
+def refill(state: Any, new_state: Any) -> Any:
+    """``new_state``, its values copied into ``state``'s tensors where shapes allow.
+
+    So that a state's tensors stay the same objects from step to step (what
+    ``EnsembleOptimizer.state_dict`` hands out stays live), like ``torch.optim``'s.
+    """
+    old, spec = flatten(state)
+    new, new_spec = flatten(new_state)
+    if spec != new_spec:
+        return new_state
+    out = []
+    with torch.no_grad():
+        for o, n in zip(old, new, strict=True):
+            same = (
+                isinstance(o, Tensor)
+                and isinstance(n, Tensor)
+                and (o.shape, o.dtype, o.device) == (n.shape, n.dtype, n.device)
+            )
+            if same and o is not n:
+                o.copy_(n)
+            out.append(o if same else n)
+    return spec.unflatten(out)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Add updates to parameters, returning new tensors; the inputs are untouched.
+
+    A leaf whose update is ``None`` (no gradient, or not floating point) is returned
+    as it is, the same tensor. Updated leaves are fresh autograd leaves with their
+    parameter's ``requires_grad``: no history links them to the old parameters.
+
+    Args:
+        params: A pytree of tensors, e.g. stacked ``[N, ...]`` parameters.
+        updates: The updates from ``update``, shaped like ``params``.
+
+    Returns:
+        The new parameters, shaped like ``params``.
+
+    Raises:
+        ValueError: ``updates`` do not match ``params`` in structure or leaf shapes.
+        RuntimeError: Under ``torch.compile``, a parameter with an update requires
+            grad: a compiled graph cannot return new autograd leaves. Step in place
+            with [`update_`][funcensemble.optim.GradientTransformation.update_] there.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> params = {"w": torch.zeros(3, 2), "frozen": torch.ones(3)}
+        >>> new = fe.optim.apply_updates(params, {"w": torch.ones(3, 2), "frozen": None})
+        >>> new["w"].sum().item(), new["frozen"] is params["frozen"], params["w"].sum().item()
+        (6.0, True, 0.0)
+    """
+    where = "apply_updates"
+    leaves, spec, ups, active = _checked_updates(where, params, updates)
+    if not active:
+        return spec.unflatten(leaves)
+    if torch.compiler.is_compiling() and any(leaves[i].requires_grad for i in active):
+        # Dynamo refuses a graph output made an autograd leaf by requires_grad_() (it
+        # would drop the flag); returning the new tensors without it would silently
+        # turn trainable parameters into frozen ones.
+        raise RuntimeError(
+            f"{where}: cannot return new parameters that require grad under torch.compile "
+            f"(got {leaf_name(spec, active[0])} with requires_grad=True; a compiled graph "
+            "cannot make its outputs autograd leaves). Step in place inside the compiled "
+            "function instead: state = opt.update_(grads, state, params)."
+        )
+    with torch.no_grad():
+        new = torch._foreach_add([leaves[i] for i in active], [ups[i] for i in active])
+    for i, t in zip(active, new, strict=True):
+        if leaves[i].requires_grad:
+            t.requires_grad_(True)
+    return spec.unflatten(scatter(leaves, active, new))

@@ -1,0 +1,235 @@
+"""RMSprop as in ``torch.optim.RMSprop``, over pytrees of stacked ``[N, ...]`` parameters."""
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._hyper import Hyper, PerMember, check_members, hyperparameter, is_per_member
+from ._protocol import (
+    GradientTransformation,
+    PyTree,
+    chain,
+    check_like,
+    check_tensors,
+    flatten,
+    leaves_like,
+    scatter,
+    trainable,
+)
+from ._sgd import _flag
+from ._transforms import Schedule, checked_learning_rate, learning_rate
+
+
+class RMSpropState(NamedTuple):
+    """The state of [`rmsprop`][funcensemble.optim.rmsprop]'s direction (its first entry).
+
+    Each field is a pytree shaped like the parameters, holding ``None`` for leaves that
+    are not floating point. The names are ``torch.optim.RMSprop``'s.
+
+    Attributes:
+        step: Per leaf, how many updates it has received (a 0-dim float32 tensor).
+        square_avg: The running average of the squared gradient.
+        momentum_buffer: The momentum buffer; all None when ``momentum`` is the float 0.
+        grad_avg: With ``centered``, the running average of the gradient; else all None.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> state, _ = fe.optim.rmsprop(centered=True).init({"w": torch.zeros(4, 3)})
+        >>> state.square_avg["w"].shape, state.momentum_buffer["w"], state.step["w"]
+        (torch.Size([4, 3]), None, tensor(0.))
+    """
+
+    step: PyTree
+    square_avg: PyTree
+    momentum_buffer: PyTree
+    grad_avg: PyTree
+
+
+def _view(h: Hyper, like: Tensor) -> float | Tensor:
+    """``h`` as a float, or as ``[N, 1, ..., 1]`` in ``like``'s dtype and device."""
+    if not isinstance(h.value, Tensor):
+        return h.value
+    shape = [-1] + [1] * (like.dim() - 1)
+    return h.value.to(device=like.device, dtype=like.dtype).reshape(shape)
+
+
+def _rmsprop_direction(
+    where: str,
+    alpha: Hyper,
+    eps: Hyper,
+    weight_decay: Hyper,
+    momentum: Hyper,
+    centered: bool,
+    maximize: bool,
+) -> GradientTransformation:
+    """torch.optim.RMSprop's step before the learning rate."""
+    per_member = [h for h in (alpha, eps, weight_decay, momentum) if is_per_member(h)]
+    buffered = is_per_member(momentum) or momentum.value != 0.0
+    decays = is_per_member(weight_decay) or weight_decay.value != 0.0
+    one_minus_alpha = Hyper("alpha", 1.0 - alpha.value)
+
+    def init(params: PyTree) -> RMSpropState:
+        leaves, spec = flatten(params)
+        indices = trainable(leaves)
+        for h in per_member:
+            check_members(h, where, spec, leaves, indices)
+        none = [None] * len(leaves)
+        steps = [torch.zeros((), dtype=torch.float32, device=leaves[i].device) for i in indices]
+
+        def zeros(keep: bool) -> PyTree:
+            if not keep:
+                return spec.unflatten(none)
+            z = [torch.zeros_like(leaves[i], memory_format=torch.preserve_format) for i in indices]
+            return spec.unflatten(scatter(none, indices, z))
+
+        return RMSpropState(
+            spec.unflatten(scatter(none, indices, steps)),
+            zeros(True),
+            zeros(buffered),
+            zeros(centered),
+        )
+
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, RMSpropState]:
+        if not isinstance(state, RMSpropState):
+            raise TypeError(
+                f"{where}: expected an RMSpropState (from this transform's init), got "
+                f"{type(state).__name__}."
+            )
+        steps, spec = flatten(state.step)
+        grads = leaves_like(where, "updates", spec, updates)
+        check_tensors(where, "the update", spec, grads)
+        sq = leaves_like(where, "state.square_avg", spec, state.square_avg)
+        bufs = leaves_like(where, "state.momentum_buffer", spec, state.momentum_buffer)
+        gavg = leaves_like(where, "state.grad_avg", spec, state.grad_avg)
+        active = [
+            i
+            for i, (g, c) in enumerate(zip(grads, steps, strict=True))
+            if g is not None and c is not None
+        ]
+        if not active:
+            return spec.unflatten([None] * len(steps)), state
+        check_like(where, "the update", spec, active, grads, sq)
+        if buffered:
+            check_like(where, "the update", spec, active, grads, bufs)
+        if centered:
+            check_like(where, "the update", spec, active, grads, gavg)
+        ps: list[Any] = []
+        if decays:
+            if params is None:
+                raise ValueError(
+                    f"{where}: weight decay needs the parameters; call "
+                    "update(grads, state, params)."
+                )
+            ps = leaves_like(where, "params", spec, params)
+            check_like(where, "the update", spec, active, grads, ps)
+        for h in per_member:
+            check_members(h, where, spec, grads, active)
+        out = [None] * len(steps)
+        new_steps, new_sq, new_bufs, new_gavg = list(steps), list(sq), list(bufs), list(gavg)
+        with torch.no_grad():
+            for i in active:
+                g = -grads[i] if maximize else grads[i]
+                if decays:
+                    wd = _view(weight_decay, g)
+                    g = g.add(ps[i], alpha=wd) if isinstance(wd, float) else g.addcmul(ps[i], wd)
+                a, oma = _view(alpha, g), _view(one_minus_alpha, g)
+                if isinstance(a, float):
+                    s = sq[i].mul(a).addcmul_(g, g, value=oma)
+                else:
+                    s = sq[i].mul(a).addcmul_(g * g, oma)
+                new_sq[i] = s
+                if centered:
+                    ga = gavg[i].lerp(g, oma)
+                    new_gavg[i] = ga
+                    avg = s.addcmul(ga, ga, value=-1).sqrt_()
+                else:
+                    avg = s.sqrt()
+                avg = avg.add_(_view(eps, g))
+                if buffered:
+                    m = _view(momentum, g)
+                    b = bufs[i].mul(m).addcdiv_(g, avg)
+                    if isinstance(m, Tensor):
+                        # A member with momentum 0 keeps no buffer in torch.optim.
+                        b = torch.where(m == 0, g / avg, b)
+                    new_bufs[i] = b
+                    out[i] = b
+                else:
+                    out[i] = g / avg
+                new_steps[i] = steps[i] + 1
+        new_state = RMSpropState(
+            spec.unflatten(new_steps),
+            spec.unflatten(new_sq),
+            spec.unflatten(new_bufs),
+            spec.unflatten(new_gavg),
+        )
+        return spec.unflatten(out), new_state
+
+    # The in-place form is derived: the same arithmetic, the new state copied into the old.
+    return GradientTransformation(init, update)
+
+
+def rmsprop(
+    lr: float | PerMember | Schedule = 1e-2,
+    alpha: float | PerMember = 0.99,
+    eps: float | PerMember = 1e-8,
+    weight_decay: float | PerMember = 0.0,
+    momentum: float | PerMember = 0.0,
+    centered: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """RMSprop, computing for each member what ``torch.optim.RMSprop`` computes for it alone.
+
+    Per member and leaf, as ``torch.optim.RMSprop``: ``g = -grad`` if ``maximize``,
+    then ``g += weight_decay * param``; ``square_avg = alpha * square_avg +
+    (1 - alpha) * g * g``; with ``centered``, ``grad_avg`` is lerped towards ``g`` and
+    ``avg = sqrt(square_avg - grad_avg**2) + eps``, else ``avg = sqrt(square_avg) +
+    eps``; with momentum, ``buf = momentum * buf + g / avg`` and the step is
+    ``-lr * buf``, else ``-lr * g / avg``.
+
+    Any of ``lr``, ``alpha``, ``eps``, ``weight_decay`` and ``momentum`` may be a
+    ``[N]`` tensor of per-member values; ``lr`` may also be a schedule ``lr(count)``.
+    Leaves that are not floating point get no state and no update; a leaf whose
+    gradient is None is skipped. ``update`` and ``update_`` agree exactly; against
+    torch.optim the tests allow 1e-12 in float64.
+
+    Args:
+        lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``.
+        alpha: Smoothing constant of the squared-gradient average.
+        eps: Added to the denominator for numerical stability.
+        weight_decay: L2 penalty added to the gradient.
+        momentum: Momentum factor.
+        centered: Normalize by an estimate of the gradient's variance.
+        maximize: Maximize the objective instead of minimizing it.
+
+    Returns:
+        A [`GradientTransformation`][funcensemble.optim.GradientTransformation] whose
+        state is ``(RMSpropState, lr state)``; see
+        [`RMSpropState`][funcensemble.optim.RMSpropState].
+
+    Raises:
+        ValueError: A hyperparameter below 0 (``torch.optim``'s wording), or a
+            per-member tensor not shaped ``[N]``.
+        TypeError: A hyperparameter of the wrong type.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.rmsprop(lr=torch.tensor([0.01, 0.0]), alpha=0.0, eps=0.0)
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> state = opt.update_({"w": torch.full((2, 3), 4.0)}, opt.init(params), params)
+        >>> params["w"][:, 0]  # each step is -lr * g / |g|
+        tensor([0.9900, 1.0000])
+    """
+    where = "rmsprop"
+    lr_ = checked_learning_rate(where, lr)
+    eps_ = hyperparameter(where, "eps", eps, label="epsilon value")
+    m = hyperparameter(where, "momentum", momentum, label="momentum value")
+    wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")
+    a = hyperparameter(where, "alpha", alpha, label="alpha value")
+    centered = _flag(where, "centered", centered)
+    maximize = _flag(where, "maximize", maximize)
+    return chain(
+        _rmsprop_direction(where, a, eps_, wd, m, centered, maximize),
+        learning_rate(where, lr_),  # type: ignore[arg-type]
+    )

@@ -1,0 +1,240 @@
+"""SGD as in ``torch.optim.SGD``, over pytrees of stacked ``[N, ...]`` parameters."""
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ._hyper import Hyper, PerMember, check_members, hyperparameter, is_per_member, per_leaf
+from ._protocol import (
+    GradientTransformation,
+    PyTree,
+    chain,
+    check_like,
+    check_tensors,
+    flatten,
+    leaves_like,
+    scatter,
+    trainable,
+)
+from ._transforms import Schedule, checked_learning_rate, learning_rate
+
+
+class SGDState(NamedTuple):
+    """The state of [`sgd`][funcensemble.optim.sgd]'s direction (its first entry).
+
+    Each field is a pytree shaped like the parameters, holding ``None`` for leaves that
+    are not floating point, and for every leaf when ``momentum`` is the float 0.
+
+    Attributes:
+        count: Per leaf, how many updates it has received (a 0-dim float32 tensor on
+            the leaf's device). At 0 the momentum buffer is not started yet: the first
+            update sets it to the gradient itself, as ``torch.optim.SGD`` does.
+        momentum_buffer: ``torch.optim.SGD``'s ``momentum_buffer``, like the parameters.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> state, _ = fe.optim.sgd(lr=0.1, momentum=0.9).init({"w": torch.zeros(4, 3)})
+        >>> state.count["w"], state.momentum_buffer["w"].shape
+        (tensor(0.), torch.Size([4, 3]))
+    """
+
+    count: PyTree
+    momentum_buffer: PyTree
+
+
+def _flag(where: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}.")
+    return value
+
+
+def _sgd_direction(
+    where: str,
+    momentum: Hyper,
+    dampening: Hyper,
+    nesterov: bool,
+    weight_decay: Hyper,
+    maximize: bool,
+) -> GradientTransformation:
+    """torch.optim.SGD's step before the learning rate: sign, L2 decay, momentum."""
+    per_member = [h for h in (momentum, dampening, weight_decay) if is_per_member(h)]
+    buffered = is_per_member(momentum) or momentum.value != 0.0
+    one_minus_d = Hyper("dampening", 1.0 - dampening.value)
+    # A member with momentum 0 keeps no buffer in torch.optim: its direction is the
+    # gradient itself (not (1 - dampening) * gradient, nor 0 * buffer + gradient).
+    no_momentum = momentum.value == 0 if is_per_member(momentum) else None
+
+    def init(params: PyTree) -> SGDState:
+        leaves, spec = flatten(params)
+        indices = trainable(leaves)
+        for h in per_member:
+            check_members(h, where, spec, leaves, indices)
+        none = [None] * len(leaves)
+        counts = [torch.zeros((), dtype=torch.float32, device=leaves[i].device) for i in indices]
+        bufs = [torch.zeros_like(leaves[i], memory_format=torch.preserve_format) for i in indices]
+        return SGDState(
+            spec.unflatten(scatter(none, indices, counts)),
+            spec.unflatten(scatter(none, indices, bufs) if buffered else none),
+        )
+
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, SGDState]:
+        if not isinstance(state, SGDState):
+            raise TypeError(
+                f"{where}: expected an SGDState (from this transform's init), got "
+                f"{type(state).__name__}."
+            )
+        counts, spec = flatten(state.count)
+        grads = leaves_like(where, "updates", spec, updates)
+        bufs = leaves_like(where, "state.momentum_buffer", spec, state.momentum_buffer)
+        check_tensors(where, "the update", spec, grads)
+        active = [
+            i
+            for i, (g, c) in enumerate(zip(grads, counts, strict=True))
+            if g is not None and c is not None
+        ]
+        if not active:
+            return spec.unflatten([None] * len(counts)), state
+        if is_per_member(weight_decay) or weight_decay.value != 0.0:
+            if params is None:
+                raise ValueError(
+                    f"{where}: weight decay needs the parameters; call "
+                    "update(grads, state, params)."
+                )
+            ps_all = leaves_like(where, "params", spec, params)
+            check_like(where, "the update", spec, active, grads, ps_all)
+        else:
+            ps_all = None
+        if buffered:
+            check_like(where, "the update", spec, active, grads, bufs)
+        for h in per_member:
+            check_members(h, where, spec, grads, active)
+        gs = [grads[i] for i in active]
+        with torch.no_grad():
+            d = list(torch._foreach_neg(gs)) if maximize else gs
+            if ps_all is not None:
+                ps = [ps_all[i] for i in active]
+                wd = per_leaf(weight_decay, ps)
+                if isinstance(wd, float):
+                    d = list(torch._foreach_add(d, ps, alpha=wd))
+                else:
+                    d = list(torch._foreach_addcmul(d, ps, wd))
+            new_counts = [counts[i] + 1 for i in active]
+            if not buffered:
+                out = spec.unflatten(scatter([None] * len(counts), active, d))
+                new_count = spec.unflatten(scatter(counts, active, new_counts))
+                return out, SGDState(new_count, state.momentum_buffer)
+            old = [bufs[i] for i in active]
+            m = per_leaf(momentum, gs)
+            od = per_leaf(one_minus_d, gs)
+            blend = list(torch._foreach_mul(old, m))
+            if isinstance(od, float):
+                blend = list(torch._foreach_add(blend, d, alpha=od))
+            else:
+                blend = list(torch._foreach_addcmul(blend, d, od))
+            new_bufs = []
+            for k, i in enumerate(active):
+                fresh = counts[i] == 0
+                if no_momentum is not None:
+                    shape = [-1] + [1] * (gs[k].dim() - 1)
+                    fresh = fresh | no_momentum.to(gs[k].device).reshape(shape)
+                new_bufs.append(torch.where(fresh, d[k], blend[k]))
+            if nesterov:
+                if isinstance(m, float):
+                    direction = list(torch._foreach_add(d, new_bufs, alpha=m))
+                else:
+                    direction = list(torch._foreach_addcmul(d, new_bufs, m))
+            else:
+                direction = new_bufs
+        out = spec.unflatten(scatter([None] * len(counts), active, direction))
+        new_state = SGDState(
+            spec.unflatten(scatter(counts, active, new_counts)),
+            spec.unflatten(scatter(bufs, active, new_bufs)),
+        )
+        return out, new_state
+
+    # The in-place form is derived: the same arithmetic, the new state copied into the old.
+    return GradientTransformation(init, update)
+
+
+def sgd(
+    lr: float | PerMember | Schedule = 1e-3,
+    momentum: float | PerMember = 0.0,
+    dampening: float | PerMember = 0.0,
+    weight_decay: float | PerMember = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """SGD, computing for each member what ``torch.optim.SGD`` computes for it alone.
+
+    Per member and leaf, as ``torch.optim.SGD``: ``g = -grad`` if ``maximize``, then
+    ``g += weight_decay * param``; with momentum, the buffer starts as ``g`` itself on
+    a leaf's first update and is ``momentum * buf + (1 - dampening) * g`` after; the
+    direction is ``g + momentum * buf`` (``nesterov``) or ``buf``; the step is
+    ``param -= lr * direction``. A member whose momentum is 0 (in a per-member
+    tensor) keeps no momentum, as torch.optim does for it.
+
+    Any of ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` may be a ``[N]``
+    tensor of per-member values; ``lr`` may also be a schedule ``lr(count)`` (see
+    [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate]). Leaves
+    that are not floating point get no state and no update; a leaf whose gradient is
+    None is skipped, as ``torch.optim`` skips a parameter whose ``.grad`` is None.
+    ``update`` and ``update_`` run the same operations and agree exactly; against
+    torch.optim the tests allow 1e-12 in float64 (the learning rate multiplies the
+    direction before it is added, where torch.optim adds with ``alpha=-lr``).
+
+    Args:
+        lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``.
+        momentum: Momentum factor.
+        dampening: Dampening for momentum.
+        weight_decay: L2 penalty added to the gradient (after the sign flip of
+            ``maximize``).
+        nesterov: Use Nesterov momentum (needs ``momentum > 0`` and ``dampening`` 0
+            for every member).
+        maximize: Maximize the objective instead of minimizing it.
+
+    Returns:
+        A [`GradientTransformation`][funcensemble.optim.GradientTransformation] whose
+        state is the pair ``(SGDState, lr state)``: the
+        [`SGDState`][funcensemble.optim.SGDState], then an
+        [`EmptyState`][funcensemble.optim.EmptyState] for a constant ``lr`` or a
+        [`ScheduleState`][funcensemble.optim.ScheduleState] for a schedule. The
+        layout is the same whatever the values; with ``momentum`` the float 0 the
+        buffers are None.
+
+    Raises:
+        ValueError: A hyperparameter out of range (``torch.optim``'s wording), a
+            per-member tensor not shaped ``[N]``, or ``nesterov`` without momentum or
+            with dampening.
+        TypeError: A hyperparameter of the wrong type.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> opt = fe.optim.sgd(lr=torch.tensor([0.1, 0.2]), momentum=0.9)  # per member
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> state = opt.init(params)
+        >>> for _ in range(2):
+        ...     state = opt.update_({"w": torch.ones(2, 3)}, state, params)
+        >>> params["w"][:, 0]  # buffers 1, then 0.9 * 1 + 1 = 1.9
+        tensor([0.7100, 0.4200])
+    """
+    where = "sgd"
+    lr_ = checked_learning_rate(where, lr)
+    m = hyperparameter(where, "momentum", momentum, label="momentum value")
+    d = hyperparameter(where, "dampening", dampening, label="dampening value")
+    wd = hyperparameter(where, "weight_decay", weight_decay, label="weight_decay value")
+    nesterov = _flag(where, "nesterov", nesterov)
+    maximize = _flag(where, "maximize", maximize)
+    if nesterov:
+        m_pos = bool((m.value > 0).all()) if is_per_member(m) else m.value > 0
+        d_zero = bool((d.value == 0).all()) if is_per_member(d) else d.value == 0
+        if not (m_pos and d_zero):
+            raise ValueError(
+                f"{where}: Nesterov momentum requires a momentum and zero dampening (expected "
+                f"momentum > 0 and dampening 0 for every member, got momentum {m.value} and "
+                f"dampening {d.value}). Pass nesterov=False or set them."
+            )
+    return chain(
+        _sgd_direction(where, m, d, nesterov, wd, maximize),
+        learning_rate(where, lr_),  # type: ignore[arg-type]
+    )
