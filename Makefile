@@ -62,11 +62,18 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) $(OLD_VENV) site
 
+# The quickstart notebook is committed with its outputs, which the docs site renders:
+# re-execute it in a fresh kernel and store them (seconds). The test run checks that they
+# are complete, clean and what a fresh run prints (tests/notebook_outputs.py).
+.PHONY: notebook
+notebook: $(STAMP)
+	$(BIN)/python tests/notebook_outputs.py examples/quickstart.ipynb
+
 # The figures in docs/img come from full runs of the examples; the examples themselves
 # write into ./out/<example>/ and never touch docs/img unless told to, as here. Takes
 # minutes, most of them the RL example's (docs/examples.md lists each one's time).
 .PHONY: figures
-figures: $(STAMP)
+figures: $(STAMP) notebook
 	$(BIN)/python examples/deep_ensemble_regression.py --out docs/img
 	$(BIN)/python examples/lr_sweep.py --out docs/img
 	$(BIN)/python examples/digits_ensemble.py --out docs/img

@@ -2,17 +2,21 @@
 
 The scripts run in quick mode, in process (``main(argv)``), and their key claims are
 checked: the ensemble's std widens away from the data; the best learning rate is
-finite and one of the swept ones. The notebook is executed top to bottom by a Jupyter
-kernel running this interpreter, and must be committed without outputs.
+finite and one of the swept ones. The notebook is committed with its outputs (the docs
+render them): they must be clean and complete, and the same as those of a fresh run by
+a Jupyter kernel running this interpreter (tests/notebook_outputs.py; ``make notebook``
+stores a fresh run).
 """
 
+import copy
 import json
 import math
-import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import notebook_outputs
 import pytest
 import torch
 from helpers import load_example
@@ -149,42 +153,92 @@ def test_digits_fails_when_the_members_are_copies(monkeypatch):
         example.main(["--members", "2", "--epochs", "1", "--no-plot", "--quiet"])
 
 
-def test_notebook_is_committed_without_outputs():
-    nbformat = pytest.importorskip("nbformat")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    code = [cell for cell in nb.cells if cell.cell_type == "code"]
-    assert code, "the notebook has no code cells"
-    for k, cell in enumerate(code):
-        assert cell.outputs == [], f"code cell {k} has stored outputs; strip them"
-        assert cell.execution_count is None, f"code cell {k} has an execution count"
+def test_notebook_is_stored_with_its_outputs():
+    pytest.importorskip("nbformat")
+    nb = notebook_outputs.read(NOTEBOOK)
     assert nb.metadata.kernelspec.name == "python3"
-    raw = json.loads(NOTEBOOK.read_text())
-    assert "widgets" not in raw["metadata"]
+    assert "widgets" not in json.loads(NOTEBOOK.read_text())["metadata"]
+    problems = notebook_outputs.stored_output_problems(nb)
+    assert not problems, "\n".join(problems) + "\nRe-run and store it: make notebook"
+
+
+def test_stored_output_checks_catch_stale_and_dirty_outputs():
+    nbformat = pytest.importorskip("nbformat")
+    stored = notebook_outputs.read(NOTEBOOK)
+
+    def problems_after(change) -> str:
+        nb = copy.deepcopy(stored)
+        change([cell for cell in nb.cells if cell.cell_type == "code"])
+        return "\n".join(notebook_outputs.stored_output_problems(nb))
+
+    def strip(cells):
+        for cell in cells:
+            cell.outputs, cell.execution_count = [], None
+
+    assert "execution counts are [None" in problems_after(strip)
+    assert "no image output" in problems_after(strip)
+    assert "code cell 1 has no stored outputs" in problems_after(strip)
+    swap = lambda cells: setattr(cells[2], "execution_count", 9)  # noqa: E731
+    assert "expected 1 to" in problems_after(swap)
+    stderr = nbformat.v4.new_output("stream", name="stderr", text="UserWarning: ...")
+    assert "stores stderr" in problems_after(lambda cells: cells[1].outputs.append(stderr))
+    path = nbformat.v4.new_output("stream", name="stdout", text="/home/me/.venv/lib\n")
+    assert "machine-specific '/home/'" in problems_after(
+        lambda cells: cells[1].outputs.append(path)
+    )
+    timing = lambda cells: cells[1].metadata.update(execution={"shell.execute_reply": 1})  # noqa: E731
+    assert "timing metadata" in problems_after(timing)
+
+    # A fresh run that prints another number, or another kind of output, is a difference.
+    changed = copy.deepcopy(stored)
+    printed = next(c for c in changed.cells if c.cell_type == "code" and "MSE" in c.source)
+    printed.outputs[0].text = printed.outputs[0].text.replace("first step", "first step 1 +")
+    assert notebook_outputs.output_differences(stored, changed)
+    changed = copy.deepcopy(stored)
+    number = next(c for c in changed.cells if c.cell_type == "code" and "MSE" in c.source)
+    number.outputs[0].text = re.sub(r"\d\.\d+\n", "9.9\n", number.outputs[0].text)
+    assert "fresh" in "".join(notebook_outputs.output_differences(stored, changed))
+    assert notebook_outputs.output_differences(stored, copy.deepcopy(stored)) == []
+
+
+def test_docs_render_the_stored_notebook():
+    yaml = pytest.importorskip("yaml")
+    page = ROOT / "docs" / "quickstart.ipynb"
+    assert page.resolve() == NOTEBOOK, "docs/quickstart.ipynb should link examples/quickstart.ipynb"
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert {"Quickstart notebook": "quickstart.ipynb"} in config["nav"]
+    plugins = {}
+    for entry in config["plugins"]:
+        plugins.update(entry if isinstance(entry, dict) else {entry: {}})
+    # The docs show the stored outputs; the docs build does not run the notebook.
+    assert plugins["mkdocs-jupyter"]["execute"] is False
+    assert "*.ipynb" in plugins["mkdocs-jupyter"]["include"]
+
+    # What the page shows: the plot and the printed results, as stored.
+    nbconvert2 = pytest.importorskip("mkdocs_jupyter.nbconvert2")
+    html = nbconvert2.nb2html(str(page), execute=False)
+    assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', html)) == 1
+    assert "per-member MSE: first step 0." in html and "mean std inside [-1, 1]: 0." in html
 
 
 @pytest.mark.slow
-def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+def test_notebook_runs_top_to_bottom_as_stored():
     nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    pytest.importorskip("nbclient")
+    nb = notebook_outputs.read(NOTEBOOK)
     # Prove the kernel is this interpreter (the venv), not some `python` on PATH:
     # jupyter_client swaps the kernelspec's bare "python" for sys.executable.
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
-    client = nbclient.NotebookClient(
-        nb,
-        kernel_name="python3",
-        timeout=120,
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute()
+    notebook_outputs.execute(nb)
+    assert nb.cells.pop().outputs[0].text.strip() == sys.executable
 
     outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
-    assert outputs[-1].text.strip() == sys.executable
     images = [out for out in outputs if "image/png" in out.get("data", {})]
     assert len(images) == 1, "the plot cell should display one figure"
     printed = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
     assert "per-member MSE" in printed and "mean std inside" in printed
+    assert notebook_outputs.stored_output_problems(nb) == []
+    # What the docs show is what the notebook's code prints today.
+    differences = notebook_outputs.output_differences(notebook_outputs.read(NOTEBOOK), nb)
+    assert not differences, "\n".join(differences) + "\nRe-run and store it: make notebook"
