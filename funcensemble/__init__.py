@@ -11,6 +11,7 @@ from ._export import export_state_dicts as export_state_dicts
 from ._export import import_state_dicts as import_state_dicts
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
+from ._hetero import HeteroEnsemble as HeteroEnsemble
 from ._stack import FunctionalModule as FunctionalModule
 from ._stack import stack as stack
 from ._stack import unstack as unstack
@@ -35,6 +36,7 @@ __all__ = [
     "BaggingSampler",
     "Ensemble",
     "FunctionalModule",
+    "HeteroEnsemble",
     "bootstrap_indices",
     "export_state_dicts",
     "grad",

@@ -7,12 +7,13 @@ import torch
 from torch import Tensor
 
 from ._ensemble import Ensemble
+from ._hetero import HeteroEnsemble
 from ._same_value import SameValue, show
 from ._stack import FunctionalModule, StackedTensors, unstack
 
 
 def export_state_dicts(
-    ensemble: Ensemble | FunctionalModule,
+    ensemble: Ensemble | HeteroEnsemble | FunctionalModule,
     params: StackedTensors | None = None,
     buffers: StackedTensors | None = None,
 ) -> list[dict[str, Any]]:
@@ -25,7 +26,9 @@ def export_state_dicts(
     architecture. The tensors are fresh copies that share nothing with the ensemble.
 
     Args:
-        ensemble: An [`Ensemble`][funcensemble.Ensemble], or the
+        ensemble: An [`Ensemble`][funcensemble.Ensemble], a
+            [`HeteroEnsemble`][funcensemble.HeteroEnsemble] (each member's dict as its
+            own architecture writes it, in member order), or the
             [`FunctionalModule`][funcensemble.FunctionalModule] returned by
             [`stack`][funcensemble.stack] together with its ``params`` and ``buffers``.
         params: The stacked parameters, with a ``FunctionalModule`` only.
@@ -48,10 +51,10 @@ def export_state_dicts(
         (4, True)
     """
     where = "export_state_dicts"
-    if isinstance(ensemble, Ensemble):
+    if isinstance(ensemble, Ensemble | HeteroEnsemble):
         if params is not None or buffers is not None:
             raise TypeError(
-                f"{where}: pass an Ensemble alone; params and buffers go with the "
+                f"{where}: pass an {type(ensemble).__name__} alone; params and buffers go with the "
                 "FunctionalModule returned by fe.stack."
             )
         members = ensemble.unstack()
