@@ -320,8 +320,9 @@ class HeteroEnsemble(nn.Module):
         members: per-member values are given in member order. ``hens.optimizer(t)``
         with a built transform runs ``t`` in every group (it must hold no ``[N]``
         values unless there is one group). Either way each group's transform sees
-        only its own members' leaves, so [`clip_by_global_norm`][funcensemble.optim.clip_by_global_norm]
-        clips each member by its own norm.
+        only its own members' leaves, so
+        [`clip_by_global_norm`][funcensemble.optim.clip_by_global_norm] clips each
+        member by its own norm.
 
         The result is a [`GradientTransformation`][funcensemble.optim.GradientTransformation]
         over flat dicts keyed like ``hens.stacked_params()``: use its ``init``,

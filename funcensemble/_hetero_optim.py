@@ -144,7 +144,8 @@ def grouped(
 
     def init(params: PyTree) -> tuple[Any, ...]:
         states = []
-        for g, (t, part) in enumerate(zip(per_group, _split(where, "params", params, keys))):
+        parts = _split(where, "params", params, keys)
+        for g, (t, part) in enumerate(zip(per_group, parts, strict=True)):
             try:
                 states.append(t.init(part))
             except ValueError as error:
