@@ -38,8 +38,8 @@ def flatten_by_key(
         tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
     elif isinstance(obj, nn.Module):
         raise TypeError(
-            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble, an "
-            "fe.HeteroEnsemble or a pytree of "
+            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble (or "
+            "fe.HeteroEnsemble) or a pytree of "
             "tensors. For an ordinary module, pass module.state_dict()."
         )
     else:
