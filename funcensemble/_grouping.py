@@ -8,6 +8,7 @@ the groups' members; the groups' ``[N_g, ...]`` results are put back into member
 ``[N, ...]``.
 """
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,18 @@ def _describe(x: Any) -> str:
     return f"the value {x!r}"
 
 
+@functools.lru_cache(maxsize=64)
+def member_order(groups: tuple[tuple[int, ...], ...]) -> Tensor:
+    """Where member i's result sits in the groups' results concatenated: ``[N]`` indices.
+
+    Cached (it is the same for every call of one ensemble); never written to.
+    """
+    order = [i for members in groups for i in members]
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return inverse
+
+
 def regroup(
     where: str, what: str, per_group: Sequence[Any], groups: Sequence[Sequence[int]]
 ) -> Any:
@@ -106,9 +119,7 @@ def regroup(
                     f"{where}: member {member}'s {what} has {_describe(leaf)}; member "
                     f"{first}'s has {_describe(ref)}. {fix}"
                 )
-    order = [i for members in groups for i in members]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
+    inverse = member_order(tuple(tuple(m) for m in groups))
     out = []
     for k, ref in enumerate(leaves0):
         if not isinstance(ref, Tensor):
