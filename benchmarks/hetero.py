@@ -102,7 +102,7 @@ def build(method: str, modules: list[nn.Module], x: Tensor, y: Tensor) -> Built:
         def infer() -> Tensor:
             with torch.no_grad():
                 outs = [ens(x) for ens in ensembles]
-            out = torch.empty(len(modules), *outs[0].shape[1:])
+            out = outs[0].new_empty((len(modules), *outs[0].shape[1:]))
             for g, o in zip(groups, outs, strict=True):
                 out[g] = o
             return out
