@@ -1,7 +1,7 @@
 """``HeteroEnsemble``: members of several architectures, one vectorized group per architecture."""
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from ._grouping import group_by_architecture, per_member, regroup, select_inputs
 from ._hetero_optim import built_for, grouped
 from ._in_dims import InDims
 from ._optim import GradientTransformation
+from ._state_dict_checks import check_loadable
 from ._tree_view import register_view
 from ._vmap import Randomness
 
@@ -396,6 +397,54 @@ class HeteroEnsemble(nn.Module):
     def unstack(self) -> list[nn.Module]:
         """All members as independent ordinary modules, in member order."""
         return [self.member(i) for i in range(self.num_members)]
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """``nn.Module.load_state_dict``, checked in full before anything is copied.
+
+        Each group's entries are checked as
+        [`Ensemble.load_state_dict`][funcensemble.Ensemble.load_state_dict] checks them
+        (keys, shapes with the group's member count, kinds of dtype), and with
+        ``strict`` no key may lie outside the groups, before the first value is
+        copied: a state_dict that fails any check changes nothing.
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
+            ValueError: Keys, shapes or dtypes that do not match (naming the group).
+        """
+        where = "HeteroEnsemble.load_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"{where}: state_dict must be a mapping from names to tensors (e.g. "
+                f"HeteroEnsemble.state_dict()), got {type(state_dict).__name__}."
+            )
+        prefixes = [f"groups.{g}." for g in range(len(self.groups))]
+        if strict:
+            stray = sorted(
+                str(k)
+                for k in state_dict
+                if not (isinstance(k, str) and any(k.startswith(p) for p in prefixes))
+            )
+            if stray:
+                raise ValueError(
+                    f"{where}: the state_dict does not match this ensemble: unexpected keys "
+                    f"{stray} (every key starts with `groups.<g>.`, g < {len(self.groups)})."
+                )
+        for g, (ens, prefix) in enumerate(zip(self.groups, prefixes, strict=True)):
+            part = {
+                k[len(prefix) :]: v
+                for k, v in state_dict.items()
+                if isinstance(k, str) and k.startswith(prefix)
+            }
+            check_loadable(
+                f"{where} (group {g}, keys under `{prefix}`)",
+                ens.state_dict(keep_vars=True),
+                part,
+                len(ens),
+                strict=strict,
+            )
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, group_members={self.group_members}"

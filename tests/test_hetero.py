@@ -310,6 +310,29 @@ def test_checkpoint_round_trip_and_export(tmp_path):
         assert_trees_close(plain.state_dict(), hens.member(i).state_dict(), rtol=0, atol=0)
 
 
+def test_load_state_dict_checks_every_group_first():
+    hens = fe.HeteroEnsemble(members(torch.float64))
+    other = fe.HeteroEnsemble(members(torch.float64, seed=1))
+    assert hens.load_state_dict(other.state_dict()) is not None
+    assert_trees_close(hens.state_dict(), other.state_dict(), rtol=0, atol=0)
+    bad = fe.HeteroEnsemble(members(torch.float64, seed=2)).state_dict()
+    bad["groups.3.stacked.bias"] = torch.zeros(2, 2, dtype=torch.float64)  # group 3 has 1
+    before = copy.deepcopy(hens.state_dict())
+    with pytest.raises(ValueError, match=r"group 3.*`stacked.bias` has 2 members"):
+        hens.load_state_dict(bad)
+    assert_trees_close(hens.state_dict(), before, rtol=0, atol=0)  # groups 0-2 too
+    with pytest.raises(ValueError, match=r"unexpected keys \['stacked.weight'\]"):
+        hens.load_state_dict({**other.state_dict(), "stacked.weight": torch.zeros(1)})
+    # EnsembleOptimizer's state_dict round trip over the groups' states.
+    opt = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=LRS))
+    x, y = batch(0, torch.float64)
+    ((hens(x, in_dims=0) - y) ** 2).sum().backward()
+    opt.step()
+    fresh = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=LRS))
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert_trees_close(fresh.state, opt.state, rtol=0, atol=0)
+
+
 def test_load_refuses_another_grouping(tmp_path):
     hens = fe.HeteroEnsemble([mlp(3), mlp(5), mlp(3)])
     path = tmp_path / "h.safetensors"
