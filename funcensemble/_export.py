@@ -1,6 +1,6 @@
 """Per-member ``state_dict``s: out of an ensemble for plain PyTorch, and back in."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,7 +72,9 @@ def _name(key: str) -> str:
     return f"`{key}`"
 
 
-def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, Any]]) -> Ensemble:
+def import_state_dicts(
+    ensemble: Ensemble | HeteroEnsemble, state_dicts: Sequence[Mapping[str, Any]]
+) -> Ensemble | HeteroEnsemble:
     """Copy N per-member ``state_dict``s into ``ensemble``, in place.
 
     The inverse of [`export_state_dicts`][funcensemble.export_state_dicts]: member
@@ -85,7 +87,10 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     it must be the same in every dict, and is set once with ``set_extra_state``.
 
     Args:
-        ensemble: The ensemble to overwrite.
+        ensemble: The ensemble to overwrite: an [`Ensemble`][funcensemble.Ensemble], or a
+            [`HeteroEnsemble`][funcensemble.HeteroEnsemble] (member ``i``'s dict for
+            its own architecture; every group's dicts are checked before any is
+            copied).
         state_dicts: One mapping from state-dict names to tensors per member.
 
     Returns:
@@ -117,6 +122,27 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
             f"{where}: got {len(state_dicts)} state_dicts; the ensemble has {n} members. "
             "Pass exactly one state_dict per member."
         )
+    if isinstance(ensemble, HeteroEnsemble):
+        parts = [
+            (ens, list(members))
+            for ens, members in zip(ensemble.groups, ensemble.group_members, strict=True)
+        ]
+    else:
+        parts = [(ensemble, list(range(n)))]
+    # Every group's dicts are checked before any group is written.
+    writes = [
+        _checked(where, ens, [state_dicts[i] for i in members], members) for ens, members in parts
+    ]
+    for write in writes:
+        write()
+    return ensemble
+
+
+def _checked(
+    where: str, ensemble: Ensemble, state_dicts: list[Any], members: list[int]
+) -> Callable[[], None]:
+    """Check ``state_dicts`` (of the ensemble's members ``members``, named so in errors)
+    against ``ensemble``; return the function that copies them in."""
     # The architecture's state_dict names, each mapped to its live stacked tensor, and
     # the names of its modules' non-tensor extra states (get_extra_state).
     own = ensemble.stacked.state_dict(keep_vars=True)
@@ -125,36 +151,39 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     tied: dict[int, list[str]] = {}
     for key, target in targets.items():
         tied.setdefault(id(target), []).append(key)
-    for i, state_dict in enumerate(state_dicts):
+    for i, state_dict in zip(members, state_dicts, strict=True):
         _check_member(where, i, state_dict, targets, extras, list(tied.values()))
-    _check_extra_states(where, state_dicts, extras)
-    for key in extras:
-        path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
-        ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
-    with torch.no_grad():
-        for names in tied.values():
-            target = targets[names[0]]
-            for i, state_dict in enumerate(state_dicts):
-                target[i].copy_(state_dict[names[0]])
-    return ensemble
+    _check_extra_states(where, state_dicts, extras, members)
+
+    def write() -> None:
+        for key in extras:
+            path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
+            ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
+        with torch.no_grad():
+            for names in tied.values():
+                target = targets[names[0]]
+                for i, state_dict in enumerate(state_dicts):
+                    target[i].copy_(state_dict[names[0]])
+
+    return write
 
 
 _EXTRA_STATE = "_extra_state"
 
 
 def _check_extra_states(
-    where: str, state_dicts: Sequence[Mapping[str, Any]], extras: list[str]
+    where: str, state_dicts: Sequence[Mapping[str, Any]], extras: list[str], members: list[int]
 ) -> None:
     same = SameValue({}, set())
     for key in extras:
         first = state_dicts[0][key]
-        for i, state_dict in enumerate(state_dicts[1:], start=1):
+        for i, state_dict in zip(members[1:], state_dicts[1:], strict=True):
             if not same(first, state_dict[key]):
                 raise ValueError(
-                    f"{where}: member {i} has `{key}` = {show(state_dict[key])}; member 0 "
-                    f"has {show(first)}. The ensemble runs one copy of this module for all "
-                    "members, so its extra state (get_extra_state) must be the same in "
-                    "every member: make it equal, or build one ensemble per value."
+                    f"{where}: member {i} has `{key}` = {show(state_dict[key])}; member "
+                    f"{members[0]} has {show(first)}. The ensemble runs one copy of this "
+                    "module for all members, so its extra state (get_extra_state) must be the "
+                    "same in every member: make it equal, or build one ensemble per value."
                 )
 
 

@@ -308,6 +308,21 @@ def test_checkpoint_round_trip_and_export(tmp_path):
         plain = copy.deepcopy(modules[i])
         plain.load_state_dict(sd)
         assert_trees_close(plain.state_dict(), hens.member(i).state_dict(), rtol=0, atol=0)
+    # And back: into another HeteroEnsemble of the same members, every group checked first.
+    other = fe.HeteroEnsemble(members(dtype, seed=3))
+    assert fe.import_state_dicts(other, exported) is other
+    assert_trees_close(other.state_dict(), hens.state_dict(), rtol=0, atol=0)
+    target = fe.HeteroEnsemble(members(dtype, seed=4))  # differs from `exported`
+    before = copy.deepcopy(target.state_dict())
+    swapped = list(exported)
+    swapped[7] = {"weight": torch.zeros(2, 4, dtype=dtype), "bias": torch.zeros(3, dtype=dtype)}
+    with pytest.raises(ValueError, match=r"member 7 has `bias` with shape \(3,\)"):
+        fe.import_state_dicts(target, swapped)  # the last group is wrong
+    swapped = list(exported)
+    swapped[4] = exported[0]  # member 0's dict (an MLP) where a BatchNorm MLP belongs
+    with pytest.raises(ValueError, match=r"member 4 is missing"):
+        fe.import_state_dicts(target, swapped)
+    assert_trees_close(target.state_dict(), before, rtol=0, atol=0)  # no group written
 
 
 def test_load_state_dict_checks_every_group_first():
