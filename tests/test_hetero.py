@@ -446,3 +446,20 @@ def test_member_and_unstack():
     assert_trees_close(hens.member(-1).state_dict(), modules[-1].state_dict(), rtol=0, atol=0)
     with pytest.raises(IndexError, match="index 8 is out of range"):
         hens.member(8)
+
+
+def test_polyak_update_over_all_groups():
+    targets, onlines = members(torch.float64, seed=1), members(torch.float64, seed=2)
+    target, online = fe.HeteroEnsemble(targets), fe.HeteroEnsemble(onlines)
+    fe.optim.polyak_update_(target, online, 0.25)
+    for i, (t, o) in enumerate(zip(targets, onlines, strict=True)):
+        want = {
+            k: 0.25 * v + 0.75 * t.state_dict()[k] if v.is_floating_point() else v
+            for k, v in o.state_dict().items()
+        }
+        assert_trees_close(target.member(i).state_dict(), want, **TOLS[torch.float64])
+    # Per-member tau is not routed: refused (every group is shorter than N), unchanged.
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match="tau has 8 per-member values"):
+        fe.optim.polyak_update_(target, online, torch.full((N,), 0.5, dtype=torch.float64))
+    assert_trees_close(target.state_dict(), before, rtol=0, atol=0)
