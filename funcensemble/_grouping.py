@@ -79,13 +79,13 @@ def member_order(groups: tuple[tuple[int, ...], ...]) -> Tensor:
 
 
 def regroup(
-    where: str, what: str, per_group: Sequence[Any], groups: Sequence[Sequence[int]]
+    where: str, what: str, per_group: Sequence[Any], groups: Sequence[Sequence[int]], fix: str
 ) -> Any:
     """The groups' stacked results ``[N_g, ...]`` as one ``[N, ...]`` result in member order.
 
     Every group's result must have the same structure and, leaf by leaf, the same shape
     after the member axis, dtype and device; otherwise a ValueError names two members
-    whose results differ. Differentiable: the groups' tensors are concatenated and
+    whose results differ, and says ``fix``. Differentiable: the groups' tensors are concatenated and
     reordered, so gradients flow back to each group.
     """
     if len(per_group) == 1:  # one group holds every member, in member order
@@ -95,10 +95,6 @@ def regroup(
     first = groups[0][0]
     for g, (leaves, spec) in enumerate(flat[1:], start=1):
         member = groups[g][0]
-        fix = (
-            f"Stacking needs one shape for all members' {what}s; pass stack=False for a "
-            "list of per-member results in member order."
-        )
         if spec != spec0:
             raise ValueError(
                 f"{where}: member {member}'s {what} has the structure {spec}; member "

@@ -18,6 +18,15 @@ from ._state_dict_checks import check_loadable
 from ._tree_view import register_view
 from ._vmap import Randomness
 
+_STACK_FIX = (
+    "Stacking needs one shape, dtype and device for all members' outputs; pass "
+    "stack=False for a list of per-member outputs in member order."
+)
+_LOSS_FIX = (
+    "Every member's loss (and aux) is stacked in member order: return one shape and "
+    "dtype from every member (e.g. cast with .to(torch.float64), or pad the aux)."
+)
+
 
 class HeteroEnsemble(nn.Module):
     """Members of different architectures, run as one vectorized group per architecture.
@@ -219,7 +228,7 @@ class HeteroEnsemble(nn.Module):
                 for g, ens in enumerate(self.groups)
             ]
             if stack:
-                return regroup(where, "output", outs, self.group_members)
+                return regroup(where, "output", outs, self.group_members, _STACK_FIX)
         return per_member(outs, self.group_members, self.num_members)
 
     def value_and_grad(
@@ -294,12 +303,12 @@ class HeteroEnsemble(nn.Module):
                 fn(p, b, *self._inputs(g, args, dims), **kwargs)
                 for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True))
             ]
-            losses = regroup(where, "loss", [r[0] for r in results], self.group_members)
+            losses = regroup(where, "loss", [r[0] for r in results], self.group_members, _LOSS_FIX)
             grads = self._join([r[1] for r in results])
             new_buffers = self._join([r[2] for r in results])
             if not has_aux:
                 return losses, grads, new_buffers
-            aux = regroup(where, "aux", [r[3] for r in results], self.group_members)
+            aux = regroup(where, "aux", [r[3] for r in results], self.group_members, _LOSS_FIX)
             return losses, grads, new_buffers, aux
 
         return with_grads
