@@ -9,22 +9,18 @@ from torch import Tensor, nn
 
 from . import _in_dims
 from ._ensemble import Ensemble
-from ._grad import value_and_grad as _value_and_grad
 from ._grouping import group_by_architecture, per_member, regroup, select_inputs
+from ._hetero_grad import grouped_value_and_grad
 from ._hetero_optim import built_for, grouped
 from ._in_dims import InDims
 from ._optim import GradientTransformation
-from ._state_dict_checks import check_loadable
+from ._state_dict_checks import check_groups_loadable
 from ._tree_view import register_view
 from ._vmap import Randomness
 
 _STACK_FIX = (
     "Stacking needs one shape, dtype and device for all members' outputs; pass "
     "stack=False for a list of per-member outputs in member order."
-)
-_LOSS_FIX = (
-    "Every member's loss (and aux) is stacked in member order: return one shape and "
-    "dtype from every member (e.g. cast with .to(torch.float64), or pad the aux)."
 )
 
 
@@ -274,44 +270,7 @@ class HeteroEnsemble(nn.Module):
             >>> losses.shape, grads["groups.1.stacked.0.weight"].shape
             (torch.Size([2]), torch.Size([1, 5, 3]))
         """
-        where = "HeteroEnsemble.value_and_grad"
-        if not callable(loss_fn):
-            raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}.")
-        _in_dims.check_type(where, in_dims)
-
-        def for_group(ens: Ensemble) -> Callable[..., tuple[Any, ...]]:
-            fmodel = ens.fmodel
-
-            def group_loss(p: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
-                return loss_fn(fmodel, p, b, *args, **kwargs)
-
-            return _value_and_grad(
-                group_loss,
-                in_dims,
-                has_aux=has_aux,
-                randomness=ens.randomness,
-                chunk_size=ens.chunk_size,
-            )
-
-        per_group = [for_group(ens) for ens in self.groups]
-
-        def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-            p_parts = self._split(where, "params", params, "params")
-            b_parts = self._split(where, "buffers", buffers, "buffers")
-            dims = self._dims(where, in_dims, args)
-            results = [
-                fn(p, b, *self._inputs(g, args, dims), **kwargs)
-                for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True))
-            ]
-            losses = regroup(where, "loss", [r[0] for r in results], self.group_members, _LOSS_FIX)
-            grads = self._join([r[1] for r in results])
-            new_buffers = self._join([r[2] for r in results])
-            if not has_aux:
-                return losses, grads, new_buffers
-            aux = regroup(where, "aux", [r[3] for r in results], self.group_members, _LOSS_FIX)
-            return losses, grads, new_buffers, aux
-
-        return with_grads
+        return grouped_value_and_grad(self, loss_fn, in_dims, has_aux)
 
     # -- optimizing ----------------------------------------------------------------------
 
@@ -422,37 +381,7 @@ class HeteroEnsemble(nn.Module):
             TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
             ValueError: Keys, shapes or dtypes that do not match (naming the group).
         """
-        where = "HeteroEnsemble.load_state_dict"
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"{where}: state_dict must be a mapping from names to tensors (e.g. "
-                f"HeteroEnsemble.state_dict()), got {type(state_dict).__name__}."
-            )
-        prefixes = [f"groups.{g}." for g in range(len(self.groups))]
-        if strict:
-            stray = sorted(
-                str(k)
-                for k in state_dict
-                if not (isinstance(k, str) and any(k.startswith(p) for p in prefixes))
-            )
-            if stray:
-                raise ValueError(
-                    f"{where}: the state_dict does not match this ensemble: unexpected keys "
-                    f"{stray} (every key starts with `groups.<g>.`, g < {len(self.groups)})."
-                )
-        for g, (ens, prefix) in enumerate(zip(self.groups, prefixes, strict=True)):
-            part = {
-                k[len(prefix) :]: v
-                for k, v in state_dict.items()
-                if isinstance(k, str) and k.startswith(prefix)
-            }
-            check_loadable(
-                f"{where} (group {g}, keys under `{prefix}`)",
-                ens.state_dict(keep_vars=True),
-                part,
-                len(ens),
-                strict=strict,
-            )
+        check_groups_loadable("HeteroEnsemble.load_state_dict", self.groups, state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
