@@ -29,7 +29,9 @@ class HeteroEnsemble(nn.Module):
 
     The members are grouped by architecture, where "the same architecture" is exactly
     what [`stack`][funcensemble.stack] requires; a member joins the first group whose
-    first member it matches, so groups come in order of first appearance. Each group is
+    first member it matches, so groups come in order of first appearance (members that
+    differ only in dtype, device or train/eval mode form groups of their own, each run
+    as the loop would run it). Each group is
     an [`Ensemble`][funcensemble.Ensemble] (``hens.groups[g]``, holding the members
     ``hens.group_members[g]``); a group of one member is an ``Ensemble`` of one. Everything
     else speaks in the members' original order: calling it returns ``[N, ...]``
@@ -37,8 +39,10 @@ class HeteroEnsemble(nn.Module):
     of ``optimizer`` are ``[N]`` tensors. Its parameters are the groups' stacked
     parameters, so ``torch.optim`` optimizers, ``state_dict``, ``.to()``, ``.train()``
     and ``.eval()`` work as for any module; [`save`][funcensemble.save],
-    [`load`][funcensemble.load] and [`export_state_dicts`][funcensemble.export_state_dicts]
-    take it as they take an ``Ensemble``.
+    [`load`][funcensemble.load], [`export_state_dicts`][funcensemble.export_state_dicts],
+    [`import_state_dicts`][funcensemble.import_state_dicts] and
+    [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] take it as they take an
+    ``Ensemble``. See the how-to page "Members of different architectures".
 
     Args:
         modules: A non-empty sequence of modules, of one or more architectures. Their
