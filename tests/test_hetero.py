@@ -127,6 +127,14 @@ def test_groups_by_stacks_own_check():
     assert fe.HeteroEnsemble(mixed).group_members == ((0, 2), (1,))
     for group in fe.HeteroEnsemble(mixed).group_members:
         fe.stack([mixed[i] for i in group])  # each group is what stack accepts
+    # A member in eval mode among training ones: its own group, run as the loop runs it.
+    modes = [bn_mlp().double(), bn_mlp().double().eval(), bn_mlp().double()]
+    hens = fe.HeteroEnsemble(copy.deepcopy(modes))
+    assert hens.group_members == ((0, 2), (1,))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(hens(x), torch.stack([m(x) for m in modes]), **TOLS[torch.float64])
+    for i, m in enumerate(modes):  # running statistics: updated in train mode only
+        assert_trees_close(hens.member(i).state_dict(), m.state_dict(), **TOLS[torch.float64])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
