@@ -15,6 +15,7 @@ from ._core.grad import value_and_grad as value_and_grad
 from ._core.stack import stack as stack
 from ._core.stack import unstack as unstack
 from ._core.vmap import vmap as vmap
+from ._hetero.ensemble import HeteroEnsemble as HeteroEnsemble
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "BaggingSampler",
     "Ensemble",
     "FunctionalModule",
+    "HeteroEnsemble",
     "bootstrap_indices",
     "export_state_dicts",
     "grad",

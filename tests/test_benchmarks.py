@@ -169,3 +169,9 @@ def test_optimizer_step_methods_agree_and_time():
     assert [r.method for r in rows] == list(optimizer_step.METHODS)
     assert all(r.seconds > 0 for r in rows)
     assert "| S | 2 | torch.optim.Adam(fused=True) |" in optimizer_step.markdown(rows)
+
+
+def test_hetero_benchmark_methods_match_loop():
+    from benchmarks import hetero
+
+    assert hetero.check(per_structure=1, dtype=torch.float64) is None

@@ -43,7 +43,7 @@ _TOP_LEVEL = {
     "_tree.py",
     "reduce.py",
 }
-_GROUPS = {"_checkpoint", "_core", "_kernels", "_structure", "distributed", "optim"}
+_GROUPS = {"_checkpoint", "_core", "_hetero", "_kernels", "_structure", "distributed", "optim"}
 
 
 def test_modules_live_in_their_groups():

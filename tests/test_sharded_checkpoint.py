@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from funcensemble._checkpoint.save_load.checksum import digest
 from helpers import assert_trees_equal, dcp_save_alone
 from torch import nn
 
 import funcensemble as fe
-from funcensemble._checkpoint.checksum import digest
 from funcensemble.distributed._dcp_checksums import CHECKSUM_FILE
 
 FILES = [CHECKSUM_FILE, ".metadata", "__0_0.distcp"]

@@ -1,6 +1,6 @@
 """Per-member ``state_dict``s: out of an ensemble for plain PyTorch, and back in."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -9,11 +9,12 @@ from torch import Tensor
 from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
 from .._core.stack import StackedTensors, unstack
+from .._hetero.ensemble import HeteroEnsemble
 from .._structure.same_value import SameValue, show
 
 
 def export_state_dicts(
-    ensemble: Ensemble | FunctionalModule,
+    ensemble: Ensemble | HeteroEnsemble | FunctionalModule,
     params: StackedTensors | None = None,
     buffers: StackedTensors | None = None,
 ) -> list[dict[str, Any]]:
@@ -26,7 +27,9 @@ def export_state_dicts(
     architecture. The tensors are fresh copies that share nothing with the ensemble.
 
     Args:
-        ensemble: An [`Ensemble`][funcensemble.Ensemble], or the
+        ensemble: An [`Ensemble`][funcensemble.Ensemble], a
+            [`HeteroEnsemble`][funcensemble.HeteroEnsemble] (each member's dict as its
+            own architecture writes it, in member order), or the
             [`FunctionalModule`][funcensemble.FunctionalModule] returned by
             [`stack`][funcensemble.stack] together with its ``params`` and ``buffers``.
         params: The stacked parameters, with a ``FunctionalModule`` only.
@@ -49,10 +52,10 @@ def export_state_dicts(
         (4, True)
     """
     where = "export_state_dicts"
-    if isinstance(ensemble, Ensemble):
+    if isinstance(ensemble, Ensemble | HeteroEnsemble):
         if params is not None or buffers is not None:
             raise TypeError(
-                f"{where}: pass an Ensemble alone; params and buffers go with the "
+                f"{where}: pass an {type(ensemble).__name__} alone; params and buffers go with the "
                 "FunctionalModule returned by fe.stack."
             )
         members = ensemble.unstack()
@@ -70,7 +73,9 @@ def _name(key: str) -> str:
     return f"`{key}`"
 
 
-def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, Any]]) -> Ensemble:
+def import_state_dicts(
+    ensemble: Ensemble | HeteroEnsemble, state_dicts: Sequence[Mapping[str, Any]]
+) -> Ensemble | HeteroEnsemble:
     """Copy N per-member ``state_dict``s into ``ensemble``, in place.
 
     The inverse of [`export_state_dicts`][funcensemble.export_state_dicts]: member
@@ -83,7 +88,10 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     it must be the same in every dict, and is set once with ``set_extra_state``.
 
     Args:
-        ensemble: The ensemble to overwrite.
+        ensemble: The ensemble to overwrite: an [`Ensemble`][funcensemble.Ensemble], or a
+            [`HeteroEnsemble`][funcensemble.HeteroEnsemble] (member ``i``'s dict for
+            its own architecture; every group's dicts are checked before any is
+            copied).
         state_dicts: One mapping from state-dict names to tensors per member.
 
     Returns:
@@ -115,6 +123,27 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
             f"{where}: got {len(state_dicts)} state_dicts; the ensemble has {n} members. "
             "Pass exactly one state_dict per member."
         )
+    if isinstance(ensemble, HeteroEnsemble):
+        parts = [
+            (ens, list(members))
+            for ens, members in zip(ensemble.groups, ensemble.group_members, strict=True)
+        ]
+    else:
+        parts = [(ensemble, list(range(n)))]
+    # Every group's dicts are checked before any group is written.
+    writes = [
+        _checked(where, ens, [state_dicts[i] for i in members], members) for ens, members in parts
+    ]
+    for write in writes:
+        write()
+    return ensemble
+
+
+def _checked(
+    where: str, ensemble: Ensemble, state_dicts: list[Any], members: list[int]
+) -> Callable[[], None]:
+    """Check ``state_dicts`` (of the ensemble's members ``members``, named so in errors)
+    against ``ensemble``; return the function that copies them in."""
     # The architecture's state_dict names, each mapped to its live stacked tensor, and
     # the names of its modules' non-tensor extra states (get_extra_state).
     own = ensemble.stacked.state_dict(keep_vars=True)
@@ -123,36 +152,39 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     tied: dict[int, list[str]] = {}
     for key, target in targets.items():
         tied.setdefault(id(target), []).append(key)
-    for i, state_dict in enumerate(state_dicts):
+    for i, state_dict in zip(members, state_dicts, strict=True):
         _check_member(where, i, state_dict, targets, extras, list(tied.values()))
-    _check_extra_states(where, state_dicts, extras)
-    for key in extras:
-        path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
-        ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
-    with torch.no_grad():
-        for names in tied.values():
-            target = targets[names[0]]
-            for i, state_dict in enumerate(state_dicts):
-                target[i].copy_(state_dict[names[0]])
-    return ensemble
+    _check_extra_states(where, state_dicts, extras, members)
+
+    def write() -> None:
+        for key in extras:
+            path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
+            ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
+        with torch.no_grad():
+            for names in tied.values():
+                target = targets[names[0]]
+                for i, state_dict in enumerate(state_dicts):
+                    target[i].copy_(state_dict[names[0]])
+
+    return write
 
 
 _EXTRA_STATE = "_extra_state"
 
 
 def _check_extra_states(
-    where: str, state_dicts: Sequence[Mapping[str, Any]], extras: list[str]
+    where: str, state_dicts: Sequence[Mapping[str, Any]], extras: list[str], members: list[int]
 ) -> None:
     same = SameValue({}, set())
     for key in extras:
         first = state_dicts[0][key]
-        for i, state_dict in enumerate(state_dicts[1:], start=1):
+        for i, state_dict in zip(members[1:], state_dicts[1:], strict=True):
             if not same(first, state_dict[key]):
                 raise ValueError(
-                    f"{where}: member {i} has `{key}` = {show(state_dict[key])}; member 0 "
-                    f"has {show(first)}. The ensemble runs one copy of this module for all "
-                    "members, so its extra state (get_extra_state) must be the same in "
-                    "every member: make it equal, or build one ensemble per value."
+                    f"{where}: member {i} has `{key}` = {show(state_dict[key])}; member "
+                    f"{members[0]} has {show(first)}. The ensemble runs one copy of this "
+                    "module for all members, so its extra state (get_extra_state) must be the "
+                    "same in every member: make it equal, or build one ensemble per value."
                 )
 
 

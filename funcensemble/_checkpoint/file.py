@@ -1,9 +1,11 @@
 """The checkpoint file: tensors and a JSON header, written atomically, read back checked.
 
 The header is one safetensors metadata entry, ``"funcensemble"``, holding the format
-name and version, the kind (``"ensemble"`` or ``"pytree"``), for ensembles the member
-count, member class and architecture fingerprint (``Architecture.fingerprint`` of one
-member: class, names, per-member shapes and dtypes; not values, not the member count),
+name and version, the kind (``"ensemble"``, ``"hetero_ensemble"`` or ``"pytree"``), for
+ensembles the member count, member class and architecture fingerprint
+(``Architecture.fingerprint`` of one member: class, names, per-member shapes and
+dtypes; not values, not the member count; for a heterogeneous ensemble, those of each
+group with its members' indices),
 a fingerprint of the structure (paths, shapes, dtypes, leaf types), the non-tensor
 leaves (Python ``bool``, ``int``, ``float``, ``str``) by path, the treedef as text
 (for people only: its wording depends on the optree version) and, from version 2, the
@@ -120,8 +122,12 @@ def _parse_header(raw: str) -> dict[str, Any]:
     for field, types in fields.items():
         if not isinstance(header.get(field), types) or isinstance(header.get(field), bool):
             raise _Corrupt(f"its header field {field!r} is {header.get(field)!r}")
-    if header["kind"] not in ("ensemble", "pytree"):
-        raise _Corrupt(f"its kind is {header['kind']!r}, expected 'ensemble' or 'pytree'")
+    if header["kind"] not in ("ensemble", "hetero_ensemble", "pytree"):
+        raise _Corrupt(
+            f"its kind is {header['kind']!r}, expected 'ensemble', 'hetero_ensemble' or 'pytree'"
+        )
+    if header["kind"] == "hetero_ensemble" and not _hetero_header_ok(header):
+        raise _Corrupt("its heterogeneous ensemble header lacks the member count or groups")
     if header["kind"] == "ensemble":
         arch = header["architecture"]
         if (
@@ -135,6 +141,21 @@ def _parse_header(raw: str) -> dict[str, Any]:
         if not isinstance(value, VALUE_TYPES):
             raise _Corrupt(f"its value for `{key}` is {value!r}, not a bool, int, float or str")
     return header
+
+
+def _hetero_header_ok(header: dict[str, Any]) -> bool:
+    """A member count, and groups each with a class, a fingerprint and member indices."""
+    arch, n = header["architecture"], header["num_members"]
+    groups = arch.get("groups") if isinstance(arch, dict) else None
+    if not isinstance(n, int) or n < 1 or not isinstance(groups, list) or not groups:
+        return False
+    return all(
+        isinstance(g, dict)
+        and all(isinstance(g.get(k), str) for k in ("class", "fingerprint"))
+        and isinstance(g.get("members"), list)
+        and all(type(i) is int for i in g["members"])
+        for g in groups
+    )
 
 
 def _checksums(header: dict[str, Any], keys: set[str]) -> dict[str, str]:

@@ -6,6 +6,7 @@ import optree
 from torch import Tensor, nn
 
 from .._core.ensemble import Ensemble
+from .._hetero.ensemble import HeteroEnsemble
 
 
 def path_key(accessor: optree.PyTreeAccessor) -> str:
@@ -33,11 +34,12 @@ def flatten_by_key(
     Raises before anything is written: an ordinary module, two leaves with one key,
     or a leaf that is neither a tensor nor of one of the exact ``value_types``.
     """
-    if isinstance(obj, Ensemble):
+    if isinstance(obj, Ensemble | HeteroEnsemble):
         tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
     elif isinstance(obj, nn.Module):
         raise TypeError(
-            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble or a pytree of "
+            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble (or "
+            "fe.HeteroEnsemble) or a pytree of "
             "tensors. For an ordinary module, pass module.state_dict()."
         )
     else:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .._core.ensemble import Ensemble
+from .._hetero.ensemble import HeteroEnsemble
 from .._structure.architecture import Architecture
 from .file import (
     VALUE_TYPES,
@@ -47,7 +48,7 @@ class _Contents:
     this: str  # how messages name the object: "this ensemble" or "the template"
 
     def label(self, path: str) -> str:
-        if self.kind == "ensemble":
+        if self.kind in ("ensemble", "hetero_ensemble"):
             for group, word in (("params", "parameter"), ("buffers", "buffer")):
                 prefix = f"[{group!r}]["
                 if path.startswith(prefix):
@@ -64,6 +65,8 @@ def _contents(where: str, obj: Any) -> _Contents:
     )
     if isinstance(obj, Ensemble):
         return _Contents("ensemble", leaves, treedef, "this ensemble")
+    if isinstance(obj, HeteroEnsemble):
+        return _Contents("hetero_ensemble", leaves, treedef, "this ensemble")
     return _Contents("pytree", leaves, treedef, "the template")
 
 
@@ -110,7 +113,11 @@ def save(path: str | os.PathLike, obj: Any) -> None:
 
     Args:
         path: The file to create or replace.
-        obj: An [`Ensemble`][funcensemble.Ensemble], or any optree pytree (dicts,
+        obj: An [`Ensemble`][funcensemble.Ensemble], a
+            [`HeteroEnsemble`][funcensemble.HeteroEnsemble] (stored as
+            ``{"params": ..., "buffers": ...}`` of ``stacked_params()`` and
+            ``stacked_buffers()``, with each group's class, fingerprint and members in
+            the header), or any optree pytree (dicts,
             lists, tuples, NamedTuples, ``None``) whose leaves are tensors or Python
             ``bool``, ``int``, ``float`` or ``str``, e.g.
             ``{"params": params, "buffers": buffers, "opt_state": state}``.
@@ -150,12 +157,43 @@ def save(path: str | os.PathLike, obj: Any) -> None:
         arch = _member_architecture(obj)
         header["num_members"] = obj.num_members
         header["architecture"] = {"class": _class_name(arch.cls), "fingerprint": arch.fingerprint()}
+    if isinstance(obj, HeteroEnsemble):
+        header["num_members"] = obj.num_members
+        header["architecture"] = {"groups": _groups(obj)}
     write_checkpoint(where, path, tensors, header)
+
+
+def _groups(hens: HeteroEnsemble) -> list[dict[str, Any]]:
+    """Each group's member class, architecture fingerprint and members' indices."""
+    out = []
+    for ens, members in zip(hens.groups, hens.group_members, strict=True):
+        arch = _member_architecture(ens)
+        out.append(
+            {
+                "class": _class_name(arch.cls),
+                "fingerprint": arch.fingerprint(),
+                "members": list(members),
+            }
+        )
+    return out
 
 
 def _check_kind(where: str, name: str, contents: _Contents, obj: Any, header: dict) -> None:
     if header["kind"] == contents.kind:
         return
+    if header["kind"] == "hetero_ensemble":
+        raise ValueError(
+            f"{where}: '{name}' holds an fe.HeteroEnsemble of {header['num_members']} "
+            f"members; got a {type(obj).__name__} to load it into. Load it into an "
+            "fe.HeteroEnsemble of the same members."
+        )
+    if contents.kind == "hetero_ensemble":
+        raise ValueError(
+            f"{where}: '{name}' holds "
+            + ("an fe.Ensemble" if header["kind"] == "ensemble" else "a pytree checkpoint")
+            + "; got an fe.HeteroEnsemble to load it into. Load it into an object of the "
+            "kind that was saved."
+        )
     if header["kind"] == "ensemble":
         raise ValueError(
             f"{where}: '{name}' holds an fe.Ensemble of {header['num_members']} members of "
@@ -187,6 +225,34 @@ def _check_ensemble(where: str, name: str, ens: Ensemble, header: dict) -> None:
         )
 
 
+def _check_hetero(where: str, name: str, hens: HeteroEnsemble, header: dict) -> None:
+    """The member count, the grouping and each group's class match (then the leaves)."""
+    n = hens.num_members
+    if header["num_members"] != n:
+        raise ValueError(
+            f"{where}: '{name}' holds a heterogeneous ensemble of {header['num_members']} "
+            f"members; this one has {n}. Build it from the same members."
+        )
+    saved = header["architecture"]["groups"]
+    mine = _groups(hens)
+    saved_members = [g["members"] for g in saved]
+    my_members = [g["members"] for g in mine]
+    if saved_members != my_members:
+        raise ValueError(
+            f"{where}: '{name}' holds groups of members {saved_members}; this ensemble "
+            f"groups its members as {my_members}. Build it from members of the same "
+            "architectures, in the same order."
+        )
+    for g, (s, m) in enumerate(zip(saved, mine, strict=True)):
+        # By the class's own name, as for an Ensemble (see _check_ensemble).
+        if s["class"].rpartition(".")[2] != m["class"].rpartition(".")[2]:
+            raise ValueError(
+                f"{where}: '{name}' holds group {g} (members {s['members']}) of "
+                f"{s['class']}; this ensemble's group {g} is of {m['class']}. Build it from "
+                "members of the same architectures, in the same order."
+            )
+
+
 def _check_leaves(
     where: str, name: str, contents: _Contents, tensors: dict[str, Tensor], values: dict
 ) -> None:
@@ -194,7 +260,7 @@ def _check_leaves(
     got = leaf_specs(tensors, values)
     hint = (
         "It was saved from a different architecture."
-        if contents.kind == "ensemble"
+        if contents.kind in ("ensemble", "hetero_ensemble")
         else "Build the template with the structure that was saved (e.g. the same model "
         "and optimizer)."
     )
@@ -248,7 +314,10 @@ def load(path: str | os.PathLike, obj: T) -> T:
             template's structure is returned, with the saved values. Its tensors are
             new tensors on the template leaf's device, with its dtype and
             ``requires_grad``; its Python ``bool``/``int``/``float``/``str`` leaves
-            are the saved values.
+            are the saved values. A
+            [`HeteroEnsemble`][funcensemble.HeteroEnsemble] loads in place like an
+            ``Ensemble``, once its member count, its grouping (which members form each
+            group) and each group's member class match the file.
 
     Returns:
         ``obj`` itself for an ensemble; a new pytree for a template.
@@ -289,6 +358,8 @@ def load(path: str | os.PathLike, obj: T) -> T:
         _check_kind(where, name, contents, obj, header)
         if isinstance(obj, Ensemble):
             _check_ensemble(where, name, obj, header)
+        if isinstance(obj, HeteroEnsemble):
+            _check_hetero(where, name, obj, header)
 
     header, tensors, verified = read_checkpoint(where, path, check)
     _check_leaves(where, name, contents, tensors, header["values"])
@@ -300,7 +371,7 @@ def load(path: str | os.PathLike, obj: T) -> T:
             UserWarning,
             stacklevel=2,
         )
-    if isinstance(obj, Ensemble):
+    if isinstance(obj, Ensemble | HeteroEnsemble):
         with torch.no_grad():
             for key, target in contents.leaves.items():
                 target.copy_(tensors[key])

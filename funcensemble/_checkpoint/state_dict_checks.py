@@ -107,3 +107,38 @@ def check_loadable(
                 f"got {_kind(value.dtype)}). Convert the value first if it is meant for "
                 f"this tensor (e.g. value.to({mine.dtype}))."
             )
+
+
+def check_groups_loadable(where: str, groups: Any, state_dict: Any, strict: bool) -> None:
+    """[`check_loadable`][] for each ``Ensemble`` in ``groups`` (a HeteroEnsemble's), on
+    its keys under ``groups.<g>.``; with ``strict``, no key may lie outside the groups."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{where}: state_dict must be a mapping from names to tensors (e.g. "
+            f"HeteroEnsemble.state_dict()), got {type(state_dict).__name__}."
+        )
+    prefixes = [f"groups.{g}." for g in range(len(groups))]
+    if strict:
+        stray = sorted(
+            str(k)
+            for k in state_dict
+            if not (isinstance(k, str) and any(k.startswith(p) for p in prefixes))
+        )
+        if stray:
+            raise ValueError(
+                f"{where}: the state_dict does not match this ensemble: unexpected keys "
+                f"{stray} (every key starts with `groups.<g>.`, g < {len(groups)})."
+            )
+    for g, (ens, prefix) in enumerate(zip(groups, prefixes, strict=True)):
+        part = {
+            k[len(prefix) :]: v
+            for k, v in state_dict.items()
+            if isinstance(k, str) and k.startswith(prefix)
+        }
+        check_loadable(
+            f"{where} (group {g}, keys under `{prefix}`)",
+            ens.state_dict(keep_vars=True),
+            part,
+            len(ens),
+            strict=strict,
+        )

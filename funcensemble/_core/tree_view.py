@@ -24,11 +24,30 @@ class Stacked(Protocol):
 
 
 _VIEWS: dict[type, Callable[[Any], View]] = {}
+_ADAPTERS: dict[type, Callable[[Any, Any], Any]] = {}
 
 
-def register_view(cls: type, view: Callable[[Any], View]) -> None:
-    """Let instances of ``cls`` stand for ``view(x)``: ``{"params": ..., "buffers": ...}``."""
+def register_view(
+    cls: type, view: Callable[[Any], View], *, adapt: Callable[[Any, Any], Any] | None = None
+) -> None:
+    """Let instances of ``cls`` stand for ``view(x)``: ``{"params": ..., "buffers": ...}``.
+
+    ``adapt(x, transform)``, if given, is the optimizer to run over ``x``'s view in
+    place of ``transform`` (a container whose leaves are not all one member axis runs
+    it part by part).
+    """
     _VIEWS[cls] = view
+    if adapt is not None:
+        _ADAPTERS[cls] = adapt
+
+
+def adapted(x: object, transform: Any) -> Any:
+    """The optimizer to run over ``x``'s view: ``transform`` as ``x``'s class adapts it."""
+    for cls in type(x).__mro__:
+        adapt = _ADAPTERS.get(cls)
+        if adapt is not None:
+            return adapt(x, transform)
+    return transform
 
 
 def state_view(x: object) -> View | None:

@@ -7,7 +7,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .._core.tree_view import Stacked, state_view
+from .._core.tree_view import Stacked, adapted, state_view
 from ._protocol import GradientTransformation, PyTree, flatten
 
 
@@ -29,8 +29,10 @@ class EnsembleOptimizer:
 
     Args:
         params: An [`Ensemble`][funcensemble.Ensemble] (its stacked parameters are
-            stepped) or a mapping of names to parameter tensors (e.g. the ``params``
-            of [`stack`][funcensemble.stack]).
+            stepped), a [`HeteroEnsemble`][funcensemble.HeteroEnsemble] (each group's,
+            the transform run per group as by its
+            [`optimizer`][funcensemble.HeteroEnsemble.optimizer]) or a mapping of names
+            to parameter tensors (e.g. the ``params`` of [`stack`][funcensemble.stack]).
         transform: The optimizer, e.g. ``fe.optim.adam(lr=1e-3)``.
 
     Example:
@@ -73,6 +75,8 @@ class EnsembleOptimizer:
                 f"{where}: Expected a GradientTransformation such as fe.optim.adam(), got "
                 f"{type(transform).__name__}."
             )
+        # A HeteroEnsemble runs the transform group by group (see HeteroEnsemble.optimizer).
+        transform = adapted(params, transform)
         self.params: dict[str, Tensor] = named
         self.transform = transform
         with torch.no_grad():

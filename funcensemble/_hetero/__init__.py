@@ -1,0 +1,1 @@
+"""Heterogeneous ensembles: members of several architectures, one vectorized group each."""

@@ -1,0 +1,59 @@
+"""Per-member losses and gradients of a ``HeteroEnsemble``: ``value_and_grad`` per group."""
+
+from collections.abc import Callable
+from typing import Any
+
+from .._core import in_dims as _in_dims
+from .._core.grad import value_and_grad
+from .._core.in_dims import InDims
+from .grouping import regroup
+
+_LOSS_FIX = (
+    "Every member's loss (and aux) is stacked in member order: return one shape and "
+    "dtype from every member (e.g. cast with .to(torch.float64), or pad the aux)."
+)
+
+
+def grouped_value_and_grad(
+    hens: Any, loss_fn: Callable[..., Any], in_dims: InDims, has_aux: bool
+) -> Callable[..., tuple[Any, ...]]:
+    """``HeteroEnsemble.value_and_grad`` (see there): one ``value_and_grad`` per group."""
+    where = "HeteroEnsemble.value_and_grad"
+    if not callable(loss_fn):
+        raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    _in_dims.check_type(where, in_dims)
+
+    def for_group(ens: Any) -> Callable[..., tuple[Any, ...]]:
+        fmodel = ens.fmodel
+
+        def group_loss(p: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+            return loss_fn(fmodel, p, b, *args, **kwargs)
+
+        return value_and_grad(
+            group_loss,
+            in_dims,
+            has_aux=has_aux,
+            randomness=ens.randomness,
+            chunk_size=ens.chunk_size,
+        )
+
+    per_group = [for_group(ens) for ens in hens.groups]
+
+    def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        p_parts = hens._split(where, "params", params, "params")
+        b_parts = hens._split(where, "buffers", buffers, "buffers")
+        dims = hens._dims(where, in_dims, args)
+        results = [
+            fn(p, b, *hens._inputs(g, args, dims), **kwargs)
+            for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True))
+        ]
+        members = hens.group_members
+        losses = regroup(where, "loss", [r[0] for r in results], members, _LOSS_FIX)
+        grads = hens._join([r[1] for r in results])
+        new_buffers = hens._join([r[2] for r in results])
+        if not has_aux:
+            return losses, grads, new_buffers
+        aux = regroup(where, "aux", [r[3] for r in results], members, _LOSS_FIX)
+        return losses, grads, new_buffers, aux
+
+    return with_grads

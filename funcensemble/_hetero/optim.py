@@ -1,0 +1,189 @@
+"""One optimizer over the groups of a ``HeteroEnsemble``: a transform per group.
+
+The parameters are one flat dict over all groups (``groups.<g>.stacked.<name>``, the
+ensemble's own parameter names). Each group gets its own copy of the transform and
+steps only its own keys, so a transform that looks across leaves (per-member gradient
+clipping) sees each member's own leaves only. Per-member hyperparameters are given in
+member order (``[N]``) and routed: group g's transform is built with the values of
+group g's members.
+"""
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..optim._protocol import GradientTransformation, PyTree, with_traits
+
+# What each grouped transform was built for (its ensemble's layout), keyed by its
+# `update` function, so an EnsembleOptimizer can tell it from a plain transform.
+_BUILT_FOR: "weakref.WeakKeyDictionary[Callable[..., Any], Any]" = weakref.WeakKeyDictionary()
+
+
+def built_for(transform: GradientTransformation) -> Any:
+    """The layout ``transform`` was grouped for, or None for any other transform."""
+    try:
+        return _BUILT_FOR.get(transform.update)
+    except TypeError:  # an update that cannot be weakly referenced: the user's own
+        return None
+
+
+def _route(where: str, name: str, value: Any, index: Tensor, n: int) -> Any:
+    """``value`` for the members ``index``: ``[N]`` tensors (also inside tuples and lists,
+    and returned by schedules) indexed, everything else as it is."""
+    if isinstance(value, Tensor):
+        if value.dim() != 1:
+            return value
+        if value.shape[0] != n:
+            raise ValueError(
+                f"{where}: {name} has {value.shape[0]} per-member values; this ensemble has "
+                f"{n} members. Give a [{n}] tensor, one value per member in member order."
+            )
+        return value.index_select(0, index.to(value.device))
+    if type(value) in (tuple, list):
+        return type(value)(_route(where, f"{name}[{k}]", v, index, n) for k, v in enumerate(value))
+    if callable(value) and not isinstance(value, type):
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            out = value(*args, **kwargs)
+            if isinstance(out, Tensor) and out.dim() == 1:
+                return _route(where, f"the value of the {name} schedule", out, index, n)
+            return out
+
+        return routed
+    return value
+
+
+def _split(where: str, what: str, tree: Any, keys: Sequence[Sequence[str]]) -> list[dict]:
+    """``tree`` (a flat dict over all groups) as one dict per group."""
+    if not isinstance(tree, dict):
+        raise TypeError(
+            f"{where}: {what} must be a dict keyed by the ensemble's parameter names (as "
+            f"hens.stacked_params() returns), got {type(tree).__name__}."
+        )
+    expected = {k for group in keys for k in group}
+    if tree.keys() != expected:
+        missing, extra = sorted(expected - tree.keys()), sorted(tree.keys() - expected)
+        raise ValueError(
+            f"{where}: {what} do not match this ensemble's parameters: missing {missing}, "
+            f"unexpected {extra}. Pass a dict with the keys of hens.stacked_params()."
+        )
+    return [{k: tree[k] for k in group} for group in keys]
+
+
+def _check_grads(where: str, grads: list[dict], params: list[dict]) -> None:
+    """Every gradient None or a tensor like its parameter (checked before any group steps)."""
+    for g_part, p_part in zip(grads, params, strict=True):
+        for k, g in g_part.items():
+            p = p_part[k]
+            if g is None:
+                continue
+            if not isinstance(g, Tensor):
+                raise TypeError(
+                    f"{where}: the gradient of `{k}` is a {type(g).__name__}, expected a "
+                    "tensor or None."
+                )
+            if (g.shape, g.dtype, g.device) != (p.shape, p.dtype, p.device):
+                raise ValueError(
+                    f"{where}: the gradient of `{k}` has shape {tuple(g.shape)}, dtype "
+                    f"{g.dtype}, device {g.device}; expected {tuple(p.shape)}, {p.dtype}, "
+                    f"{p.device} like the parameter."
+                )
+
+
+def grouped(
+    where: str,
+    keys: Sequence[Sequence[str]],
+    members: Sequence[Sequence[int]],
+    layout: Any,
+    transform: GradientTransformation | Callable[..., GradientTransformation],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> GradientTransformation:
+    """One transform over the flat parameter dict, run group by group (see the module)."""
+    n = sum(len(m) for m in members)
+    if isinstance(transform, GradientTransformation):
+        if args or kwargs:
+            raise TypeError(
+                f"{where}: got a built transform and arguments; pass either a transform "
+                "(the same for every group) or the function that builds one and its "
+                "arguments, e.g. hens.optimizer(fe.optim.adam, lr=lrs)."
+            )
+        per_group = [transform] * len(keys)
+    elif callable(transform):
+        routed = []
+        for group in members:  # every value is checked before any transform is built
+            index = torch.tensor(group)
+            routed.append(
+                (
+                    tuple(_route(where, f"argument {k}", v, index, n) for k, v in enumerate(args)),
+                    {name: _route(where, name, v, index, n) for name, v in kwargs.items()},
+                )
+            )
+        per_group = [transform(*a, **kw) for a, kw in routed]
+        for t in per_group:
+            if not isinstance(t, GradientTransformation):
+                raise TypeError(
+                    f"{where}: the function must build a GradientTransformation (such as "
+                    f"fe.optim.adam), got {type(t).__name__}."
+                )
+    else:
+        raise TypeError(
+            f"{where}: Expected a GradientTransformation or a function building one (such "
+            f"as fe.optim.adam), got {type(transform).__name__}."
+        )
+
+    def check_state(state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) != len(keys):
+            raise ValueError(
+                f"{where}: expected the state returned by this optimizer's init (a tuple of "
+                f"{len(keys)} group states), got {type(state).__name__}."
+            )
+
+    def init(params: PyTree) -> tuple[Any, ...]:
+        states = []
+        parts = _split(where, "params", params, keys)
+        for g, (t, part) in enumerate(zip(per_group, parts, strict=True)):
+            try:
+                states.append(t.init(part))
+            except ValueError as error:
+                raise ValueError(
+                    f"{where}: group {g} (members {list(members[g])}): {error} With "
+                    "several groups, give per-member hyperparameters as "
+                    "hens.optimizer(fe.optim.adam, lr=lrs): they are then routed to "
+                    "each group's members."
+                ) from error
+        return tuple(states)
+
+    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        check_state(state)
+        g_parts = _split(where, "grads", grads, keys)
+        p_parts = (
+            _split(where, "params", params, keys) if params is not None else [None] * len(keys)
+        )
+        updates: dict[str, Any] = {}
+        states = []
+        for t, g, s, p in zip(per_group, g_parts, state, p_parts, strict=True):
+            u, s = t.update(g, s, p)
+            updates.update(u)
+            states.append(s)
+        return {k: updates[k] for k in grads}, tuple(states)
+
+    def update_inplace(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+        check_state(state)
+        g_parts = _split(where, "grads", grads, keys)
+        p_parts = _split(where, "params", params, keys)
+        _check_grads(where, g_parts, p_parts)
+        states = [
+            t.update_(g, s, p)
+            for t, g, s, p in zip(per_group, g_parts, state, p_parts, strict=True)
+        ]
+        return dict.fromkeys(grads), tuple(states)
+
+    out = GradientTransformation(init, update, update_inplace)
+    _BUILT_FOR[out.update] = layout
+    # Each group's update_ adds its own step to its parameters, so the in-place form
+    # applies the updates itself (and a chain runs it only last).
+    return with_traits(out, applies=True)

@@ -1,0 +1,473 @@
+"""fe.HeteroEnsemble against the plain loop over its members with torch.optim, per member.
+
+The members mix four architectures in an interleaved order: two MLP widths, an MLP with
+BatchNorm (buffers), and a single Linear (a group of one). Every test compares with the
+loop over ordinary copies of the members: outputs, losses, gradients, parameters,
+buffers and optimizer state, over several steps.
+"""
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_trees_close, runtime_typecheck_off
+from torch import nn
+from torch.nn import functional as F
+
+import funcensemble as fe
+
+STEPS = 3
+# float64: the same math through batched and per-member kernels agrees to rounding.
+# float32: a few ulps per operation, carried through the steps (explicit, generous).
+TOLS = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-12},
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+}
+
+
+def mlp(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 2))
+
+
+def bn_mlp() -> nn.Module:
+    # No bias before BatchNorm: it cancels it, its gradient is rounding noise, and Adam
+    # would turn that noise into full-size steps that differ between equal computations.
+    return nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+# Member order -> architecture: groups (0, 3, 6), (1, 5), (2, 4), (7,).
+KINDS = ("a", "b", "bn", "a", "bn", "b", "a", "lin")
+GROUPS = ((0, 3, 6), (1, 5), (2, 4), (7,))
+N = len(KINDS)
+
+
+def members(dtype: torch.dtype, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    build = {"a": lambda: mlp(6), "b": lambda: mlp(10), "bn": bn_mlp}
+    build["lin"] = lambda: nn.Linear(4, 2)
+    return [build[k]().to(dtype) for k in KINDS]
+
+
+def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch per member: ``[N, 16, 4]`` inputs and ``[N, 16, 2]`` targets."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(N, 16, 4, generator=g, dtype=dtype)
+    return x, torch.randn(N, 16, 2, generator=g, dtype=dtype)
+
+
+LRS = torch.linspace(0.01, 0.05, N, dtype=torch.float64)
+BETA2 = torch.linspace(0.99, 0.999, N, dtype=torch.float64)
+
+
+def loop_adam(modules: list[nn.Module]) -> list[torch.optim.Adam]:
+    return [
+        torch.optim.Adam(m.parameters(), lr=LRS[i].item(), betas=(0.9, BETA2[i].item()))
+        for i, m in enumerate(modules)
+    ]
+
+
+def loop_step(modules, opts, x, y) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the loop; its outputs ``[N, ...]`` and losses ``[N]``."""
+    outs, losses = [], []
+    for i, (m, opt) in enumerate(zip(modules, opts, strict=True)):
+        opt.zero_grad()
+        out = m(x[i])
+        loss = F.mse_loss(out, y[i])
+        loss.backward()
+        opt.step()
+        outs.append(out.detach())
+        losses.append(loss.detach())
+    return torch.stack(outs), torch.stack(losses)
+
+
+def member_grad(hens: fe.HeteroEnsemble, i: int, grads: dict) -> dict:
+    """Member i's gradients from a flat dict of stacked ones, by its own names."""
+    g = next(k for k, members in enumerate(hens.group_members) if i in members)
+    position = hens.group_members[g].index(i)
+    prefix = f"groups.{g}.stacked."
+    return {
+        k[len(prefix) :]: None if v is None else v[position]
+        for k, v in grads.items()
+        if k.startswith(prefix)
+    }
+
+
+def assert_members_match(hens, modules, opts, tol) -> None:
+    """Parameters, buffers and Adam state of every member equal the loop's."""
+    for i, m in enumerate(modules):
+        assert_trees_close(hens.member(i).state_dict(), m.state_dict(), **tol)
+    if opts is None:
+        return
+    hopt_state = opts[1]
+    for i, (m, opt) in enumerate(zip(modules, opts[0], strict=True)):
+        g = next(k for k, members in enumerate(hens.group_members) if i in members)
+        position = hens.group_members[g].index(i)
+        adam_state = hopt_state[g][0]
+        for own, p in m.named_parameters():
+            ref = opt.state[p]
+            name = f"groups.{g}.stacked.{own}"
+            assert float(adam_state.count[name]) == float(ref["step"])
+            torch.testing.assert_close(adam_state.mu[name][position], ref["exp_avg"], **tol)
+            torch.testing.assert_close(adam_state.nu[name][position], ref["exp_avg_sq"], **tol)
+
+
+def test_groups_by_stacks_own_check():
+    hens = fe.HeteroEnsemble(members(torch.float64))
+    assert hens.group_members == GROUPS
+    assert len(hens) == N and [len(g) for g in hens.groups] == [3, 2, 2, 1]
+    assert all(isinstance(g, fe.Ensemble) for g in hens.groups)
+    # What stack refuses to stack lands in another group: a different non-tensor
+    # attribute (slope), another dtype.
+    leaky = [nn.LeakyReLU(0.1), nn.LeakyReLU(0.2), nn.LeakyReLU(0.1)]
+    assert fe.HeteroEnsemble([nn.Sequential(nn.Linear(2, 2), a) for a in leaky]).group_members == (
+        (0, 2),
+        (1,),
+    )
+    mixed = [nn.Linear(2, 2), nn.Linear(2, 2).double(), nn.Linear(2, 2)]
+    assert fe.HeteroEnsemble(mixed).group_members == ((0, 2), (1,))
+    for group in fe.HeteroEnsemble(mixed).group_members:
+        fe.stack([mixed[i] for i in group])  # each group is what stack accepts
+    # A member in eval mode among training ones: its own group, run as the loop runs it.
+    modes = [bn_mlp().double(), bn_mlp().double().eval(), bn_mlp().double()]
+    hens = fe.HeteroEnsemble(copy.deepcopy(modes))
+    assert hens.group_members == ((0, 2), (1,))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(hens(x), torch.stack([m(x) for m in modes]), **TOLS[torch.float64])
+    for i, m in enumerate(modes):  # running statistics: updated in train mode only
+        assert_trees_close(hens.member(i).state_dict(), m.state_dict(), **TOLS[torch.float64])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("face", ["EnsembleOptimizer", "torch.optim"])
+def test_module_face_matches_loop(dtype, face):
+    """Forward, backward and Adam steps (per-member lr and beta2), BatchNorm in train mode."""
+    tol = TOLS[dtype]
+    modules = members(dtype)
+    hens = fe.HeteroEnsemble(copy.deepcopy(modules))
+    if face == "EnsembleOptimizer":
+        lrs, beta2 = LRS.to(dtype), BETA2.to(dtype)
+        opt = fe.optim.EnsembleOptimizer(
+            hens, hens.optimizer(fe.optim.adam, lr=lrs, betas=(0.9, beta2))
+        )
+        opts = loop_adam(modules)
+    else:  # torch.optim over the stacked parameters: one lr for all
+        opt = torch.optim.Adam(hens.parameters(), lr=0.02)
+        opts = [torch.optim.Adam(m.parameters(), lr=0.02) for m in modules]
+    for step in range(STEPS):
+        x, y = batch(step, dtype)
+        out = hens(x, in_dims=0)
+        losses = ((out - y) ** 2).mean(dim=(1, 2))
+        opt.zero_grad()
+        losses.sum().backward()
+        grads = {k: p.grad for k, p in hens.stacked_params().items()}
+        opt.step()
+        ref_out, ref_losses = loop_step(modules, opts, x, y)
+        torch.testing.assert_close(out.detach(), ref_out, **tol)
+        torch.testing.assert_close(losses.detach(), ref_losses, **tol)
+        for i, m in enumerate(modules):
+            # The loop's grads are those of this step (its zero_grad comes before).
+            ref = {k: p.grad for k, p in m.named_parameters()}
+            assert_trees_close(member_grad(hens, i, grads), ref, **tol)
+    state = (opts, opt.state) if face == "EnsembleOptimizer" else None
+    assert_members_match(hens, modules, state, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_functional_face_matches_loop(dtype, in_place):
+    """value_and_grad, then update + apply_updates or update_, against the loop."""
+    tol = TOLS[dtype]
+    modules = members(dtype)
+    hens = fe.HeteroEnsemble(copy.deepcopy(modules))
+    opts = loop_adam(modules)
+    opt = hens.optimizer(fe.optim.adam, lr=LRS.to(dtype), betas=(0.9, BETA2.to(dtype)))
+    params = {k: v.detach().clone().requires_grad_() for k, v in hens.stacked_params().items()}
+    buffers = {k: v.clone() for k, v in hens.stacked_buffers().items()}
+    state = opt.init(params)
+
+    def loss_fn(fmodel, p, b, x, y):
+        out = fmodel(p, b, x)
+        return F.mse_loss(out, y), out
+
+    step_fn = hens.value_and_grad(loss_fn, in_dims=0, has_aux=True)
+    for step in range(STEPS):
+        x, y = batch(step, dtype)
+        before = {k: v.clone() for k, v in buffers.items()}
+        losses, grads, new_buffers, out = step_fn(params, buffers, x, y)
+        assert_trees_close(buffers, before, rtol=0, atol=0)  # pure: inputs untouched
+        buffers = new_buffers
+        if in_place:
+            state = opt.update_(grads, state, params)
+        else:
+            updates, state = opt.update(grads, state, params)
+            params = fe.optim.apply_updates(params, updates)
+        ref_out, ref_losses = loop_step(modules, opts, x, y)
+        torch.testing.assert_close(losses, ref_losses, **tol)
+        torch.testing.assert_close(out, ref_out, **tol)
+        for i, m in enumerate(modules):
+            ref = {k: p.grad for k, p in m.named_parameters()}
+            assert_trees_close(member_grad(hens, i, grads), ref, **tol)
+    with torch.no_grad():
+        for k, v in hens.stacked_params().items():
+            v.copy_(params[k])
+        for k, v in hens.stacked_buffers().items():
+            v.copy_(buffers[k])
+    assert_members_match(hens, modules, (opts, state), tol)
+
+
+def test_shared_input_eval_and_reduce():
+    modules = [m.eval() for m in members(torch.float64)]
+    hens = fe.HeteroEnsemble(modules)
+    assert not hens.training
+    x = torch.randn(5, 4, dtype=torch.float64)
+    out = hens(x)
+    ref = torch.stack([m(x) for m in modules])
+    torch.testing.assert_close(out, ref, **TOLS[torch.float64])
+    torch.testing.assert_close(fe.reduce.mean(out), ref.mean(0), **TOLS[torch.float64])
+    torch.testing.assert_close(fe.reduce.std(out), ref.std(0), **TOLS[torch.float64])
+    listed = hens(x, stack=False)
+    assert len(listed) == N
+    for got, want in zip(listed, ref, strict=True):
+        torch.testing.assert_close(got, want, **TOLS[torch.float64])
+
+
+def test_clip_by_global_norm_clips_each_member_alone():
+    """Two groups of two: the plain transform over the flat dict would mix member k of
+    one group with member k of the other; per group it is clip_grad_norm_ per member."""
+    torch.manual_seed(0)
+    modules = [mlp(3), mlp(7), mlp(3), mlp(7)]
+    hens = fe.HeteroEnsemble(copy.deepcopy(modules))
+    assert hens.group_members == ((0, 2), (1, 3))
+    scales = (1e-3, 1e2, 1.0, 30.0)
+    opt = fe.optim.EnsembleOptimizer(
+        hens, fe.optim.chain(fe.optim.clip_by_global_norm(1.0), fe.optim.adam(lr=0.01))
+    )
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in modules]
+    for step in range(STEPS):
+        x = torch.randn(4, 8, 4)
+        opt.zero_grad()
+        out = hens(x, in_dims=0)
+        (out.pow(2).mean(dim=(1, 2)) * torch.tensor(scales)).sum().backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(modules, opts, strict=True)):
+            o.zero_grad()
+            (scales[i] * m(x[i]).pow(2).mean()).backward()
+            nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            o.step()
+        del step
+    for i, m in enumerate(modules):
+        assert_trees_close(hens.member(i).state_dict(), m.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def test_schedule_values_are_routed():
+    """A schedule returning [N] per-member values, against SGD with LambdaLR per member."""
+    modules = members(torch.float64)
+    hens = fe.HeteroEnsemble(copy.deepcopy(modules))
+    base = LRS
+    opt = fe.optim.EnsembleOptimizer(
+        hens, hens.optimizer(fe.optim.sgd, lr=lambda count: base * 0.5**count, momentum=0.9)
+    )
+    opts = [
+        torch.optim.SGD(m.parameters(), lr=base[i].item(), momentum=0.9)
+        for i, m in enumerate(modules)
+    ]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda c: 0.5**c) for o in opts]
+    for step in range(STEPS):
+        x, y = batch(step, torch.float64)
+        opt.zero_grad()
+        ((hens(x, in_dims=0) - y) ** 2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+        loop_step(modules, opts, x, y)
+        for s in scheds:
+            s.step()
+    assert_members_match(hens, modules, None, TOLS[torch.float64])
+
+
+def test_checkpoint_round_trip_and_export(tmp_path):
+    dtype = torch.float64
+    modules = members(dtype)
+    hens = fe.HeteroEnsemble(copy.deepcopy(modules))
+    opt = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=LRS))
+    x, y = batch(0, dtype)
+    opt.zero_grad()
+    ((hens(x, in_dims=0) - y) ** 2).mean(dim=(1, 2)).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "hens.safetensors", hens)
+    fe.save(tmp_path / "opt.safetensors", opt.state)
+
+    fresh = fe.HeteroEnsemble(members(dtype, seed=1))
+    fresh_opt = fe.optim.EnsembleOptimizer(fresh, fresh.optimizer(fe.optim.adam, lr=LRS))
+    assert fe.load(tmp_path / "hens.safetensors", fresh) is fresh
+    fresh_opt.state = fe.load(tmp_path / "opt.safetensors", fresh_opt.state)
+    assert_trees_close(fresh.state_dict(), hens.state_dict(), rtol=0, atol=0)
+    assert_trees_close(fresh_opt.state, opt.state, rtol=0, atol=0)
+    # Both go on alike.
+    for o, h in ((opt, hens), (fresh_opt, fresh)):
+        x, y = batch(1, dtype)
+        o.zero_grad()
+        ((h(x, in_dims=0) - y) ** 2).mean(dim=(1, 2)).sum().backward()
+        o.step()
+    assert_trees_close(fresh.state_dict(), hens.state_dict(), rtol=0, atol=0)
+
+    # Per-member state_dicts, in member order, load into the ordinary modules.
+    exported = fe.export_state_dicts(hens)
+    assert len(exported) == N
+    for i, sd in enumerate(exported):
+        plain = copy.deepcopy(modules[i])
+        plain.load_state_dict(sd)
+        assert_trees_close(plain.state_dict(), hens.member(i).state_dict(), rtol=0, atol=0)
+    # And back: into another HeteroEnsemble of the same members, every group checked first.
+    other = fe.HeteroEnsemble(members(dtype, seed=3))
+    assert fe.import_state_dicts(other, exported) is other
+    assert_trees_close(other.state_dict(), hens.state_dict(), rtol=0, atol=0)
+    target = fe.HeteroEnsemble(members(dtype, seed=4))  # differs from `exported`
+    before = copy.deepcopy(target.state_dict())
+    swapped = list(exported)
+    swapped[7] = {"weight": torch.zeros(2, 4, dtype=dtype), "bias": torch.zeros(3, dtype=dtype)}
+    with pytest.raises(ValueError, match=r"member 7 has `bias` with shape \(3,\)"):
+        fe.import_state_dicts(target, swapped)  # the last group is wrong
+    swapped = list(exported)
+    swapped[4] = exported[0]  # member 0's dict (an MLP) where a BatchNorm MLP belongs
+    with pytest.raises(ValueError, match=r"member 4 is missing"):
+        fe.import_state_dicts(target, swapped)
+    assert_trees_close(target.state_dict(), before, rtol=0, atol=0)  # no group written
+
+
+def test_load_state_dict_checks_every_group_first():
+    hens = fe.HeteroEnsemble(members(torch.float64))
+    other = fe.HeteroEnsemble(members(torch.float64, seed=1))
+    assert hens.load_state_dict(other.state_dict()) is not None
+    assert_trees_close(hens.state_dict(), other.state_dict(), rtol=0, atol=0)
+    bad = fe.HeteroEnsemble(members(torch.float64, seed=2)).state_dict()
+    bad["groups.3.stacked.bias"] = torch.zeros(2, 2, dtype=torch.float64)  # group 3 has 1
+    before = copy.deepcopy(hens.state_dict())
+    with pytest.raises(ValueError, match=r"group 3.*`stacked.bias` has 2 members"):
+        hens.load_state_dict(bad)
+    assert_trees_close(hens.state_dict(), before, rtol=0, atol=0)  # groups 0-2 too
+    with pytest.raises(ValueError, match=r"unexpected keys \['stacked.weight'\]"):
+        hens.load_state_dict({**other.state_dict(), "stacked.weight": torch.zeros(1)})
+    # EnsembleOptimizer's state_dict round trip over the groups' states.
+    opt = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=LRS))
+    x, y = batch(0, torch.float64)
+    ((hens(x, in_dims=0) - y) ** 2).sum().backward()
+    opt.step()
+    fresh = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=LRS))
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert_trees_close(fresh.state, opt.state, rtol=0, atol=0)
+
+
+def test_load_refuses_another_grouping(tmp_path):
+    hens = fe.HeteroEnsemble([mlp(3), mlp(5), mlp(3)])
+    path = tmp_path / "h.safetensors"
+    fe.save(path, hens)
+    other = fe.HeteroEnsemble([mlp(3), mlp(3), mlp(5)])  # same architectures, other order
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match=r"groups of members \[\[0, 2\], \[1\]\]"):
+        fe.load(path, other)
+    assert_trees_close(other.state_dict(), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"holds an fe\.HeteroEnsemble of 3 members"):
+        fe.load(path, fe.Ensemble([mlp(3)] * 3))
+    fe.save(tmp_path / "e.safetensors", fe.Ensemble([mlp(3)] * 3))
+    with pytest.raises(ValueError, match=r"holds an fe\.Ensemble; got an fe\.HeteroEnsemble"):
+        fe.load(tmp_path / "e.safetensors", other)
+
+
+# -- bad inputs: clear errors, nothing changed ---------------------------------------------
+
+
+def test_bad_modules():
+    with pytest.raises(ValueError, match=r"HeteroEnsemble: Expected at least one module, got 0"):
+        fe.HeteroEnsemble([])
+    with runtime_typecheck_off():  # the library's own messages, as a user sees them
+        with pytest.raises(TypeError, match="got a single Linear"):
+            fe.HeteroEnsemble(nn.Linear(2, 2))
+        with pytest.raises(TypeError, match="member 1 is a str"):
+            fe.HeteroEnsemble([nn.Linear(2, 2), "x"])
+
+
+def test_outputs_of_other_shapes_refused_before_buffers_change():
+    modules = [bn_mlp(), nn.Linear(4, 3), bn_mlp()]  # outputs 2 and 3 wide
+    hens = fe.HeteroEnsemble(modules)
+    before = copy.deepcopy(hens.state_dict())
+    x = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"member 1's output has shape \(6, 3\).*member 0's"):
+        hens(x)
+    assert_trees_close(hens.state_dict(), before, rtol=0, atol=0)  # BN statistics too
+    listed = hens(x, stack=False)  # asked for a list instead: runs, in member order
+    assert [tuple(o.shape) for o in listed] == [(6, 2), (6, 3), (6, 2)]
+    with pytest.raises(ValueError, match=r"member 1's aux has shape \(6, 3\)"):
+        hens.value_and_grad(lambda f, p, b, x: (f(p, b, x).sum(), f(p, b, x)), has_aux=True)(
+            hens.stacked_params(), hens.stacked_buffers(), x
+        )
+
+
+def test_hyperparameters_of_wrong_length():
+    hens = fe.HeteroEnsemble(members(torch.float64))
+    with pytest.raises(ValueError, match=r"lr has 3 per-member values; this ensemble has 8"):
+        hens.optimizer(fe.optim.adam, lr=torch.ones(3))
+    with pytest.raises(ValueError, match=r"betas\[1\] has 2 per-member values"):
+        hens.optimizer(fe.optim.adam, betas=(0.9, torch.full((2,), 0.99)))
+    # A built transform with [N] values cannot be split: refused at init, with the fix.
+    with pytest.raises(ValueError, match=r"group 0 \(members \[0, 3, 6\]\).*hens.optimizer"):
+        fe.optim.EnsembleOptimizer(hens, fe.optim.adam(lr=LRS))
+    # A schedule's [N] values of the wrong length: refused on the step, nothing stepped.
+    opt = fe.optim.EnsembleOptimizer(
+        hens, hens.optimizer(fe.optim.sgd, lr=lambda count: torch.ones(5))
+    )
+    x, y = batch(0, torch.float64)
+    ((hens(x, in_dims=0) - y) ** 2).sum().backward()
+    after_forward = copy.deepcopy(hens.state_dict())
+    with pytest.raises(ValueError, match="the value of the lr schedule has 5 per-member values"):
+        opt.step()
+    assert_trees_close(hens.state_dict(), after_forward, rtol=0, atol=0)
+
+
+def test_bad_trees_refused_before_any_group_steps():
+    hens = fe.HeteroEnsemble(members(torch.float64))
+    opt = hens.optimizer(fe.optim.adam, lr=0.1)
+    params = {k: v.detach().clone() for k, v in hens.stacked_params().items()}
+    state = opt.init(params)
+    snapshot = copy.deepcopy((params, state))
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    last = list(grads)[-1]
+    grads[last] = torch.ones(3)  # the last group's gradient is wrong
+    with pytest.raises(ValueError, match=rf"the gradient of `{last}` has shape \(3,\)"):
+        opt.update_(grads, state, params)
+    assert_trees_close((params, state), snapshot, rtol=0, atol=0)
+    del grads[last]
+    with pytest.raises(ValueError, match=r"missing \['groups.3.stacked.bias'\]"):
+        opt.update(grads, state, params)
+    with pytest.raises(ValueError, match="missing"):
+        hens.value_and_grad(lambda f, p, b: f(p, b, torch.ones(1, 4)).sum())(grads, {})
+    with runtime_typecheck_off(), pytest.raises(TypeError, match="or a function building"):
+        hens.optimizer(0.1)
+    with pytest.raises(TypeError, match="got a built transform and arguments"):
+        hens.optimizer(fe.optim.adam(), lr=0.1)
+
+
+def test_member_and_unstack():
+    modules = members(torch.float64)
+    hens = fe.HeteroEnsemble(modules)
+    for i, m in enumerate(hens.unstack()):
+        assert type(m) is type(modules[i])
+        assert_trees_close(m.state_dict(), modules[i].state_dict(), rtol=0, atol=0)
+    assert_trees_close(hens.member(-1).state_dict(), modules[-1].state_dict(), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="index 8 is out of range"):
+        hens.member(8)
+
+
+def test_polyak_update_over_all_groups():
+    targets, onlines = members(torch.float64, seed=1), members(torch.float64, seed=2)
+    target, online = fe.HeteroEnsemble(targets), fe.HeteroEnsemble(onlines)
+    fe.optim.polyak_update_(target, online, 0.25)
+    for i, (t, o) in enumerate(zip(targets, onlines, strict=True)):
+        want = {
+            k: 0.25 * v + 0.75 * t.state_dict()[k] if v.is_floating_point() else v
+            for k, v in o.state_dict().items()
+        }
+        assert_trees_close(target.member(i).state_dict(), want, **TOLS[torch.float64])
+    # Per-member tau is not routed: refused (every group is shorter than N), unchanged.
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match="tau has 8 per-member values"):
+        fe.optim.polyak_update_(target, online, torch.full((N,), 0.5, dtype=torch.float64))
+    assert_trees_close(target.state_dict(), before, rtol=0, atol=0)
