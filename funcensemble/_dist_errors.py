@@ -86,8 +86,8 @@ def cause_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _timeout_words(timeout: timedelta | None) -> str:
-    return "" if timeout is None else f" (timeout {timeout.total_seconds():g} s)"
+def _timeout_words(timeout: timedelta | None, name: str) -> str:
+    return "" if timeout is None else f" ({name} {timeout.total_seconds():g} s)"
 
 
 def raise_failure(
@@ -99,12 +99,14 @@ def raise_failure(
     timeout: timedelta | None,
     hint: str,
     cause: BaseException | None = None,
+    *,
+    timeout_name: str = "timeout",
 ) -> None:
     """Raise a ``DistributedError`` for ``what`` (a phrase: "waiting for ...")."""
     waited = time.monotonic() - started
     message = (
         f"{where}: rank {rank} of {world} failed while {what}, after {waited:.1f} s"
-        f"{_timeout_words(timeout)}. {hint}"
+        f"{_timeout_words(timeout, timeout_name)}. {hint}"
     )
     if cause is not None:
         message += f" Cause: {cause_text(cause)}"
@@ -130,6 +132,7 @@ def failures(
     group: Any = None,
     timeout: timedelta | None = None,
     hint: str = PEER_HINT,
+    timeout_name: str = "timeout",
 ) -> Iterator[None]:
     """Turn what torch.distributed raises inside the block into a ``DistributedError``."""
     started = time.monotonic()
@@ -140,4 +143,6 @@ def failures(
     except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
         if timeout is None and world > 1:
             timeout = group_timeout(group)
-        raise_failure(where, what, rank, world, started, timeout, hint, error)
+        raise_failure(
+            where, what, rank, world, started, timeout, hint, error, timeout_name=timeout_name
+        )

@@ -96,6 +96,7 @@ def _wait_for_server(where: str, launch: Launch, started: float, timeout: timede
         "MASTER_PORT point elsewhere. Start every rank with the same MASTER_ADDR and "
         "MASTER_PORT (torchrun does), or give a longer timeout.",
         last,
+        timeout_name="join_timeout",
     )
 
 
@@ -109,6 +110,7 @@ def _store(where: str, launch: Launch, started: float, timeout: timedelta) -> di
         launch.world_size,
         timeout=timeout,
         hint="Check that MASTER_PORT is free on rank 0's machine and reachable from every rank.",
+        timeout_name="join_timeout",
     ):
         return dist.TCPStore(
             launch.host,
@@ -130,7 +132,9 @@ def _wait_for_ranks(
     """
     deadline = started + timeout.total_seconds()
     what = f"waiting for all {launch.world_size} ranks to join the rendezvous at {launch.address}"
-    with failures(where, what, launch.rank, launch.world_size, timeout=timeout):
+    with failures(
+        where, what, launch.rank, launch.world_size, timeout=timeout, timeout_name="join_timeout"
+    ):
         outcome = handshake(store, launch.rank, launch.world_size, deadline, _POLL)
     if outcome.complete:
         assert outcome.generation is not None
@@ -156,6 +160,7 @@ def _wait_for_ranks(
         started,
         timeout,
         f"{who} Their own output says which.",
+        timeout_name="join_timeout",
     )
     raise AssertionError("unreachable")
 

@@ -1,7 +1,7 @@
 """One rank of the multi-process tests in test_distributed.py (run as a script, not collected).
 
 ``python distributed_worker.py OUTDIR [--train] [--save DIR] [--load DIR] [--fail MODE]
-[--disagree] [--timeout SECONDS]``,
+[--disagree] [--timeout SECONDS] [--join-timeout SECONDS]``,
 with the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Rank 0
 writes what the test compares to OUTDIR as torch files. ``train_members`` is also what
 the test runs in a single process as the reference.
@@ -114,11 +114,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail", choices=["raise", "hang", "kill"])
     parser.add_argument("--disagree", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--join-timeout", type=float, default=None)
     args = parser.parse_args(argv)
+    join = None if args.join_timeout is None else timedelta(seconds=args.join_timeout)
 
     started = time.monotonic()
     try:
-        fe.distributed.init_process_group(timeout=timedelta(seconds=args.timeout))
+        fe.distributed.init_process_group(
+            timeout=timedelta(seconds=args.timeout), join_timeout=join
+        )
     finally:  # the fault tests read how long the rendezvous took, or took to fail
         print(f"init_process_group returned after {time.monotonic() - started:.2f} s", flush=True)
     try:
