@@ -77,8 +77,19 @@ def group_timeout(group: Any = None) -> timedelta | None:
     return None
 
 
+def _checkpoint_causes(error: CheckpointException) -> str:
+    """Each failed rank's own error, without DCP's Python tracebacks."""
+    causes = []
+    for rank, failure in sorted(error.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        causes.append(f"on rank {rank}, {cause_text(inner)}")
+    return "; ".join(causes)
+
+
 def cause_text(error: BaseException) -> str:
     """The first part of an exception's message, without torch's C++ stack trace."""
+    if isinstance(error, CheckpointException) and getattr(error, "failures", None):
+        return f"{type(error).__name__}: {_checkpoint_causes(error)}"
     text = str(error).split("\nException raised from", 1)[0].strip()
     text = " ".join(text.split())
     if len(text) > _MAX_CAUSE:
@@ -119,6 +130,12 @@ def raise_failure(
 PEER_HINT = (
     "Another rank has probably crashed, or has not reached this call within the "
     "process group's timeout; its own output says why."
+)
+CHECKPOINT_HINT = (
+    "A sharded checkpoint is one directory that every rank reads and writes: give a "
+    "path on a filesystem all ranks share (not a node-local disk), that exists or can "
+    "be created, and is readable and writable by every rank. If the cause is on "
+    "another rank, or none is given, that rank's own output says more."
 )
 
 

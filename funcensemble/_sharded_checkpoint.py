@@ -62,7 +62,7 @@ from ._dcp_checksums import (
     reads_of,
     verify_reads,
 )
-from ._dist_errors import failures
+from ._dist_errors import CHECKPOINT_HINT, failures
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
 from ._paths import flatten_by_key
@@ -191,7 +191,9 @@ def _dcp_call() -> Iterator[None]:
 
 
 def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractContextManager:
-    return failures(where, what, shard.rank, shard.world_size, group=shard.group)
+    return failures(
+        where, what, shard.rank, shard.world_size, group=shard.group, hint=CHECKPOINT_HINT
+    )
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
