@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -112,7 +112,7 @@ def raise_failure(
     cause: BaseException | None = None,
     *,
     timeout_name: str = "timeout",
-) -> None:
+) -> NoReturn:
     """Raise a ``DistributedError`` for ``what`` (a phrase: "waiting for ...")."""
     waited = time.monotonic() - started
     message = (

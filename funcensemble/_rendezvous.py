@@ -94,7 +94,7 @@ def _wait_for_server(where: str, launch: Launch, started: float, timeout: timede
         timeout,
         f"It never answered: {server} has not started, has crashed, or MASTER_ADDR/"
         "MASTER_PORT point elsewhere. Start every rank with the same MASTER_ADDR and "
-        "MASTER_PORT (torchrun does), or give a longer timeout.",
+        "MASTER_PORT (torchrun does), or give a longer join_timeout.",
         last,
         timeout_name="join_timeout",
     )
@@ -162,7 +162,6 @@ def _wait_for_ranks(
         f"{who} Their own output says which.",
         timeout_name="join_timeout",
     )
-    raise AssertionError("unreachable")
 
 
 def join(

@@ -325,7 +325,9 @@ def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberSha
     findings = [found]
     if shard.world_size > 1 and not _alone():
         findings = [None] * shard.world_size
-        dist.all_gather_object(findings, found, group=shard.group)
+        what = f"exchanging what it found checking '{name}'"
+        with failures(where, what, shard.rank, shard.world_size, group=shard.group):
+            dist.all_gather_object(findings, found, group=shard.group)
     for rank, finding in enumerate(findings):
         if finding is not None:
             by = f" (found by rank {rank} of {shard.world_size})" if len(findings) > 1 else ""
