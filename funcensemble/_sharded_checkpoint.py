@@ -337,11 +337,17 @@ def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberSha
 def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
     """The verified DCP metadata (read without unpickling code) and the checksums, if any."""
     name = os.fspath(path)
+    seen = ""
+    if not _alone() and dist.get_world_size() > 1:
+        seen = (
+            f" (as rank {dist.get_rank()} of {dist.get_world_size()} sees it: on several "
+            "machines, a checkpoint must be on a filesystem all ranks share)"
+        )
     if not os.path.isdir(name):
-        raise FileNotFoundError(f"{where}: no checkpoint directory at '{name}'.")
+        raise FileNotFoundError(f"{where}: no checkpoint directory at '{name}'{seen}.")
     if not os.path.isfile(os.path.join(name, ".metadata")):
         raise ValueError(
-            f"{where}: '{name}' has no .metadata file, so it is not a complete DCP "
+            f"{where}: '{name}' has no .metadata file{seen}, so it is not a complete DCP "
             "checkpoint (DCP writes it last: the save may have been interrupted)."
         )
     try:

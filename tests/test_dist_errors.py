@@ -4,10 +4,13 @@ test_distributed.py and test_elastic.py."""
 
 import re
 import shutil
+import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 import funcensemble as fe
@@ -117,3 +120,56 @@ def test_a_save_whose_data_file_the_coordinator_cannot_see_fails_and_stays_incom
         _message(r"distributed\.save", "writing its members to", path, cause), str(info.value)
     ), str(info.value)
     assert not (path / ".metadata").exists() and not (path / CHECKSUM_FILE).exists()
+
+
+def test_a_rank_that_does_not_see_the_checkpoint_says_which_rank_it_is(tmp_path, monkeypatch):
+    """Checked before any collective, as a FileNotFoundError or ValueError; with several
+    ranks the message says which rank looked (as rank 1 of 2 in a fake group here)."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    seen = (
+        r" \(as rank 1 of 2 sees it: on several machines, a checkpoint must be on a "
+        r"filesystem all ranks share\)"
+    )
+    with pytest.raises(FileNotFoundError) as info:
+        fe.distributed.load(tmp_path / "nowhere", _ensemble())
+    assert re.fullmatch(
+        rf"distributed\.load: no checkpoint directory at '{re.escape(str(tmp_path))}/nowhere'"
+        rf"{seen}\.",
+        str(info.value),
+    ), str(info.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        ValueError,
+        match=rf"'{re.escape(str(tmp_path))}/empty' has no "
+        rf"\.metadata file{seen}, so it is not a complete DCP checkpoint",
+    ):
+        fe.distributed.load(tmp_path / "empty", _ensemble())
+
+
+def test_a_store_server_that_cannot_start_is_named_with_its_address(monkeypatch):
+    """Rank 0 cannot serve the rendezvous: its port is taken by another program."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name, value in {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        with pytest.raises(fe.distributed.DistributedError) as info:
+            fe.distributed.init_process_group("gloo", join_timeout=timedelta(seconds=2))
+    assert not dist.is_initialized()
+    assert re.fullmatch(
+        rf"init_process_group: rank 0 of 1 failed while starting the rendezvous server at "
+        rf"127\.0\.0\.1:{port}, after \d+\.\d s \(join_timeout 2 s\)\. Check that "
+        r"MASTER_PORT is free on rank 0's machine and reachable from every rank\. Cause: "
+        r"Dist\w*Error: .*(address already in use|EADDRINUSE).*",
+        str(info.value),
+        flags=re.IGNORECASE,
+    ), str(info.value)
