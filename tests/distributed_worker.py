@@ -1,7 +1,7 @@
 """One rank of the multi-process tests in test_distributed.py (run as a script, not collected).
 
 ``python distributed_worker.py OUTDIR [--train] [--save DIR] [--load DIR] [--fail MODE]
-[--disagree] [--timeout SECONDS]``,
+[--disagree] [--timeout SECONDS] [--join-timeout SECONDS]``,
 with the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Rank 0
 writes what the test compares to OUTDIR as torch files. ``train_members`` is also what
 the test runs in a single process as the reference.
@@ -111,14 +111,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
-    parser.add_argument("--fail", choices=["raise", "hang", "kill"])
+    parser.add_argument("--fail", choices=["raise", "hang", "kill", "unshared"])
     parser.add_argument("--disagree", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--join-timeout", type=float, default=None)
     args = parser.parse_args(argv)
+    join = None if args.join_timeout is None else timedelta(seconds=args.join_timeout)
 
     started = time.monotonic()
     try:
-        fe.distributed.init_process_group(timeout=timedelta(seconds=args.timeout))
+        fe.distributed.init_process_group(
+            timeout=timedelta(seconds=args.timeout), join_timeout=join
+        )
     finally:  # the fault tests read how long the rendezvous took, or took to fail
         print(f"init_process_group returned after {time.monotonic() - started:.2f} s", flush=True)
     try:
@@ -211,6 +215,29 @@ def disagree(rank: int, out: Path) -> None:
     torch.save(messages, out / f"disagree{rank}.pt")
 
 
+def unshared_save(rank: int, out: Path) -> None:
+    """Rank 1's checkpoint directory is on a disk of its own: the file it writes is gone
+    from the shared directory (moved aside) before rank 0 writes ``.metadata``."""
+    from funcensemble.distributed._dcp_checksums import ChecksummingWriter
+
+    if rank == 1:
+        write_data = ChecksummingWriter.write_data
+
+        def write_elsewhere(self, plan, planner):
+            done = write_data(self, plan, planner)
+            for name in {result.storage_data[0].relative_path for result in done.wait()}:
+                (out / "ckpt" / name).rename(out / f"rank1-disk-{name}")
+            return done
+
+        ChecksummingWriter.write_data = write_elsewhere
+    shard = fe.distributed.MemberShard(NUM_MEMBERS)
+    ens = shard.from_factory(make_member, seed=SEED)
+    try:
+        fe.distributed.save(out / "ckpt", ens, shard)
+    except fe.distributed.DistributedError as error:
+        (out / f"unshared{rank}.txt").write_text(str(error))
+
+
 def fail(mode: str, rank: int, out: Path) -> None:
     if mode == "kill":
         # Rank 1 dies (SIGKILL: no exception, no goodbye) in the middle of training.
@@ -224,6 +251,9 @@ def fail(mode: str, rank: int, out: Path) -> None:
             fe.distributed.all_gather(torch.zeros(shard.size, 3), shard)
         finally:
             print(f"all_gather returned after {time.monotonic() - started:.2f} s", flush=True)
+    if mode == "unshared":
+        unshared_save(rank, out)
+        return
     if mode == "raise":
         if rank == 1:
             raise ValueError("rank 1 fails on purpose")

@@ -811,14 +811,39 @@ def test_a_rank_killed_mid_training_makes_the_others_fail_at_once(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # two ranks start up on two shared cores
+def test_ranks_that_do_not_share_a_filesystem_fail_to_save_naming_the_file(tmp_path):
+    """Rank 1's file never reaches the directory rank 0 sees (as on a node-local disk):
+    every rank raises, naming the file and the rank that wrote it, and no .metadata is
+    written, so the checkpoint is not mistaken for a complete one."""
+    ranks = launch(2, [str(tmp_path), "--fail", "unshared"], tmp_path)
+    check_all_succeeded(ranks)  # each rank caught its DistributedError
+    for rank in range(2):
+        message = (tmp_path / f"unshared{rank}.txt").read_text()
+        assert re.fullmatch(
+            rf"distributed\.save: rank {rank} of 2 failed while writing its members to "
+            rf"'{re.escape(str(tmp_path / 'ckpt'))}', after \d+\.\d s \(timeout 60 s\)\. A "
+            r"sharded checkpoint is one directory that every rank reads and writes: give a "
+            r"path on a filesystem all ranks share \(not a node-local disk\).* Cause: "
+            r"CheckpointException: on rank 0, UnsharedFilesystemError: rank 1 wrote "
+            rf"__1_0\.distcp \(\d+ bytes\) to '{re.escape(str(tmp_path / 'ckpt'))}', but the "
+            r"rank that writes \.metadata does not see it: the ranks do not write to one "
+            r"shared filesystem",
+            message,
+        ), message
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two ranks start up on two shared cores
 def test_a_rank_that_never_joins_is_named_when_the_timeout_passes(tmp_path):
-    """Rank 1 of 2 is never started: rank 0 fails at its 3 s timeout, naming rank 1."""
-    ranks = launch(2, [str(tmp_path), "--timeout", "3"], tmp_path, started=[0])
+    """Rank 1 of 2 is never started: rank 0 fails at its 3 s join timeout, naming rank 1
+    (the collectives' timeout, 60 s, plays no part)."""
+    ranks = launch(2, [str(tmp_path), "--join-timeout", "3"], tmp_path, started=[0])
     (rank0,) = ranks
     assert rank0.returncode not in (None, 0), report(ranks)
     assert re.search(
         r"DistributedError: init_process_group: rank 0 of 2 failed while waiting for all 2 "
-        r"ranks to join the rendezvous at 127\.0\.0\.1:\d+, after 3\.\d s \(timeout 3 s\)\. "
+        r"ranks to join the rendezvous at 127\.0\.0\.1:\d+, after 3\.\d s \(join_timeout 3 s\)\. "
         r"Rank\(s\) 1 never joined \(1 of 2 did\)",
         rank0.output,
     ), report(ranks)
@@ -836,7 +861,7 @@ def test_a_rank_whose_server_never_comes_up_says_so_at_its_timeout(tmp_path):
     assert rank1.returncode not in (None, 0), report(ranks)
     assert re.search(
         r"init_process_group: rank 1 of 2 failed while waiting for the rendezvous server "
-        r"\(rank 0\) at 127\.0\.0\.1:\d+, after 2\.\d s \(timeout 2 s\)\. It never answered",
+        r"\(rank 0\) at 127\.0\.0\.1:\d+, after 2\.\d s \(join_timeout 2 s\)\. It never answered",
         rank1.output,
     ), report(ranks)
     assert _seconds(rank1.output, "init_process_group") < 2 + 5, report(ranks)

@@ -7,7 +7,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from funcensemble._structure.attributes.same_value import SameValue, same_tensor
+from funcensemble._structure.attributes.attributes.same_value import SameValue, same_tensor
 from torch import nn
 
 

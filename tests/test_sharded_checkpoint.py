@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from funcensemble._checkpoint.save_load.checksum import digest
+from funcensemble._checkpoint.save_load.save_load.checksum import digest
 from helpers import assert_trees_equal, dcp_save_alone
 from torch import nn
 

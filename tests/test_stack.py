@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from funcensemble._structure.attributes.architecture import Architecture
+from funcensemble._structure.attributes.attributes.architecture import Architecture
 from helpers import ZOO, assert_trees_equal, runtime_typecheck_off, stacked_state
 from torch import Tensor, nn
 

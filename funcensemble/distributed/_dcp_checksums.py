@@ -80,8 +80,9 @@ class ChecksummingWriter(FileSystemWriter):
                 items.append(
                     [r.index.fqn, offsets, info.relative_path, info.offset, info.length, sha]
                 )
-        super().finish(metadata, plain)
         root = os.fspath(self.path)
+        _check_shared(root, results)  # before .metadata: an unshared save stays incomplete
+        super().finish(metadata, plain)
         with open(os.path.join(root, ".metadata"), "rb") as f:
             meta = f.read()
         files = sorted({item[2] for item in items})
@@ -95,6 +96,34 @@ class ChecksummingWriter(FileSystemWriter):
         text = json.dumps(body, separators=(",", ":")).encode()
         blob = f"{_FIRST_LINE}{digest(text)}\n".encode() + text
         atomic_write("distributed.save", os.path.join(root, CHECKSUM_FILE), lambda f: f.write(blob))
+
+
+class UnsharedFilesystemError(OSError):
+    """The coordinator does not see a data file another rank wrote: no shared filesystem."""
+
+
+def _check_shared(root: str, results: list[list[WriteResult]]) -> None:
+    """Every rank's data files, as the coordinator sees them, hold what that rank wrote.
+
+    Ranks whose checkpoint directory lies on their own disks each write their file
+    there and DCP reports success; the coordinator would then describe files that it
+    cannot see. Checked here, before ``.metadata`` is written, so such a save fails.
+    """
+    needed: dict[str, tuple[int, int]] = {}  # file: (rank that wrote it, bytes written)
+    for rank, rank_results in enumerate(results):
+        for r in rank_results:
+            info = r.storage_data[0]
+            end = info.offset + info.length
+            needed[info.relative_path] = (rank, max(end, needed.get(info.relative_path, (0, 0))[1]))
+    for name, (rank, end) in sorted(needed.items()):
+        path = os.path.join(root, name)
+        seen = os.path.getsize(path) if os.path.isfile(path) else None
+        if seen is None or seen < end:
+            sees = "does not see it" if seen is None else f"sees {seen} bytes of it"
+            raise UnsharedFilesystemError(
+                f"rank {rank} wrote {name} ({end} bytes) to '{root}', but the rank that "
+                f"writes .metadata {sees}: the ranks do not write to one shared filesystem"
+            )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -77,8 +77,19 @@ def group_timeout(group: Any = None) -> timedelta | None:
     return None
 
 
+def _checkpoint_causes(error: CheckpointException) -> str:
+    """Each failed rank's own error, without DCP's Python tracebacks."""
+    causes = []
+    for rank, failure in sorted(error.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        causes.append(f"on rank {rank}, {cause_text(inner)}")
+    return "; ".join(causes)
+
+
 def cause_text(error: BaseException) -> str:
     """The first part of an exception's message, without torch's C++ stack trace."""
+    if isinstance(error, CheckpointException) and getattr(error, "failures", None):
+        return f"{type(error).__name__}: {_checkpoint_causes(error)}"
     text = str(error).split("\nException raised from", 1)[0].strip()
     text = " ".join(text.split())
     if len(text) > _MAX_CAUSE:
@@ -86,8 +97,8 @@ def cause_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _timeout_words(timeout: timedelta | None) -> str:
-    return "" if timeout is None else f" (timeout {timeout.total_seconds():g} s)"
+def _timeout_words(timeout: timedelta | None, name: str) -> str:
+    return "" if timeout is None else f" ({name} {timeout.total_seconds():g} s)"
 
 
 def raise_failure(
@@ -99,12 +110,14 @@ def raise_failure(
     timeout: timedelta | None,
     hint: str,
     cause: BaseException | None = None,
-) -> None:
+    *,
+    timeout_name: str = "timeout",
+) -> NoReturn:
     """Raise a ``DistributedError`` for ``what`` (a phrase: "waiting for ...")."""
     waited = time.monotonic() - started
     message = (
         f"{where}: rank {rank} of {world} failed while {what}, after {waited:.1f} s"
-        f"{_timeout_words(timeout)}. {hint}"
+        f"{_timeout_words(timeout, timeout_name)}. {hint}"
     )
     if cause is not None:
         message += f" Cause: {cause_text(cause)}"
@@ -118,6 +131,12 @@ PEER_HINT = (
     "Another rank has probably crashed, or has not reached this call within the "
     "process group's timeout; its own output says why."
 )
+CHECKPOINT_HINT = (
+    "A sharded checkpoint is one directory that every rank reads and writes: give a "
+    "path on a filesystem all ranks share (not a node-local disk), that exists or can "
+    "be created, and is readable and writable by every rank. If the cause is on "
+    "another rank, or none is given, that rank's own output says more."
+)
 
 
 @contextlib.contextmanager
@@ -130,6 +149,7 @@ def failures(
     group: Any = None,
     timeout: timedelta | None = None,
     hint: str = PEER_HINT,
+    timeout_name: str = "timeout",
 ) -> Iterator[None]:
     """Turn what torch.distributed raises inside the block into a ``DistributedError``."""
     started = time.monotonic()
@@ -140,4 +160,6 @@ def failures(
     except (Exception, CheckpointException) as error:  # CheckpointException: BaseException
         if timeout is None and world > 1:
             timeout = group_timeout(group)
-        raise_failure(where, what, rank, world, started, timeout, hint, error)
+        raise_failure(
+            where, what, rank, world, started, timeout, hint, error, timeout_name=timeout_name
+        )

@@ -57,7 +57,10 @@ def rank_and_world(where: str, group: Any = None) -> tuple[int, int]:
 
 
 def init_process_group(
-    backend: str | None = None, *, timeout: timedelta = timedelta(seconds=60)
+    backend: str | None = None,
+    *,
+    timeout: timedelta = timedelta(seconds=60),
+    join_timeout: timedelta | None = None,
 ) -> torch.device:
     """Start ``torch.distributed`` from ``torchrun``'s environment, with a short timeout.
 
@@ -67,31 +70,39 @@ def init_process_group(
     that a rank that stops answering makes the others fail with an error instead of
     hanging. (A rank that crashes is noticed sooner: its connections close.)
 
-    The rendezvous keeps to ``timeout`` as a whole: each rank waits for rank 0's store
-    server, announces itself and waits for all the others, and a rank that never
-    joins makes every other rank raise a
+    The rendezvous keeps to ``join_timeout`` as a whole, counted from this call: each
+    rank waits for the store server (rank 0's, or ``torchrun``'s agent's), announces
+    itself and waits for all the others, and a rank that never joins makes every
+    other rank raise a
     [`DistributedError`][funcensemble.distributed.DistributedError] naming it once
-    ``timeout`` has passed (torch's own rendezvous overruns it, up to twice over, and
-    names no rank). Collectives, checkpoints and set-up checks then wait at most
+    ``join_timeout`` has passed (torch's own rendezvous overruns it, up to twice over,
+    and names no rank). Collectives, checkpoints and set-up checks then wait at most
     ``timeout`` each. Call ``torch.distributed.destroy_process_group()`` at the end.
+
+    Restarts by ``torchrun --max-restarts`` work as they are: the restarted ranks
+    agree on a key namespace of their own in the store ``torchrun`` keeps across
+    restarts, so they never read an earlier attempt's addresses (torch's own
+    ``init_process_group`` does, unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
 
     Args:
         backend: ``"gloo"`` or ``"nccl"``; ``None`` picks NCCL where CUDA is available
             and gloo otherwise.
-        timeout: How long any rank waits for the others.
+        timeout: How long any rank waits for the others in a collective.
+        join_timeout: How long each rank waits at start-up for every rank to join;
+            ``timeout`` if ``None``. Give a longer one where ranks start minutes apart.
 
     Returns:
         This rank's device: ``cuda:LOCAL_RANK`` with NCCL (also made the current CUDA
         device), else the CPU.
 
     Raises:
-        DistributedError: A rank did not join within ``timeout`` (the message says
-            which), or the process group could not be built.
+        DistributedError: A rank did not join within ``join_timeout`` (the message
+            says which), or the process group could not be built.
         RuntimeError: The process group is already initialized, or the launcher's
             environment variables are missing (run the script with ``torchrun``).
-        ValueError: A timeout that is not positive, NCCL without CUDA, or a malformed
-            ``RANK``, ``WORLD_SIZE`` or ``MASTER_PORT``.
-        TypeError: A timeout that is not a ``timedelta``.
+        ValueError: A timeout or join timeout that is not positive, NCCL without CUDA,
+            or a malformed ``RANK``, ``WORLD_SIZE`` or ``MASTER_PORT``.
+        TypeError: A timeout or join timeout that is not a ``timedelta``.
 
     Example:
         In a script started by ``torchrun``: ``device = fe.distributed.init_process_group()``.
@@ -105,12 +116,15 @@ def init_process_group(
         init_process_group: timeout must be positive, got 0:00:00.
     """
     where = "init_process_group"
-    if not isinstance(timeout, timedelta):
-        raise TypeError(
-            f"{where}: timeout must be a datetime.timedelta, got {type(timeout).__name__}."
-        )
-    if timeout <= timedelta(0):
-        raise ValueError(f"{where}: timeout must be positive, got {timeout}.")
+    for name, value in (("timeout", timeout), ("join_timeout", join_timeout)):
+        if value is None and name == "join_timeout":
+            continue
+        if not isinstance(value, timedelta):
+            raise TypeError(
+                f"{where}: {name} must be a datetime.timedelta, got {type(value).__name__}."
+            )
+        if value <= timedelta(0):
+            raise ValueError(f"{where}: {name} must be positive, got {value}.")
     if backend is not None and backend not in ("gloo", "nccl"):
         raise ValueError(f"{where}: backend must be 'gloo', 'nccl' or None, got {backend!r}.")
     if not dist.is_available():
@@ -138,7 +152,7 @@ def init_process_group(
         torch.cuda.set_device(device)
     # Binding the group to the device connects NCCL now, so a missing rank is reported
     # at start-up rather than at the first collective.
-    join(where, backend, timeout, device)
+    join(where, backend, timeout, device, timeout if join_timeout is None else join_timeout)
     return torch.device("cpu") if device is None else device
 
 

@@ -2,11 +2,13 @@
 
 ``torch.distributed``'s own ``env://`` rendezvous overruns its timeout (a client that
 finds no server retries for twice the timeout; the server waits a second more) and then
-raises a bare ``DistStoreError``. Here every phase shares one deadline, ``timeout`` from
-the call: the client waits for rank 0's store server, every rank announces itself in
-the store and waits until all have, and only then is the process group built on that
-store. A rank that is missing makes the others fail at the deadline, within a fraction
-of a second, with a message that names it.
+raises a bare ``DistStoreError``. Here every phase shares one deadline, ``join_timeout``
+from the call: the client waits for the store server (rank 0's, or ``torchrun``'s
+agent's), every rank agrees with rank 0 on a key namespace no earlier attempt of the
+job has used (``_handshake``: ``torchrun --max-restarts`` keeps its store across
+restarts) and waits until all have joined it, and only then is the process group built
+on that store. A rank that is missing makes the others fail at the deadline, within a
+fraction of a second, with a message that names it.
 """
 
 import os
@@ -19,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ._errors import failures, raise_failure
+from ._handshake import handshake, namespaced
 
 _POLL = 0.05  # seconds between checks of the store
-_KEY = "funcensemble/joined"
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,9 @@ def _wait_for_server(where: str, launch: Launch, started: float, timeout: timede
         timeout,
         f"It never answered: {server} has not started, has crashed, or MASTER_ADDR/"
         "MASTER_PORT point elsewhere. Start every rank with the same MASTER_ADDR and "
-        "MASTER_PORT (torchrun does), or give a longer timeout.",
+        "MASTER_PORT (torchrun does), or give a longer join_timeout.",
         last,
+        timeout_name="join_timeout",
     )
 
 
@@ -107,6 +110,7 @@ def _store(where: str, launch: Launch, started: float, timeout: timedelta) -> di
         launch.world_size,
         timeout=timeout,
         hint="Check that MASTER_PORT is free on rank 0's machine and reachable from every rank.",
+        timeout_name="join_timeout",
     ):
         return dist.TCPStore(
             launch.host,
@@ -121,22 +125,33 @@ def _store(where: str, launch: Launch, started: float, timeout: timedelta) -> di
 
 def _wait_for_ranks(
     where: str, store: dist.Store, launch: Launch, started: float, timeout: timedelta
-) -> None:
-    """Announce this rank in the store and wait until every rank has, or the deadline."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    keys = [f"{_KEY}/{attempt}/{r}" for r in range(launch.world_size)]
+) -> str:
+    """Agree with every rank on a fresh key namespace (``_handshake``), or fail at the deadline.
+
+    Returns the generation under which the process group keeps its keys.
+    """
     deadline = started + timeout.total_seconds()
     what = f"waiting for all {launch.world_size} ranks to join the rendezvous at {launch.address}"
-    with failures(where, what, launch.rank, launch.world_size, timeout=timeout):
-        store.set(keys[launch.rank], "1")
-        while not store.check(keys):
-            if _remaining(deadline) <= 0:
-                missing = [r for r, key in enumerate(keys) if not store.check([key])]
-                break
-            time.sleep(_POLL)
-        else:
-            return
-    names = ", ".join(map(str, missing))
+    with failures(
+        where, what, launch.rank, launch.world_size, timeout=timeout, timeout_name="join_timeout"
+    ):
+        outcome = handshake(store, launch.rank, launch.world_size, deadline, _POLL)
+    if outcome.complete:
+        assert outcome.generation is not None
+        return outcome.generation
+    if outcome.generation is None:
+        who = (
+            "Rank 0 never answered this rank's hello (rank 0 hands every rank the "
+            "rendezvous's key namespace): it was not started, crashed before calling "
+            "init_process_group, or was given another MASTER_ADDR/MASTER_PORT."
+        )
+    else:
+        names = ", ".join(map(str, outcome.missing))
+        who = (
+            f"Rank(s) {names} never joined ({launch.world_size - len(outcome.missing)} of "
+            f"{launch.world_size} did): they were not started, crashed before calling "
+            "init_process_group, or were given another MASTER_ADDR/MASTER_PORT or WORLD_SIZE."
+        )
     raise_failure(
         where,
         what,
@@ -144,23 +159,25 @@ def _wait_for_ranks(
         launch.world_size,
         started,
         timeout,
-        f"Rank(s) {names} never joined ({launch.world_size - len(missing)} of "
-        f"{launch.world_size} did): they were not started, crashed before calling "
-        "init_process_group, or were given another MASTER_ADDR/MASTER_PORT or WORLD_SIZE. "
-        "Their own output says which.",
+        f"{who} Their own output says which.",
+        timeout_name="join_timeout",
     )
 
 
 def join(
-    where: str, backend: str, timeout: timedelta, device: torch.device | None
+    where: str,
+    backend: str,
+    timeout: timedelta,
+    device: torch.device | None,
+    join_timeout: timedelta,
 ) -> dist.ProcessGroup:
-    """Rendezvous with every rank and build the default process group, or fail in time."""
+    """Rendezvous with every rank within ``join_timeout``, then build the default group."""
     launch = Launch.from_env(where)
     started = time.monotonic()
     if not launch.serves:
-        _wait_for_server(where, launch, started, timeout)
-    store = _store(where, launch, started, timeout)
-    _wait_for_ranks(where, store, launch, started, timeout)
+        _wait_for_server(where, launch, started, join_timeout)
+    store = _store(where, launch, started, join_timeout)
+    generation = _wait_for_ranks(where, store, launch, started, join_timeout)
     store.set_timeout(timeout)
     with failures(
         where,
@@ -169,11 +186,11 @@ def join(
         launch.world_size,
         timeout=timeout,
     ):
-        # The same layout as torch's env:// rendezvous: the default group's keys live
-        # under "default_pg" in the (possibly shared) store.
+        # torch's env:// layout (the default group's keys under "default_pg"), inside
+        # this attempt's own namespace: torchrun's store keeps an earlier attempt's keys.
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore("default_pg", store),
+            store=dist.PrefixStore("default_pg", namespaced(store, generation)),
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timeout,

@@ -65,7 +65,7 @@ from ._dcp_checksums import (
     reads_of,
     verify_reads,
 )
-from ._errors import failures
+from ._errors import CHECKPOINT_HINT, failures
 from ._member_shard import MemberShard, rank_and_world
 
 T = TypeVar("T")
@@ -191,7 +191,9 @@ def _dcp_call() -> Iterator[None]:
 
 
 def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractContextManager:
-    return failures(where, what, shard.rank, shard.world_size, group=shard.group)
+    return failures(
+        where, what, shard.rank, shard.world_size, group=shard.group, hint=CHECKPOINT_HINT
+    )
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -323,7 +325,9 @@ def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberSha
     findings = [found]
     if shard.world_size > 1 and not _alone():
         findings = [None] * shard.world_size
-        dist.all_gather_object(findings, found, group=shard.group)
+        what = f"exchanging what it found checking '{name}'"
+        with failures(where, what, shard.rank, shard.world_size, group=shard.group):
+            dist.all_gather_object(findings, found, group=shard.group)
     for rank, finding in enumerate(findings):
         if finding is not None:
             by = f" (found by rank {rank} of {shard.world_size})" if len(findings) > 1 else ""
@@ -333,11 +337,17 @@ def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberSha
 def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
     """The verified DCP metadata (read without unpickling code) and the checksums, if any."""
     name = os.fspath(path)
+    seen = ""
+    if not _alone() and dist.get_world_size() > 1:
+        seen = (
+            f" (as rank {dist.get_rank()} of {dist.get_world_size()} sees it: on several "
+            "machines, a checkpoint must be on a filesystem all ranks share)"
+        )
     if not os.path.isdir(name):
-        raise FileNotFoundError(f"{where}: no checkpoint directory at '{name}'.")
+        raise FileNotFoundError(f"{where}: no checkpoint directory at '{name}'{seen}.")
     if not os.path.isfile(os.path.join(name, ".metadata")):
         raise ValueError(
-            f"{where}: '{name}' has no .metadata file, so it is not a complete DCP "
+            f"{where}: '{name}' has no .metadata file{seen}, so it is not a complete DCP "
             "checkpoint (DCP writes it last: the save may have been interrupted)."
         )
     try:
