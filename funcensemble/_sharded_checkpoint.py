@@ -1,21 +1,21 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at any world size.
 
-A checkpoint is a plain DCP directory: one ``.distcp`` file per rank and a ``.metadata``
-file, plus ``.funcensemble-checksums`` (``_dcp_checksums``: the SHA-256 of everything
-written, verified before reading); ``.metadata`` is read without running code
-(``_dcp_metadata``). Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
-``['params']['net.0.weight']``; an [`Ensemble`][funcensemble.Ensemble] is saved as
-``{"params": ..., "buffers": ...}``):
+A checkpoint is a plain DCP directory written by DCP's default planners: one
+``.distcp`` file per rank and a ``.metadata`` file, plus ``.funcensemble-checksums``
+(``_dcp_checksums``: the SHA-256 of everything written, verified before reading);
+``.metadata`` is read without running code (``_dcp_metadata``). Every leaf is one DCP
+entry keyed by its fully qualified name: an [`Ensemble`][funcensemble.Ensemble]'s
+``state_dict()`` names (``stacked.0.weight``), a pytree's path with dots
+(``opt.0.mu.0.weight``), as ``dcp.save`` names nested state itself:
 
-- a tensor with dimensions is *member-sharded*: each rank writes its rows as a chunk of
-  the global ``[N, ...]`` tensor, at the offset of its first member;
+- a tensor with dimensions is *member-sharded*: on several ranks it is handed to DCP as
+  a DTensor on the shard's mesh (``_mesh.member_dtensor``: ``Shard(0)`` over
+  ``"member"``, ``Replicate()`` over ``"data"``), which DCP writes once per member, as
+  its rows of the global ``[N, ...]`` tensor;
 - a 0-dim tensor or a Python ``bool``/``int``/``float`` (a step count) is *replicated*,
   written once; Python values are stored as 0-dim tensors.
 
-DCP records each chunk's offset and size, so any world size can read any rows. DTensor's
-``Shard(0)`` would do the same with ``torch.chunk``'s sizes, which leave a rank empty
-(5 members on 4 ranks: 2, 2, 1, 0); funcensemble's own split never does, so the chunks
-are described to DCP directly, through its planner interface.
+DCP records each chunk's offset and size, so any mesh can read any rows.
 """
 
 import contextlib
@@ -31,26 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    create_default_local_load_plan,
-    create_default_local_save_plan,
-)
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._agreement import agree_to_write
 from ._dcp_checksums import (
@@ -65,8 +46,10 @@ from ._dcp_checksums import (
 from ._dist_errors import failures
 from ._distributed import MemberShard, rank_and_world
 from ._ensemble import Ensemble
-from ._paths import flatten_by_key
-from ._torch_compat import DCP_NO_PROCESS_GROUP_WARNING
+from ._mesh import member_dtensor
+from ._paths import dotted_key, flatten_by_key
+from ._slices import narrow_members
+from ._torch_compat import DCP_NO_PROCESS_GROUP_WARNING, dcp_save_planner_to_lowest_rank
 
 T = TypeVar("T")
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
@@ -78,16 +61,15 @@ class _Flat:
     """One object's leaves by key, and how to name them in messages."""
 
     leaves: dict[str, Any]
-    treedef: optree.PyTreeSpec
-    ensemble: bool
+    treedef: optree.PyTreeSpec | None  # None: an Ensemble, loaded in place
+    labels: dict[str, str]
+
+    @property
+    def ensemble(self) -> bool:
+        return self.treedef is None
 
     def label(self, key: str) -> str:
-        if self.ensemble:
-            for group, word in (("params", "parameter"), ("buffers", "buffer")):
-                prefix = f"[{group!r}]["
-                if key.startswith(prefix):
-                    return f"{word} {key[len(prefix) : -1]}"
-        return f"leaf `{key}`"
+        return self.labels.get(key, f"leaf `{key}`")
 
     def sharded(self) -> list[str]:
         """Keys of the member-sharded leaves: tensors with at least one dimension."""
@@ -95,71 +77,26 @@ class _Flat:
 
 
 def _flatten(where: str, obj: Any) -> _Flat:
+    if isinstance(obj, Ensemble):
+        kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
+        leaves = dict(obj.state_dict(keep_vars=True))
+        labels = {k: f"{kinds.get(id(v), 'buffer')} `{k}`" for k, v in leaves.items()}
+        return _Flat(leaves, None, labels)
     leaves, treedef = flatten_by_key(
         where,
         obj,
         _VALUE_DTYPES,
         "a tensor or a Python bool, int or float value (None is kept as structure); "
         "save other things separately",
+        key=dotted_key,
     )
-    return _Flat(leaves, treedef, isinstance(obj, Ensemble))
+    return _Flat(leaves, treedef, {})
 
 
-def _chunk(offset: int, t: Tensor) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size([offset] + [0] * (t.dim() - 1)), sizes=t.size())
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's default planner, plus member-sharded entries at their members' offsets."""
-
-    def __init__(self, offsets: dict[str, int], num_members: int) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._offsets = offsets
-        self._num_members = num_members
-
-    def create_local_plan(self) -> SavePlan:
-        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
-        items = list(create_default_local_save_plan(replicated, self.is_coordinator).items)
-        for key, offset in self._offsets.items():
-            t = self.state_dict[key]
-            chunk = _chunk(offset, t)
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(key, chunk.offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=chunk,
-                        properties=TensorProperties.create_from_tensor(t),
-                        size=torch.Size([self._num_members, *t.shape[1:]]),
-                    ),
-                )
-            )
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.state_dict[index.fqn]
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading member-sharded entries at this rank's offsets."""
-
-    def __init__(self, offsets: dict[str, int]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._offsets = offsets
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
-        requests = list(create_default_local_load_plan(replicated, self.metadata).items)
-        for key, offset in self._offsets.items():
-            saved = self.metadata.state_dict_metadata[key]
-            chunk = _chunk(offset, self.state_dict[key])
-            requests += create_read_items_for_chunk_list(key, saved, [chunk])
-        return LoadPlan(requests)
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        return self.state_dict[index.fqn]
+def _spread(shard: MemberShard) -> bool:
+    """Whether the members lie on several ranks of a running process group, so that DCP
+    needs this rank's rows as a DTensor on the shard's mesh."""
+    return shard.mesh is not None and shard.world_size > 1 and not _alone()
 
 
 def _alone() -> bool:
@@ -191,7 +128,8 @@ def _dcp_call() -> Iterator[None]:
 
 
 def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractContextManager:
-    return failures(where, what, shard.rank, shard.world_size, group=shard.group)
+    rank, world, group = shard._all_ranks()
+    return failures(where, what, rank, world, group=group)
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -282,21 +220,32 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             "the new one is complete: overwriting in place, a save that dies half-way "
             "would leave the old .metadata describing half-written files."
         )
-    state = {
-        key: leaf.detach()
-        if isinstance(leaf, Tensor)
-        else torch.tensor(leaf, dtype=_VALUE_DTYPES[type(leaf)])
-        for key, leaf in flat.leaves.items()
-    }
-    offsets = dict.fromkeys(keys, shard.members.start)
+    spread = _spread(shard)
+    if shard.world_size > 1 and not spread:
+        raise ValueError(
+            f"{where}: the shard describes rank {shard.rank} of {shard.world_size}, but "
+            "torch.distributed is not running, so the other ranks' members cannot be "
+            "written with these. Save from every rank, after init_process_group."
+        )
+    sharded = set(keys)
+    state = {}
+    for key, leaf in flat.leaves.items():
+        if not isinstance(leaf, Tensor):
+            state[key] = torch.tensor(leaf, dtype=_VALUE_DTYPES[type(leaf)])
+        elif key in sharded and spread:
+            state[key] = member_dtensor(leaf, shard.members.start, shard.num_members, shard.mesh)
+        else:
+            state[key] = leaf.detach()
     agree_to_write(where, name, flat.leaves, shard, values=True)
     with _dcp_call(), _failures(where, f"writing its members to '{name}'", shard):
         dcp.save(
             state,
             checkpoint_id=path,
             storage_writer=ChecksummingWriter(path),
-            planner=_SavePlanner(offsets, shard.num_members),
-            process_group=shard.group,
+            # DCP's default planner; data replicas hold equal parameters, and their
+            # buffers (BatchNorm statistics) are written from replica 0.
+            planner=dcp_save_planner_to_lowest_rank(),
+            process_group=shard._all_ranks()[2],
             **_no_dist(),
         )
 
@@ -321,12 +270,13 @@ def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberSha
     except Corrupt as error:
         found = str(error)
     findings = [found]
-    if shard.world_size > 1 and not _alone():
-        findings = [None] * shard.world_size
-        dist.all_gather_object(findings, found, group=shard.group)
+    _, world, group = shard._all_ranks()
+    if world > 1 and not _alone():
+        findings = [None] * world
+        dist.all_gather_object(findings, found, group=group)
     for rank, finding in enumerate(findings):
         if finding is not None:
-            by = f" (found by rank {rank} of {shard.world_size})" if len(findings) > 1 else ""
+            by = f" (found by rank {rank} of {world})" if len(findings) > 1 else ""
             raise _corrupt(where, name, Corrupt(finding + by))
 
 
@@ -479,13 +429,22 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             )
     _check(where, name, flat, saved, shard)
 
-    dest = {
-        key: torch.empty_like(leaf, memory_format=torch.contiguous_format).detach()
-        if isinstance(leaf, Tensor)
-        else torch.empty((), dtype=_VALUE_DTYPES[type(leaf)])
-        for key, leaf in flat.leaves.items()
-    }
-    offsets = dict.fromkeys(flat.sharded(), shard.members.start)
+    sharded = set(flat.sharded())
+    spread = _spread(shard)
+    # Without a process group, a shard standing for one rank of several reads all N
+    # members and keeps its own rows.
+    cut = shard.world_size > 1 and not spread
+    dest, plan = {}, {}
+    for key, leaf in flat.leaves.items():
+        if not isinstance(leaf, Tensor):
+            dest[key] = plan[key] = torch.empty((), dtype=_VALUE_DTYPES[type(leaf)])
+            continue
+        rows = torch.empty_like(leaf, memory_format=torch.contiguous_format).detach()
+        dest[key] = plan[key] = rows
+        if key in sharded and spread:
+            plan[key] = member_dtensor(rows, shard.members.start, shard.num_members, shard.mesh)
+        elif key in sharded and cut:
+            plan[key] = rows.new_empty((shard.num_members, *rows.shape[1:]))
     agree_to_write(where, name, flat.leaves, shard, values=False)
     if checksums is None:
         warnings.warn(
@@ -497,17 +456,19 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             stacklevel=2,
         )
     else:
-        rows = {key: shard.members if key in offsets else None for key in flat.leaves}
+        rows = {key: shard.members if key in sharded and not cut else None for key in flat.leaves}
         _verify(where, name, checksums, reads_of(metadata, rows), shard)
     with _dcp_call(), _failures(where, f"reading its members from '{name}'", shard):
         dcp.load(
-            dest,
+            plan,
             checkpoint_id=path,
             storage_reader=VerifiedReader(path, metadata),
-            planner=_LoadPlanner(offsets),
-            process_group=shard.group,
+            process_group=shard._all_ranks()[2],
             **_no_dist(),
         )
+    if cut:
+        for key in sharded:
+            dest[key].copy_(narrow_members(plan[key], shard.members))
 
     if flat.ensemble:
         with torch.no_grad():
