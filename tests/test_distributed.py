@@ -431,7 +431,8 @@ def test_checkpoint_errors(tmp_path):
         d.load(path, fe.Ensemble.from_factory(worker.make_member, num_members=4), MemberShard(5))
     floats = fe.Ensemble.from_factory(lambda: worker.make_member().float(), num_members=4)
     with pytest.raises(
-        ValueError, match=r"parameter `stacked\.0\.weight` is a float64 tensor .* needs a float32 tensor"
+        ValueError,
+        match=r"parameter `stacked\.0\.weight` is a float64 tensor .* needs a float32 tensor",
     ):
         d.load(path, floats)
     with pytest.raises(ValueError, match=r"the checkpoint lacks leaf `extra`"):
@@ -615,6 +616,7 @@ def launch(
     *,
     grace: float = GRACE,
     started: list[int] | None = None,
+    script: Path = WORKER,
 ) -> list[Rank]:
     """Run ``world`` ranks of the worker over gloo on the loopback interface.
 
@@ -637,7 +639,7 @@ def launch(
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
+                [sys.executable, str(script), *args],
                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                 stdout=log,
                 stderr=subprocess.STDOUT,

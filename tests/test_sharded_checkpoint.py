@@ -304,8 +304,7 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
     for output in outputs:
         assert (
             "ERROR distributed.load: checkpoint '" in output
-            and "is corrupt: the bytes of `params.weight` (chunk at [3, 0, 0]) in "
-            "__1_0.distcp"
+            and "is corrupt: the bytes of `params.weight` (chunk at [3, 0, 0]) in __1_0.distcp"
             in output
             and "(found by rank 1 of 2)" in output
         ), output
