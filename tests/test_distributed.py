@@ -934,6 +934,45 @@ def test_example_runs_under_torchrun(tmp_path):
     before = ens.stacked_params()["0.weight"].clone()
     fe.distributed.load(tmp_path / "ckpt", ens)  # the sharded checkpoint, in one process
     assert not torch.equal(ens.stacked_params()["0.weight"], before)  # trained weights
+    # The same run in this process, as one rank holding every member: the same members.
+    example.main(["--quick", "--quiet", "--out", str(tmp_path / "alone")])
+    alone = fe.Ensemble.from_factory(example.make_member, num_members=example.QUICK["members"])
+    fe.distributed.load(tmp_path / "alone", alone)
+    assert_trees_equal(dict(alone.stacked_params()), dict(ens.stacked_params()))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # a second torchrun launch
+def test_example_with_data_parallel_replicas_trains_as_one_process(tmp_path):
+    """``--data-parallel 2`` on 2 ranks: a (1, 2) mesh, each member's batch split in two."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with contextlib.suppress(KeyError):
+        del env["WORLD_SIZE"]
+    script = str(ROOT / "examples" / "distributed_ensemble.py")
+    args = ["--quick", "--quiet", "--data-parallel", "2", "--out", str(tmp_path / "ckpt")]
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", script, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HARD_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "each member's batch split over 2 data replicas" in result.stdout
+    example = _load_example()
+    n = example.QUICK["members"]
+    ens = fe.Ensemble.from_factory(example.make_member, num_members=n)
+    fe.distributed.load(tmp_path / "ckpt", ens)
+    example.main(["--quick", "--quiet", "--out", str(tmp_path / "alone")])
+    alone = fe.Ensemble.from_factory(example.make_member, num_members=n)
+    fe.distributed.load(tmp_path / "alone", alone)
+    # float32, gradients summed in another order: equal up to rounding, over 20 Adam steps.
+    assert_trees_close(dict(alone.stacked_params()), dict(ens.stacked_params()), rtol=0, atol=1e-4)
 
 
 def _load_example():
