@@ -147,10 +147,13 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
     tensor with dimensions holds this rank's ``shard.size`` members first and is
     written as its rows of the global ``[N, ...]`` tensor; 0-dim tensors and Python
     ``bool``/``int``/``float`` values are replicated (written once: they must be equal
-    on every rank, like a step count). The checkpoint can be loaded at any world size,
-    and into a single-process [`Ensemble`][funcensemble.Ensemble], by
-    [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint keyed by
-    pytree paths, plus a ``.funcensemble-checksums`` file written last by rank 0: the
+    on every rank, like a step count). Data replicas (a ``"data"`` axis on the shard's
+    mesh) write each member once: replica 0's copy. The checkpoint can be loaded on
+    any mesh, and into a single-process [`Ensemble`][funcensemble.Ensemble], by
+    [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint written
+    by DCP's default planner and keyed by fully qualified names (an ensemble's
+    ``state_dict()`` names, a pytree's path joined by dots: ``opt.0.mu.0.weight``),
+    plus a ``.funcensemble-checksums`` file written last by rank 0: the
     SHA-256 of ``.metadata`` and of every byte range each rank wrote (each rank hashes
     its own). DCP writes ``.metadata`` after the data, so an interrupted save is
     refused on load rather than read half-written (a save killed after ``.metadata``
@@ -170,7 +173,8 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
 
     Raises:
         ValueError: A member-sharded tensor whose leading size is not this rank's
-            member count, or several ranks without ``shard``.
+            member count, several ranks without ``shard``, or a shard for one rank of
+            several without ``torch.distributed`` running.
         TypeError: ``obj`` is another ``nn.Module``, or has a leaf of another type.
         NotADirectoryError: ``path`` is a file.
         FileExistsError: ``path`` already holds a checkpoint.
@@ -368,12 +372,14 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     """Read a checkpoint written by [`save`][funcensemble.distributed.save], at any world size.
 
     Each rank reads the rows of its own members, wherever they were saved: a
-    checkpoint written by 2 ranks loads on 4, or in one process into an ordinary
-    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked before
-    anything is read: the checksum file, ``.metadata`` against it, and every byte range
-    this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
-    corrupt", naming the file and the entry, on every rank); then the keys, member
-    count, shapes and dtypes. A mismatch raises and leaves ``obj`` untouched.
+    checkpoint written by 2 ranks loads on 4, one written on a 2 × 2 mesh of members
+    × data loads on 4 × 1 or 1 × 4 (every replica reads its members), or in one
+    process into an ordinary [`Ensemble`][funcensemble.Ensemble] of all N members.
+    Everything is checked before anything is read: the checksum file, ``.metadata``
+    against it, and every byte range this rank reads against its SHA-256 (a changed
+    byte raises "checkpoint ... is corrupt", naming the file and the entry, on every
+    rank); then the keys, member count, shapes and dtypes. A mismatch raises and
+    leaves ``obj`` untouched.
     ``.metadata`` (a pickle, in DCP) is read by an unpickler that resolves only DCP's
     metadata classes, so a crafted checkpoint cannot run code here; one naming
     anything else is refused. A checkpoint without a checksum file (written by DCP

@@ -884,7 +884,7 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     )
     assert "the optimizer's group 0 `lr` (rank 0: 0.1; rank 1: 0.2)" in messages["torch.optim"]
     assert messages["step"].startswith(
-        f"distributed.save: {start}leaf `['step']` (rank 0: 0; rank 1: 1)"
+        f"distributed.save: {start}leaf `step` (rank 0: 0; rank 1: 1)"
     )
     assert "equal values for the leaves written once, such as a step count" in messages["step"]
     assert not (tmp_path / "ckpt" / ".metadata").exists()  # refused before writing
