@@ -107,6 +107,15 @@ def main(out: Path) -> None:
             }
             if name == "2x2":
                 fe.distributed.save(out / "ckpt_2x2", run, shard)
+                # Replicas whose rows differ (like BatchNorm statistics): replica 0's are saved.
+                rows = torch.arange(shard.members.start, shard.members.stop, dtype=torch.float64)
+                stats = rows[:, None] + 100.0 * shard.data_rank
+                fe.distributed.save(out / "stats_2x2", {"stats": stats.repeat(1, 2)}, shard)
+                # Replicas that disagree on N are refused on every rank of the mesh.
+                try:
+                    fe.distributed.MemberShard(NUM_MEMBERS + shard.data_rank, mesh=mesh)
+                except ValueError as error:
+                    results["disagree"] = str(error)
             else:
                 loaded = fe.distributed.load(out / "ckpt_2x2", template(shard), shard)
                 results[name]["loaded"] = {

@@ -122,6 +122,15 @@ def test_members_times_data_equals_one_process_on_the_whole_batch(tmp_path):
     assert files == {"__0_0.distcp", "__2_0.distcp"}, files
     chunks = metadata.state_dict_metadata["params.0.weight"].chunks
     assert [(c.offsets[0], c.sizes[0]) for c in chunks] == [(0, 3), (3, 2)]
+    # Replicas' differing rows: data replica 0's are written.
+    stats = fe.distributed.load(tmp_path / "stats_2x2", {"stats": torch.zeros(5, 2).double()})
+    assert torch.equal(stats["stats"], torch.arange(5.0).double()[:, None].repeat(1, 2))
+    for result in results:
+        assert result["disagree"] == (
+            "MemberShard: the 4 ranks were not set up alike: they differ in the member count "
+            "N (ranks 0, 2: 5; ranks 1, 3: 6). Every rank must build MemberShard(N) with the "
+            "same N: the size of the whole ensemble, not of its own share."
+        )
     # Both checkpoints in one process, bit for bit.
     for ckpt, name in (("ckpt_2x2", "2x2"), ("ckpt_4x1", "4x1")):
         template = worker.template(MemberShard(worker.NUM_MEMBERS))
