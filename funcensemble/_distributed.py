@@ -1,10 +1,12 @@
 """Several processes: starting ``torch.distributed`` and each rank's slice of the members.
 
-Members are independent, so training needs no communication: rank r owns a contiguous
-slice of the members (``member_slices``) and steps it on its own. Communication is only
-for looking at all members at once (``_collectives``) and for checkpoints
-(``_sharded_checkpoint``). Without an initialized process group everything here runs
-as one rank holding all members, so the same script runs with or without ``torchrun``.
+Members are independent, so training needs no communication: rank r of the mesh's
+``"member"`` axis (``_mesh``) owns a contiguous slice of the members
+(``member_slices``) and steps it on its own. Communication is for data-parallel
+replicas along a ``"data"`` axis (``_data_parallel``), for looking at all members at
+once (``_collectives``) and for checkpoints (``_sharded_checkpoint``). Without an
+initialized process group everything here runs as one rank holding all members, so the
+same script runs with or without ``torchrun``.
 """
 
 import os

@@ -93,7 +93,7 @@ def mesh_axes(where: str, mesh: Any) -> Axes:
     )
 
 
-def member_dtensor(rows: Tensor, start: int, num_members: int, mesh: Any) -> Tensor:
+def member_dtensor(where: str, rows: Tensor, start: int, num_members: int, mesh: Any) -> Tensor:
     """This rank's ``rows`` (members ``start:start + n``) as a DTensor of ``[N, ...]``.
 
     ``Shard(0)`` over ``"member"``, ``Replicate()`` over ``"data"``: DCP writes each
@@ -105,8 +105,9 @@ def member_dtensor(rows: Tensor, start: int, num_members: int, mesh: Any) -> Ten
     wrapper_type = local_shards_wrapper()
     if wrapper_type is None:
         raise RuntimeError(
-            f"sharded checkpoints on several ranks need torch >= 2.5 (this is "
-            f"{torch.__version__}): it lacks DTensor's LocalShardsWrapper."
+            f"{where}: sharded checkpoints on several ranks need DTensor's "
+            f"LocalShardsWrapper, which torch {torch.__version__} lacks. Use torch 2.6 or "
+            "later."
         )
     rows = rows.detach()
     wrapper = wrapper_type([rows], [(start,) + (0,) * (rows.dim() - 1)])

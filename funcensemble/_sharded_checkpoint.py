@@ -237,7 +237,9 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         if not isinstance(leaf, Tensor):
             state[key] = torch.tensor(leaf, dtype=_VALUE_DTYPES[type(leaf)])
         elif key in sharded and spread:
-            state[key] = member_dtensor(leaf, shard.members.start, shard.num_members, shard.mesh)
+            state[key] = member_dtensor(
+                where, leaf, shard.members.start, shard.num_members, shard.mesh
+            )
         else:
             state[key] = leaf.detach()
     agree_to_write(where, name, flat.leaves, shard, values=True)
@@ -448,7 +450,9 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         rows = torch.empty_like(leaf, memory_format=torch.contiguous_format).detach()
         dest[key] = plan[key] = rows
         if key in sharded and spread:
-            plan[key] = member_dtensor(rows, shard.members.start, shard.num_members, shard.mesh)
+            plan[key] = member_dtensor(
+                where, rows, shard.members.start, shard.num_members, shard.mesh
+            )
         elif key in sharded and cut:
             plan[key] = rows.new_empty((shard.num_members, *rows.shape[1:]))
     agree_to_write(where, name, flat.leaves, shard, values=False)

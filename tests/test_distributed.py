@@ -725,11 +725,17 @@ def test_training_on_two_ranks_equals_one_process(two_ranks, reference):
 @pytest.mark.multiprocess
 def test_three_ranks_train_alike_and_reshard_a_two_rank_checkpoint(two_ranks, reference, tmp_path):
     _, ckpt = two_ranks
-    ranks = launch(3, [str(tmp_path), "--train", "--load", str(ckpt)], tmp_path)
+    args = [str(tmp_path), "--train", "--load", str(ckpt), "--save", str(tmp_path / "ckpt3")]
+    ranks = launch(3, args, tmp_path)
     check_all_succeeded(ranks)
     results = torch.load(tmp_path / "results.pt")
     _check_training(results, reference, (2, 2, 1))
     _check_loaded(results["loaded"], reference)
+    # What the 3 ranks (2 + 2 + 1 members) wrote, read in one process: bit for bit.
+    run, _ = reference
+    params = {k: torch.zeros_like(v) for k, v in run["params"].items()}
+    template = {"params": params, "buffers": {}, "opt": fe.optim.adam(1e-2).init(params), "step": 0}
+    assert_trees_equal(fe.distributed.load(tmp_path / "ckpt3" / "run", template), run)
 
 
 def _check_loaded(loaded, reference):
