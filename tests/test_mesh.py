@@ -40,6 +40,9 @@ def test_batch_slice_refuses_unequal_parts():
     shard = MemberShard(3)
     shard.data_rank, shard.data_size = 1, 3  # replica 1 of 3, as on a (M, 3) mesh
     assert shard.batch_slice(12) == slice(4, 8)
+    assert repr(shard) == (
+        "MemberShard(num_members=3, rank=0, world_size=1, members=0:3, data_rank=1, data_size=3)"
+    )
     with pytest.raises(ValueError, match=r"batch of 10 samples cannot be split into 3 equal"):
         shard.batch_slice(10)
 
