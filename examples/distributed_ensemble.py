@@ -12,6 +12,13 @@ Run it with two processes on one machine (gloo on the CPU, NCCL on GPUs)::
 
     torchrun --standalone --nproc_per_node=2 examples/distributed_ensemble.py
 
+``--data-parallel D`` arranges the W ranks as a ``(W / D, D)`` mesh of
+``("member", "data")``: the members are split over W / D ranks, and each member's batch
+over D replicas, whose gradients are averaged every step (one all-reduce), so the
+members train exactly as with one process on the whole batch (up to rounding)::
+
+    torchrun --standalone --nproc_per_node=4 examples/distributed_ensemble.py --data-parallel 2
+
 or without torchrun, as one process holding every member. ``--quick`` is a seconds-long
 smoke run. The checkpoint goes to ``--out`` (default ``./out/distributed_ensemble/``).
 Rank 0's progress bar needs tqdm (``pip install 'funcensemble[examples]'``); ``--quiet``
@@ -28,6 +35,7 @@ import _cli
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import funcensemble as fe
 
@@ -59,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=32, help="samples per member per step (32)")
     parser.add_argument("--samples", type=int, default=256, help="training points (256)")
     parser.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="D",
+        help="data-parallel replicas of each member slice; divides the number of ranks (1)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps",
@@ -72,8 +87,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.steps = QUICK["members"], QUICK["steps"]
-    if args.members < 1 or args.steps < 1:
-        parser.error("--members and --steps must be positive")
+    if args.members < 1 or args.steps < 1 or args.data_parallel < 1:
+        parser.error("--members, --steps and --data-parallel must be positive")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % args.data_parallel:
+        parser.error(f"--data-parallel {args.data_parallel} does not divide the {world} ranks")
+    if args.batch % args.data_parallel:
+        parser.error(f"--data-parallel {args.data_parallel} does not divide --batch {args.batch}")
     _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=False))
     return args
 
@@ -91,9 +111,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:
-    shard = fe.distributed.MemberShard(args.members)  # this rank's members
-    say = print if shard.rank == 0 else (lambda *a, **k: None)
-    if shard.rank == 0 and (args.out / ".metadata").is_file():
+    if dist.is_initialized():
+        # The ranks as a (members, data) mesh: members split over the first axis, each
+        # member's batch over the second.
+        d = args.data_parallel
+        mesh = init_device_mesh(
+            device.type, (dist.get_world_size() // d, d), mesh_dim_names=("member", "data")
+        )
+        shard = fe.distributed.MemberShard(args.members, mesh=mesh)  # this rank's members
+        first = dist.get_rank() == 0
+    else:
+        shard, first = fe.distributed.MemberShard(args.members), True
+    say = print if first else (lambda *a, **k: None)
+    if first and (args.out / ".metadata").is_file():
         # fe.distributed.save never overwrites a checkpoint in place (a crash mid-save
         # would corrupt it): remove this example's previous one, and only its files.
         # The other ranks look at --out only when they save, many collectives later.
@@ -102,6 +132,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     say(
         f"{args.members} members on {shard.world_size} ranks "
         f"({', '.join(map(str, shard.sizes))} members each), device {device.type}"
+        + (
+            f"; each member's batch split over {shard.data_size} data replicas"
+            * (shard.data_size > 1)
+        )
     )
     # Only this rank's members are built, each exactly as in a single-process ensemble.
     ens = shard.from_factory(make_member, seed=0).to(device)
@@ -127,16 +161,20 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     shard.check_agreement(optimizer=opt, batch=args.batch, samples=args.samples)
     state = opt.init(params)
     start = time.perf_counter()
-    bar = _cli.progress(range(args.steps), quiet=args.quiet or shard.rank != 0, desc="training")
+    part = shard.batch_slice(args.batch)  # this data replica's samples of each batch
+    bar = _cli.progress(range(args.steps), quiet=args.quiet or not first, desc="training")
     for s in bar:
         columns = torch.randint(args.samples, (args.members, args.batch), generator=picks)
-        rows = bags.gather(1, shard.select(columns).to(device))  # [my members, batch]
+        rows = bags.gather(1, shard.select(columns).to(device))[:, part]  # [my members, part]
         losses, grads, buffers = step(params, buffers, x[rows], y[rows])
+        # The gradient of the loss on the whole batch: one all-reduce over the replicas.
+        grads = fe.distributed.average_gradients(grads, shard)
         updates, state = opt.update(grads, state, params)
         params = fe.optim.apply_updates(params, updates)
         if s % max(1, args.steps // 5) == 0 or s == args.steps - 1:
+            losses = fe.distributed.average_gradients(losses, shard)  # the whole batch's
             mean_loss = fe.distributed.mean(losses, shard)  # over all members, all ranks
-            if shard.rank == 0:
+            if first:
                 bar.write(
                     f"step {s:4d}: mean training loss over all members {mean_loss.item():.4f}"
                 )

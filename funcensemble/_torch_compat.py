@@ -37,6 +37,11 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   ``torch.serialization._get_layout`` (2.2): names a DCP ``.metadata`` pickle holds,
   allowed by our restricted unpickler (``_dcp_metadata.py``); and DCP's
   ``StorageMeta``, looked up where the torch version has it (``_dcp_checksums.py``).
+- ``torch.distributed.tensor._shards_wrapper.LocalShardsWrapper`` (2.5; torchrec's
+  way to hand DCP a DTensor whose rows are split unlike ``torch.chunk``): the local
+  tensor of the DTensor view through which a rank's members are checkpointed
+  (``_member_dtensor.py``); and ``DefaultSavePlanner``'s ``dedup_save_to_lowest_rank``
+  option (2.4), looked up in its signature.
 
 And texts of torch's own messages that we match, each behind one named helper here:
 ``missing_batching_rule`` (vmap's error for an op without a batching rule, two
@@ -265,3 +270,25 @@ def dcp_private_pickle_names() -> dict[tuple[str, str], Any]:
         (storage_info.__module__, "_StorageInfo"): storage_info,
         ("torch.serialization", "_get_layout"): _get_layout,
     }
+
+
+def local_shards_wrapper() -> type | None:
+    """torch's ``LocalShardsWrapper`` (a rank's chunks with their global offsets, which
+    DCP reads through a DTensor holding it), or ``None`` on a torch without it."""
+    try:
+        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+    except ImportError:
+        return None
+    return LocalShardsWrapper
+
+
+def dcp_save_planner_to_lowest_rank() -> Any:
+    """DCP's ``DefaultSavePlanner`` writing each replicated entry from the lowest rank
+    that holds it (rather than from the least loaded one), where torch has the option."""
+    import inspect
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    if "dedup_save_to_lowest_rank" in inspect.signature(DefaultSavePlanner).parameters:
+        return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    return None

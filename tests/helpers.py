@@ -331,6 +331,18 @@ def dcp_save_alone(state: dict, path: Any) -> None:
         dcp.save(state, checkpoint_id=path, **alone)
 
 
+def dcp_load_alone(state: dict, path: Any) -> None:
+    """``torch.distributed.checkpoint.load`` with its default planner, in this process alone."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    alone = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that no process group is running
+        dcp.load(state, checkpoint_id=path, **alone)
+
+
 def vmap_batches_matrix_exp() -> bool:
     """torch 2.6's vmap has no batching rule for ``matrix_exp`` (the default
     trivialization of ``parametrizations.orthogonal``; plain vmap loops over it with a

@@ -10,20 +10,20 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import funcensemble._checkpoint.save_load.save_load.file as checkpoint_file
 import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
 import torch
-from funcensemble._checkpoint.save_load.save_load.atomic import TEMP_TAG
-from funcensemble._checkpoint.save_load.save_load.checksum import tensor_digest
-from funcensemble._checkpoint.save_load.save_load.safetensors_file import write_safetensors
-from funcensemble._structure.attributes.attributes.architecture import Architecture
 from helpers import ZOO, IntBuffers, assert_trees_equal
 from torch import Tensor, nn
 
 import funcensemble as fe
+import funcensemble._checkpoint.file as checkpoint_file
+from funcensemble._checkpoint.atomic import TEMP_TAG
+from funcensemble._checkpoint.checksum import tensor_digest
+from funcensemble._checkpoint.safetensors_file import write_safetensors
+from funcensemble._structure.architecture import Architecture
 
 
 def snapshot(ens: fe.Ensemble) -> dict[str, Tensor]:
@@ -789,7 +789,7 @@ def dead_pid() -> int:
 def test_stale_temporary_files_of_dead_writers_are_removed_on_the_next_save(
     tmp_path: Path,
 ) -> None:
-    from funcensemble._checkpoint.save_load.save_load.atomic import _host
+    from funcensemble._checkpoint.atomic import _host
 
     fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
     host = _host()

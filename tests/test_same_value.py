@@ -7,8 +7,9 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from funcensemble._structure.attributes.attributes.same_value import SameValue, same_tensor
 from torch import nn
+
+from funcensemble._structure.same_value import SameValue, same_tensor
 
 
 class Color(enum.Enum):

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from funcensemble._checkpoint.save_load.save_load.checksum import digest
-from helpers import assert_trees_equal, dcp_save_alone
+from helpers import assert_trees_equal, dcp_load_alone, dcp_save_alone
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 import funcensemble as fe
+from funcensemble._checkpoint.checksum import digest
 from funcensemble.distributed._dcp_checksums import CHECKSUM_FILE
 
 FILES = [CHECKSUM_FILE, ".metadata", "__0_0.distcp"]
@@ -116,12 +117,34 @@ def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path: Path) -> No
     with pytest.warns(UserWarning, match=rf"has no {CHECKSUM_FILE} file .*could not be detected"):
         loaded = fe.distributed.load(path, run_state(1))
     assert_trees_equal(loaded, state)
-    # A checkpoint written by DCP itself, keyed as fe.distributed.save keys it.
-    flat = {"['w']": torch.arange(6.0).reshape(3, 2), "['step']": torch.tensor(4)}
-    dcp_save_alone(flat, tmp_path / "plain")
+    # A checkpoint written by DCP itself from nested state: DCP names it as
+    # fe.distributed.save does (dotted paths).
+    plain = {"net": {"w": torch.arange(6.0).reshape(3, 2)}, "step": torch.tensor(4)}
+    dcp_save_alone(plain, tmp_path / "plain")
     with pytest.warns(UserWarning, match="has no"):
-        loaded = fe.distributed.load(tmp_path / "plain", {"w": torch.zeros(3, 2), "step": 0})
-    assert torch.equal(loaded["w"], flat["['w']"]) and loaded["step"] == 4
+        loaded = fe.distributed.load(
+            tmp_path / "plain", {"net": {"w": torch.zeros(3, 2)}, "step": 0}
+        )
+    assert torch.equal(loaded["net"]["w"], plain["net"]["w"]) and loaded["step"] == 4
+
+
+def test_checkpoints_are_plain_dcp_keyed_by_state_dict_names(tmp_path: Path) -> None:
+    """Written by DCP's default planner: plain ``dcp.load`` reads them into a state_dict."""
+    ens = fe.Ensemble.from_factory(make_member, num_members=3, seed=0)
+    fe.distributed.save(tmp_path / "ens", ens)
+    metadata = FileSystemReader(tmp_path / "ens").read_metadata()
+    assert set(metadata.state_dict_metadata) == set(ens.state_dict())
+    other = fe.Ensemble.from_factory(make_member, num_members=3, seed=1)
+    state = other.state_dict()
+    dcp_load_alone(state, tmp_path / "ens")
+    assert_trees_equal(other.state_dict(), ens.state_dict())
+    # A pytree: dotted paths, as DCP names nested state; plain dcp.load reads them.
+    path, run = saved(tmp_path)
+    keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    assert {"params.0.weight", "buffers.1.running_mean", "opt.0.mu.2.bias", "step"} <= keys
+    target = {"params": {k: torch.zeros_like(v) for k, v in run["params"].items()}}
+    dcp_load_alone(target, path)
+    assert_trees_equal(target["params"], run["params"])
 
 
 # --- .metadata is never unpickled with the standard unpickler ------------------------------
@@ -236,9 +259,9 @@ def test_data_files_are_read_as_weights_only(tmp_path: Path, monkeypatch: Any) -
 
 def test_entries_stored_as_pickled_objects_are_refused(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
-    flat = {"['w']": torch.zeros(3), "['step']": RunsCode(builtins.open, str(marker), "w")}
+    flat = {"w": torch.zeros(3), "step": RunsCode(builtins.open, str(marker), "w")}
     dcp_save_alone(flat, tmp_path / "plain")
-    with pytest.raises(ValueError, match=r"stores leaf `\['step'\]` as pickled bytes"):
+    with pytest.raises(ValueError, match=r"stores leaf `step` as pickled bytes"):
         fe.distributed.load(tmp_path / "plain", {"w": torch.zeros(3), "step": 0})
     assert not marker.exists()
 
@@ -281,8 +304,7 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
     for output in outputs:
         assert (
             "ERROR distributed.load: checkpoint '" in output
-            and "is corrupt: the bytes of `['params']['weight']` (chunk at [3, 0, 0]) in "
-            "__1_0.distcp"
+            and "is corrupt: the bytes of `params.weight` (chunk at [3, 0, 0]) in __1_0.distcp"
             in output
             and "(found by rank 1 of 2)" in output
         ), output

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from funcensemble._structure.attributes.attributes.architecture import Architecture
 from helpers import ZOO, assert_trees_equal, runtime_typecheck_off, stacked_state
 from torch import Tensor, nn
 
 import funcensemble as fe
+from funcensemble._structure.architecture import Architecture
 
 
 def _storages(tensors: list[Tensor]) -> set[int]:

@@ -1,5 +1,6 @@
 """Stable string keys for pytree leaves, as written into checkpoint files."""
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -26,8 +27,27 @@ def path_key(accessor: optree.PyTreeAccessor) -> str:
     return "".join(parts)
 
 
+def dotted_key(accessor: optree.PyTreeAccessor) -> str:
+    """A leaf's path as ``torch.distributed.checkpoint`` names nested state, e.g.
+    ``opt.0.mu.net.0.weight``: dict keys, sequence indices and field names joined by dots."""
+    parts = []
+    for entry in accessor:
+        if isinstance(entry, optree.NamedTupleEntry | optree.StructSequenceEntry):
+            parts.append(str(entry.field))
+        elif isinstance(entry, optree.GetAttrEntry):
+            parts.append(entry.name)
+        else:
+            parts.append(str(entry.entry))
+    return ".".join(parts)
+
+
 def flatten_by_key(
-    where: str, obj: Any, value_types: Any, values_text: str
+    where: str,
+    obj: Any,
+    value_types: Any,
+    values_text: str,
+    *,
+    key: Callable[[optree.PyTreeAccessor], str] = path_key,
 ) -> tuple[dict[str, Any], optree.PyTreeSpec]:
     """An Ensemble's stacked state or a pytree's leaves, keyed by [`path_key`][].
 
@@ -45,11 +65,12 @@ def flatten_by_key(
     else:
         tree = obj
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
-    keys = [path_key(a) for a in accessors]
+    keys = [key(a) for a in accessors]
     if len(set(keys)) != len(keys):
         raise ValueError(
             f"{where}: two leaves of the pytree have the same path string; use dict keys "
-            f"whose repr() differ. Paths: {keys}."
+            f"that differ as strings (and hold no dots, for sharded checkpoints). Paths: "
+            f"{keys}."
         )
     for key, leaf in zip(keys, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.

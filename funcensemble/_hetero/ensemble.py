@@ -13,10 +13,10 @@ from .._core.ensemble import Ensemble
 from .._core.in_dims import InDims
 from .._core.tree_view import register_view
 from .._core.vmap import Randomness
-from .routing import built_for, grouped
 from ..optim._protocol import GradientTransformation
 from .grad import grouped_value_and_grad
 from .grouping import group_by_architecture, per_member, regroup, select_inputs
+from .routing import built_for, grouped
 
 _STACK_FIX = (
     "Stacking needs one shape, dtype and device for all members' outputs; pass "

@@ -1,8 +1,10 @@
 """Scaling out: an ensemble's members spread over devices, processes and machines.
 
-Members, not the batch, are split: each device or rank holds a contiguous slice of the
-members (sizes from [`member_slices`][funcensemble.distributed.member_slices]) and runs
-it as one vectorized call.
+Members are split: each device or rank holds a contiguous slice of the members (sizes
+from [`member_slices`][funcensemble.distributed.member_slices]) and runs it as one
+vectorized call. Across processes the ranks form a ``DeviceMesh`` whose ``"member"``
+axis splits the members and whose optional ``"data"`` axis splits each member's batch
+([`average_gradients`][funcensemble.distributed.average_gradients]).
 
 - One process, several devices:
   [`ShardedEnsemble`][funcensemble.distributed.ShardedEnsemble].
@@ -25,6 +27,7 @@ from ._collectives import min as min
 from ._collectives import std as std
 from ._collectives import subset_min as subset_min
 from ._collectives import var as var
+from ._data_parallel import average_gradients as average_gradients
 from ._errors import DistributedError as DistributedError
 from ._member_shard import MemberShard as MemberShard
 from ._member_shard import init_process_group as init_process_group
@@ -40,6 +43,7 @@ __all__ = [
     "PerShard",
     "ShardedEnsemble",
     "all_gather",
+    "average_gradients",
     "broadcast",
     "init_process_group",
     "load",

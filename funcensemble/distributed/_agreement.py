@@ -228,12 +228,13 @@ def agree_to_write(
     where: str, path: str, leaves: Mapping[str, Any], shard: Any, *, values: bool
 ) -> None:
     """Before a sharded save or load: every rank passes the same structure (and values)."""
+    rank, world, group = shard._all_ranks()
     agree(
         where,
         describe_leaves(leaves, values=values),
-        shard.rank,
-        shard.world_size,
-        shard.group,
+        rank,
+        world,
+        group,
         f"Every rank must pass the same structure for '{path}' (the same keys, dtypes and "
         "per-member shapes"
         + (

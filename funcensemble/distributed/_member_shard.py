@@ -1,10 +1,12 @@
 """Several processes: starting ``torch.distributed`` and each rank's slice of the members.
 
-Members are independent, so training needs no communication: rank r owns a contiguous
-slice of the members (``member_slices``) and steps it on its own. Communication is only
-for looking at all members at once (``_collectives``) and for checkpoints
-(``_sharded_checkpoint``). Without an initialized process group everything here runs
-as one rank holding all members, so the same script runs with or without ``torchrun``.
+Members are independent, so training needs no communication: rank r of the mesh's
+``"member"`` axis (``_mesh``) owns a contiguous slice of the members
+(``member_slices``) and steps it on its own. Communication is for data-parallel
+replicas along a ``"data"`` axis (``_data_parallel``), for looking at all members at
+once (``_collectives``) and for checkpoints (``_sharded_checkpoint``). Without an
+initialized process group everything here runs as one rank holding all members, so the
+same script runs with or without ``torchrun``.
 """
 
 import os
@@ -21,6 +23,7 @@ from .._core.ensemble import Ensemble
 from .._core.seeding import member_seed, seeded_cpu_rng
 from .._core.vmap import Randomness
 from ._agreement import agree, describe_ensemble, describe_optimizer, describe_state
+from ._mesh import default_mesh, mesh_axes
 from ._rendezvous import join
 from ._slices import _count, member_slices, narrow_members, slice_size
 
@@ -157,33 +160,53 @@ def init_process_group(
 
 
 class MemberShard:
-    """This rank's contiguous slice of an ensemble's members.
+    """This rank's contiguous slice of an ensemble's members, on a device mesh.
 
-    With world size W, rank r owns ``member_slices(num_members, W)[r]`` (sizes differ
+    The members are split over the ``"member"`` axis of a ``DeviceMesh``: with M
+    ranks on it, member rank r owns ``member_slices(num_members, M)[r]`` (sizes differ
     by at most one; uneven splits are fine, more ranks than members are refused).
-    Pass it to the collectives ([`all_gather`][funcensemble.distributed.all_gather],
+    Without ``mesh``, the mesh is one-dimensional over ``group``: every rank holds
+    other members. A mesh from ``init_device_mesh(device_type, (M, D),
+    mesh_dim_names=("member", "data"))`` adds D data-parallel replicas of each member
+    slice: each replica is fed its part of every batch
+    ([`batch_slice`][funcensemble.distributed.MemberShard.batch_slice]) and the
+    gradients are averaged over the ``"data"`` axis
+    ([`average_gradients`][funcensemble.distributed.average_gradients]), as
+    ``DistributedDataParallel`` does. Pass the shard to the collectives
+    ([`all_gather`][funcensemble.distributed.all_gather],
     [`mean`][funcensemble.distributed.mean], ...) and to sharded
     [`save`][funcensemble.distributed.save]. Without an initialized process group it
     describes a single rank holding every member.
 
     Args:
         num_members: N, the size of the whole ensemble.
-        group: The process group; the default group if ``None``.
+        group: The process group the members are split over; the default group if
+            ``None``. Not with ``mesh``.
+        mesh: A ``DeviceMesh`` over all ranks with dimensions named ``("member",)``
+            or ``("member", "data")``.
 
     Attributes:
         num_members: N.
-        rank: This process's rank in ``group``.
-        world_size: The number of ranks.
-        slices: Every rank's slice, in rank order.
+        rank: This process's rank on the member axis.
+        world_size: The number of ranks on the member axis (M).
+        slices: Every member rank's slice, in rank order.
         members: This rank's slice.
-        group: The process group (``None`` for the default).
+        group: The process group of the member axis (``None`` for the default).
+        mesh: The ``DeviceMesh`` (``None`` without ``torch.distributed``).
+        data_rank: This process's rank on the data axis (0 without one).
+        data_size: The number of data-parallel replicas of each member (D; 1
+            without a data axis).
+        data_group: The process group of the data axis (``None`` without one).
 
     Building it is a collective when there are several ranks: every rank builds its
     ``MemberShard`` with the same N (checked: ranks that disagree all raise, naming each
     rank's N, instead of training overlapping members or aborting in a collective).
 
     Raises:
-        ValueError: More ranks than members, or ranks that disagree on N.
+        ValueError: More member ranks than members, ranks that disagree on N, or a
+            mesh whose dimensions are not named ``"member"`` (and ``"data"``) or that
+            does not span every rank.
+        TypeError: ``mesh`` is not a ``DeviceMesh``, or both ``mesh`` and ``group``.
         RuntimeError: Launched by ``torchrun`` with several ranks but
             ``torch.distributed`` is not initialized.
         DistributedError: Another rank did not build its ``MemberShard`` within the
@@ -196,24 +219,95 @@ class MemberShard:
         (0, 1, slice(0, 8, None), 8)
     """
 
-    def __init__(self, num_members: int, *, group: Any = None) -> None:
+    def __init__(self, num_members: int, *, group: Any = None, mesh: Any = None) -> None:
         where = "MemberShard"
         self.num_members = _count(where, "num_members", num_members)
-        self.group = group
-        self.rank, self.world_size = rank_and_world(where, group)
+        self.data_rank, self.data_size, self.data_group = 0, 1, None
+        self.mesh = None
+        if mesh is not None:
+            if group is not None:
+                raise TypeError(
+                    f"{where}: pass either mesh or group, not both: the mesh's "
+                    '"member" axis is the group the members are split over.'
+                )
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"{where}: a mesh was given but torch.distributed is not initialized."
+                )
+            axes = mesh_axes(where, mesh)
+            self.mesh, self.group = mesh, axes.member_group
+            self.rank, self.world_size = axes.member_rank, axes.member_size
+            self.data_rank, self.data_size = axes.data_rank, axes.data_size
+            self.data_group = axes.data_group
+        else:
+            self.group = group
+            self.rank, self.world_size = rank_and_world(where, group)
+            if dist.is_available() and dist.is_initialized():
+                self.mesh = default_mesh(group)
         # Every rank must split the same N: otherwise the ranks' slices overlap or leave
         # members out, and the collectives combine tensors of different sizes.
-        agree(
+        self._agree(
             where,
-            {"the member count N": str(num_members)},
-            self.rank,
-            self.world_size,
-            group,
+            {"the member count N": str(num_members), "the mesh": self._mesh_text()},
             "Every rank must build MemberShard(N) with the same N: the size of the whole "
             "ensemble, not of its own share.",
         )
         self.slices = tuple(member_slices(num_members, self.world_size))
         self.members = self.slices[self.rank]
+
+    def _mesh_text(self) -> str:
+        if self.mesh is None:
+            return "none"
+        return f"{tuple(self.mesh.mesh_dim_names)} of shape {tuple(self.mesh.shape)}"
+
+    def _all_ranks(self) -> tuple[int, int, Any]:
+        """This process's rank among every rank holding these members, their number and
+        group: the member axis, or the whole mesh when it has data replicas."""
+        if self.data_size == 1:
+            return self.rank, self.world_size, self.group
+        return dist.get_rank(), dist.get_world_size(), None
+
+    def _agree(self, where: str, description: dict[str, str], advice: str) -> None:
+        """Every rank of the mesh, data replicas included, must describe the same thing."""
+        rank, world, group = self._all_ranks()
+        agree(where, description, rank, world, group, advice)
+
+    def batch_slice(self, batch_size: int) -> slice:
+        """This data replica's samples of a batch of ``batch_size``: its equal part.
+
+        With D replicas on the ``"data"`` axis, replica d takes samples
+        ``d * B / D`` to ``(d + 1) * B / D``. Each replica's loss is the mean over
+        its part; [`average_gradients`][funcensemble.distributed.average_gradients]
+        then gives each member the gradient of the mean over the whole batch, as one
+        process computes it. Equal parts are required: with unequal ones the
+        average of the replicas' means is not the whole batch's mean.
+
+        Args:
+            batch_size: B, the number of samples of the whole batch (of each member).
+
+        Returns:
+            A ``slice`` of the sample axis (all of it without a data axis).
+
+        Raises:
+            ValueError: B is not a multiple of D.
+
+        Example:
+            >>> import funcensemble as fe
+            >>> fe.distributed.MemberShard(4).batch_slice(32)  # one process: every sample
+            slice(0, 32, None)
+        """
+        where = "MemberShard.batch_slice"
+        b = _count(where, "batch_size", batch_size)
+        if b % self.data_size:
+            raise ValueError(
+                f"{where}: a batch of {b} samples cannot be split into {self.data_size} "
+                f"equal parts, one per data replica (expected a multiple of "
+                f"{self.data_size}). Use a batch size divisible by the data axis's size: "
+                "with unequal parts the replicas' averaged gradient is not the whole "
+                "batch's."
+            )
+        part = b // self.data_size
+        return slice(self.data_rank * part, (self.data_rank + 1) * part)
 
     @property
     def size(self) -> int:
@@ -312,12 +406,9 @@ class MemberShard:
         )
         description = describe_ensemble(ens)
         description["the seed"] = repr(seed)
-        agree(
+        self._agree(
             "MemberShard.from_factory",
             description,
-            self.rank,
-            self.world_size,
-            self.group,
             "Every rank must build its members with the same factory, seed and options "
             "(the same classes, settings, dtypes and parameter names).",
         )
@@ -365,17 +456,19 @@ class MemberShard:
             description.update(describe_optimizer(where, optimizer))
         for name, value in settings.items():
             description[f"`{name}`"] = repr(value)
-        agree(
+        self._agree(
             where,
             description,
-            self.rank,
-            self.world_size,
-            self.group,
             "Set up every rank alike: the same architecture, dtypes, optimizer and settings.",
         )
 
     def __repr__(self) -> str:
         return (
             f"MemberShard(num_members={self.num_members}, rank={self.rank}, "
-            f"world_size={self.world_size}, members={self.members.start}:{self.members.stop})"
+            f"world_size={self.world_size}, members={self.members.start}:{self.members.stop}"
+            + (
+                f", data_rank={self.data_rank}, data_size={self.data_size})"
+                if self.data_size > 1
+                else ")"
+            )
         )

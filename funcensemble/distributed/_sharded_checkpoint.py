@@ -1,21 +1,21 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at any world size.
 
-A checkpoint is a plain DCP directory: one ``.distcp`` file per rank and a ``.metadata``
-file, plus ``.funcensemble-checksums`` (``_dcp_checksums``: the SHA-256 of everything
-written, verified before reading); ``.metadata`` is read without running code
-(``_dcp_metadata``). Every leaf of the saved pytree is one DCP entry, keyed by its pytree path (e.g.
-``['params']['net.0.weight']``; an [`Ensemble`][funcensemble.Ensemble] is saved as
-``{"params": ..., "buffers": ...}``):
+A checkpoint is a plain DCP directory written by DCP's default planners: one
+``.distcp`` file per rank and a ``.metadata`` file, plus ``.funcensemble-checksums``
+(``_dcp_checksums``: the SHA-256 of everything written, verified before reading);
+``.metadata`` is read without running code (``_dcp_metadata``). Every leaf is one DCP
+entry keyed by its fully qualified name: an [`Ensemble`][funcensemble.Ensemble]'s
+``state_dict()`` names (``stacked.0.weight``), a pytree's path with dots
+(``opt.0.mu.0.weight``), as ``dcp.save`` names nested state itself:
 
-- a tensor with dimensions is *member-sharded*: each rank writes its rows as a chunk of
-  the global ``[N, ...]`` tensor, at the offset of its first member;
+- a tensor with dimensions is *member-sharded*: on several ranks it is handed to DCP as
+  a DTensor on the shard's mesh (``_mesh.member_dtensor``: ``Shard(0)`` over
+  ``"member"``, ``Replicate()`` over ``"data"``), which DCP writes once per member, as
+  its rows of the global ``[N, ...]`` tensor;
 - a 0-dim tensor or a Python ``bool``/``int``/``float`` (a step count) is *replicated*,
   written once; Python values are stored as 0-dim tensors.
 
-DCP records each chunk's offset and size, so any world size can read any rows. DTensor's
-``Shard(0)`` would do the same with ``torch.chunk``'s sizes, which leave a rank empty
-(5 members on 4 ranks: 2, 2, 1, 0); funcensemble's own split never does, so the chunks
-are described to DCP directly, through its planner interface.
+DCP records each chunk's offset and size, so any mesh can read any rows.
 """
 
 import contextlib
@@ -31,30 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    create_default_local_load_plan,
-    create_default_local_save_plan,
-)
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .._checkpoint.paths import flatten_by_key
+from .._checkpoint.paths import dotted_key, flatten_by_key
 from .._core.ensemble import Ensemble
-from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING
+from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING, dcp_save_planner_to_lowest_rank
 from ._agreement import agree_to_write
 from ._dcp_checksums import (
     CHECKSUM_FILE,
@@ -67,6 +48,8 @@ from ._dcp_checksums import (
 )
 from ._errors import CHECKPOINT_HINT, failures
 from ._member_shard import MemberShard, rank_and_world
+from ._mesh import member_dtensor
+from ._slices import narrow_members
 
 T = TypeVar("T")
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
@@ -78,16 +61,15 @@ class _Flat:
     """One object's leaves by key, and how to name them in messages."""
 
     leaves: dict[str, Any]
-    treedef: optree.PyTreeSpec
-    ensemble: bool
+    treedef: optree.PyTreeSpec | None  # None: an Ensemble, loaded in place
+    labels: dict[str, str]
+
+    @property
+    def ensemble(self) -> bool:
+        return self.treedef is None
 
     def label(self, key: str) -> str:
-        if self.ensemble:
-            for group, word in (("params", "parameter"), ("buffers", "buffer")):
-                prefix = f"[{group!r}]["
-                if key.startswith(prefix):
-                    return f"{word} {key[len(prefix) : -1]}"
-        return f"leaf `{key}`"
+        return self.labels.get(key, f"leaf `{key}`")
 
     def sharded(self) -> list[str]:
         """Keys of the member-sharded leaves: tensors with at least one dimension."""
@@ -95,71 +77,26 @@ class _Flat:
 
 
 def _flatten(where: str, obj: Any) -> _Flat:
+    if isinstance(obj, Ensemble):
+        kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
+        leaves = dict(obj.state_dict(keep_vars=True))
+        labels = {k: f"{kinds.get(id(v), 'buffer')} `{k}`" for k, v in leaves.items()}
+        return _Flat(leaves, None, labels)
     leaves, treedef = flatten_by_key(
         where,
         obj,
         _VALUE_DTYPES,
         "a tensor or a Python bool, int or float value (None is kept as structure); "
         "save other things separately",
+        key=dotted_key,
     )
-    return _Flat(leaves, treedef, isinstance(obj, Ensemble))
+    return _Flat(leaves, treedef, {})
 
 
-def _chunk(offset: int, t: Tensor) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size([offset] + [0] * (t.dim() - 1)), sizes=t.size())
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's default planner, plus member-sharded entries at their members' offsets."""
-
-    def __init__(self, offsets: dict[str, int], num_members: int) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._offsets = offsets
-        self._num_members = num_members
-
-    def create_local_plan(self) -> SavePlan:
-        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
-        items = list(create_default_local_save_plan(replicated, self.is_coordinator).items)
-        for key, offset in self._offsets.items():
-            t = self.state_dict[key]
-            chunk = _chunk(offset, t)
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(key, chunk.offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=chunk,
-                        properties=TensorProperties.create_from_tensor(t),
-                        size=torch.Size([self._num_members, *t.shape[1:]]),
-                    ),
-                )
-            )
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.state_dict[index.fqn]
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading member-sharded entries at this rank's offsets."""
-
-    def __init__(self, offsets: dict[str, int]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._offsets = offsets
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        replicated = {k: v for k, v in self.state_dict.items() if k not in self._offsets}
-        requests = list(create_default_local_load_plan(replicated, self.metadata).items)
-        for key, offset in self._offsets.items():
-            saved = self.metadata.state_dict_metadata[key]
-            chunk = _chunk(offset, self.state_dict[key])
-            requests += create_read_items_for_chunk_list(key, saved, [chunk])
-        return LoadPlan(requests)
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        return self.state_dict[index.fqn]
+def _spread(shard: MemberShard) -> bool:
+    """Whether the members lie on several ranks of a running process group, so that DCP
+    needs this rank's rows as a DTensor on the shard's mesh."""
+    return shard.mesh is not None and shard.world_size > 1 and not _alone()
 
 
 def _alone() -> bool:
@@ -191,9 +128,8 @@ def _dcp_call() -> Iterator[None]:
 
 
 def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractContextManager:
-    return failures(
-        where, what, shard.rank, shard.world_size, group=shard.group, hint=CHECKPOINT_HINT
-    )
+    rank, world, group = shard._all_ranks()
+    return failures(where, what, rank, world, group=group, hint=CHECKPOINT_HINT)
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -211,10 +147,13 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
     tensor with dimensions holds this rank's ``shard.size`` members first and is
     written as its rows of the global ``[N, ...]`` tensor; 0-dim tensors and Python
     ``bool``/``int``/``float`` values are replicated (written once: they must be equal
-    on every rank, like a step count). The checkpoint can be loaded at any world size,
-    and into a single-process [`Ensemble`][funcensemble.Ensemble], by
-    [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint keyed by
-    pytree paths, plus a ``.funcensemble-checksums`` file written last by rank 0: the
+    on every rank, like a step count). Data replicas (a ``"data"`` axis on the shard's
+    mesh) write each member once: replica 0's copy. The checkpoint can be loaded on
+    any mesh, and into a single-process [`Ensemble`][funcensemble.Ensemble], by
+    [`load`][funcensemble.distributed.load]; it is a standard DCP checkpoint written
+    by DCP's default planner and keyed by fully qualified names (an ensemble's
+    ``state_dict()`` names, a pytree's path joined by dots: ``opt.0.mu.0.weight``),
+    plus a ``.funcensemble-checksums`` file written last by rank 0: the
     SHA-256 of ``.metadata`` and of every byte range each rank wrote (each rank hashes
     its own). DCP writes ``.metadata`` after the data, so an interrupted save is
     refused on load rather than read half-written (a save killed after ``.metadata``
@@ -234,7 +173,8 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
 
     Raises:
         ValueError: A member-sharded tensor whose leading size is not this rank's
-            member count, or several ranks without ``shard``.
+            member count, several ranks without ``shard``, or a shard for one rank of
+            several without ``torch.distributed`` running.
         TypeError: ``obj`` is another ``nn.Module``, or has a leaf of another type.
         NotADirectoryError: ``path`` is a file.
         FileExistsError: ``path`` already holds a checkpoint.
@@ -284,21 +224,34 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             "the new one is complete: overwriting in place, a save that dies half-way "
             "would leave the old .metadata describing half-written files."
         )
-    state = {
-        key: leaf.detach()
-        if isinstance(leaf, Tensor)
-        else torch.tensor(leaf, dtype=_VALUE_DTYPES[type(leaf)])
-        for key, leaf in flat.leaves.items()
-    }
-    offsets = dict.fromkeys(keys, shard.members.start)
+    spread = _spread(shard)
+    if shard.world_size > 1 and not spread:
+        raise ValueError(
+            f"{where}: the shard describes rank {shard.rank} of {shard.world_size}, but "
+            "torch.distributed is not running, so the other ranks' members cannot be "
+            "written with these. Save from every rank, after init_process_group."
+        )
+    sharded = set(keys)
+    state = {}
+    for key, leaf in flat.leaves.items():
+        if not isinstance(leaf, Tensor):
+            state[key] = torch.tensor(leaf, dtype=_VALUE_DTYPES[type(leaf)])
+        elif key in sharded and spread:
+            state[key] = member_dtensor(
+                where, leaf, shard.members.start, shard.num_members, shard.mesh
+            )
+        else:
+            state[key] = leaf.detach()
     agree_to_write(where, name, flat.leaves, shard, values=True)
     with _dcp_call(), _failures(where, f"writing its members to '{name}'", shard):
         dcp.save(
             state,
             checkpoint_id=path,
             storage_writer=ChecksummingWriter(path),
-            planner=_SavePlanner(offsets, shard.num_members),
-            process_group=shard.group,
+            # DCP's default planner; data replicas hold equal parameters, and their
+            # buffers (BatchNorm statistics) are written from replica 0.
+            planner=dcp_save_planner_to_lowest_rank(),
+            process_group=shard._all_ranks()[2],
             **_no_dist(),
         )
 
@@ -323,14 +276,15 @@ def _verify(where: str, name: str, checksums: Any, reads: list, shard: MemberSha
     except Corrupt as error:
         found = str(error)
     findings = [found]
-    if shard.world_size > 1 and not _alone():
-        findings = [None] * shard.world_size
+    rank, world, group = shard._all_ranks()
+    if world > 1 and not _alone():
+        findings = [None] * world
         what = f"exchanging what it found checking '{name}'"
-        with failures(where, what, shard.rank, shard.world_size, group=shard.group):
-            dist.all_gather_object(findings, found, group=shard.group)
+        with failures(where, what, rank, world, group=group):
+            dist.all_gather_object(findings, found, group=group)
     for rank, finding in enumerate(findings):
         if finding is not None:
-            by = f" (found by rank {rank} of {shard.world_size})" if len(findings) > 1 else ""
+            by = f" (found by rank {rank} of {world})" if len(findings) > 1 else ""
             raise _corrupt(where, name, Corrupt(finding + by))
 
 
@@ -428,12 +382,14 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     """Read a checkpoint written by [`save`][funcensemble.distributed.save], at any world size.
 
     Each rank reads the rows of its own members, wherever they were saved: a
-    checkpoint written by 2 ranks loads on 4, or in one process into an ordinary
-    [`Ensemble`][funcensemble.Ensemble] of all N members. Everything is checked before
-    anything is read: the checksum file, ``.metadata`` against it, and every byte range
-    this rank reads against its SHA-256 (a changed byte raises "checkpoint ... is
-    corrupt", naming the file and the entry, on every rank); then the keys, member
-    count, shapes and dtypes. A mismatch raises and leaves ``obj`` untouched.
+    checkpoint written by 2 ranks loads on 4, one written on a 2 × 2 mesh of members
+    × data loads on 4 × 1 or 1 × 4 (every replica reads its members), or in one
+    process into an ordinary [`Ensemble`][funcensemble.Ensemble] of all N members.
+    Everything is checked before anything is read: the checksum file, ``.metadata``
+    against it, and every byte range this rank reads against its SHA-256 (a changed
+    byte raises "checkpoint ... is corrupt", naming the file and the entry, on every
+    rank); then the keys, member count, shapes and dtypes. A mismatch raises and
+    leaves ``obj`` untouched.
     ``.metadata`` (a pickle, in DCP) is read by an unpickler that resolves only DCP's
     metadata classes, so a crafted checkpoint cannot run code here; one naming
     anything else is refused. A checkpoint without a checksum file (written by DCP
@@ -489,13 +445,24 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             )
     _check(where, name, flat, saved, shard)
 
-    dest = {
-        key: torch.empty_like(leaf, memory_format=torch.contiguous_format).detach()
-        if isinstance(leaf, Tensor)
-        else torch.empty((), dtype=_VALUE_DTYPES[type(leaf)])
-        for key, leaf in flat.leaves.items()
-    }
-    offsets = dict.fromkeys(flat.sharded(), shard.members.start)
+    sharded = set(flat.sharded())
+    spread = _spread(shard)
+    # Without a process group, a shard standing for one rank of several reads all N
+    # members and keeps its own rows.
+    cut = shard.world_size > 1 and not spread
+    dest, plan = {}, {}
+    for key, leaf in flat.leaves.items():
+        if not isinstance(leaf, Tensor):
+            dest[key] = plan[key] = torch.empty((), dtype=_VALUE_DTYPES[type(leaf)])
+            continue
+        rows = torch.empty_like(leaf, memory_format=torch.contiguous_format).detach()
+        dest[key] = plan[key] = rows
+        if key in sharded and spread:
+            plan[key] = member_dtensor(
+                where, rows, shard.members.start, shard.num_members, shard.mesh
+            )
+        elif key in sharded and cut:
+            plan[key] = rows.new_empty((shard.num_members, *rows.shape[1:]))
     agree_to_write(where, name, flat.leaves, shard, values=False)
     if checksums is None:
         warnings.warn(
@@ -507,17 +474,19 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             stacklevel=2,
         )
     else:
-        rows = {key: shard.members if key in offsets else None for key in flat.leaves}
+        rows = {key: shard.members if key in sharded and not cut else None for key in flat.leaves}
         _verify(where, name, checksums, reads_of(metadata, rows), shard)
     with _dcp_call(), _failures(where, f"reading its members from '{name}'", shard):
         dcp.load(
-            dest,
+            plan,
             checkpoint_id=path,
             storage_reader=VerifiedReader(path, metadata),
-            planner=_LoadPlanner(offsets),
-            process_group=shard.group,
+            process_group=shard._all_ranks()[2],
             **_no_dist(),
         )
+    if cut:
+        for key in sharded:
+            dest[key].copy_(narrow_members(plan[key], shard.members))
 
     if flat.ensemble:
         with torch.no_grad():
