@@ -15,6 +15,8 @@ from ._core.grad import value_and_grad as value_and_grad
 from ._core.stack import stack as stack
 from ._core.stack import unstack as unstack
 from ._core.vmap import vmap as vmap
+from ._sample_weights import bootstrap_masks as bootstrap_masks
+from ._sample_weights import weighted_mean as weighted_mean
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,7 @@ __all__ = [
     "Ensemble",
     "FunctionalModule",
     "bootstrap_indices",
+    "bootstrap_masks",
     "export_state_dicts",
     "grad",
     "import_state_dicts",
@@ -45,4 +48,5 @@ __all__ = [
     "unstack",
     "value_and_grad",
     "vmap",
+    "weighted_mean",
 ]
