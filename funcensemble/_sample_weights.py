@@ -190,9 +190,7 @@ def weighted_mean(
             "loss to one value per sample first (e.g. .mean(-1)), or expand the weights."
         )
     if normalize not in ("weights", "samples"):
-        raise ValueError(
-            f"{where}: normalize must be 'weights' or 'samples', got {normalize!r}."
-        )
+        raise ValueError(f"{where}: normalize must be 'weights' or 'samples', got {normalize!r}.")
     dims = _reduced_dims(where, dim, values.dim())
     kept = weights != 0
     total = torch.where(kept, weights * values, 0).sum(dim=dims)
