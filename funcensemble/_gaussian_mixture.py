@@ -85,10 +85,11 @@ def gaussian_mixture(
         negative = var < 0
         if bool(negative.any()):
             at = tuple(int(i) for i in negative.nonzero()[0])
+            index = f", index {at[1:]}" if len(at) > 1 else ""
             raise ValueError(
                 f"{where}: var must be >= 0 everywhere (variances, not log-variances), got "
-                f"{var[at].item()} at member {at[0]}, index {at[1:]}. Map a network's raw "
-                "output to a variance first, e.g. with F.softplus(raw) + 1e-6."
+                f"{var[at].item()} at member {at[0]}{index}. Map a network's raw output to a "
+                "variance first, e.g. with F.softplus(raw) + 1e-6."
             )
     center = mean.mean(dim=0)
     aleatoric = var.mean(dim=0)
