@@ -138,8 +138,8 @@ def weighted_mean(
     leave such a member out of a step instead, draw masks that give it samples.
 
     With ``normalize="samples"`` it is ``sum(w * values) / n`` with ``n`` the number of
-    entries reduced, whatever the mask (Bootstrapped DQN's ``mean(mask * loss)``): a
-    member that keeps fewer samples takes a smaller step.
+    entries reduced, whatever the mask (what ``(mask * loss).mean()`` computes): a
+    member that keeps fewer samples gets a smaller loss and gradient.
 
     A sample of weight 0 is left out of the value entirely, even if its loss is inf or
     NaN. Weights are used as given (negative ones included, as the loop's formula

@@ -198,6 +198,13 @@ def test_after_the_decay_the_rate_stays_at_the_floor():
         torch.testing.assert_close(sched(t), torch.tensor([0.0, 0.1]).double(), rtol=0, atol=0)
     decay = fe.optim.cosine_decay(1.0, 4, min_lr=0.25)
     assert decay(4).item() == decay(50).item() == 0.25
+    # Where torch's CosineAnnealingLR, past T_max, rises again.
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    torch_decay = lr_scheduler.CosineAnnealingLR(opt, T_max=4, eta_min=0.25)
+    for _ in range(6):
+        opt.step()
+        torch_decay.step()
+    assert opt.param_groups[0]["lr"] > 0.25 + 1e-3
 
 
 def test_a_per_member_schedule_for_the_wrong_number_of_members_is_refused():
