@@ -151,7 +151,7 @@ def weighted_mean(
 
     Args:
         values: Per-sample losses (``reduction="none"``).
-        weights: One non-negative weight per entry of ``values``, same shape.
+        weights: One weight per entry of ``values`` (usually ``>= 0``), same shape.
         dim: The dims to reduce; ``None`` reduces all of them.
         normalize: ``"weights"`` divides by the sum of the weights, ``"samples"`` by
             the number of entries.
