@@ -11,6 +11,12 @@ Everything runs as one vectorized ensemble through the functional face:
 ``fe.stack`` -> ``fe.value_and_grad`` (per-member batches, ``in_dims=0``) ->
 ``fe.optim.adam`` -> ``fe.reduce.mean`` / ``fe.reduce.std``.
 
+With ``--nll`` each member also predicts the noise: a mean and a variance, trained with
+the Gaussian negative log-likelihood (Lakshminarayanan et al., 2017), and
+``fe.reduce.gaussian_mixture`` splits the ensemble's predictive variance into the
+members' mean variance (aleatoric: the noise) and the variance of their means
+(epistemic: their disagreement, still the quantity the check is about).
+
 Run ``python examples/deep_ensemble_regression.py`` (``--quick`` for a seconds-long
 smoke run); it saves a plot as ``deep_ensemble.png`` in ``--out`` (default
 ``./out/deep_ensemble_regression/``) and checks that the average standard deviation
@@ -40,10 +46,23 @@ NOISE = 0.1
 MIN_RATIO = 3.0
 
 
-def make_member() -> nn.Module:
+def make_member(outputs: int = 1) -> nn.Module:
+    """An MLP with ``outputs`` outputs: a mean, or (with ``--nll``) a mean and a raw variance."""
     return nn.Sequential(
-        nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+        nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, outputs)
     )
+
+
+def split(out: Tensor) -> tuple[Tensor, Tensor]:
+    """A 2-output member's mean and variance (softplus keeps the variance positive)."""
+    return out[..., :1], F.softplus(out[..., 1:]) + 1e-6
+
+
+def gaussian_nll(out: Tensor, y: Tensor) -> Tensor:
+    # Written out: F.gaussian_nll_loss checks its variances with Python control flow,
+    # which vmap cannot trace. The same value, less the constant log(2 pi) / 2.
+    mean, var = split(out)
+    return 0.5 * (var.log() + (y - mean).square() / var).mean()
 
 
 def make_data(num_samples: int, *, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -65,6 +84,8 @@ class Result:
     final_losses: Tensor  # each member's loss on its own sample at the last step, [members]
     std_inside: float
     std_outside: float
+    # With --nll: the mixture's moments on the grid (fe.reduce.gaussian_mixture), else None.
+    mixture: fe.reduce.GaussianMixture | None = None
 
     @property
     def ratio(self) -> float:
@@ -72,7 +93,14 @@ class Result:
 
 
 def train(
-    num_members: int, num_samples: int, steps: int, lr: float, *, seed: int, quiet: bool = True
+    num_members: int,
+    num_samples: int,
+    steps: int,
+    lr: float,
+    *,
+    seed: int,
+    quiet: bool = True,
+    nll: bool = False,
 ) -> Result:
     g = torch.Generator().manual_seed(seed)
     x, y = make_data(num_samples, generator=g)
@@ -82,10 +110,12 @@ def train(
     xs, ys = x[idx], y[idx]  # [members, samples, 1]: one batch per member
 
     torch.manual_seed(seed)
-    fmodel, params, buffers = fe.stack([make_member() for _ in range(num_members)])
+    outputs = 2 if nll else 1
+    fmodel, params, buffers = fe.stack([make_member(outputs) for _ in range(num_members)])
 
     def loss_fn(p, b, x, y):  # ONE member's loss on ONE member's batch
-        return F.mse_loss(fmodel(p, b, x), y)
+        out = fmodel(p, b, x)
+        return gaussian_nll(out, y) if nll else F.mse_loss(out, y)
 
     loss_and_grads = fe.value_and_grad(loss_fn, in_dims=0)  # in_dims=0: per-member batches
     opt = fe.optim.adam(lr=lr)
@@ -96,12 +126,16 @@ def train(
         updates, state = opt.update(grads, state, params)
         params = fe.optim.apply_updates(params, updates)
         if step % 20 == 0 or step == steps - 1:
-            bar.set_postfix(mean_mse=f"{losses.mean().item():.4f}")
+            bar.set_postfix(**{"mean_nll" if nll else "mean_mse": f"{losses.mean().item():.4f}"})
     bar.close()
 
     grid = torch.linspace(*PLOT_RANGE, 601).unsqueeze(1)
     with torch.no_grad():
-        preds = fe.vmap(fmodel)(params, buffers, grid)  # shared grid: [members, points, 1]
+        preds = fe.vmap(fmodel)(params, buffers, grid)  # shared grid: [members, points, outputs]
+    mixture = None
+    if nll:
+        preds, variances = split(preds)
+        mixture = fe.reduce.gaussian_mixture(preds, variances)
     mean, std = fe.reduce.mean(preds), fe.reduce.std(preds)
     inside = (grid >= TRAIN_RANGE[0]) & (grid <= TRAIN_RANGE[1])
     return Result(
@@ -114,6 +148,7 @@ def train(
         final_losses=losses,
         std_inside=std[inside].mean().item(),
         std_outside=std[~inside].mean().item(),
+        mixture=mixture,
     )
 
 
@@ -132,6 +167,13 @@ def plot(result: Result, path: Path) -> None:
     for k, member in enumerate(result.preds[:, :, 0]):
         ax.plot(grid, member, color="C0", lw=0.6, alpha=0.45, label="members" if k == 0 else None)
     ax.plot(grid, mean, color="C0", lw=2, label="ensemble mean")
+    if result.mixture is not None:  # the mixture's std: disagreement and predicted noise
+        total = result.mixture.var[:, 0].sqrt()
+        for sign in (-1, 1):
+            ax.plot(
+                grid, mean + sign * 2 * total, color="C1", lw=1, ls="--",
+                label="mean ± 2 predictive std (with the noise)" if sign < 0 else None,
+            )  # fmt: skip
     ax.plot(grid, torch.sin(3 * grid), color="k", ls="--", lw=1, label="sin(3x)")
     ax.scatter(result.x[:, 0], result.y[:, 0], s=8, color="C3", zorder=3, label="data")
     ax.set_xlim(*PLOT_RANGE)
@@ -155,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2000, help="Adam steps (2000)")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data and weights (0)")
+    parser.add_argument(
+        "--nll",
+        action="store_true",
+        help="members predict a mean and a variance (Gaussian NLL); report the mixture's "
+        "aleatoric and epistemic parts",
+    )
     parser.add_argument("--no-plot", action="store_true", help=f"do not save {FIGURE}")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 members, 150 steps")
     _cli.add_common_options(parser, NAME)
@@ -171,12 +219,26 @@ def main(argv: Sequence[str] | None = None) -> Result:
     _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=not args.no_plot))
 
     result = train(
-        args.members, args.samples, args.steps, args.lr, seed=args.seed, quiet=args.quiet
+        args.members,
+        args.samples,
+        args.steps,
+        args.lr,
+        seed=args.seed,
+        quiet=args.quiet,
+        nll=args.nll,
     )
     print(
         f"{args.members} MLPs, {args.samples} points, {args.steps} Adam steps (lr {args.lr}): "
-        f"training MSE per member {result.final_losses.min():.4f}..{result.final_losses.max():.4f}"
+        f"training {'NLL' if args.nll else 'MSE'} per member "
+        f"{result.final_losses.min():.4f}..{result.final_losses.max():.4f}"
     )
+    if result.mixture is not None:
+        inside = (result.grid >= TRAIN_RANGE[0]) & (result.grid <= TRAIN_RANGE[1])
+        noise = result.mixture.aleatoric[inside].sqrt().mean().item()
+        print(
+            f"predicted noise std (aleatoric) inside the training range: {noise:.4f} "
+            f"(the data's is {NOISE})"
+        )
     print(
         f"mean std inside the training range {TRAIN_RANGE}: {result.std_inside:.4f}; "
         f"outside it (up to {PLOT_RANGE}): {result.std_outside:.4f}; ratio {result.ratio:.1f}x"

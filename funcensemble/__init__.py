@@ -16,6 +16,8 @@ from ._core.stack import stack as stack
 from ._core.stack import unstack as unstack
 from ._core.vmap import vmap as vmap
 from ._hetero.ensemble import HeteroEnsemble as HeteroEnsemble
+from ._sample_weights import bootstrap_masks as bootstrap_masks
+from ._sample_weights import weighted_mean as weighted_mean
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,7 @@ __all__ = [
     "FunctionalModule",
     "HeteroEnsemble",
     "bootstrap_indices",
+    "bootstrap_masks",
     "export_state_dicts",
     "grad",
     "import_state_dicts",
@@ -47,4 +50,5 @@ __all__ = [
     "unstack",
     "value_and_grad",
     "vmap",
+    "weighted_mean",
 ]

@@ -1,5 +1,7 @@
 """Reductions over the member axis of stacked ensemble outputs: ``fe.reduce.mean`` etc."""
 
+from ._gaussian_mixture import GaussianMixture as GaussianMixture
+from ._gaussian_mixture import gaussian_mixture as gaussian_mixture
 from ._reduce import disagreement as disagreement
 from ._reduce import expected_entropy as expected_entropy
 from ._reduce import max as max
@@ -14,8 +16,10 @@ from ._reduce import subset_min as subset_min
 from ._reduce import var as var
 
 __all__ = [
+    "GaussianMixture",
     "disagreement",
     "expected_entropy",
+    "gaussian_mixture",
     "max",
     "mean",
     "mean_log_probs",

@@ -47,6 +47,24 @@ def test_deep_ensemble_quick_widens_away_from_the_data(tmp_path, capsys):
     assert "widens away from the data" in capsys.readouterr().out
 
 
+def test_deep_ensemble_nll_quick_splits_the_predictive_variance(tmp_path, capsys):
+    example = load("deep_ensemble_regression")
+    result = example.main(["--quick", "--nll", "--out", str(tmp_path)])
+    mix = result.mixture
+    assert result.preds.shape == (5, result.grid.shape[0], 1)  # the means, not the variances
+    assert mix.var.shape == mix.aleatoric.shape == mix.epistemic.shape == result.grid.shape
+    torch.testing.assert_close(mix.mean, result.mean)
+    torch.testing.assert_close(mix.var, mix.aleatoric + mix.epistemic)
+    # The epistemic part is the members' disagreement (over N, where std divides by N - 1).
+    torch.testing.assert_close(mix.epistemic, result.preds.var(dim=0, correction=0))
+    assert bool((mix.aleatoric > 0).all())
+    assert result.std_outside >= example.MIN_RATIO * result.std_inside > 0
+    assert bool(torch.isfinite(result.final_losses).all())
+    out = capsys.readouterr().out
+    assert "training NLL per member" in out and "predicted noise std (aleatoric)" in out
+    assert (tmp_path / "deep_ensemble.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_deep_ensemble_fails_when_the_claim_fails(monkeypatch):
     example = load("deep_ensemble_regression")
     monkeypatch.setattr(example, "MIN_RATIO", 1e9)

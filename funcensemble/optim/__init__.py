@@ -21,6 +21,9 @@ from ._protocol import apply_updates as apply_updates
 from ._protocol import chain as chain
 from ._rmsprop import RMSpropState as RMSpropState
 from ._rmsprop import rmsprop as rmsprop
+from ._schedules import cosine_decay as cosine_decay
+from ._schedules import linear_warmup as linear_warmup
+from ._schedules import warmup_cosine as warmup_cosine
 from ._sgd import SGDState as SGDState
 from ._sgd import sgd as sgd
 from ._transforms import ScheduleState as ScheduleState
@@ -41,10 +44,13 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
+    "cosine_decay",
+    "linear_warmup",
     "polyak_update",
     "polyak_update_",
     "rmsprop",
     "scale_by_adam",
     "scale_by_learning_rate",
     "sgd",
+    "warmup_cosine",
 ]

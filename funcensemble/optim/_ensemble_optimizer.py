@@ -24,8 +24,9 @@ class EnsembleOptimizer:
     transform's [`update_`][funcensemble.optim.GradientTransformation.update_]
     (``fe.optim.adam``'s runs ``torch.optim.Adam(fused=True)``'s kernel where it can).
     Its state is ``transform``'s state, in ``self.state``. Learning-rate schedules are
-    given to the transform as a callable ``lr``; ``torch.optim.lr_scheduler`` classes
-    do not apply.
+    given to the transform as a callable ``lr`` (such as
+    [`warmup_cosine`][funcensemble.optim.warmup_cosine], per member if need be);
+    ``torch.optim.lr_scheduler`` classes do not apply.
 
     Args:
         params: An [`Ensemble`][funcensemble.Ensemble] (its stacked parameters are

@@ -1,0 +1,97 @@
+"""The equal-weight mixture of the members' Gaussian predictions (regression deep ensembles)."""
+
+from typing import NamedTuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from . import _torch_compat
+from ._reduce import _check
+
+
+class GaussianMixture(NamedTuple):
+    """The moments of an ensemble's Gaussian mixture, returned by
+    [`gaussian_mixture`][funcensemble.reduce.gaussian_mixture].
+
+    Attributes:
+        mean: The mixture's mean, the members' mean of means.
+        var: The mixture's total variance, ``aleatoric + epistemic``.
+        aleatoric: The members' mean of variances: the noise each member expects.
+        epistemic: The variance of the members' means (over N, not N - 1): their
+            disagreement.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> mix = fe.reduce.gaussian_mixture(torch.tensor([[0.0], [2.0]]), torch.ones(2, 1))
+        >>> mix.mean.tolist(), mix.var.tolist(), mix.aleatoric.tolist(), mix.epistemic.tolist()
+        ([1.0], [2.0], [1.0], [1.0])
+    """
+
+    mean: Float[Tensor, "*batch"]
+    var: Float[Tensor, "*batch"]
+    aleatoric: Float[Tensor, "*batch"]
+    epistemic: Float[Tensor, "*batch"]
+
+
+def gaussian_mixture(
+    mean: Float[Tensor, " member *batch"], var: Float[Tensor, " member *batch"]
+) -> GaussianMixture:
+    """Combine the members' predicted means and variances into one Gaussian mixture.
+
+    For a regression deep ensemble (Lakshminarayanan et al., 2017) where member i
+    predicts ``N(mean_i, var_i)``, the uniform mixture has mean ``mean_i`` averaged over
+    the members and, by the law of total variance, the variance
+    ``mean_i(var_i) + mean_i(mean_i**2) - mean**2``: the average noise the members
+    expect (aleatoric) plus the spread of their means (epistemic, the population
+    variance over the N members, ``correction=0``). One member gives an epistemic
+    part of 0. Gradients flow to ``mean`` and ``var``.
+
+    Args:
+        mean: The members' predicted means, member axis first.
+        var: The members' predicted variances (not standard deviations), the same
+            shape, all ``>= 0``.
+
+    Returns:
+        A [`GaussianMixture`][funcensemble.reduce.GaussianMixture]
+        ``(mean, var, aleatoric, epistemic)``, each shaped like one member's
+        prediction.
+
+    Raises:
+        TypeError: An argument that is not a floating-point tensor.
+        ValueError: Shapes that differ, no member axis or an empty one, or a negative
+            variance (checked when called outside ``torch.compile`` and ``torch.func``
+            transforms, where values can be read).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> means = torch.tensor([[1.0, 0.0], [3.0, 0.0]])  # 2 members, 2 inputs
+        >>> variances = torch.tensor([[0.5, 1.0], [1.5, 1.0]])
+        >>> mix = fe.reduce.gaussian_mixture(means, variances)
+        >>> mix.mean.tolist(), mix.aleatoric.tolist(), mix.epistemic.tolist()
+        ([2.0, 0.0], [1.0, 1.0], [1.0, 0.0])
+        >>> torch.equal(mix.var, mix.aleatoric + mix.epistemic)
+        True
+    """
+    where = "gaussian_mixture"
+    mean = _check(where, mean, floating=True)
+    var = _check(where, var, floating=True)
+    if mean.shape != var.shape:
+        raise ValueError(
+            f"{where}: mean and var must have the same shape (one variance per predicted "
+            f"mean), got mean {tuple(mean.shape)} and var {tuple(var.shape)}."
+        )
+    if not (torch.compiler.is_compiling() or _torch_compat.inside_transform()):
+        negative = var < 0
+        if bool(negative.any()):
+            at = tuple(int(i) for i in negative.nonzero()[0])
+            index = f", index {at[1:]}" if len(at) > 1 else ""
+            raise ValueError(
+                f"{where}: var must be >= 0 everywhere (variances, not log-variances), got "
+                f"{var[at].item()} at member {at[0]}{index}. Map a network's raw output to a "
+                "variance first, e.g. with F.softplus(raw) + 1e-6."
+            )
+    center = mean.mean(dim=0)
+    aleatoric = var.mean(dim=0)
+    epistemic = (mean - center).square().mean(dim=0)
+    return GaussianMixture(center, aleatoric + epistemic, aleatoric, epistemic)

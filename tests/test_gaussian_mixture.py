@@ -1,0 +1,105 @@
+"""fe.reduce.gaussian_mixture: the hand formula, and the law of total variance on samples."""
+
+import math
+
+import pytest
+import torch
+from helpers import runtime_typecheck_off
+
+import funcensemble as fe
+
+
+@pytest.mark.parametrize("shape", [(5,), (5, 7), (3, 4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_matches_the_hand_formula(shape, dtype):
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(shape, generator=g, dtype=torch.float64)
+    var = torch.rand(shape, generator=g, dtype=torch.float64)
+    mix = fe.reduce.gaussian_mixture(mean.to(dtype), var.to(dtype))
+    n = shape[0]
+    center = sum(mean[i] for i in range(n)) / n
+    aleatoric = sum(var[i] for i in range(n)) / n
+    epistemic = sum((mean[i] - center) ** 2 for i in range(n)) / n
+    second_moment = sum(var[i] + mean[i] ** 2 for i in range(n)) / n  # E[y^2]
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    for got, want in [
+        (mix.mean, center),
+        (mix.aleatoric, aleatoric),
+        (mix.epistemic, epistemic),
+        (mix.var, aleatoric + epistemic),
+        (mix.var, second_moment - center**2),  # Var[y] = E[y^2] - E[y]^2
+    ]:
+        assert got.dtype == dtype and got.shape == shape[1:]
+        torch.testing.assert_close(got, want.to(dtype), **tol)
+    assert isinstance(mix, fe.reduce.GaussianMixture)
+    assert mix._fields == ("mean", "var", "aleatoric", "epistemic")
+
+
+def test_law_of_total_variance_on_a_sampled_mixture():
+    g = torch.Generator().manual_seed(1)
+    mean = torch.tensor([[-1.0, 0.0], [0.5, 0.0], [2.0, 0.0]], dtype=torch.float64)
+    var = torch.tensor([[0.2, 1.0], [1.0, 1.0], [0.5, 1.0]], dtype=torch.float64)
+    mix = fe.reduce.gaussian_mixture(mean, var)
+    draws = 400_000
+    member = torch.randint(3, (draws,), generator=g)  # pick a member, then draw from it
+    noise = torch.randn(draws, 2, generator=g, dtype=torch.float64)
+    y = mean[member] + var[member].sqrt() * noise
+    # Standard errors: of the mean, sqrt(var / n); of the variance, about
+    # sqrt((m4 - var^2) / n) with m4 the fourth central moment. 5 of them each.
+    se_mean = (mix.var / draws).sqrt()
+    centered = y - y.mean(0)
+    se_var = ((centered**4).mean(0) - mix.var**2).sqrt() / math.sqrt(draws)
+    assert ((y.mean(0) - mix.mean).abs() < 5 * se_mean).all()
+    assert ((y.var(0) - mix.var).abs() < 5 * se_var).all()
+    # The second column: all members agree, so nothing is epistemic.
+    assert mix.epistemic[1].item() == 0.0 and mix.var[1].item() == 1.0
+
+
+def test_one_member_has_no_epistemic_part():
+    mix = fe.reduce.gaussian_mixture(torch.tensor([[3.0, 4.0]]), torch.tensor([[0.5, 2.0]]))
+    assert mix.mean.tolist() == [3.0, 4.0]
+    assert mix.epistemic.tolist() == [0.0, 0.0] and mix.var.tolist() == [0.5, 2.0]
+
+
+def test_gradients_flow_to_means_and_variances():
+    mean = torch.tensor([[0.0], [2.0]], dtype=torch.float64, requires_grad=True)
+    var = torch.tensor([[1.0], [3.0]], dtype=torch.float64, requires_grad=True)
+    fe.reduce.gaussian_mixture(mean, var).var.sum().backward()
+    # d/dmu_i of mean_j (mu_j - mu)^2 = 2 (mu_i - mu) / N; d/dvar_i = 1 / N.
+    assert mean.grad.tolist() == [[-1.0], [1.0]]
+    assert var.grad.tolist() == [[0.5], [0.5]]
+
+
+@pytest.mark.parametrize(
+    ("mean", "var", "error", "match"),
+    [
+        (torch.zeros(3, 2), torch.ones(3), ValueError, "the same shape"),
+        (
+            torch.zeros(3),
+            torch.tensor([1.0, -0.5, 1.0]),
+            ValueError,
+            r"var must be >= 0 everywhere .*got -0.5 at member 1\. Map",
+        ),
+        (
+            torch.zeros(2, 2),
+            torch.tensor([[1.0, 1.0], [1.0, -1.0]]),
+            ValueError,
+            r"member 1, index \(1,\)",
+        ),
+        (torch.zeros(3, dtype=torch.int64), torch.ones(3), TypeError, "floating-point"),
+        ([0.0, 1.0], torch.ones(2), TypeError, "Expected a tensor"),
+        (torch.zeros(0, 2), torch.ones(0, 2), ValueError, "member axis"),
+        (torch.tensor(1.0), torch.tensor(1.0), ValueError, "dimension"),
+    ],
+)
+def test_refuses_bad_inputs(mean, var, error, match):
+    with runtime_typecheck_off(), pytest.raises(error, match=match):
+        fe.reduce.gaussian_mixture(mean, var)
+
+
+def test_runs_under_vmap_without_reading_values():
+    mean, var = torch.randn(4, 3, 5), torch.rand(4, 3, 5)
+    got = torch.vmap(fe.reduce.gaussian_mixture, in_dims=1)(mean, var)
+    want = fe.reduce.gaussian_mixture(mean, var)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
