@@ -410,12 +410,12 @@ def test_load_state_dict_from_another_architecture() -> None:
     _assert_load_fails(
         ens,
         other.state_dict(),
-        r"missing keys \['stacked.0.bias'\], unexpected keys \[\]",
+        r"architecture: it is missing `stacked\.0\.bias`\.$",
     )
     extra = {**ens.state_dict(), "stacked.2.weight": torch.ones(3)}
-    _assert_load_fails(ens, extra, r"missing keys \[\], unexpected keys \['stacked.2.weight'\]")
+    _assert_load_fails(ens, extra, r"architecture: it has extra `stacked\.2\.weight`\.$")
     one_member = nn.Sequential(lin(), nn.BatchNorm1d(2)).state_dict()
-    _assert_load_fails(ens, one_member, r"missing keys \['stacked.0.bias'.*unexpected keys \['0")
+    _assert_load_fails(ens, one_member, r"it is missing `stacked\.0\.bias`.* and has extra `0")
     # Shapes are checked for every entry before the first one is copied.
     wider = {k: v + 1 for k, v in _ens(d_in=4).state_dict().items()}
     _assert_load_fails(

@@ -68,9 +68,9 @@ def test_a_launched_rank_without_a_process_group_is_refused(monkeypatch):
 
 def test_member_shard_errors():
     with runtime_typecheck_off():
-        with pytest.raises(TypeError, match="num_members must be an int, got str"):
+        with pytest.raises(TypeError, match="num_members must be a positive int, got str"):
             MemberShard("4")
-        with pytest.raises(ValueError, match="num_members must be at least 1, got 0"):
+        with pytest.raises(ValueError, match="num_members must be a positive int, got 0"):
             MemberShard(0)
 
 
@@ -435,10 +435,10 @@ def test_checkpoint_errors(tmp_path):
         d.load(path, fe.Ensemble.from_factory(worker.make_member, num_members=4), MemberShard(5))
     floats = fe.Ensemble.from_factory(lambda: worker.make_member().float(), num_members=4)
     with pytest.raises(
-        ValueError, match=r"parameter '0\.bias' is a float64 tensor .* needs a float32 tensor"
+        ValueError, match=r"parameter `0\.bias` is a float64 tensor .* needs a float32 tensor"
     ):
         d.load(path, floats)
-    with pytest.raises(ValueError, match=r"the checkpoint lacks leaf `\['extra'\]`"):
+    with pytest.raises(ValueError, match=r"the checkpoint is missing leaf `\['extra'\]`"):
         d.load(
             path,
             {

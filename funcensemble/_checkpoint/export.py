@@ -9,6 +9,7 @@ from torch import Tensor
 from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
 from .._core.stack import StackedTensors, unstack
+from .._messages import key_difference
 from .._structure.same_value import SameValue, show
 
 
@@ -64,10 +65,6 @@ def export_state_dicts(
             )
         members = unstack(ensemble, params, buffers)
     return [member.state_dict() for member in members]
-
-
-def _name(key: str) -> str:
-    return f"`{key}`"
 
 
 def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, Any]]) -> Ensemble:
@@ -170,15 +167,10 @@ def _check_member(
             "mapping from names to tensors such as module.state_dict()."
         )
     expected = targets.keys() | set(extras)
-    missing, extra = expected - state_dict.keys(), state_dict.keys() - expected
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append("is missing " + ", ".join(map(_name, sorted(missing))))
-        if extra:
-            parts.append("has extra " + ", ".join(map(_name, sorted(extra, key=str))))
+    difference = key_difference(expected - state_dict.keys(), state_dict.keys() - expected)
+    if difference:
         raise ValueError(
-            f"{where}: member {i} {' and '.join(parts)} compared with the ensemble's "
+            f"{where}: member {i} {difference} compared with the ensemble's "
             "architecture. All members must share one architecture (same names, and the "
             "same tied weights)."
         )

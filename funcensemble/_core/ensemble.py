@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from .._checkpoint.state_dict_checks import check_loadable
 from .._kernels.fastpath import fast_call
+from .._messages import positive_int
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from . import in_dims as _in_dims
 from .functional_module import FunctionalModule
@@ -141,12 +142,7 @@ class Ensemble(nn.Module):
         where = "Ensemble.from_factory"
         if not callable(factory):
             raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}.")
-        if isinstance(num_members, bool) or not isinstance(num_members, int):
-            raise TypeError(
-                f"{where}: num_members must be a positive int, got {type(num_members).__name__}."
-            )
-        if num_members < 1:
-            raise ValueError(f"{where}: num_members must be a positive int, got {num_members!r}.")
+        positive_int(where, "num_members", num_members)
         if seed is None:
 
             def build(i: int) -> nn.Module:

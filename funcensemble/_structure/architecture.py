@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.skeleton import modes, named_tensors
+from .._messages import key_difference
 from .attributes import check_same_state, check_same_tree, class_names, original_class
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
@@ -82,22 +83,13 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
     return module
 
 
-def _names(names: object) -> str:
-    return ", ".join(f"`{n}`" for n in sorted(names))  # type: ignore[call-overload]
-
-
 def _check_tensors(
     where: str, index: int, kind: str, ref: dict[str, TensorSpec], got: dict[str, TensorSpec]
 ) -> None:
-    missing, extra = ref.keys() - got.keys(), got.keys() - ref.keys()
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"is missing {kind} {_names(missing)}")
-        if extra:
-            parts.append(f"has extra {kind} {_names(extra)}")
+    difference = key_difference(ref.keys() - got.keys(), got.keys() - ref.keys(), kind=kind)
+    if difference:
         raise ValueError(
-            f"{where}: member {index} {' and '.join(parts)} compared with member 0. "
+            f"{where}: member {index} {difference} compared with member 0. "
             "All members must share one architecture (same names, and the same tied "
             "weights)."
         )

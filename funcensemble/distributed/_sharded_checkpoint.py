@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .._checkpoint.paths import flatten_by_key
 from .._core.ensemble import Ensemble
+from .._messages import ensemble_leaf, key_difference, pytree_leaf
 from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING
 from ._agreement import agree_to_write
 from ._dcp_checksums import (
@@ -82,12 +83,7 @@ class _Flat:
     ensemble: bool
 
     def label(self, key: str) -> str:
-        if self.ensemble:
-            for group, word in (("params", "parameter"), ("buffers", "buffer")):
-                prefix = f"[{group!r}]["
-                if key.startswith(prefix):
-                    return f"{word} {key[len(prefix) : -1]}"
-        return f"leaf `{key}`"
+        return ensemble_leaf(key) if self.ensemble else pytree_leaf(key)
 
     def sharded(self) -> list[str]:
         """Keys of the member-sharded leaves: tensors with at least one dimension."""
@@ -366,16 +362,13 @@ def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) ->
 
 
 def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: MemberShard) -> None:
-    missing, extra = flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys()
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append("lacks " + ", ".join(flat.label(k) for k in sorted(missing)))
-        if extra:
-            parts.append("has extra " + ", ".join(flat.label(k) for k in sorted(extra)))
+    difference = key_difference(
+        flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys(), label=flat.label
+    )
+    if difference:
         raise ValueError(
             f"{where}: '{name}' does not match the object to load into: the checkpoint "
-            f"{' and '.join(parts)}. Load it into the structure that was saved (same "
+            f"{difference}. Load it into the structure that was saved (same "
             "architecture, optimizer and keys)."
         )
     sharded = set(flat.sharded())

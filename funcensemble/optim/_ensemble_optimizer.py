@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .._core.tree_view import Stacked, state_view
+from .._messages import key_difference
 from ._protocol import GradientTransformation, PyTree, flatten
 
 
@@ -142,12 +143,11 @@ class EnsembleOptimizer:
         loaded = state_dict["state"]
         leaves, spec = flatten(self.state)
         keys = _state_keys(spec)
-        missing, extra = set(keys) - set(loaded), set(loaded) - set(keys)
-        if missing or extra:
+        difference = key_difference(set(keys) - set(loaded), set(loaded) - set(keys))
+        if difference:
             raise ValueError(
-                f"{where}: the state does not match this optimizer: missing keys "
-                f"{sorted(missing)}, unexpected keys {sorted(extra)}. It was saved from a "
-                "different transform or set of parameters."
+                f"{where}: the state does not match this optimizer: it {difference}. It was "
+                "saved from a different transform or set of parameters."
             )
         new = []
         for key, mine in zip(keys, leaves, strict=True):
