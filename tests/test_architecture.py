@@ -455,7 +455,9 @@ def test_from_factory_bad_inputs_restore_global_rng() -> None:
             fe.Ensemble.from_factory(lin, bad)
     with pytest.raises(TypeError, match=r"num_members must be a positive int, got bool"):
         fe.Ensemble.from_factory(lin, True)
-    with pytest.raises(TypeError, match=r"from_factory: member 0 is a int, expected an nn\.Module"):
+    with pytest.raises(
+        TypeError, match=r"from_factory: member 0 is an int, expected an nn\.Module"
+    ):
         fe.Ensemble.from_factory(lambda: 3, 2)
     sizes = iter([3, 3, 4])
     with pytest.raises(

@@ -665,7 +665,7 @@ register_simple(
 register_simple(
     "from_factory-not-module",
     TypeError,
-    "member 0 is a int, expected an nn.Module",
+    "member 0 is an int, expected an nn.Module",
     lambda: fe.Ensemble.from_factory(lambda: 3, 2),
 )
 CASES.append(

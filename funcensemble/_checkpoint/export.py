@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
-from .._core.stack import StackedTensors, unstack
+from .._core.stack import StackedTensors, put_member, unstack
 from .._messages import key_difference
 from .._structure.same_value import SameValue, show
 
@@ -126,11 +126,9 @@ def import_state_dicts(ensemble: Ensemble, state_dicts: Sequence[Mapping[str, An
     for key in extras:
         path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
         ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
-    with torch.no_grad():
-        for names in tied.values():
-            target = targets[names[0]]
-            for i, state_dict in enumerate(state_dicts):
-                target[i].copy_(state_dict[names[0]])
+    stacked = {names[0]: targets[names[0]] for names in tied.values()}
+    for i, state_dict in enumerate(state_dicts):
+        put_member(stacked, i, state_dict)
     return ensemble
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.skeleton import modes, named_tensors
-from .._messages import key_difference
+from .._messages import a, key_difference
 from .attributes import check_same_state, check_same_tree, class_names, original_class
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
@@ -71,7 +71,7 @@ class Architecture:
 def check_is_module(where: str, index: int, module: object) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"{where}: member {index} is a {type(module).__name__}, expected an nn.Module."
+            f"{where}: member {index} is {a(type(module).__name__)}, expected an nn.Module."
         )
     for name, sub in module.named_modules():
         if isinstance(sub, _UNBATCHABLE):

@@ -249,10 +249,9 @@ class MemberShard:
         if isinstance(tree, Ensemble):
             params = {k: cut(f"parameter `{k}`", v) for k, v in tree.stacked_params().items()}
             buffers = {k: cut(f"buffer `{k}`", v) for k, v in tree.stacked_buffers().items()}
-            ens = Ensemble.__new__(Ensemble)
-            nn.Module.__init__(ens)
-            ens._adopt(tree.stacked, params, buffers, tree.randomness, tree.chunk_size)
-            return ens
+            return Ensemble._from_stacked(
+                tree.stacked, params, buffers, tree.randomness, tree.chunk_size
+            )
         leaves, spec = _tree.flatten(tree)
         out = [cut(f"leaf {i}", x) if isinstance(x, Tensor) else x for i, x in enumerate(leaves)]
         return _tree.unflatten(spec, out)

@@ -471,10 +471,9 @@ class ShardedEnsemble:
 
         params = {name: joined(self._params, name) for name in self._params[0]}
         buffers = {name: joined(self._buffers, name) for name in self._buffers[0]}
-        ens = Ensemble.__new__(Ensemble)
-        nn.Module.__init__(ens)
-        ens._adopt(self.fmodel.skeleton, params, buffers, self.randomness, self.chunk_size)
-        return ens
+        return Ensemble._from_stacked(
+            self.fmodel.skeleton, params, buffers, self.randomness, self.chunk_size
+        )
 
     def __repr__(self) -> str:
         layout = ", ".join(f"{d}: {n}" for d, n in zip(self.devices, self.sizes, strict=True))
