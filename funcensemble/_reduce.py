@@ -3,7 +3,7 @@
 import math
 
 import torch
-from jaxtyping import Float, Real
+from jaxtyping import Float, Int, Real
 from torch import Tensor
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
@@ -174,6 +174,18 @@ def check_subset_options(
         )
 
 
+def draw_subset(
+    n: int, k: int, batch: int | None, generator: torch.Generator | None, device: torch.device
+) -> Int[Tensor, " k"] | Int[Tensor, "batch k"]:
+    """``subset_min``'s draw (also ``fe.distributed.subset_min``'s): ``k`` distinct members
+    of ``n``, ``[k]``, or with a ``batch`` size one subset per index, ``[batch, k]``."""
+    if batch is None:
+        return torch.randperm(n, generator=generator, device=device)[:k]
+    # Sorting i.i.d. uniform keys gives every row its own uniform random permutation.
+    keys = torch.rand(batch, n, generator=generator, device=device, dtype=torch.float64)
+    return keys.argsort(dim=1)[:, :k]
+
+
 def subset_min(
     values: Real[Tensor, " member *rest"],
     k: int,
@@ -220,12 +232,10 @@ def subset_min(
 
     device = values.device if generator is None else generator.device
     if not per_sample:
-        chosen = torch.randperm(n, generator=generator, device=device)[:k]
+        chosen = draw_subset(n, k, None, generator, device)
         return values.index_select(0, chosen.to(values.device)).amin(dim=0)
     batch = values.shape[1]
-    # Sorting i.i.d. uniform keys gives every row its own uniform random permutation.
-    keys = torch.rand(batch, n, generator=generator, device=device, dtype=torch.float64)
-    chosen = keys.argsort(dim=1)[:, :k].T.to(values.device)  # [k, batch]
+    chosen = draw_subset(n, k, batch, generator, device).T.to(values.device)  # [k, batch]
     chosen = chosen.reshape(k, batch, *[1] * (values.dim() - 2)).expand(k, *values.shape[1:])
     return values.gather(0, chosen).amin(dim=0)
 

@@ -375,15 +375,14 @@ def subset_min(
     with torch.no_grad():
         # The same draws as fe.reduce.subset_min, turned into a mask over all N members.
         if not per_sample:
-            chosen = torch.randperm(n, generator=generator, device=device)[:k]
+            chosen = _reduce.draw_subset(n, k, None, generator, device)
             mask = torch.zeros(n, dtype=torch.bool, device=device)
             mask[chosen] = True
             mine = mask[shard.members].to(values.device)
             mine = mine.reshape(-1, *[1] * (values.dim() - 1))
         else:
             batch = values.shape[1]
-            keys = torch.rand(batch, n, generator=generator, device=device, dtype=torch.float64)
-            chosen = keys.argsort(dim=1)[:, :k]
+            chosen = _reduce.draw_subset(n, k, batch, generator, device)
             mask = torch.zeros(batch, n, dtype=torch.bool, device=device)
             mask.scatter_(1, chosen, True)
             mine = mask[:, shard.members].T.to(values.device)
