@@ -25,8 +25,17 @@ def names(keys: Iterable[Any], label: Callable[[Any], str] = quoted, limit: int 
 
 
 def a(noun: str) -> str:
-    """``noun`` with its indefinite article: ``a float``, ``an int``, ``a uint8``."""
-    return f"{'an' if noun[:1] in tuple('aeio') else 'a'} {noun}"
+    """``noun`` with its indefinite article: ``a float``, ``an int``, ``a uint8``,
+    ``an AdamState``, ``an SGDState`` (a leading acronym is read letter by letter).
+
+    Example:
+        >>> from funcensemble._messages import a
+        >>> [a(n) for n in ("int", "uint8", "AdamState", "SGDState", "ScheduleState")]
+        ['an int', 'a uint8', 'an AdamState', 'an SGDState', 'a ScheduleState']
+    """
+    acronym = noun[:2].isupper()
+    vowel = noun[:1] in tuple("AEFHILMNORSX" if acronym else "aeioAEIO")
+    return f"{'an' if vowel else 'a'} {noun}"
 
 
 def key_difference(

@@ -13,7 +13,9 @@ import optree
 import torch
 from torch import Tensor
 
+from .._messages import a
 from .._torch_compat import set_grad_enabled_fast
+from .._tree import check_same_structure, flatten
 
 # Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
 # `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
@@ -192,22 +194,57 @@ def trainable(leaves: list[Any]) -> list[int]:
     return out
 
 
-def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
-    """Leaves and structure, with every ``None`` kept as a leaf of its own."""
-    return optree.tree_flatten(tree, none_is_leaf=True)
-
-
 def leaves_like(where: str, what: str, spec: optree.PyTreeSpec, tree: PyTree) -> list[Any]:
     """``tree``'s leaves aligned with ``spec``'s, or a clear error if the shapes differ."""
-    try:
-        return spec.flatten_up_to(tree)
-    except (ValueError, TypeError) as error:
-        got = optree.tree_structure(tree, none_is_leaf=True)
-        raise ValueError(
-            f"{where}: {what} do not match the structure of the parameters: expected "
-            f"{spec}, got {got}. Pass a pytree shaped like the params (None for a leaf "
-            "without a gradient)."
-        ) from error
+    return check_same_structure(
+        where,
+        what,
+        spec,
+        tree,
+        "Pass a pytree shaped like the params (None for a leaf without a gradient).",
+        reference="the structure of the parameters",
+    )
+
+
+def check_state_type(where: str, state: Any, state_type: type) -> None:
+    """Refuse a state that is not a ``state_type``, the type of the transform's own state."""
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"{where}: expected {a(state_type.__name__)} (from this transform's init), got "
+            f"{type(state).__name__}. Pass the state that this transform's init returned."
+        )
+
+
+class StateLeaves(NamedTuple):
+    """A per-leaf optimizer state and the updates, flattened and checked against each other."""
+
+    spec: optree.PyTreeSpec
+    counts: list[Any]  # the state's first field: None for a leaf without state
+    grads: list[Any]
+    fields: dict[str, list[Any]]  # the other fields asked for, leaf by leaf
+    active: list[int]  # leaves with an update and a state: the ones a step updates
+
+
+def state_leaves(
+    where: str, state: Any, state_type: type, updates: PyTree, fields: tuple[str, ...]
+) -> StateLeaves:
+    """The preamble of a per-leaf transform's ``update`` (SGD, RMSprop, Adam's moments).
+
+    Checks that ``state`` is ``state_type`` (from the transform's init), that the updates
+    and the state's ``fields`` have the structure of its first field (one entry per
+    parameter leaf), and that every update is a tensor or None; before anything changes.
+    """
+    check_state_type(where, state, state_type)
+    counts, spec = flatten(state[0])
+    grads = leaves_like(where, "updates", spec, updates)
+    check_tensors(where, "the update", spec, grads)
+    per_field = {f: leaves_like(where, f"state.{f}", spec, getattr(state, f)) for f in fields}
+    active = [
+        i
+        for i, (g, c) in enumerate(zip(grads, counts, strict=True))
+        if g is not None and c is not None
+    ]
+    return StateLeaves(spec, counts, grads, per_field, active)
 
 
 def leaf_name(spec: optree.PyTreeSpec, index: int, root: str = "params") -> str:
