@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from .._checkpoint.state_dict_checks import check_loadable
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
+from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
 from .functional_module import FunctionalModule
 from .in_dims import InDims
@@ -189,15 +190,15 @@ class Ensemble(nn.Module):
             return t.shape[0]
         raise ValueError("Ensemble: the architecture has no parameters or buffers.")
 
-    def stacked_params(self) -> dict[str, nn.Parameter]:
+    def stacked_params(self) -> StackedParameters:
         """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""
         return dict(self.stacked.named_parameters())
 
-    def stacked_buffers(self) -> dict[str, Tensor]:
+    def stacked_buffers(self) -> StackedTensors:
         """The live stacked buffers ``[N, ...]`` by state-dict name."""
         return dict(self.stacked.named_buffers())
 
-    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> StackedTree:
         """Run every member; outputs get a leading member axis.
 
         In train mode, BatchNorm running statistics are updated for every member; if the

@@ -4,14 +4,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from jaxtyping import Shaped
 from torch import Tensor, nn
 
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
+from .._types import StackedTensors
 from .functional_module import FunctionalModule
 from .skeleton import meta_skeleton, replace_tensors
-
-StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
 
 
 def stack(

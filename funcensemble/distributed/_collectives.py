@@ -19,6 +19,7 @@ from jaxtyping import Float, Real
 from torch import Tensor
 
 from .. import _reduce, _tree
+from .._types import StackedTree
 from ._errors import failures
 from ._member_shard import MemberShard, rank_and_world
 
@@ -172,7 +173,7 @@ def _gather_checked(where: str, shard: MemberShard, t: Tensor) -> Tensor:
     return torch.cat([out[r * rows : r * rows + size] for r, size in enumerate(shard.sizes)])
 
 
-def all_gather(local: Any, shard: MemberShard) -> Any:
+def all_gather(local: StackedTree, shard: MemberShard) -> StackedTree:
     """All N members' outputs on every rank, from each rank's own.
 
     Args:

@@ -20,6 +20,7 @@ from .. import _tree
 from .._core.ensemble import Ensemble
 from .._core.seeding import member_seed, seeded_cpu_rng
 from .._core.vmap import Randomness
+from .._types import StackedTree
 from ._agreement import agree, describe_ensemble, describe_optimizer, describe_state
 from ._rendezvous import join
 from ._slices import _count, member_slices, narrow_members, slice_size
@@ -211,7 +212,7 @@ class MemberShard:
         """How many members each rank holds, in rank order."""
         return tuple(slice_size(s) for s in self.slices)
 
-    def select(self, tree: Any) -> Any:
+    def select(self, tree: StackedTree) -> StackedTree:
         """This rank's members of something that holds all N.
 
         Args:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .._core.tree_view import Stacked, state_view
 from .._messages import key_difference
+from .._types import StackedTensor
 from ._protocol import GradientTransformation, PyTree, flatten
 
 
@@ -48,7 +49,7 @@ class EnsembleOptimizer:
 
     def __init__(
         self,
-        params: Stacked | Mapping[str, Tensor],
+        params: Stacked | Mapping[str, StackedTensor],
         transform: GradientTransformation,
     ) -> None:
         where = "EnsembleOptimizer"

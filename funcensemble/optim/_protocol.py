@@ -16,6 +16,7 @@ from torch import Tensor
 from .._messages import a
 from .._torch_compat import set_grad_enabled_fast
 from .._tree import check_same_structure, flatten
+from .._types import StackedTree
 
 # Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
 # `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
@@ -57,7 +58,7 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[PyTree, Any]]
     update_inplace: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]] | None = None
 
-    def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
+    def update_(self, grads: StackedTree, state: Any, params: StackedTree) -> Any:
         """Step ``params`` in place; return the new state.
 
         Computes the step of ``updates, state = update(grads, state, params)``
@@ -438,7 +439,7 @@ def refill(state: Any, new_state: Any) -> Any:
     return spec.unflatten(out)
 
 
-def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+def apply_updates(params: StackedTree, updates: StackedTree) -> StackedTree:
     """Add updates to parameters, returning new tensors; the inputs are untouched.
 
     A leaf whose update is ``None`` (no gradient, or not floating point) is returned
