@@ -80,6 +80,12 @@ def pytree_leaf(key: str) -> str:
     return f"leaf {quoted(key)}"
 
 
+def submodule(path: str) -> str:
+    """The label of a submodule by its dotted path: ``submodule `net.0```, or ``the root
+    module`` for the empty path."""
+    return f"submodule {quoted(path)}" if path else "the root module"
+
+
 def positive_int(where: str, name: str, value: object, *, or_none: bool = False) -> int:
     """``value`` if it is an int >= 1 (not a bool), else a ``TypeError``/``ValueError``
     in the house dialect naming ``where`` and the argument ``name``."""

@@ -181,7 +181,10 @@ class Recurrent(nn.Module):
     ],
 )
 def test_fused_rnn_layers_refused_at_stack_time(layer: nn.Module, label: str) -> None:
-    pattern = rf"member 0 contains {label} at `encoder.1`\. torch.func.vmap has no batching rule"
+    pattern = (
+        rf"member 0 contains {label} at submodule `encoder.1`\. "
+        r"torch.func.vmap has no batching rule"
+    )
     with pytest.raises(TypeError, match=pattern):
         fe.stack([Recurrent(layer), Recurrent(copy.deepcopy(layer))])
     with pytest.raises(TypeError, match=pattern):

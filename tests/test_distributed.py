@@ -138,7 +138,7 @@ def test_what_is_compared_across_ranks():
 
     base = described()
     assert described(n=2) == base  # an uneven split: each rank's own member count
-    assert described(slope=0.2)["the settings of `1`"] == "LeakyReLU(negative_slope=0.2)"
+    assert described(slope=0.2)["the settings of submodule `1`"] == "LeakyReLU(negative_slope=0.2)"
     assert described(width=5)["parameter `0.weight`"] == (
         "float32, per-member shape (5, 2), requires_grad"
     )
@@ -864,7 +864,7 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     )
     assert "rank 1: float32, per-member shape (8, 4)" in messages["architecture"]
     assert (
-        "the settings of `1` (rank 0: LeakyReLU(negative_slope=0.0); rank 1: "
+        "the settings of submodule `1` (rank 0: LeakyReLU(negative_slope=0.0); rank 1: "
         "LeakyReLU(negative_slope=0.1))" in messages["slope"]
     )
     assert (

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.skeleton import modes, named_tensors
-from .._messages import a, key_difference
+from .._messages import a, key_difference, submodule
 from .attributes import check_same_state, check_same_tree, class_names, original_class
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
@@ -75,9 +75,8 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
         )
     for name, sub in module.named_modules():
         if isinstance(sub, _UNBATCHABLE):
-            label = f"`{name}`" if name else "the root module"
             raise TypeError(
-                f"{where}: member {index} contains {type(sub).__name__} at {label}. "
+                f"{where}: member {index} contains {type(sub).__name__} at {submodule(name)}. "
                 + _UNBATCHABLE_HINT
             )
     return module
@@ -142,7 +141,7 @@ def check_same_architecture(
             (k for k in ref.modes if got.modes.get(k) != ref.modes[k]),
             next(iter(got.modes.keys() - ref.modes.keys()), ""),
         )
-        label = f"submodule `{name}`" if name else "the root module"
+        label = submodule(name)
         mode = "train" if got.modes.get(name) else "eval"
         ref_mode = "train" if ref.modes.get(name) else "eval"
         raise ValueError(
