@@ -80,6 +80,12 @@ def pytree_leaf(key: str) -> str:
     return f"leaf {quoted(key)}"
 
 
+def tensor_spec(dtype: object, shape: tuple[int, ...]) -> str:
+    """A tensor as messages describe it, with its article: ``a float64 tensor of shape
+    (3, 2)`` (``dtype`` a ``torch.dtype`` or its name)."""
+    return f"{a(str(dtype).removeprefix('torch.'))} tensor of shape {tuple(shape)}"
+
+
 def submodule(path: str) -> str:
     """The label of a submodule by its dotted path: ``submodule `net.0```, or ``the root
     module`` for the empty path."""

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .._core.ensemble import Ensemble
-from .._messages import a, ensemble_leaf, key_difference, pytree_leaf
+from .._messages import ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
 from .file import (
     VALUE_TYPES,
@@ -64,7 +64,7 @@ def _contents(where: str, obj: Any) -> _Contents:
 
 def _describe(spec: Spec) -> str:
     if spec[0] == "tensor":
-        return f"{a(spec[2])} tensor of shape {spec[1]}"
+        return tensor_spec(spec[2], spec[1])
     return f"a Python {spec[0]}"
 
 

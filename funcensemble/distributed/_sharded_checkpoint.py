@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .._checkpoint.paths import flatten_by_key
 from .._core.ensemble import Ensemble
-from .._messages import ensemble_leaf, key_difference, pytree_leaf
+from .._messages import ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING
 from ._agreement import agree_to_write
 from ._dcp_checksums import (
@@ -342,10 +342,6 @@ def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
         raise _corrupt(where, name, error) from None
 
 
-def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    return f"{str(dtype).removeprefix('torch.')} tensor of shape {shape}"
-
-
 def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) -> int | None:
     sizes = {}
     for key in flat.sharded():
@@ -388,8 +384,8 @@ def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: Mem
         if got != want:
             raise ValueError(
                 f"{where}: '{name}' does not match the object to load into: "
-                f"{flat.label(key)} is a {_describe(*got)} in the checkpoint; loading "
-                f"needs a {_describe(*want)}"
+                f"{flat.label(key)} is {tensor_spec(got[1], got[0])} in the checkpoint; "
+                f"loading needs {tensor_spec(want[1], want[0])}"
                 + (f" (all {shard.num_members} members)." if key in sharded else ".")
             )
         if key in sharded and leaf.shape[0] != shard.size and shard.world_size == 1:
