@@ -38,6 +38,11 @@ def a(noun: str) -> str:
     return f"{'an' if vowel else 'a'} {noun}"
 
 
+def expected_got(expected: object, got: object) -> str:
+    """The dialect's middle part: ``(expected X, got Y)``."""
+    return f"(expected {expected}, got {got})"
+
+
 def key_difference(
     missing: Iterable[Any],
     extra: Iterable[Any],
@@ -95,9 +100,17 @@ def submodule(path: str) -> str:
 def positive_int(where: str, name: str, value: object, *, or_none: bool = False) -> int:
     """``value`` if it is an int >= 1 (not a bool), else a ``TypeError``/``ValueError``
     in the house dialect naming ``where`` and the argument ``name``."""
-    wanted = "a positive int or None" if or_none else "a positive int"
+    wanted, expected = "a positive int", "an int >= 1"
+    if or_none:
+        wanted, expected = f"{wanted} or None", f"{expected} or None"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: {name} must be {wanted}, got {type(value).__name__}.")
+        raise TypeError(
+            f"{where}: {name} must be {wanted} {expected_got(expected, type(value).__name__)}. "
+            f"Pass {name} as {expected}."
+        )
     if value < 1:
-        raise ValueError(f"{where}: {name} must be {wanted}, got {value!r}.")
+        raise ValueError(
+            f"{where}: {name} must be {wanted} {expected_got(expected, repr(value))}. "
+            f"Pass {name} as {expected}."
+        )
     return value

@@ -274,16 +274,25 @@ def test_bad_chunk_size(build: str) -> None:
 
     for bad in (0, -2):
         with pytest.raises(
-            ValueError, match=rf"chunk_size must be a positive int or None, got {bad}"
+            ValueError,
+            match=rf"chunk_size must be a positive int or None \(expected an int >= 1 or None, "
+            rf"got {bad}",
         ):
             make(bad)
-    with pytest.raises(TypeError, match=r"chunk_size must be a positive int or None, got bool"):
+    with pytest.raises(
+        TypeError,
+        match=r"chunk_size must be a positive int or None \(expected an int >= 1 or None, got bool",
+    ):
         make(True)
     with pytest.raises(TypeError, match=r"chunk_size"):
         make("2")
     with (
         runtime_typecheck_off(),
-        pytest.raises(TypeError, match=r"chunk_size must be a positive int or None, got str"),
+        pytest.raises(
+            TypeError,
+            match=r"chunk_size must be a positive int or None \(expected an int >= 1 or None, "
+            r"got str",
+        ),
     ):
         make("2")
 
@@ -454,9 +463,14 @@ def test_from_factory_bad_inputs_restore_global_rng() -> None:
     with runtime_typecheck_off(), pytest.raises(TypeError, match=r"factory must be callable"):
         fe.Ensemble.from_factory(3, 2)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match=rf"num_members must be a positive int, got {bad}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"num_members must be a positive int \(expected an int >= 1, got {bad}",
+        ):
             fe.Ensemble.from_factory(lin, bad)
-    with pytest.raises(TypeError, match=r"num_members must be a positive int, got bool"):
+    with pytest.raises(
+        TypeError, match=r"num_members must be a positive int \(expected an int >= 1, got bool"
+    ):
         fe.Ensemble.from_factory(lin, True)
     with pytest.raises(
         TypeError, match=r"from_factory: member 0 is an int, expected an nn\.Module"

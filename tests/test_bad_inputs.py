@@ -647,19 +647,19 @@ register_simple(
 register_simple(
     "from_factory-zero",
     ValueError,
-    "num_members must be a positive int, got 0",
+    r"num_members must be a positive int \(expected an int >= 1, got 0",
     lambda: fe.Ensemble.from_factory(mlp, 0),
 )
 register_simple(
     "from_factory-float",
     TypeError,
-    "num_members must be a positive int, got float",
+    r"num_members must be a positive int \(expected an int >= 1, got float",
     lambda: fe.Ensemble.from_factory(mlp, 3.0),
 )
 register_simple(
     "from_factory-bool",
     TypeError,
-    "num_members must be a positive int, got bool",
+    r"num_members must be a positive int \(expected an int >= 1, got bool",
     lambda: fe.Ensemble.from_factory(mlp, True),
 )
 register_simple(

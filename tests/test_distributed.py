@@ -68,9 +68,13 @@ def test_a_launched_rank_without_a_process_group_is_refused(monkeypatch):
 
 def test_member_shard_errors():
     with runtime_typecheck_off():
-        with pytest.raises(TypeError, match="num_members must be a positive int, got str"):
+        with pytest.raises(
+            TypeError, match=r"num_members must be a positive int \(expected an int >= 1, got str"
+        ):
             MemberShard("4")
-        with pytest.raises(ValueError, match="num_members must be a positive int, got 0"):
+        with pytest.raises(
+            ValueError, match=r"num_members must be a positive int \(expected an int >= 1, got 0"
+        ):
             MemberShard(0)
 
 

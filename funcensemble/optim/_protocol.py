@@ -13,7 +13,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .._messages import a
+from .._messages import a, expected_got
 from .._torch_compat import set_grad_enabled_fast
 from .._tree import check_same_structure, flatten
 from .._types import StackedTree
@@ -210,9 +210,11 @@ def leaves_like(where: str, what: str, spec: optree.PyTreeSpec, tree: PyTree) ->
 def check_state_type(where: str, state: Any, state_type: type) -> None:
     """Refuse a state that is not a ``state_type``, the type of the transform's own state."""
     if not isinstance(state, state_type):
+        wanted = f"{a(state_type.__name__)} from its init"
         raise TypeError(
-            f"{where}: expected {a(state_type.__name__)} (from this transform's init), got "
-            f"{type(state).__name__}. Pass the state that this transform's init returned."
+            f"{where}: the state is not this transform's "
+            f"{expected_got(wanted, type(state).__name__)}. Pass the state that this "
+            "transform's init returned."
         )
 
 
