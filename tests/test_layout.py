@@ -38,9 +38,11 @@ def test_the_inventory_names_every_private_call_the_seam_makes():
 _TOP_LEVEL = {
     "__init__.py",
     "_bagging.py",
+    "_messages.py",
     "_reduce.py",
     "_torch_compat.py",
     "_tree.py",
+    "_types.py",
     "reduce.py",
 }
 _GROUPS = {"_checkpoint", "_core", "_kernels", "_structure", "distributed", "optim"}
