@@ -22,6 +22,7 @@ from .._core.stack import _num_members, stack
 from .._core.vmap import Randomness, vmap
 from .._tree import flatten as tree_flatten
 from .._tree import unflatten
+from .._types import StackedTree
 from ..optim._protocol import GradientTransformation, apply_updates
 from ._per_shard import PerShard
 from ._placement import copies_async, device_of, devices_of, place_arg
@@ -266,7 +267,7 @@ class ShardedEnsemble:
         in_dims: InDims = None,
         gather: bool | str | torch.device = True,
         **kwargs: Any,
-    ) -> Any:
+    ) -> StackedTree | PerShard:
         """Run every member; outputs get a leading member axis.
 
         Args:
@@ -283,7 +284,9 @@ class ShardedEnsemble:
             return outputs
         return self.gather(outputs, device=None if gather is True else gather)
 
-    def gather(self, outputs: Sequence[Any], *, device: str | torch.device | None = None) -> Any:
+    def gather(
+        self, outputs: Sequence[StackedTree], *, device: str | torch.device | None = None
+    ) -> StackedTree:
         """Concatenate per-shard outputs along the member axis, on one device.
 
         Args:
