@@ -1390,7 +1390,7 @@ CASES += [
         "EnsembleOptimizer-load-str",
         _eopt(lambda o, e: o.load_state_dict("state")),
         TypeError,
-        "Expected the dict returned by state_dict",
+        r"this is not an optimizer state \(expected the dict returned by state_dict\(\)",
     ),
     Bad(
         "EnsembleOptimizer-load-missing-key",
@@ -1411,7 +1411,8 @@ CASES += [
             )
         ),
         ValueError,
-        r"has shape \(4, 1\) in the state_dict",
+        r"does not match this optimizer's state \(expected a tensor of shape .*, got a tensor "
+        r"of shape \(4, 1\)\)",
     ),
     Bad(
         "EnsembleOptimizer-load-none",
@@ -1421,7 +1422,7 @@ CASES += [
             )
         ),
         ValueError,
-        "is None in the state_dict but a tensor here",
+        r"does not match this optimizer's state \(expected a tensor of shape .*, got None\)",
     ),
     Bad(
         "EnsembleOptimizer-load-list",
@@ -1431,7 +1432,7 @@ CASES += [
             )
         ),
         ValueError,
-        "is a list in the state_dict",
+        r"does not match this optimizer's state \(expected a tensor of shape .*, got a list\)",
     ),
 ]
 
