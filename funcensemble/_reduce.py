@@ -6,6 +6,8 @@ import torch
 from jaxtyping import Float, Int, Real
 from torch import Tensor
 
+from ._messages import expected_got
+
 # " member *rest" starts with a space so that linters do not parse it as the Python
 # expression `member * rest` (jaxtyping's advice); jaxtyping ignores the space.
 
@@ -27,10 +29,16 @@ def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> 
             f"{where}: the member axis (dim 0) is empty, got shape {tuple(values.shape)}. "
             "An ensemble has at least one member."
         )
-    if floating and not values.is_floating_point():
+    return check_floating(where, values) if floating else values
+
+
+def check_floating(where: str, values: Tensor) -> Tensor:
+    """``values`` if floating point (also ``fe.distributed``'s reductions' check)."""
+    if not values.is_floating_point():
         raise TypeError(
-            f"{where}: Expected a floating-point tensor, got dtype {values.dtype}. "
-            "Convert it with .float() first."
+            f"{where}: the values are not floating point "
+            f"{expected_got('a floating-point dtype', values.dtype)}. Convert them with "
+            ".float() first."
         )
     return values
 

@@ -19,6 +19,7 @@ from jaxtyping import Float, Real
 from torch import Tensor
 
 from .. import _reduce, _tree
+from .._messages import expected_got
 from .._types import StackedTree
 from ._errors import failures
 from ._member_shard import MemberShard, rank_and_world
@@ -205,13 +206,13 @@ def all_gather(local: StackedTree, shard: MemberShard) -> StackedTree:
     return _tree.unflatten(spec, out)
 
 
-def _floating(where: str, values: Tensor) -> Tensor:
-    if not values.is_floating_point():
+def _real(where: str, values: Tensor) -> None:
+    if values.dtype == torch.bool or values.is_complex():
         raise TypeError(
-            f"{where}: Expected a floating-point tensor, got dtype {values.dtype}. "
-            "Convert it with .float() first."
+            f"{where}: the values are not real numbers "
+            f"{expected_got('a real dtype (not bool or complex)', values.dtype)}. Convert "
+            "them first (e.g. .float())."
         )
-    return values
 
 
 def _mean(where: str, values: Tensor, shard: MemberShard) -> Tensor:
@@ -233,7 +234,7 @@ def mean(local: Float[Tensor, " member *rest"], shard: MemberShard) -> Float[Ten
     """
     where = "mean"
     shard = _check_shard(where, shard)
-    values = _floating(where, _check_local(where, "local", local, shard))
+    values = _reduce.check_floating(where, _check_local(where, "local", local, shard))
     if shard.world_size == 1:
         return _reduce.mean(values)
     with torch.no_grad():
@@ -241,7 +242,7 @@ def mean(local: Float[Tensor, " member *rest"], shard: MemberShard) -> Float[Ten
 
 
 def _var(where: str, local: Tensor, shard: MemberShard, correction: int | float) -> Tensor:
-    values = _floating(where, _check_local(where, "local", local, shard))
+    values = _reduce.check_floating(where, _check_local(where, "local", local, shard))
     _reduce._check_correction(where, correction, shard.num_members)
     if shard.world_size == 1:
         return torch.var(values, dim=0, correction=correction)
@@ -292,8 +293,7 @@ def std(
 def _extreme(where: str, local: Tensor, shard: MemberShard, largest: bool) -> Tensor:
     shard = _check_shard(where, shard)
     values = _check_local(where, "local", local, shard)
-    if values.dtype == torch.bool or values.is_complex():
-        raise TypeError(f"{where}: Expected a real-valued tensor, got dtype {values.dtype}.")
+    _real(where, values)
     with torch.no_grad():
         out = values.amax(dim=0) if largest else values.amin(dim=0)
         if shard.world_size == 1:
@@ -369,8 +369,7 @@ def subset_min(
     values = _check_local(where, "local", local, shard)
     n = shard.num_members
     _reduce.check_subset_options(where, "local", values, n, k, generator, per_sample)
-    if values.dtype == torch.bool or values.is_complex():
-        raise TypeError(f"{where}: Expected a real-valued tensor, got dtype {values.dtype}.")
+    _real(where, values)
 
     device = values.device if generator is None else generator.device
     with torch.no_grad():
