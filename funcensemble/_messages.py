@@ -54,6 +54,13 @@ def key_difference(
     parameters `a` and has extra parameters `b```; empty when both are empty.
 
     ``kind`` (e.g. ``"parameters"``) goes before each list; ``label`` names one key.
+
+    Example:
+        >>> from funcensemble._messages import key_difference
+        >>> key_difference({"b", "a"}, {"c"}, kind="buffers")
+        'is missing buffers `a`, `b` and has extra buffers `c`'
+        >>> key_difference(set(), set())
+        ''
     """
     missing, extra = list(missing), list(extra)
     noun = f"{kind} " if kind else ""
@@ -68,7 +75,13 @@ def key_difference(
 def ensemble_leaf(key: str) -> str:
     """The label of a leaf of an ensemble's ``{"params": ..., "buffers": ...}`` tree,
     keyed by its path (``['params']['0.weight']``): ``parameter `0.weight```; other
-    paths as ``leaf `path```."""
+    paths as ``leaf `path```.
+
+    Example:
+        >>> from funcensemble._messages import ensemble_leaf
+        >>> ensemble_leaf("['params']['0.weight']"), ensemble_leaf("['opt'].mu")
+        ('parameter `0.weight`', "leaf `['opt'].mu`")
+    """
     for group, word in (("params", "parameter"), ("buffers", "buffer")):
         prefix = f"[{group!r}]["
         if key.startswith(prefix) and key.endswith("]"):
