@@ -498,7 +498,9 @@ def test_unstack_bad_inputs() -> None:
     ):
         fe.unstack(lin(), params, buffers)
     with pytest.raises(
-        ValueError, match=r"parameters \['weight'\] do not match the architecture's \['bias', 'w"
+        ValueError,
+        match=r"unstack: the parameters do not match the architecture: the dict is missing "
+        r"`bias`\. Pass the parameters that fe.stack returned",
     ):
         fe.unstack(fmodel, {"weight": params["weight"]}, buffers)
     with pytest.raises(ValueError, match=r"`bias` has leading size 3, but `weight` has 2"):

@@ -823,7 +823,7 @@ CASES += [
         "unstack-missing-parameter",
         _unstack_missing,
         ValueError,
-        r"parameters \['0.bias', '0.weight', '2.weight'\] do not match",
+        r"unstack: the parameters do not match the architecture: the dict is missing `2\.bias`\.",
     ),
     Bad(
         "unstack-member-counts",

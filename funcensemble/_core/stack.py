@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._messages import key_difference
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from .._types import StackedTensors
 from .functional_module import FunctionalModule
@@ -192,9 +193,11 @@ def unstack(
         ("parameters", ref.params, params),
         ("buffers", ref.buffers, buffers),
     ):
-        if expected.keys() != got.keys():
+        difference = key_difference(expected.keys() - got.keys(), got.keys() - expected.keys())
+        if difference:
             raise ValueError(
-                f"unstack: {kind} {sorted(got)} do not match the architecture's {sorted(expected)}."
+                f"unstack: the {kind} do not match the architecture: the dict {difference}. "
+                f"Pass the {kind} that fe.stack returned with this fmodel."
             )
     n = _num_members("unstack", params, buffers)
     return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]
