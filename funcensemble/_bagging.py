@@ -7,13 +7,7 @@ from jaxtyping import Int
 from torch import Tensor
 from torch.utils.data import Sampler
 
-
-def _positive_int(where: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: {name} must be a positive int, got {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}.")
-    return value
+from ._messages import positive_int as _positive_int
 
 
 def bootstrap_indices(

@@ -3,8 +3,10 @@
 import math
 
 import torch
-from jaxtyping import Float, Real
+from jaxtyping import Float, Int, Real
 from torch import Tensor
+
+from ._messages import expected_got
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
 # expression `member * rest` (jaxtyping's advice); jaxtyping ignores the space.
@@ -27,10 +29,16 @@ def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> 
             f"{where}: the member axis (dim 0) is empty, got shape {tuple(values.shape)}. "
             "An ensemble has at least one member."
         )
-    if floating and not values.is_floating_point():
+    return check_floating(where, values) if floating else values
+
+
+def check_floating(where: str, values: Tensor) -> Tensor:
+    """``values`` if floating point (also ``fe.distributed``'s reductions' check)."""
+    if not values.is_floating_point():
         raise TypeError(
-            f"{where}: Expected a floating-point tensor, got dtype {values.dtype}. "
-            "Convert it with .float() first."
+            f"{where}: the values are not floating point "
+            f"{expected_got('a floating-point dtype', values.dtype)}. Convert them with "
+            ".float() first."
         )
     return values
 
@@ -174,6 +182,18 @@ def check_subset_options(
         )
 
 
+def draw_subset(
+    n: int, k: int, batch: int | None, generator: torch.Generator | None, device: torch.device
+) -> Int[Tensor, " k"] | Int[Tensor, "batch k"]:
+    """``subset_min``'s draw (also ``fe.distributed.subset_min``'s): ``k`` distinct members
+    of ``n``, ``[k]``, or with a ``batch`` size one subset per index, ``[batch, k]``."""
+    if batch is None:
+        return torch.randperm(n, generator=generator, device=device)[:k]
+    # Sorting i.i.d. uniform keys gives every row its own uniform random permutation.
+    keys = torch.rand(batch, n, generator=generator, device=device, dtype=torch.float64)
+    return keys.argsort(dim=1)[:, :k]
+
+
 def subset_min(
     values: Real[Tensor, " member *rest"],
     k: int,
@@ -220,12 +240,10 @@ def subset_min(
 
     device = values.device if generator is None else generator.device
     if not per_sample:
-        chosen = torch.randperm(n, generator=generator, device=device)[:k]
+        chosen = draw_subset(n, k, None, generator, device)
         return values.index_select(0, chosen.to(values.device)).amin(dim=0)
     batch = values.shape[1]
-    # Sorting i.i.d. uniform keys gives every row its own uniform random permutation.
-    keys = torch.rand(batch, n, generator=generator, device=device, dtype=torch.float64)
-    chosen = keys.argsort(dim=1)[:, :k].T.to(values.device)  # [k, batch]
+    chosen = draw_subset(n, k, batch, generator, device).T.to(values.device)  # [k, batch]
     chosen = chosen.reshape(k, batch, *[1] * (values.dim() - 2)).expand(k, *values.shape[1:])
     return values.gather(0, chosen).amin(dim=0)
 

@@ -57,15 +57,19 @@ def broadcast_prefix(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
 
 
 def check_same_structure(
-    where: str, what: str, expected: PyTreeSpec, tree: Any, fix: str
+    where: str,
+    what: str,
+    expected: PyTreeSpec,
+    tree: Any,
+    fix: str,
+    reference: str = "the expected structure",
 ) -> list[Any]:
     """``tree``'s leaves aligned with ``expected``'s, or a ``ValueError`` saying how the
-    structures differ (``where: what do not match ... (expected S, got T). fix``)."""
+    structures differ (``where: what do not match reference (expected S, got T). fix``)."""
     try:
         return expected.flatten_up_to(tree)
     except (ValueError, TypeError) as error:
         got = optree.tree_structure(tree, none_is_leaf=True)
         raise ValueError(
-            f"{where}: {what} do not match the expected structure (expected {expected}, "
-            f"got {got}). {fix}"
+            f"{where}: {what} do not match {reference} (expected {expected}, got {got}). {fix}"
         ) from error

@@ -369,7 +369,8 @@ BAD_CALLS = [
         lambda opt, s: (fe.optim.EmptyState(), s[1]),
         GOOD,
         TypeError,
-        r"adam: expected an AdamState \(from this transform's init\), got EmptyState",
+        r"adam: the state is not this transform's \(expected an AdamState from its init, got "
+        r"EmptyState\)\. Pass the state",
         id="state-type",
     ),
     pytest.param(
@@ -429,7 +430,11 @@ def test_wrong_schedule_state_is_rejected():
     opt = fe.optim.adam(lambda c: 1e-2)
     params = small_tree()
     state = opt.init(params)
-    with pytest.raises(TypeError, match=r"adam: expected a ScheduleState .* got EmptyState"):
+    with pytest.raises(
+        TypeError,
+        match=r"adam: the state is not this transform.s \(expected a ScheduleState .* got "
+        r"EmptyState\)",
+    ):
         opt.update_(small_tree(), (state[0], fe.optim.EmptyState()), params)
     assert state[1].count.item() == 0
 

@@ -181,7 +181,10 @@ class Recurrent(nn.Module):
     ],
 )
 def test_fused_rnn_layers_refused_at_stack_time(layer: nn.Module, label: str) -> None:
-    pattern = rf"member 0 contains {label} at `encoder.1`\. torch.func.vmap has no batching rule"
+    pattern = (
+        rf"member 0 contains {label} at submodule `encoder.1`\. "
+        r"torch.func.vmap has no batching rule"
+    )
     with pytest.raises(TypeError, match=pattern):
         fe.stack([Recurrent(layer), Recurrent(copy.deepcopy(layer))])
     with pytest.raises(TypeError, match=pattern):
@@ -271,16 +274,25 @@ def test_bad_chunk_size(build: str) -> None:
 
     for bad in (0, -2):
         with pytest.raises(
-            ValueError, match=rf"chunk_size must be a positive int or None, got {bad}"
+            ValueError,
+            match=rf"chunk_size must be a positive int or None \(expected an int >= 1 or None, "
+            rf"got {bad}",
         ):
             make(bad)
-    with pytest.raises(TypeError, match=r"chunk_size must be a positive int or None, got bool"):
+    with pytest.raises(
+        TypeError,
+        match=r"chunk_size must be a positive int or None \(expected an int >= 1 or None, got bool",
+    ):
         make(True)
     with pytest.raises(TypeError, match=r"chunk_size"):
         make("2")
     with (
         runtime_typecheck_off(),
-        pytest.raises(TypeError, match=r"chunk_size must be a positive int or None, got str"),
+        pytest.raises(
+            TypeError,
+            match=r"chunk_size must be a positive int or None \(expected an int >= 1 or None, "
+            r"got str",
+        ),
     ):
         make("2")
 
@@ -410,12 +422,12 @@ def test_load_state_dict_from_another_architecture() -> None:
     _assert_load_fails(
         ens,
         other.state_dict(),
-        r"missing keys \['stacked.0.bias'\], unexpected keys \[\]",
+        r"architecture: it is missing `stacked\.0\.bias`\.$",
     )
     extra = {**ens.state_dict(), "stacked.2.weight": torch.ones(3)}
-    _assert_load_fails(ens, extra, r"missing keys \[\], unexpected keys \['stacked.2.weight'\]")
+    _assert_load_fails(ens, extra, r"architecture: it has extra `stacked\.2\.weight`\.$")
     one_member = nn.Sequential(lin(), nn.BatchNorm1d(2)).state_dict()
-    _assert_load_fails(ens, one_member, r"missing keys \['stacked.0.bias'.*unexpected keys \['0")
+    _assert_load_fails(ens, one_member, r"it is missing `stacked\.0\.bias`.* and has extra `0")
     # Shapes are checked for every entry before the first one is copied.
     wider = {k: v + 1 for k, v in _ens(d_in=4).state_dict().items()}
     _assert_load_fails(
@@ -451,11 +463,18 @@ def test_from_factory_bad_inputs_restore_global_rng() -> None:
     with runtime_typecheck_off(), pytest.raises(TypeError, match=r"factory must be callable"):
         fe.Ensemble.from_factory(3, 2)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match=rf"num_members must be a positive int, got {bad}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"num_members must be a positive int \(expected an int >= 1, got {bad}",
+        ):
             fe.Ensemble.from_factory(lin, bad)
-    with pytest.raises(TypeError, match=r"num_members must be a positive int, got bool"):
+    with pytest.raises(
+        TypeError, match=r"num_members must be a positive int \(expected an int >= 1, got bool"
+    ):
         fe.Ensemble.from_factory(lin, True)
-    with pytest.raises(TypeError, match=r"from_factory: member 0 is a int, expected an nn\.Module"):
+    with pytest.raises(
+        TypeError, match=r"from_factory: member 0 is an int, expected an nn\.Module"
+    ):
         fe.Ensemble.from_factory(lambda: 3, 2)
     sizes = iter([3, 3, 4])
     with pytest.raises(
@@ -479,7 +498,9 @@ def test_unstack_bad_inputs() -> None:
     ):
         fe.unstack(lin(), params, buffers)
     with pytest.raises(
-        ValueError, match=r"parameters \['weight'\] do not match the architecture's \['bias', 'w"
+        ValueError,
+        match=r"unstack: the parameters do not match the architecture: the dict is missing "
+        r"`bias`\. Pass the parameters that fe.stack returned",
     ):
         fe.unstack(fmodel, {"weight": params["weight"]}, buffers)
     with pytest.raises(ValueError, match=r"`bias` has leading size 3, but `weight` has 2"):

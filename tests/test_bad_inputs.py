@@ -647,25 +647,25 @@ register_simple(
 register_simple(
     "from_factory-zero",
     ValueError,
-    "num_members must be a positive int, got 0",
+    r"num_members must be a positive int \(expected an int >= 1, got 0",
     lambda: fe.Ensemble.from_factory(mlp, 0),
 )
 register_simple(
     "from_factory-float",
     TypeError,
-    "num_members must be a positive int, got float",
+    r"num_members must be a positive int \(expected an int >= 1, got float",
     lambda: fe.Ensemble.from_factory(mlp, 3.0),
 )
 register_simple(
     "from_factory-bool",
     TypeError,
-    "num_members must be a positive int, got bool",
+    r"num_members must be a positive int \(expected an int >= 1, got bool",
     lambda: fe.Ensemble.from_factory(mlp, True),
 )
 register_simple(
     "from_factory-not-module",
     TypeError,
-    "member 0 is a int, expected an nn.Module",
+    "member 0 is an int, expected an nn.Module",
     lambda: fe.Ensemble.from_factory(lambda: 3, 2),
 )
 CASES.append(
@@ -750,13 +750,13 @@ CASES += [
         "load_state_dict-missing-key",
         _ens_call(lambda e: e.load_state_dict(_state_without(e, "stacked.2.bias"))),
         ValueError,
-        r"missing keys \['stacked.2.bias'\]",
+        r"it is missing `stacked\.2\.bias`\.",
     ),
     Bad(
         "load_state_dict-extra-key",
         _ens_call(lambda e: e.load_state_dict(_state_with(e, "stacked.9.bias", torch.zeros(3)))),
         ValueError,
-        r"unexpected keys \['stacked.9.bias'\]",
+        r"it has extra `stacked\.9\.bias`\.",
     ),
     Bad(
         "load_state_dict-member-count",
@@ -823,7 +823,7 @@ CASES += [
         "unstack-missing-parameter",
         _unstack_missing,
         ValueError,
-        r"parameters \['0.bias', '0.weight', '2.weight'\] do not match",
+        r"unstack: the parameters do not match the architecture: the dict is missing `2\.bias`\.",
     ),
     Bad(
         "unstack-member-counts",
@@ -1390,13 +1390,13 @@ CASES += [
         "EnsembleOptimizer-load-str",
         _eopt(lambda o, e: o.load_state_dict("state")),
         TypeError,
-        "Expected the dict returned by state_dict",
+        r"this is not an optimizer state \(expected the dict returned by state_dict\(\)",
     ),
     Bad(
         "EnsembleOptimizer-load-missing-key",
         _eopt(lambda o, e: o.load_state_dict(_sd_edit(o, lambda s: s.pop(_first_key(s))))),
         ValueError,
-        "missing keys",
+        "the state does not match this optimizer: it is missing `state",
     ),
     Bad(
         "EnsembleOptimizer-load-shape",
@@ -1411,7 +1411,8 @@ CASES += [
             )
         ),
         ValueError,
-        r"has shape \(4, 1\) in the state_dict",
+        r"does not match this optimizer's state \(expected a tensor of shape .*, got a tensor "
+        r"of shape \(4, 1\)\)",
     ),
     Bad(
         "EnsembleOptimizer-load-none",
@@ -1421,7 +1422,7 @@ CASES += [
             )
         ),
         ValueError,
-        "is None in the state_dict but a tensor here",
+        r"does not match this optimizer's state \(expected a tensor of shape .*, got None\)",
     ),
     Bad(
         "EnsembleOptimizer-load-list",
@@ -1431,7 +1432,7 @@ CASES += [
             )
         ),
         ValueError,
-        "is a list in the state_dict",
+        r"does not match this optimizer's state \(expected a tensor of shape .*, got a list\)",
     ),
 ]
 

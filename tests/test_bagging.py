@@ -33,8 +33,14 @@ def test_without_replacement_has_no_repeats():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_members": 0, "num_samples": 5}, "num_members must be a positive int, got 0"),
-        ({"num_members": 2, "num_samples": -1}, "num_samples must be a positive int, got -1"),
+        (
+            {"num_members": 0, "num_samples": 5},
+            r"num_members must be a positive int \(expected an int >= 1, got 0",
+        ),
+        (
+            {"num_members": 2, "num_samples": -1},
+            r"num_samples must be a positive int \(expected an int >= 1, got -1",
+        ),
         (
             {"num_members": 2, "num_samples": 5, "sample_size": 6, "replace": False},
             "sample_size 6 exceeds num_samples 5",
@@ -54,7 +60,9 @@ def test_counts_of_the_wrong_type(kwargs):
     name = next(iter(kwargs))
     with (
         runtime_typecheck_off(),
-        pytest.raises(TypeError, match=f"{name} must be a positive int, got"),
+        pytest.raises(
+            TypeError, match=rf"{name} must be a positive int \(expected an int >= 1, got"
+        ),
     ):
         fe.bootstrap_indices(**args)
 

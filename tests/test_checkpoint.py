@@ -545,11 +545,11 @@ def _without_leaf(tree: dict) -> dict:
         (_without_leaf, r"the file has extra leaf `\['params'\]\['0.bias'\]`"),
         (
             lambda t: {**t, "extra": torch.ones(1)},
-            r"the file lacks leaf `\['extra'\]`\. Build the template",
+            r"the file is missing leaf `\['extra'\]`\. Build the template",
         ),
         (
             lambda t: {**t, "opt_state": t["opt_state"]._replace(unused=torch.ones(1))},
-            r"lacks leaf `\['opt_state'\].unused`",
+            r"is missing leaf `\['opt_state'\].unused`",
         ),
         (
             lambda t: {**t, "opt_state": t["opt_state"]._replace(count=0.0)},

@@ -63,11 +63,15 @@ def test_member_slices_examples_from_the_docs():
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
-        ((0, 1), ValueError, "num_members must be at least 1, got 0"),
-        ((4, 0), ValueError, "parts must be at least 1, got 0"),
+        ((0, 1), ValueError, r"num_members must be a positive int \(expected an int >= 1, got 0"),
+        ((4, 0), ValueError, r"parts must be a positive int \(expected an int >= 1, got 0"),
         ((3, 4), ValueError, "cannot split 3 member.s. into 4 parts"),
-        ((4.0, 2), TypeError, "num_members must be an int, got float"),
-        ((4, True), TypeError, "parts must be an int, got bool"),
+        (
+            (4.0, 2),
+            TypeError,
+            r"num_members must be a positive int \(expected an int >= 1, got float",
+        ),
+        ((4, True), TypeError, r"parts must be a positive int \(expected an int >= 1, got bool"),
     ],
 )
 def test_member_slices_errors(args, error, match):

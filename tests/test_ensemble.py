@@ -429,15 +429,15 @@ _BAD_STATES = [
     ),
     pytest.param(
         lambda state, ens: {k: v for k, v in state.items() if k != _RV}, {}, ValueError,
-        r"missing keys \['stacked.1.running_var'\], unexpected keys \[\]\.$", id="missing key",
+        r"it is missing `stacked\.1\.running_var`\.$", id="missing key",
     ),
     pytest.param(
         _with("stacked.2.weight", torch.ones(3)), {}, ValueError,
-        r"missing keys \[\], unexpected keys \['stacked.2.weight'\]\.$", id="unexpected key",
+        r"it has extra `stacked\.2\.weight`\.$", id="unexpected key",
     ),
     pytest.param(
         lambda state, ens: _one_member_state(ens), {}, ValueError,
-        r"unexpected keys \['0.bias'.*\]\. `0.bias`, `0.weight`, .* are keys of one member "
+        r"has extra `0\.bias`.*`\. `0.bias`, `0.weight`, .* are keys of one member "
         r"module's state_dict; this ensemble holds them as `stacked.<key>` with a leading "
         r"member axis of 3",
         id="one member module",

@@ -39,10 +39,12 @@ _TOP_LEVEL = {
     "__init__.py",
     "_bagging.py",
     "_gaussian_mixture.py",
+    "_messages.py",
     "_reduce.py",
     "_sample_weights.py",
     "_torch_compat.py",
     "_tree.py",
+    "_types.py",
     "reduce.py",
 }
 _GROUPS = {"_checkpoint", "_core", "_hetero", "_kernels", "_structure", "distributed", "optim"}

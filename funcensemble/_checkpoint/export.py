@@ -8,8 +8,9 @@ from torch import Tensor
 
 from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
-from .._core.stack import StackedTensors, unstack
+from .._core.stack import StackedTensors, put_member, unstack
 from .._hetero.ensemble import HeteroEnsemble
+from .._messages import key_difference
 from .._structure.same_value import SameValue, show
 
 
@@ -67,10 +68,6 @@ def export_state_dicts(
             )
         members = unstack(ensemble, params, buffers)
     return [member.state_dict() for member in members]
-
-
-def _name(key: str) -> str:
-    return f"`{key}`"
 
 
 def import_state_dicts(
@@ -155,16 +152,14 @@ def _checked(
     for i, state_dict in zip(members, state_dicts, strict=True):
         _check_member(where, i, state_dict, targets, extras, list(tied.values()))
     _check_extra_states(where, state_dicts, extras, members)
+    stacked = {names[0]: targets[names[0]] for names in tied.values()}
 
     def write() -> None:
         for key in extras:
             path = key.removesuffix(_EXTRA_STATE).removesuffix(".")
             ensemble.stacked.get_submodule(path).set_extra_state(state_dicts[0][key])
-        with torch.no_grad():
-            for names in tied.values():
-                target = targets[names[0]]
-                for i, state_dict in enumerate(state_dicts):
-                    target[i].copy_(state_dict[names[0]])
+        for i, state_dict in enumerate(state_dicts):
+            put_member(stacked, i, state_dict)
 
     return write
 
@@ -202,15 +197,10 @@ def _check_member(
             "mapping from names to tensors such as module.state_dict()."
         )
     expected = targets.keys() | set(extras)
-    missing, extra = expected - state_dict.keys(), state_dict.keys() - expected
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append("is missing " + ", ".join(map(_name, sorted(missing))))
-        if extra:
-            parts.append("has extra " + ", ".join(map(_name, sorted(extra, key=str))))
+    difference = key_difference(expected - state_dict.keys(), state_dict.keys() - expected)
+    if difference:
         raise ValueError(
-            f"{where}: member {i} {' and '.join(parts)} compared with the ensemble's "
+            f"{where}: member {i} {difference} compared with the ensemble's "
             "architecture. All members must share one architecture (same names, and the "
             "same tied weights)."
         )

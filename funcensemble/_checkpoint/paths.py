@@ -6,8 +6,8 @@ from typing import Any
 import optree
 from torch import Tensor, nn
 
-from .._core.ensemble import Ensemble
-from .._hetero.ensemble import HeteroEnsemble
+from .._core.tree_view import state_view
+from .._messages import a
 
 
 def path_key(accessor: optree.PyTreeAccessor) -> str:
@@ -49,20 +49,20 @@ def flatten_by_key(
     *,
     key: Callable[[optree.PyTreeAccessor], str] = path_key,
 ) -> tuple[dict[str, Any], optree.PyTreeSpec]:
-    """An Ensemble's stacked state or a pytree's leaves, keyed by [`path_key`][].
+    """An Ensemble's stacked state (its registered view) or a pytree's leaves, keyed by
+    [`path_key`][].
 
     Raises before anything is written: an ordinary module, two leaves with one key,
     or a leaf that is neither a tensor nor of one of the exact ``value_types``.
     """
-    if isinstance(obj, Ensemble | HeteroEnsemble):
-        tree: Any = {"params": obj.stacked_params(), "buffers": obj.stacked_buffers()}
-    elif isinstance(obj, nn.Module):
+    tree: Any = state_view(obj)  # an Ensemble: {"params": ..., "buffers": ...}
+    if tree is None and isinstance(obj, nn.Module):
         raise TypeError(
             f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble (or "
             "fe.HeteroEnsemble) or a pytree of "
             "tensors. For an ordinary module, pass module.state_dict()."
         )
-    else:
+    if tree is None:
         tree = obj
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
     keys = [key(a) for a in accessors]
@@ -75,9 +75,7 @@ def flatten_by_key(
     for key, leaf in zip(keys, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
         if not isinstance(leaf, Tensor) and type(leaf) not in value_types:
-            noun = type(leaf).__name__
             raise TypeError(
-                f"{where}: leaf `{key}` is {'an' if noun[0] in 'aeio' else 'a'} {noun}; "
-                f"expected {values_text}."
+                f"{where}: leaf `{key}` is {a(type(leaf).__name__)}; expected {values_text}."
             )
     return dict(zip(keys, leaves, strict=True)), treedef

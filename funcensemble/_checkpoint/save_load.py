@@ -11,7 +11,6 @@ tensor leaf, keyed by its pytree path, e.g. ``['opt'].mu['net.0.weight']``. An
 differs; a member class is compared by name, not module (see ``_check_ensemble``).
 """
 
-import ast
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from .._core.ensemble import Ensemble
 from .._hetero.ensemble import HeteroEnsemble
+from .._messages import ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
 from .file import (
     VALUE_TYPES,
@@ -48,12 +48,11 @@ class _Contents:
     this: str  # how messages name the object: "this ensemble" or "the template"
 
     def label(self, path: str) -> str:
-        if self.kind in ("ensemble", "hetero_ensemble"):
-            for group, word in (("params", "parameter"), ("buffers", "buffer")):
-                prefix = f"[{group!r}]["
-                if path.startswith(prefix):
-                    return f"{word} `{ast.literal_eval(path[len(prefix) : -1])}`"
-        return f"leaf `{path}`"
+        return (
+            ensemble_leaf(path)
+            if self.kind in ("ensemble", "hetero_ensemble")
+            else pytree_leaf(path)
+        )
 
 
 def _contents(where: str, obj: Any) -> _Contents:
@@ -70,13 +69,9 @@ def _contents(where: str, obj: Any) -> _Contents:
     return _Contents("pytree", leaves, treedef, "the template")
 
 
-def _a(noun: str) -> str:
-    return f"{'an' if noun[0] in 'aeio' else 'a'} {noun}"
-
-
 def _describe(spec: Spec) -> str:
     if spec[0] == "tensor":
-        return f"{_a(spec[2])} tensor of shape {spec[1]}"
+        return tensor_spec(spec[2], spec[1])
     return f"a Python {spec[0]}"
 
 
@@ -264,16 +259,12 @@ def _check_leaves(
         else "Build the template with the structure that was saved (e.g. the same model "
         "and optimizer)."
     )
-    missing, extra = expected.keys() - got.keys(), got.keys() - expected.keys()
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append("lacks " + ", ".join(contents.label(k) for k in sorted(missing)))
-        if extra:
-            parts.append("has extra " + ", ".join(contents.label(k) for k in sorted(extra)))
+    difference = key_difference(
+        expected.keys() - got.keys(), got.keys() - expected.keys(), label=contents.label
+    )
+    if difference:
         raise ValueError(
-            f"{where}: '{name}' does not match {contents.this}: the file "
-            f"{' and '.join(parts)}. {hint}"
+            f"{where}: '{name}' does not match {contents.this}: the file {difference}. {hint}"
         )
     for key, spec in expected.items():
         if got[key] != spec:

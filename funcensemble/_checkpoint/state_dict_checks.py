@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._messages import key_difference, names
+
 STACK_HINT = (
     "To load N single-module state_dicts, stack them under `stacked.` names: "
     "{'stacked.' + k: torch.stack([sd[k] for sd in state_dicts]) for k in state_dicts[0]}."
@@ -26,11 +28,6 @@ def _kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
     return "floating-point" if dtype.is_floating_point else "integer"
-
-
-def _listed(keys: list[str], limit: int = 6) -> str:
-    shown = ", ".join(f"`{k}`" for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def check_loadable(
@@ -51,16 +48,15 @@ def check_loadable(
         k for k in state_dict if isinstance(k, str) and k not in own and f"stacked.{k}" in own
     )
     member_hint = (
-        f" {_listed(one_member)} are keys of one member module's state_dict; this "
+        f" {names(one_member, limit=6)} are keys of one member module's state_dict; this "
         f"ensemble holds them as `stacked.<key>` with a leading member axis of {n}. " + STACK_HINT
     )
     if strict:
-        missing, extra = own.keys() - state_dict.keys(), state_dict.keys() - own.keys()
-        if missing or extra:
+        difference = key_difference(own.keys() - state_dict.keys(), state_dict.keys() - own.keys())
+        if difference:
             raise ValueError(
-                f"{where}: the state_dict does not match this ensemble's architecture: "
-                f"missing keys {sorted(missing)}, unexpected keys {sorted(extra, key=str)}."
-                + (member_hint if one_member else "")
+                f"{where}: the state_dict does not match this ensemble's architecture: it "
+                f"{difference}." + (member_hint if one_member else "")
             )
     elif one_member:
         raise ValueError(

@@ -3,18 +3,18 @@
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from .._checkpoint.state_dict_checks import check_loadable
 from .._kernels.fastpath import fast_call
-from .._structure.architecture import Architecture, check_is_module, check_same_architecture
+from .._messages import positive_int
+from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
 from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .seeding import check_seed, global_rng_restored_on_error, member_seed, seeded_cpu_rng
 from .skeleton import meta_skeleton, replace_tensors
-from .stack import member_module, stack_as
+from .stack import member_module, stack_as, stack_members
 from .tree_view import register_view
 from .vmap import Randomness, check_options, mapped_call
 
@@ -58,6 +58,23 @@ class Ensemble(nn.Module):
         fmodel, params, buffers = stack_as("Ensemble", modules)
         super().__init__()
         self._adopt(fmodel.skeleton, params, buffers, randomness, chunk_size)
+
+    @classmethod
+    def _from_stacked(
+        cls,
+        skeleton: nn.Module,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        randomness: Randomness,
+        chunk_size: int | None,
+    ) -> "Ensemble":
+        """An ensemble holding already stacked tensors as they are (not copied), laid out
+        as ``skeleton``'s: the one way in besides ``__init__`` (``from_factory``, member
+        shards, ``ShardedEnsemble.to_ensemble``)."""
+        ens = cls.__new__(cls)
+        nn.Module.__init__(ens)
+        ens._adopt(skeleton, params, buffers, randomness, chunk_size)
+        return ens
 
     def _adopt(
         self,
@@ -141,63 +158,25 @@ class Ensemble(nn.Module):
         where = "Ensemble.from_factory"
         if not callable(factory):
             raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}.")
-        if isinstance(num_members, bool) or not isinstance(num_members, int):
-            raise TypeError(
-                f"{where}: num_members must be a positive int, got {type(num_members).__name__}."
-            )
-        if num_members < 1:
-            raise ValueError(f"{where}: num_members must be a positive int, got {num_members!r}.")
+        positive_int(where, "num_members", num_members)
         if seed is None:
 
-            def build(i: int) -> nn.Module:
-                return check_is_module(where, i, factory())
+            def build(i: int) -> object:  # checked by stack_members
+                return factory()
 
         else:
             base = check_seed(where, seed, none_ok=True)
 
-            def build(i: int) -> nn.Module:
+            def build(i: int) -> object:  # checked by stack_members
                 with seeded_cpu_rng(member_seed(base, i)):
-                    return check_is_module(where, i, factory())
+                    return factory()
 
         # With seed=None the members draw from the global generators; a refused call
         # (a member that raises or differs from member 0) puts them back as they were.
         with global_rng_restored_on_error():
-            first = build(0)
-            ref = Architecture.of(first)
-            first_params, first_buffers = (
-                dict(first.named_parameters()),
-                dict(first.named_buffers()),
-            )
-            with torch.no_grad():
-                params = {
-                    k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
-                    for k, s in ref.params.items()
-                }
-                buffers = {
-                    k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
-                    for k, s in ref.buffers.items()
-                }
-
-                def put(
-                    i: int, own_params: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]
-                ):
-                    for k, t in own_params.items():
-                        params[k][i].copy_(t)
-                    for k, t in own_buffers.items():
-                        buffers[k][i].copy_(t)
-
-                put(0, first_params, first_buffers)
-                for i in range(1, num_members):
-                    member = build(i)
-                    check_same_architecture(where, i, ref, member)
-                    put(i, dict(member.named_parameters()), dict(member.named_buffers()))
-                    del member
-        for k, s in ref.params.items():
-            params[k].requires_grad_(s.requires_grad)
-        ens = cls.__new__(cls)
-        nn.Module.__init__(ens)
-        ens._adopt(meta_skeleton(first), params, buffers, randomness, chunk_size)
-        return ens
+            members = (build(i) for i in range(num_members))
+            first, params, buffers = stack_members(where, members, num_members)
+        return cls._from_stacked(meta_skeleton(first), params, buffers, randomness, chunk_size)
 
     def __len__(self) -> int:
         return self.num_members
@@ -211,15 +190,15 @@ class Ensemble(nn.Module):
             return t.shape[0]
         raise ValueError("Ensemble: the architecture has no parameters or buffers.")
 
-    def stacked_params(self) -> dict[str, nn.Parameter]:
+    def stacked_params(self) -> StackedParameters:
         """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""
         return dict(self.stacked.named_parameters())
 
-    def stacked_buffers(self) -> dict[str, Tensor]:
+    def stacked_buffers(self) -> StackedTensors:
         """The live stacked buffers ``[N, ...]`` by state-dict name."""
         return dict(self.stacked.named_buffers())
 
-    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> StackedTree:
         """Run every member; outputs get a leading member axis.
 
         In train mode, BatchNorm running statistics are updated for every member; if the

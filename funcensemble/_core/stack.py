@@ -1,22 +1,16 @@
 """Stacking N same-architecture modules into one stateless function plus stacked state."""
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from jaxtyping import Shaped
 from torch import Tensor, nn
 
+from .._messages import key_difference
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
+from .._types import StackedTensors
 from .functional_module import FunctionalModule
 from .skeleton import meta_skeleton, replace_tensors
-
-StackedTensors = dict[str, Shaped[Tensor, "member ..."]]
-
-
-def _stack_one(name: str, tensors: list[Tensor], requires_grad: bool) -> Tensor:
-    out = torch.stack([t.detach() for t in tensors])
-    return out.requires_grad_(requires_grad) if requires_grad else out
 
 
 def stack(
@@ -77,19 +71,50 @@ def stack_as(
     modules = list(modules)
     if not modules:
         raise ValueError(f"{where}: Expected at least one module, got 0.")
-    first = check_is_module(where, 0, modules[0])
-    ref = Architecture.of(first)
-    for k, module in enumerate(modules[1:], start=1):
-        check_same_architecture(where, k, ref, check_is_module(where, k, module))
-    per_member = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in modules]
-    params = {
-        name: _stack_one(name, [p[name] for p, _ in per_member], spec.requires_grad)
-        for name, spec in ref.params.items()
-    }
-    buffers = {
-        name: _stack_one(name, [b[name] for _, b in per_member], False) for name in ref.buffers
-    }
+    first, params, buffers = stack_members(where, iter(modules), len(modules))
     return FunctionalModule(meta_skeleton(first)), params, buffers
+
+
+def put_member(stacked: Mapping[str, Tensor], i: int, values: Mapping[str, Any]) -> None:
+    """Copy one member's tensors into slot ``i`` of the stacked tensors of the same names
+    (``values`` may hold more names; only those of ``stacked`` are read)."""
+    with torch.no_grad():
+        for name, target in stacked.items():
+            target[i].copy_(values[name])
+
+
+def stack_members(
+    where: str, members: Iterator[nn.Module], num_members: int
+) -> tuple[nn.Module, dict[str, Tensor], dict[str, Tensor]]:
+    """The one stacking loop (``stack``, ``Ensemble``, ``Ensemble.from_factory``).
+
+    Takes ``num_members`` modules from ``members`` one at a time, checks each against
+    member 0 and copies it into preallocated ``[N, ...]`` tensors, so that a lazy
+    ``members`` (a factory) never holds more than one member besides member 0. Returns
+    member 0 and the stacked parameters (fresh autograd leaves with the members'
+    ``requires_grad``) and buffers.
+    """
+    first = check_is_module(where, 0, next(members))
+    ref = Architecture.of(first)
+
+    def empty(specs: Mapping[str, Any]) -> dict[str, Tensor]:
+        return {
+            k: torch.empty((num_members, *s.shape), dtype=s.dtype, device=s.device)
+            for k, s in specs.items()
+        }
+
+    params, buffers = empty(ref.params), empty(ref.buffers)
+    put_member(params, 0, dict(first.named_parameters()))
+    put_member(buffers, 0, dict(first.named_buffers()))
+    for i in range(1, num_members):
+        member = check_is_module(where, i, next(members))
+        check_same_architecture(where, i, ref, member)
+        put_member(params, i, dict(member.named_parameters()))
+        put_member(buffers, i, dict(member.named_buffers()))
+        del member
+    for k, s in ref.params.items():
+        params[k].requires_grad_(s.requires_grad)
+    return first, params, buffers
 
 
 def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
@@ -168,9 +193,11 @@ def unstack(
         ("parameters", ref.params, params),
         ("buffers", ref.buffers, buffers),
     ):
-        if expected.keys() != got.keys():
+        difference = key_difference(expected.keys() - got.keys(), got.keys() - expected.keys())
+        if difference:
             raise ValueError(
-                f"unstack: {kind} {sorted(got)} do not match the architecture's {sorted(expected)}."
+                f"unstack: the {kind} do not match the architecture: the dict {difference}. "
+                f"Pass the {kind} that fe.stack returned with this fmodel."
             )
     n = _num_members("unstack", params, buffers)
     return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]

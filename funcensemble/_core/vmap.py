@@ -10,6 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import _torch_compat
 from .._kernels.fastpath import fast_call
+from .._messages import positive_int
 from . import in_dims as _in_dims
 from .functional_module import FunctionalModule
 from .in_dims import InDims
@@ -163,12 +164,8 @@ def check_options(where: str, fn: Any, randomness: Any, chunk_size: Any) -> None
         raise ValueError(
             f"{where}: randomness must be 'different', 'same' or 'error', got {randomness!r}."
         )
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
-        raise TypeError(
-            f"{where}: chunk_size must be a positive int or None, got {type(chunk_size).__name__}."
-        )
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"{where}: chunk_size must be a positive int or None, got {chunk_size!r}.")
+    if chunk_size is not None:
+        positive_int(where, "chunk_size", chunk_size, or_none=True)
 
 
 def mapped_call(

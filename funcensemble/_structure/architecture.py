@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.skeleton import modes, named_tensors
+from .._messages import a, key_difference, submodule
 from .attributes import check_same_state, check_same_tree, class_names, original_class
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
@@ -70,34 +71,24 @@ class Architecture:
 def check_is_module(where: str, index: int, module: object) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"{where}: member {index} is a {type(module).__name__}, expected an nn.Module."
+            f"{where}: member {index} is {a(type(module).__name__)}, expected an nn.Module."
         )
     for name, sub in module.named_modules():
         if isinstance(sub, _UNBATCHABLE):
-            label = f"`{name}`" if name else "the root module"
             raise TypeError(
-                f"{where}: member {index} contains {type(sub).__name__} at {label}. "
+                f"{where}: member {index} contains {type(sub).__name__} at {submodule(name)}. "
                 + _UNBATCHABLE_HINT
             )
     return module
 
 
-def _names(names: object) -> str:
-    return ", ".join(f"`{n}`" for n in sorted(names))  # type: ignore[call-overload]
-
-
 def _check_tensors(
     where: str, index: int, kind: str, ref: dict[str, TensorSpec], got: dict[str, TensorSpec]
 ) -> None:
-    missing, extra = ref.keys() - got.keys(), got.keys() - ref.keys()
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"is missing {kind} {_names(missing)}")
-        if extra:
-            parts.append(f"has extra {kind} {_names(extra)}")
+    difference = key_difference(ref.keys() - got.keys(), got.keys() - ref.keys(), kind=kind)
+    if difference:
         raise ValueError(
-            f"{where}: member {index} {' and '.join(parts)} compared with member 0. "
+            f"{where}: member {index} {difference} compared with member 0. "
             "All members must share one architecture (same names, and the same tied "
             "weights)."
         )
@@ -150,7 +141,7 @@ def check_same_architecture(
             (k for k in ref.modes if got.modes.get(k) != ref.modes[k]),
             next(iter(got.modes.keys() - ref.modes.keys()), ""),
         )
-        label = f"submodule `{name}`" if name else "the root module"
+        label = submodule(name)
         mode = "train" if got.modes.get(name) else "eval"
         ref_mode = "train" if ref.modes.get(name) else "eval"
         raise ValueError(

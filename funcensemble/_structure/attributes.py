@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
+from .._messages import submodule
 from .same_value import SameValue, show
 
 # nn.Module's own bookkeeping: tensors and children (compared as the tree and by the
@@ -54,10 +55,6 @@ _SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"))
 
 def _instance(first: str, path: str) -> str:
     return "its own instance" if first == path else f"the same instance as `{first}`"
-
-
-def _label(path: str) -> str:
-    return f"submodule `{path}`" if path else "the root module"
 
 
 def _parametrized(module: nn.Module) -> bool:
@@ -114,7 +111,7 @@ def check_same_tree(where: str, index: int, ref: nn.Module, module: nn.Module) -
         _check_node(where, index, path, a, b)
         if ref_first.setdefault(id(a), path) != first_path.setdefault(id(b), path):
             raise ValueError(
-                f"{where}: member {index} has {_label(path)} as "
+                f"{where}: member {index} has {submodule(path)} as "
                 f"{_instance(first_path[id(b)], path)}; member 0 has it as "
                 f"{_instance(ref_first[id(a)], path)}. {_SAME_ARCHITECTURE}: share (tie) "
                 "the same submodules in every member."
@@ -136,7 +133,7 @@ def check_same_state(where: str, index: int, pairs: Pairs) -> None:
                 (t is None) is not (table_b[k] is None) for k, t in table_a.items()
             ):
                 raise ValueError(
-                    f"{where}: member {index} has {_label(path)} with {noun}s "
+                    f"{where}: member {index} has {submodule(path)} with {noun}s "
                     f"{_slots(table_b)}; member 0 has {_slots(table_a)}. "
                     f"{_SAME_ARCHITECTURE}: the same names."
                 )
@@ -153,7 +150,7 @@ def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -
     if original_class(a) is not original_class(b):
         cls_a, cls_b = class_names(a, b)
         raise TypeError(
-            f"{where}: member {index} has {_label(path)} of class {cls_b}; member 0 has "
+            f"{where}: member {index} has {submodule(path)} of class {cls_b}; member 0 has "
             f"{cls_a}. {_SAME_ARCHITECTURE}: build every member with the same classes."
         )
     if _parametrized(a) != _parametrized(b):
@@ -161,14 +158,14 @@ def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -
         names = sorted((a if has == 0 else b).parametrizations.keys())
         raise ValueError(
             f"{where}: member {has} has parametrizations (torch.nn.utils.parametrize) of "
-            f"{', '.join(f'`{n}`' for n in names)} on {_label(path)}; member {hasnt} has "
+            f"{', '.join(f'`{n}`' for n in names)} on {submodule(path)}; member {hasnt} has "
             f"none there. {_SAME_ARCHITECTURE}: register the same parametrizations on "
             "every member (or on none)."
         )
     kids_a, kids_b = _slots(a._modules), _slots(b._modules)
     if kids_a != kids_b:
         raise ValueError(
-            f"{where}: member {index} has {_label(path)} with child modules {kids_b}; "
+            f"{where}: member {index} has {submodule(path)} with child modules {kids_b}; "
             f"member 0 has {kids_a}. {_SAME_ARCHITECTURE}: the same submodules, in the same "
             "order."
         )
@@ -194,13 +191,13 @@ def _check_hooks(
         )
         if len(hooks_a) != len(hooks_b):
             raise ValueError(
-                f"{where}: member {index} has {len(hooks_b)} {noun}(s) on {_label(path)}; "
+                f"{where}: member {index} has {len(hooks_b)} {noun}(s) on {submodule(path)}; "
                 f"member 0 has {len(hooks_a)}. {fix}"
             )
         for k, (ha, hb) in enumerate(zip(hooks_a, hooks_b, strict=True)):
             if not same(ha, hb):
                 raise ValueError(
-                    f"{where}: member {index} has {noun} {k} on {_label(path)} = "
+                    f"{where}: member {index} has {noun} {k} on {submodule(path)} = "
                     f"{show(hb)}; member 0 has {show(ha)}. A hook must be the same function "
                     "(or the same code with equal captured values) on every member. " + fix
                 )
@@ -211,7 +208,7 @@ def _check_hooks(
         positions_b = _flagged(dict_b, flags, table)
         if positions_a != positions_b:
             raise ValueError(
-                f"{where}: member {index} has {_HOOKS[table]}s on {_label(path)} at "
+                f"{where}: member {index} has {_HOOKS[table]}s on {submodule(path)} at "
                 f"positions {positions_b} registered with {flags.split('_hooks_')[1]}; "
                 f"member 0 at {positions_a}. Register the same hooks with the same options "
                 "on every member."
@@ -235,7 +232,7 @@ def _check_attributes(
         for name in sorted((dict_a.keys() ^ dict_b.keys()) - BOOKKEEPING):
             has, hasnt = (0, index) if name in dict_a else (index, 0)
             raise ValueError(
-                f"{where}: member {has} has {_label(path)} with attribute `{name}`; member "
+                f"{where}: member {has} has {submodule(path)} with attribute `{name}`; member "
                 f"{hasnt} has no such attribute. {_SAME_ARCHITECTURE}, including every "
                 "attribute that forward may read: set it on every member or on none."
             )
@@ -247,7 +244,7 @@ def _check_attributes(
             continue
         if not same(va, vb):
             raise ValueError(
-                f"{where}: member {index} has {_label(path)} ({_class_name(b)}) with "
+                f"{where}: member {index} has {submodule(path)} ({_class_name(b)}) with "
                 f"`{name}` = {show(vb)}; member 0 has `{name}` = {show(va)}. Every member "
                 "runs with member 0's non-tensor state, so it must be the same in all "
                 f"members: give `{name}` one value in every member, or build one ensemble "

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .._checkpoint.paths import path_key
 from .._core.ensemble import Ensemble
 from .._core.skeleton import replace_tensors
+from .._messages import submodule
 from .._structure.architecture import Architecture
 from ..optim._protocol import GradientTransformation
 from ._errors import failures
@@ -109,7 +110,7 @@ def describe_ensemble(ens: Ensemble) -> Description:
         for name, t in tensors.items():
             out[f"{kind} `{name}`"] = _tensor(t, member_first=True)
     for name, module in member.named_modules():
-        label = f"`{name or '(root)'}`"
+        label = submodule(name)
         out[f"the mode of {label}"] = "train" if module.training else "eval"
         # A module's extra_repr shows its settings (a slope, eps, stride, p), which the
         # tensors do not: the fingerprint may not cover them all.

@@ -19,6 +19,8 @@ from jaxtyping import Float, Real
 from torch import Tensor
 
 from .. import _reduce, _tree
+from .._messages import expected_got
+from .._types import StackedTree
 from ._errors import failures
 from ._member_shard import MemberShard, rank_and_world
 
@@ -172,7 +174,7 @@ def _gather_checked(where: str, shard: MemberShard, t: Tensor) -> Tensor:
     return torch.cat([out[r * rows : r * rows + size] for r, size in enumerate(shard.sizes)])
 
 
-def all_gather(local: Any, shard: MemberShard) -> Any:
+def all_gather(local: StackedTree, shard: MemberShard) -> StackedTree:
     """All N members' outputs on every rank, from each rank's own.
 
     Args:
@@ -204,13 +206,13 @@ def all_gather(local: Any, shard: MemberShard) -> Any:
     return _tree.unflatten(spec, out)
 
 
-def _floating(where: str, values: Tensor) -> Tensor:
-    if not values.is_floating_point():
+def _real(where: str, values: Tensor) -> None:
+    if values.dtype == torch.bool or values.is_complex():
         raise TypeError(
-            f"{where}: Expected a floating-point tensor, got dtype {values.dtype}. "
-            "Convert it with .float() first."
+            f"{where}: the values are not real numbers "
+            f"{expected_got('a real dtype (not bool or complex)', values.dtype)}. Convert "
+            "them first (e.g. .float())."
         )
-    return values
 
 
 def _mean(where: str, values: Tensor, shard: MemberShard) -> Tensor:
@@ -232,7 +234,7 @@ def mean(local: Float[Tensor, " member *rest"], shard: MemberShard) -> Float[Ten
     """
     where = "mean"
     shard = _check_shard(where, shard)
-    values = _floating(where, _check_local(where, "local", local, shard))
+    values = _reduce.check_floating(where, _check_local(where, "local", local, shard))
     if shard.world_size == 1:
         return _reduce.mean(values)
     with torch.no_grad():
@@ -240,7 +242,7 @@ def mean(local: Float[Tensor, " member *rest"], shard: MemberShard) -> Float[Ten
 
 
 def _var(where: str, local: Tensor, shard: MemberShard, correction: int | float) -> Tensor:
-    values = _floating(where, _check_local(where, "local", local, shard))
+    values = _reduce.check_floating(where, _check_local(where, "local", local, shard))
     _reduce._check_correction(where, correction, shard.num_members)
     if shard.world_size == 1:
         return torch.var(values, dim=0, correction=correction)
@@ -291,8 +293,7 @@ def std(
 def _extreme(where: str, local: Tensor, shard: MemberShard, largest: bool) -> Tensor:
     shard = _check_shard(where, shard)
     values = _check_local(where, "local", local, shard)
-    if values.dtype == torch.bool or values.is_complex():
-        raise TypeError(f"{where}: Expected a real-valued tensor, got dtype {values.dtype}.")
+    _real(where, values)
     with torch.no_grad():
         out = values.amax(dim=0) if largest else values.amin(dim=0)
         if shard.world_size == 1:
@@ -368,22 +369,20 @@ def subset_min(
     values = _check_local(where, "local", local, shard)
     n = shard.num_members
     _reduce.check_subset_options(where, "local", values, n, k, generator, per_sample)
-    if values.dtype == torch.bool or values.is_complex():
-        raise TypeError(f"{where}: Expected a real-valued tensor, got dtype {values.dtype}.")
+    _real(where, values)
 
     device = values.device if generator is None else generator.device
     with torch.no_grad():
         # The same draws as fe.reduce.subset_min, turned into a mask over all N members.
         if not per_sample:
-            chosen = torch.randperm(n, generator=generator, device=device)[:k]
+            chosen = _reduce.draw_subset(n, k, None, generator, device)
             mask = torch.zeros(n, dtype=torch.bool, device=device)
             mask[chosen] = True
             mine = mask[shard.members].to(values.device)
             mine = mine.reshape(-1, *[1] * (values.dim() - 1))
         else:
             batch = values.shape[1]
-            keys = torch.rand(batch, n, generator=generator, device=device, dtype=torch.float64)
-            chosen = keys.argsort(dim=1)[:, :k]
+            chosen = _reduce.draw_subset(n, k, batch, generator, device)
             mask = torch.zeros(batch, n, dtype=torch.bool, device=device)
             mask.scatter_(1, chosen, True)
             mine = mask[:, shard.members].T.to(values.device)

@@ -22,6 +22,7 @@ from .. import _tree
 from .._core.ensemble import Ensemble
 from .._core.seeding import member_seed, seeded_cpu_rng
 from .._core.vmap import Randomness
+from .._types import StackedTree
 from ._agreement import agree, describe_ensemble, describe_optimizer, describe_state
 from ._mesh import default_mesh, mesh_axes
 from ._rendezvous import join
@@ -319,7 +320,7 @@ class MemberShard:
         """How many members each rank holds, in rank order."""
         return tuple(slice_size(s) for s in self.slices)
 
-    def select(self, tree: Any) -> Any:
+    def select(self, tree: StackedTree) -> StackedTree:
         """This rank's members of something that holds all N.
 
         Args:
@@ -357,10 +358,9 @@ class MemberShard:
         if isinstance(tree, Ensemble):
             params = {k: cut(f"parameter `{k}`", v) for k, v in tree.stacked_params().items()}
             buffers = {k: cut(f"buffer `{k}`", v) for k, v in tree.stacked_buffers().items()}
-            ens = Ensemble.__new__(Ensemble)
-            nn.Module.__init__(ens)
-            ens._adopt(tree.stacked, params, buffers, tree.randomness, tree.chunk_size)
-            return ens
+            return Ensemble._from_stacked(
+                tree.stacked, params, buffers, tree.randomness, tree.chunk_size
+            )
         leaves, spec = _tree.flatten(tree)
         out = [cut(f"leaf {i}", x) if isinstance(x, Tensor) else x for i, x in enumerate(leaves)]
         return _tree.unflatten(spec, out)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._checkpoint.paths import dotted_key, flatten_by_key
 from .._core.ensemble import Ensemble
+from .._messages import key_difference, pytree_leaf, tensor_spec
 from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING, dcp_save_planner_to_lowest_rank
 from ._agreement import agree_to_write
 from ._dcp_checksums import (
@@ -69,7 +70,7 @@ class _Flat:
         return self.treedef is None
 
     def label(self, key: str) -> str:
-        return self.labels.get(key, f"leaf `{key}`")
+        return self.labels.get(key, pytree_leaf(key))
 
     def sharded(self) -> list[str]:
         """Keys of the member-sharded leaves: tensors with at least one dimension."""
@@ -310,10 +311,6 @@ def _metadata(where: str, path: str | os.PathLike) -> tuple[Any, Any]:
         raise _corrupt(where, name, error) from None
 
 
-def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    return f"{str(dtype).removeprefix('torch.')} tensor of shape {shape}"
-
-
 def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) -> int | None:
     sizes = {}
     for key in flat.sharded():
@@ -330,16 +327,13 @@ def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) ->
 
 
 def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: MemberShard) -> None:
-    missing, extra = flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys()
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append("lacks " + ", ".join(flat.label(k) for k in sorted(missing)))
-        if extra:
-            parts.append("has extra " + ", ".join(flat.label(k) for k in sorted(extra)))
+    difference = key_difference(
+        flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys(), label=flat.label
+    )
+    if difference:
         raise ValueError(
             f"{where}: '{name}' does not match the object to load into: the checkpoint "
-            f"{' and '.join(parts)}. Load it into the structure that was saved (same "
+            f"{difference}. Load it into the structure that was saved (same "
             "architecture, optimizer and keys)."
         )
     sharded = set(flat.sharded())
@@ -359,8 +353,8 @@ def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: Mem
         if got != want:
             raise ValueError(
                 f"{where}: '{name}' does not match the object to load into: "
-                f"{flat.label(key)} is a {_describe(*got)} in the checkpoint; loading "
-                f"needs a {_describe(*want)}"
+                f"{flat.label(key)} is {tensor_spec(got[1], got[0])} in the checkpoint; "
+                f"loading needs {tensor_spec(want[1], want[0])}"
                 + (f" (all {shard.num_members} members)." if key in sharded else ".")
             )
         if key in sharded and leaf.shape[0] != shard.size and shard.world_size == 1:

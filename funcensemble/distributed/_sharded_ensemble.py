@@ -22,6 +22,7 @@ from .._core.stack import _num_members, stack
 from .._core.vmap import Randomness, vmap
 from .._tree import flatten as tree_flatten
 from .._tree import unflatten
+from .._types import StackedTree
 from ..optim._protocol import GradientTransformation, apply_updates
 from ._per_shard import PerShard
 from ._placement import copies_async, device_of, devices_of, place_arg
@@ -266,7 +267,7 @@ class ShardedEnsemble:
         in_dims: InDims = None,
         gather: bool | str | torch.device = True,
         **kwargs: Any,
-    ) -> Any:
+    ) -> StackedTree | PerShard:
         """Run every member; outputs get a leading member axis.
 
         Args:
@@ -283,7 +284,9 @@ class ShardedEnsemble:
             return outputs
         return self.gather(outputs, device=None if gather is True else gather)
 
-    def gather(self, outputs: Sequence[Any], *, device: str | torch.device | None = None) -> Any:
+    def gather(
+        self, outputs: Sequence[StackedTree], *, device: str | torch.device | None = None
+    ) -> StackedTree:
         """Concatenate per-shard outputs along the member axis, on one device.
 
         Args:
@@ -471,10 +474,9 @@ class ShardedEnsemble:
 
         params = {name: joined(self._params, name) for name in self._params[0]}
         buffers = {name: joined(self._buffers, name) for name in self._buffers[0]}
-        ens = Ensemble.__new__(Ensemble)
-        nn.Module.__init__(ens)
-        ens._adopt(self.fmodel.skeleton, params, buffers, self.randomness, self.chunk_size)
-        return ens
+        return Ensemble._from_stacked(
+            self.fmodel.skeleton, params, buffers, self.randomness, self.chunk_size
+        )
 
     def __repr__(self) -> str:
         layout = ", ".join(f"{d}: {n}" for d, n in zip(self.devices, self.sizes, strict=True))

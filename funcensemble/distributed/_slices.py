@@ -9,13 +9,7 @@ empty, so the only split refused is one with more parts than members. The larges
 
 import torch
 
-
-def _count(where: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"{where}: {name} must be at least 1, got {value}.")
-    return value
+from .._messages import positive_int as _count
 
 
 def member_slices(num_members: int, parts: int) -> list[slice]:

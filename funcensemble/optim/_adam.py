@@ -21,11 +21,13 @@ from ._protocol import (
     PyTree,
     chain,
     check_like,
+    check_state_type,
     check_tensors,
     flatten,
     leaf_name,
     leaves_like,
     scatter,
+    state_leaves,
     trainable,
     traits,
     with_traits,
@@ -133,22 +135,11 @@ def _adam_moments(
 
     def step(updates: PyTree, state: AdamState, in_place: bool) -> tuple[PyTree, AdamState]:
         """``update`` and its in-place form: one arithmetic, the state written or not."""
-        if not isinstance(state, AdamState):
-            raise TypeError(
-                f"{where}: expected an AdamState (from this transform's init), got "
-                f"{type(state).__name__}."
-            )
-        counts, spec = flatten(state.count)
-        grads = leaves_like(where, "updates", spec, updates)
-        mu = leaves_like(where, "state.mu", spec, state.mu)
-        nu = leaves_like(where, "state.nu", spec, state.nu)
-        nu_max = leaves_like(where, "state.nu_max", spec, state.nu_max)
         # Leaves without state (not floating point) or without a gradient are skipped.
-        active = [
-            i
-            for i, (g, c) in enumerate(zip(grads, counts, strict=True))
-            if g is not None and c is not None
-        ]
+        spec, counts, grads, fields, active = state_leaves(
+            where, state, AdamState, updates, AdamState._fields[1:]
+        )
+        mu, nu, nu_max = fields["mu"], fields["nu"], fields["nu_max"]
         if not active:
             return spec.unflatten([None] * len(counts)), state
         check_like(where, "the update", spec, active, grads, mu)
@@ -343,16 +334,9 @@ def _steps(
                 f"{size} states), got {type(state).__name__}."
             )
         moments = state[at]
-        if not isinstance(moments, AdamState):
-            raise TypeError(
-                f"{where}: expected an AdamState (from this transform's init), got "
-                f"{type(moments).__name__}."
-            )
-        if not constant and not isinstance(state[-1], ScheduleState):
-            raise TypeError(
-                f"{lr_where}: expected a ScheduleState (from this transform's init), got "
-                f"{type(state[-1]).__name__}."
-            )
+        check_state_type(where, moments, AdamState)
+        if not constant:
+            check_state_type(lr_where, state[-1], ScheduleState)
         if params is None:  # the pure update needs the parameters for weight decay only
             if decays:
                 raise ValueError(

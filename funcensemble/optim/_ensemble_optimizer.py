@@ -8,11 +8,21 @@ import torch
 from torch import Tensor
 
 from .._core.tree_view import Stacked, adapted, state_view
+from .._messages import a, expected_got, key_difference
+from .._types import StackedTensor
 from ._protocol import GradientTransformation, PyTree, flatten
 
 
 def _state_keys(spec: optree.PyTreeSpec) -> list[str]:
-    return [a.codify("state") for a in optree.treespec_accessors(spec)]
+    return [path.codify("state") for path in optree.treespec_accessors(spec)]
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return a(type(value).__name__)
 
 
 class EnsembleOptimizer:
@@ -50,7 +60,7 @@ class EnsembleOptimizer:
 
     def __init__(
         self,
-        params: Stacked | Mapping[str, Tensor],
+        params: Stacked | Mapping[str, StackedTensor],
         transform: GradientTransformation,
     ) -> None:
         where = "EnsembleOptimizer"
@@ -140,19 +150,20 @@ class EnsembleOptimizer:
         """
         where = "EnsembleOptimizer.load_state_dict"
         if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
+            wanted = "the dict returned by state_dict(), {'state': {...}}"
             raise TypeError(
-                f"{where}: Expected the dict returned by state_dict() "
-                f"({{'state': {{...}}}}), got {type(state_dict).__name__}."
+                f"{where}: this is not an optimizer state "
+                f"{expected_got(wanted, type(state_dict).__name__)}. Pass what "
+                "EnsembleOptimizer.state_dict() returned."
             )
         loaded = state_dict["state"]
         leaves, spec = flatten(self.state)
         keys = _state_keys(spec)
-        missing, extra = set(keys) - set(loaded), set(loaded) - set(keys)
-        if missing or extra:
+        difference = key_difference(set(keys) - set(loaded), set(loaded) - set(keys))
+        if difference:
             raise ValueError(
-                f"{where}: the state does not match this optimizer: missing keys "
-                f"{sorted(missing)}, unexpected keys {sorted(extra)}. It was saved from a "
-                "different transform or set of parameters."
+                f"{where}: the state does not match this optimizer: it {difference}. It was "
+                "saved from a different transform or set of parameters."
             )
         new = []
         for key, mine in zip(keys, leaves, strict=True):
@@ -160,20 +171,17 @@ class EnsembleOptimizer:
             if mine is None or value is None:
                 if mine is not value:
                     raise ValueError(
-                        f"{where}: `{key}` is {'None' if value is None else 'a tensor'} in "
-                        f"the state_dict but {'None' if mine is None else 'a tensor'} here."
+                        f"{where}: `{key}` does not match this optimizer's state "
+                        f"{expected_got(_describe(mine), _describe(value))}. It was saved "
+                        "from a different transform or set of parameters."
                     )
                 new.append(None)
                 continue
             if not isinstance(value, Tensor) or value.shape != mine.shape:
-                got = (
-                    f"has shape {tuple(value.shape)}"
-                    if isinstance(value, Tensor)
-                    else f"is a {type(value).__name__}"
-                )
                 raise ValueError(
-                    f"{where}: `{key}` {got} in the state_dict; this optimizer has shape "
-                    f"{tuple(mine.shape)} (a different member count or architecture)."
+                    f"{where}: `{key}` does not match this optimizer's state "
+                    f"{expected_got(_describe(mine), _describe(value))}. It was saved with a "
+                    "different member count or architecture."
                 )
             new.append(value.detach().to(device=mine.device, dtype=mine.dtype, copy=True))
         self.state = spec.unflatten(new)

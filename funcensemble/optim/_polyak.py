@@ -6,7 +6,8 @@ import optree
 import torch
 from torch import Tensor
 
-from .._core.tree_view import state_view
+from .._core.tree_view import Stacked, state_view
+from .._types import StackedTree
 from ._hyper import (
     Hyper,
     PerMember,
@@ -65,7 +66,9 @@ def _split(targets: list[Any]) -> tuple[list[int], list[int]]:
     return floats, others
 
 
-def polyak_update_(target: PyTree, online: PyTree, tau: float | PerMember) -> None:
+def polyak_update_(
+    target: Stacked | StackedTree, online: Stacked | StackedTree, tau: float | PerMember
+) -> None:
     """Move ``target`` towards ``online`` in place: ``target <- tau*online + (1-tau)*target``.
 
     The soft target-network update of DDPG/SAC/TD3, for all leaves at once (one
@@ -104,7 +107,7 @@ def polyak_update_(target: PyTree, online: PyTree, tau: float | PerMember) -> No
             torch._foreach_copy_([targets[i] for i in others], [onlines[i] for i in others])
 
 
-def polyak_update(target: PyTree, online: PyTree, tau: float | PerMember) -> PyTree:
+def polyak_update(target: StackedTree, online: StackedTree, tau: float | PerMember) -> StackedTree:
     """``tau * online + (1 - tau) * target`` as a new pytree; the inputs are untouched.
 
     The pure form of [`polyak_update_`][funcensemble.optim.polyak_update_] for pytrees

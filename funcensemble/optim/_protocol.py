@@ -13,7 +13,10 @@ import optree
 import torch
 from torch import Tensor
 
+from .._messages import a, expected_got
 from .._torch_compat import set_grad_enabled_fast
+from .._tree import check_same_structure, flatten
+from .._types import StackedTree
 
 # Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
 # `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
@@ -55,7 +58,7 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[PyTree, Any]]
     update_inplace: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]] | None = None
 
-    def update_(self, grads: PyTree, state: Any, params: PyTree) -> Any:
+    def update_(self, grads: StackedTree, state: Any, params: StackedTree) -> Any:
         """Step ``params`` in place; return the new state.
 
         Computes the step of ``updates, state = update(grads, state, params)``
@@ -192,22 +195,59 @@ def trainable(leaves: list[Any]) -> list[int]:
     return out
 
 
-def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
-    """Leaves and structure, with every ``None`` kept as a leaf of its own."""
-    return optree.tree_flatten(tree, none_is_leaf=True)
-
-
 def leaves_like(where: str, what: str, spec: optree.PyTreeSpec, tree: PyTree) -> list[Any]:
     """``tree``'s leaves aligned with ``spec``'s, or a clear error if the shapes differ."""
-    try:
-        return spec.flatten_up_to(tree)
-    except (ValueError, TypeError) as error:
-        got = optree.tree_structure(tree, none_is_leaf=True)
-        raise ValueError(
-            f"{where}: {what} do not match the structure of the parameters: expected "
-            f"{spec}, got {got}. Pass a pytree shaped like the params (None for a leaf "
-            "without a gradient)."
-        ) from error
+    return check_same_structure(
+        where,
+        what,
+        spec,
+        tree,
+        "Pass a pytree shaped like the params (None for a leaf without a gradient).",
+        reference="the structure of the parameters",
+    )
+
+
+def check_state_type(where: str, state: Any, state_type: type) -> None:
+    """Refuse a state that is not a ``state_type``, the type of the transform's own state."""
+    if not isinstance(state, state_type):
+        wanted = f"{a(state_type.__name__)} from its init"
+        raise TypeError(
+            f"{where}: the state is not this transform's "
+            f"{expected_got(wanted, type(state).__name__)}. Pass the state that this "
+            "transform's init returned."
+        )
+
+
+class StateLeaves(NamedTuple):
+    """A per-leaf optimizer state and the updates, flattened and checked against each other."""
+
+    spec: optree.PyTreeSpec
+    counts: list[Any]  # the state's first field: None for a leaf without state
+    grads: list[Any]
+    fields: dict[str, list[Any]]  # the other fields asked for, leaf by leaf
+    active: list[int]  # leaves with an update and a state: the ones a step updates
+
+
+def state_leaves(
+    where: str, state: Any, state_type: type, updates: PyTree, fields: tuple[str, ...]
+) -> StateLeaves:
+    """The preamble of a per-leaf transform's ``update`` (SGD, RMSprop, Adam's moments).
+
+    Checks that ``state`` is ``state_type`` (from the transform's init), that the updates
+    and the state's ``fields`` have the structure of its first field (one entry per
+    parameter leaf), and that every update is a tensor or None; before anything changes.
+    """
+    check_state_type(where, state, state_type)
+    counts, spec = flatten(state[0])
+    grads = leaves_like(where, "updates", spec, updates)
+    check_tensors(where, "the update", spec, grads)
+    per_field = {f: leaves_like(where, f"state.{f}", spec, getattr(state, f)) for f in fields}
+    active = [
+        i
+        for i, (g, c) in enumerate(zip(grads, counts, strict=True))
+        if g is not None and c is not None
+    ]
+    return StateLeaves(spec, counts, grads, per_field, active)
 
 
 def leaf_name(spec: optree.PyTreeSpec, index: int, root: str = "params") -> str:
@@ -401,7 +441,7 @@ def refill(state: Any, new_state: Any) -> Any:
     return spec.unflatten(out)
 
 
-def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+def apply_updates(params: StackedTree, updates: StackedTree) -> StackedTree:
     """Add updates to parameters, returning new tensors; the inputs are untouched.
 
     A leaf whose update is ``None`` (no gradient, or not floating point) is returned

@@ -11,10 +11,10 @@ from ._protocol import (
     PyTree,
     chain,
     check_like,
-    check_tensors,
     flatten,
     leaves_like,
     scatter,
+    state_leaves,
     trainable,
 )
 from ._sgd import _flag
@@ -91,22 +91,10 @@ def _rmsprop_direction(
         )
 
     def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, RMSpropState]:
-        if not isinstance(state, RMSpropState):
-            raise TypeError(
-                f"{where}: expected an RMSpropState (from this transform's init), got "
-                f"{type(state).__name__}."
-            )
-        steps, spec = flatten(state.step)
-        grads = leaves_like(where, "updates", spec, updates)
-        check_tensors(where, "the update", spec, grads)
-        sq = leaves_like(where, "state.square_avg", spec, state.square_avg)
-        bufs = leaves_like(where, "state.momentum_buffer", spec, state.momentum_buffer)
-        gavg = leaves_like(where, "state.grad_avg", spec, state.grad_avg)
-        active = [
-            i
-            for i, (g, c) in enumerate(zip(grads, steps, strict=True))
-            if g is not None and c is not None
-        ]
+        spec, steps, grads, fields, active = state_leaves(
+            where, state, RMSpropState, updates, RMSpropState._fields[1:]
+        )
+        sq, bufs, gavg = fields["square_avg"], fields["momentum_buffer"], fields["grad_avg"]
         if not active:
             return spec.unflatten([None] * len(steps)), state
         check_like(where, "the update", spec, active, grads, sq)

@@ -10,10 +10,10 @@ from ._protocol import (
     PyTree,
     chain,
     check_like,
-    check_tensors,
     flatten,
     leaves_like,
     scatter,
+    state_leaves,
     trainable,
 )
 from ._transforms import Schedule, checked_learning_rate, learning_rate
@@ -78,20 +78,10 @@ def _sgd_direction(
         )
 
     def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, SGDState]:
-        if not isinstance(state, SGDState):
-            raise TypeError(
-                f"{where}: expected an SGDState (from this transform's init), got "
-                f"{type(state).__name__}."
-            )
-        counts, spec = flatten(state.count)
-        grads = leaves_like(where, "updates", spec, updates)
-        bufs = leaves_like(where, "state.momentum_buffer", spec, state.momentum_buffer)
-        check_tensors(where, "the update", spec, grads)
-        active = [
-            i
-            for i, (g, c) in enumerate(zip(grads, counts, strict=True))
-            if g is not None and c is not None
-        ]
+        spec, counts, grads, fields, active = state_leaves(
+            where, state, SGDState, updates, ("momentum_buffer",)
+        )
+        bufs = fields["momentum_buffer"]
         if not active:
             return spec.unflatten([None] * len(counts)), state
         if is_per_member(weight_decay) or weight_decay.value != 0.0:

@@ -22,6 +22,7 @@ from ._protocol import (
     GradientTransformation,
     PyTree,
     check_like,
+    check_state_type,
     check_tensors,
     flatten,
     leaves_like,
@@ -177,11 +178,7 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
         return ScheduleState(torch.zeros((), dtype=torch.int64))
 
     def scheduled(updates: PyTree, state: ScheduleState) -> PyTree:
-        if not isinstance(state, ScheduleState):
-            raise TypeError(
-                f"{where}: expected a ScheduleState (from this transform's init), got "
-                f"{type(state).__name__}."
-            )
+        check_state_type(where, state, ScheduleState)
         return scale(updates, schedule_value(where, "lr", schedule(state.count)))
 
     def update_schedule(

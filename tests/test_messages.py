@@ -1,0 +1,41 @@
+"""The error dialect's builders (funcensemble/_messages.py)."""
+
+import pytest
+
+from funcensemble import _messages as m
+
+
+def test_names_sorts_labels_and_counts_the_rest():
+    assert m.names(["b", "a", 3]) == "`3`, `a`, `b`"
+    assert m.names(["d", "c", "b", "a"], limit=2) == "`a`, `b` and 2 more"
+    assert m.names(["x"], label=m.pytree_leaf) == "leaf `x`"
+
+
+def test_key_difference_names_both_sides_or_nothing():
+    assert m.key_difference(["w"], []) == "is missing `w`"
+    assert m.key_difference([], ["w"], label=m.ensemble_leaf) == "has extra leaf `w`"
+    assert m.key_difference(["['buffers']['bn.running_mean']"], [], label=m.ensemble_leaf) == (
+        "is missing buffer `bn.running_mean`"
+    )
+    assert m.key_difference((), ()) == ""
+
+
+def test_labels():
+    assert m.submodule("") == "the root module"
+    assert m.submodule("net.0") == "submodule `net.0`"
+    assert m.tensor_spec("torch.int64", (3, 2)) == "an int64 tensor of shape (3, 2)"
+    assert m.tensor_spec("float32", ()) == "a float32 tensor of shape ()"
+
+
+@pytest.mark.parametrize(
+    ("value", "or_none", "error", "match"),
+    [
+        (0, False, ValueError, r"^f: n must be a positive int \(expected an int >= 1, got 0\)\. "),
+        (True, False, TypeError, r"\(expected an int >= 1, got bool\)\. Pass n as an int >= 1\.$"),
+        (2.0, True, TypeError, r"must be a positive int or None \(expected an int >= 1 or None"),
+    ],
+)
+def test_positive_int_refuses_in_the_dialect(value, or_none, error, match):
+    with pytest.raises(error, match=match):
+        m.positive_int("f", "n", value, or_none=or_none)
+    assert m.positive_int("f", "n", 3) == 3
