@@ -26,6 +26,11 @@ Inventory (the floor is torch 2.4, ``pyproject.toml``; every call exists from it
   optimizer step without the cost of a ``torch.no_grad()`` object (``_adam.py``).
 - ``torch.nn.modules.module._global_forward_hooks`` and its pre/backward kin (2.0): a
   global module hook turns the MLP fast path off (the fast path would skip it).
+- ``torch._C._storage_Use_Count`` (2.0): how many tensors share a storage, so the MLP
+  fast path reuses a workspace buffer only when nothing else holds it (``_workspace.py``);
+  looked up with ``getattr``: without it no buffer is ever reused.
+- ``torch.autograd.forward_ad._current_level`` (1.x): a forward-AD dual level is
+  active (the fused Linear layers have no forward-mode rule; the plain ops do).
 - Still reached from ``_adam_step.py`` itself (that module is being reworked; its
   lookups are to move here): ``torch.utils._foreach_utils.
   _get_fused_kernels_supported_devices`` (which devices have ``torch._fused_adam_``;
@@ -195,6 +200,23 @@ def missing_batching_rule(message: str) -> str | None:
 set_grad_enabled_fast: Callable[[bool], None] = _set_grad
 """``torch.set_grad_enabled`` as a plain call (no context-manager object): restore the
 previous value yourself in a ``finally``."""
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_held_elsewhere(t: Tensor) -> bool:
+    """Whether any tensor but ``t`` itself (a view, an alias, a tensor autograd saved)
+    shares ``t``'s storage; ``True`` where torch cannot tell."""
+    if _use_count is None:
+        return True
+    # The count includes the Python storage object that untyped_storage() hands us.
+    return _use_count(t.untyped_storage()._cdata) > 2
+
+
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open in this process."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 def global_module_hooks() -> bool:
