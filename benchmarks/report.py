@@ -142,8 +142,12 @@ def markdown(
         "only matmul/conv FLOPs (training: forward, weight and input gradients); "
         f"compile s: the first call, compilation included (inductor caches "
         f"{meta['compile_caches']})",
-        f"- malloc: `GLIBC_TUNABLES={meta.get('malloc', 'system default')}` (fixed thresholds: "
-        "see `MALLOC_TUNABLES` in `benchmarks/run.py`)",
+        (
+            "- malloc: the system's (glibc's adaptive thresholds, as users run)"
+            if meta.get("malloc", "system default") == "system default"
+            else f"- malloc: `GLIBC_TUNABLES={meta['malloc']}` (pinned with `--pin-malloc`: "
+            "see `MALLOC_TUNABLES` in `benchmarks/run.py`)"
+        ),
         "- step peak: memory of one training step above the resting state (weights, "
         "gradients, optimizer state, data), measured after two warm-up steps in a fresh "
         "process per method",

@@ -38,17 +38,21 @@ RESULTS = Path(__file__).parent / "results"
 
 # glibc's malloc moves its mmap and trim thresholds as a program runs, so whether a
 # multi-megabyte activation gets memory that is already mapped or fresh pages (a page
-# fault per 4 KiB, about 1 ms per 4 MiB here) depends on the allocation history: the
-# same method then times 2x apart from one process to the next. Fixed thresholds make
-# every method reuse freed memory, so the ranking does not depend on that luck.
+# fault per 4 KiB, about 1 ms per 4 MiB here) depends on the allocation history: a
+# method that allocates such temporaries every step then times up to 2x apart from one
+# process to the next. The headline tables run with the system's malloc, as users do
+# (funcensemble's MLP path keeps its large buffers, so it does not depend on this);
+# --pin-malloc re-runs with fixed thresholds, under which every method reuses freed
+# memory, for a second table that does not depend on that luck.
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 
 def pin_malloc(argv: Sequence[str]) -> None:
-    """Re-run this command with fixed glibc malloc thresholds (Linux; once)."""
+    """With ``--pin-malloc``, re-run this command with fixed glibc malloc thresholds
+    (Linux; once)."""
     if (
         sys.platform != "linux"
-        or "--system-malloc" in argv
+        or "--pin-malloc" not in argv
         or "GLIBC_TUNABLES" in os.environ
         or platform.libc_ver()[0] != "glibc"
     ):
@@ -188,9 +192,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip the optimizer-step-alone table (benchmarks.optimizer_step)",
     )
     parser.add_argument(
-        "--system-malloc",
+        "--pin-malloc",
         action="store_true",
-        help="keep glibc's adaptive malloc thresholds (default: fixed, see MALLOC_TUNABLES)",
+        help="fix glibc's malloc thresholds for every method (MALLOC_TUNABLES; default: "
+        "the system's adaptive ones, as users run)",
     )
     parser.add_argument("--name", help="results file name (default: from device and threads)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
