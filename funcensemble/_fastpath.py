@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from . import _linear_act, _mlp_op, _torch_compat
+from . import _linear_act, _mlp_op, _torch_compat, _workspace
 
 _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
     nn.Identity: lambda m, x: x,
@@ -159,7 +159,7 @@ def run(
     else:
         lead = x.shape[1:-1]
         h = x.reshape(n, -1, x.shape[-1]).transpose(1, 2)
-    if _kept_buffers(x):
+    if _kept_buffers(steps, params, h, n):
         h = _chain_kept(steps, params, h, n, shared=member_dim is None)
     else:
         h = _chain(steps, params, h, n, shared=member_dim is None)
@@ -214,12 +214,15 @@ def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared:
     return h
 
 
-def _kept_buffers(x: Tensor) -> bool:
-    """Whether this call runs its layers as ``_linear_act.LinearAct`` (CPU eager only:
-    elsewhere the caching allocator already reuses memory, and a traced or transformed
-    call needs the plain ops)."""
+def _kept_buffers(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int) -> bool:
+    """Whether this call runs its layers as ``_linear_act.LinearAct``: CPU eager only
+    (elsewhere the caching allocator already reuses memory, and a traced or transformed
+    call needs the plain ops), and only where a layer's output is large enough for a
+    kept buffer (below that the plain ops cost less Python)."""
+    widest = max(params[w].shape[1] for _, w, _ in steps if w is not None)
     return (
-        x.device.type == "cpu"
+        h.device.type == "cpu"
+        and n * widest * h.shape[-1] * h.element_size() >= _workspace.MIN_BYTES
         and not torch.compiler.is_compiling()
         and not _torch_compat.inside_transform()
         and not _torch_compat.forward_ad_active()
