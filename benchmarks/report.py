@@ -132,7 +132,9 @@ def markdown(
         f"- float32 `torch.mm` peak (best block of {meta['mm_size'] // 2} and "
         f"{meta['mm_size']} square products, at the start and the end of the run): "
         f"{meta['peak_gflops']:.1f} GFLOP/s",
-        f"- timing: `torch.utils.benchmark.Timer.blocked_autorange`, {meta['rounds']} rounds "
+        "- timing: `torch.utils.benchmark.Timer.blocked_autorange` on "
+        + ("the thread's CPU time (`--clock cpu`)" if meta.get("clock") == "cpu" else "wall time")
+        + f", {meta['rounds']} rounds "
         f"interleaved across methods, min {meta['min_run_time']} s each; median and "
         "interquartile range of the per-block times",
         "- every method's outputs (inference) or parameters and buffers after "

@@ -20,6 +20,7 @@ import torch
 
 from .measure import (
     CHECK_STEPS,
+    clock,
     compare,
     matmul_peak_gflops,
     quiet_compile_logs,
@@ -78,6 +79,7 @@ def run_group(
     rounds: int,
     min_run_time: float,
     time_it: bool = True,
+    timer: str = "wall",
 ) -> list[Row]:
     """Build, check against the loop, then time (interleaved) every method at one N.
 
@@ -123,7 +125,13 @@ def run_group(
         raise RuntimeError(f"{w.key} {mode} N={n}: the loop itself failed: {rows['loop'].status}")
     if time_it:
         steps = {k: r.step for k, r in runners.items()}
-        timed = time_interleaved(steps, rounds=rounds, min_run_time=min_run_time, threads=threads)
+        timed = time_interleaved(
+            steps,
+            rounds=rounds,
+            min_run_time=min_run_time,
+            threads=threads,
+            timer=clock(timer),
+        )
         for k, t in timed.items():
             rows[k].median_s, rows[k].iqr_s = t.median, t.iqr
     del runners
@@ -197,6 +205,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="fix glibc's malloc thresholds for every method (MALLOC_TUNABLES; default: "
         "the system's adaptive ones, as users run)",
     )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or this thread's CPU time (cpu: needs --threads 1; steadier on "
+        "a shared machine)",
+    )
     parser.add_argument("--name", help="results file name (default: from device and threads)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = parser.parse_args(argv)
@@ -204,6 +219,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA device is available")
     if args.threads < 1:
         parser.error("--threads must be positive")
+    if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
+        parser.error("--clock cpu times the calling thread: use it with --threads 1 on cpu")
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.min_run_time = args.min_run_time or (0.05 if args.quick else 0.2)
     return args
@@ -239,7 +256,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
 
     def mm_peak() -> float:
         return matmul_peak_gflops(
-            device=device, size=mm_size, threads=args.threads, min_run_time=1.0
+            device=device,
+            size=mm_size,
+            threads=args.threads,
+            min_run_time=1.0,
+            clock_fn=clock(args.clock),
         )
 
     peak = mm_peak()
@@ -266,6 +287,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
                     threads=args.threads,
                     rounds=args.rounds,
                     min_run_time=args.min_run_time,
+                    timer=args.clock,
                 )
             rows += sub
             print(f"### {MODES[mode]}\n\n{timing_table(sub, peak)}\n", flush=True)
@@ -301,6 +323,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
         "check_steps": CHECK_STEPS,
         "compile_caches": "on (a quick run may reuse compiled code)" if args.quick else "off",
         "malloc": os.environ.get("GLIBC_TUNABLES", "system default"),
+        "clock": args.clock,
     }
     # The optimizer step alone, on the stacked parameters of the selected workloads.
     cases = [

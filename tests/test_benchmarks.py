@@ -170,3 +170,13 @@ def test_optimizer_step_methods_agree_and_time():
     assert [r.method for r in rows] == list(optimizer_step.METHODS)
     assert all(r.seconds > 0 for r in rows)
     assert "| S | 2 | torch.optim.Adam(fused=True) |" in optimizer_step.markdown(rows)
+
+
+def test_cpu_clock_needs_one_cpu_thread(capsys):
+    assert run.parse(["--clock", "cpu", "--threads", "1"]).clock == "cpu"
+    assert run.parse([]).clock == "wall"
+    with pytest.raises(SystemExit):
+        run.parse(["--clock", "cpu", "--threads", "2"])
+    assert "--clock cpu times the calling thread" in capsys.readouterr().err
+    assert measure.clock("cpu") is measure.time.thread_time
+    assert measure.clock("wall") is measure.time.perf_counter
