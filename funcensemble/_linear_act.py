@@ -103,7 +103,11 @@ class LinearAct(torch.autograd.Function):
                     else torch.mm(w2.t(), gz, out=_workspace.empty(tuple(h.shape), h))
                 )
             if need_w:
-                gw = gz.mm(h.t()).view(n, d_out, d_in)
+                gw = (
+                    gz.mm(h.t())
+                    if not reuse
+                    else torch.mm(gz, h.t(), out=_workspace.empty((n * d_out, d_in), w))
+                ).view(n, d_out, d_in)
             if need_b and ctx.has_bias:
                 gb = gz.sum(1).view(n, d_out)
         else:
@@ -114,7 +118,11 @@ class LinearAct(torch.autograd.Function):
                     else torch.bmm(w.transpose(1, 2), gz, out=_workspace.empty(tuple(h.shape), h))
                 )
             if need_w:
-                gw = gz.bmm(h.transpose(1, 2))
+                gw = (
+                    gz.bmm(h.transpose(1, 2))
+                    if not reuse
+                    else torch.bmm(gz, h.transpose(1, 2), out=_workspace.empty(tuple(w.shape), w))
+                )
             if need_b and ctx.has_bias:
                 gb = gz.sum(2)
         return gh, gw, gb, None

@@ -13,7 +13,7 @@ the user holds all keep their buffer, and the next step gets another one. So reu
 never overwrites a tensor anyone can still read.
 
 The pool is bounded (a few buffers per shape, a few dozen shapes, least recently used
-dropped first) and per thread, so threads never share a buffer.
+dropped first, 512 MiB in all) and per thread, so threads never share a buffer.
 """
 
 import threading
@@ -26,8 +26,9 @@ from . import _torch_compat
 
 # Below this, malloc's free lists serve the request from memory it already touched.
 MIN_BYTES = 64 * 1024
-_PER_SHAPE = 4
+_PER_SHAPE = 8  # a training step of a deep MLP holds several same-shaped at once
 _SHAPES = 32
+_MAX_BYTES = 512 * 2**20  # kept in all, per thread
 
 Key = tuple[tuple[int, ...], torch.dtype, torch.device, bool]
 
@@ -35,6 +36,7 @@ Key = tuple[tuple[int, ...], torch.dtype, torch.device, bool]
 class _Pool(threading.local):
     def __init__(self) -> None:
         self.buffers: OrderedDict[Key, list[Tensor]] = OrderedDict()
+        self.bytes = 0
 
 
 _pool = _Pool()
@@ -59,15 +61,17 @@ def empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
     if buffers is None:
         buffers = _pool.buffers[key] = []
         if len(_pool.buffers) > _SHAPES:
-            _pool.buffers.popitem(last=False)
+            _, dropped = _pool.buffers.popitem(last=False)
+            _pool.bytes -= sum(b.nbytes for b in dropped)
     else:
         _pool.buffers.move_to_end(key)
     for buf in buffers:
         if not _torch_compat.storage_held_elsewhere(buf):
             return buf.detach()  # an alias: the pool's own tensor never leaves it
     buf = torch.empty(shape, dtype=dtype, device=device)
-    if len(buffers) < _PER_SHAPE:
+    if len(buffers) < _PER_SHAPE and _pool.bytes + buf.nbytes <= _MAX_BYTES:
         buffers.append(buf)
+        _pool.bytes += buf.nbytes
         return buf.detach()
     return buf
 
@@ -75,3 +79,4 @@ def empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
 def clear() -> None:
     """Drop this thread's kept buffers (their memory returns once nothing else holds it)."""
     _pool.buffers.clear()
+    _pool.bytes = 0
