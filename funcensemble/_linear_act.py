@@ -75,7 +75,9 @@ class LinearAct(torch.autograd.Function):
                 torch.baddbmm(b.unsqueeze(2), w, h, out=z)
         if act is not None:
             _IN_PLACE[act](z)
-        ctx.save_for_backward(h, w, z)
+        # The output only where the activation's derivative needs it: like the plain
+        # baddbmm, a bare layer's output stays free for the caller's in-place ops.
+        ctx.save_for_backward(h, w, z if act is not None else None)
         ctx.act = act
         ctx.has_bias = b is not None
         return z

@@ -205,3 +205,19 @@ def test_inference_mode_then_training():
     out = ens(x)
     out.sum().backward()  # a buffer made under inference_mode would refuse to be saved
     torch.testing.assert_close(out.detach(), infer, rtol=0, atol=0)
+
+
+def test_in_place_on_the_output_as_with_the_plain_ops():
+    # One output feature: the transposed output is already contiguous, so the caller
+    # gets the last layer's own output; modifying it in place must work as with the
+    # plain ops (which do not save it) and give the loop's gradients.
+    torch.manual_seed(3)
+    loop = [nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1)).double() for _ in range(3)]
+    ens = fe.Ensemble(loop)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    out = ens(x)
+    out.mul_(2).pow(2).sum().backward()
+    sum(m(x).mul_(2).pow(2).sum() for m in loop).backward()
+    for name, p in ens.stacked_params().items():
+        ref = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+        torch.testing.assert_close(p.grad, ref, rtol=1e-10, atol=1e-12)
