@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcensemble as fe
-from funcensemble import _linear_act, _workspace
+from funcensemble import _linear_act, _torch_compat, _workspace
 
 TOL = {
     torch.float64: {"rtol": 1e-10, "atol": 1e-12},
@@ -23,21 +23,21 @@ def every_buffer_kept(monkeypatch):
     monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
     _workspace.clear()
     seen: dict[str, int] = {"apply": 0, "reused": 0}
-    kept: set[int] = set()
-    original_empty, original_apply = _workspace.empty, _linear_act.LinearAct.apply
+    original_held, original_apply = (
+        _torch_compat.storage_held_elsewhere,
+        _linear_act.LinearAct.apply,
+    )
 
-    def empty(shape, like):
-        out = original_empty(shape, like)
-        ptr = out.untyped_storage().data_ptr()
-        seen["reused"] += ptr in kept
-        kept.add(ptr)
+    def held(t):
+        out = original_held(t)
+        seen["reused"] += not out  # the pool hands this kept buffer out again
         return out
 
     def apply(*args):
         seen["apply"] += 1
         return original_apply(*args)
 
-    monkeypatch.setattr(_workspace, "empty", empty)
+    monkeypatch.setattr(_torch_compat, "storage_held_elsewhere", held)
     monkeypatch.setattr(_linear_act.LinearAct, "apply", apply)
     yield seen
     _workspace.clear()
