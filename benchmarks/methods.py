@@ -333,7 +333,13 @@ def build_fe_ensemble_compiled(w, members, x, y, train) -> Runner:
 
 
 def _functional_runner(
-    members: list[nn.Module], x: Tensor, y: Tensor, train: bool, *, compiled: bool
+    members: list[nn.Module],
+    x: Tensor,
+    y: Tensor,
+    train: bool,
+    *,
+    compiled: bool,
+    pure: bool = False,
 ) -> Runner:
     for m in members:
         m.train(train)
@@ -357,6 +363,14 @@ def _functional_runner(
         updates, opt_state = opt.update(grads, opt_state, params)
         return fe.optim.apply_updates(params, updates), buffers, opt_state
 
+    if pure:
+        # Eager, the design's pure road: new params and state every step.
+        def step_pure() -> None:
+            held["params"], held["buffers"], held["opt"] = update(
+                held["params"], held["buffers"], held["opt"]
+            )
+
+        return Runner(step_pure, state)
     if not compiled:
         # Eager: the in-place step (torch.optim's fused Adam kernel), as a
         # speed-minded user writes it.
@@ -379,6 +393,12 @@ def _functional_runner(
 def build_fe_functional(w, members, x, y, train) -> Runner:
     """The functional face: ``fe.value_and_grad`` + ``fe.optim.adam(...).update_``."""
     return _functional_runner(members, x, y, train, compiled=False)
+
+
+def build_fe_functional_pure(w, members, x, y, train) -> Runner:
+    """The functional face, pure: ``fe.value_and_grad`` + ``fe.optim.adam(...).update``
+    + ``fe.optim.apply_updates`` (nothing updated in place)."""
+    return _functional_runner(members, x, y, train, compiled=False, pure=True)
 
 
 def build_fe_functional_compiled(w, members, x, y, train) -> Runner:
@@ -414,6 +434,13 @@ METHODS: dict[str, Method] = {
             "fe.functional",
             "fe.value_and_grad + fe.optim.adam update_",
             build_fe_functional,
+            requires=_fe_optim_missing,
+        ),
+        Method(
+            "fe.functional-pure",
+            "fe.value_and_grad + fe.optim.adam update + apply_updates",
+            build_fe_functional_pure,
+            modes=("train",),
             requires=_fe_optim_missing,
         ),
         Method(

@@ -132,7 +132,9 @@ def markdown(
         f"- float32 `torch.mm` peak (best block of {meta['mm_size'] // 2} and "
         f"{meta['mm_size']} square products, at the start and the end of the run): "
         f"{meta['peak_gflops']:.1f} GFLOP/s",
-        f"- timing: `torch.utils.benchmark.Timer.blocked_autorange`, {meta['rounds']} rounds "
+        "- timing: `torch.utils.benchmark.Timer.blocked_autorange` on "
+        + ("the thread's CPU time (`--clock cpu`)" if meta.get("clock") == "cpu" else "wall time")
+        + f", {meta['rounds']} rounds "
         f"interleaved across methods, min {meta['min_run_time']} s each; median and "
         "interquartile range of the per-block times",
         "- every method's outputs (inference) or parameters and buffers after "
@@ -142,8 +144,12 @@ def markdown(
         "only matmul/conv FLOPs (training: forward, weight and input gradients); "
         f"compile s: the first call, compilation included (inductor caches "
         f"{meta['compile_caches']})",
-        f"- malloc: `GLIBC_TUNABLES={meta.get('malloc', 'system default')}` (fixed thresholds: "
-        "see `MALLOC_TUNABLES` in `benchmarks/run.py`)",
+        (
+            "- malloc: the system's (glibc's adaptive thresholds, as users run)"
+            if meta.get("malloc", "system default") == "system default"
+            else f"- malloc: `GLIBC_TUNABLES={meta['malloc']}` (pinned with `--pin-malloc`: "
+            "see `MALLOC_TUNABLES` in `benchmarks/run.py`)"
+        ),
         "- step peak: memory of one training step above the resting state (weights, "
         "gradients, optimizer state, data), measured after two warm-up steps in a fresh "
         "process per method",

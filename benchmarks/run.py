@@ -20,6 +20,7 @@ import torch
 
 from .measure import (
     CHECK_STEPS,
+    clock,
     compare,
     matmul_peak_gflops,
     quiet_compile_logs,
@@ -38,17 +39,21 @@ RESULTS = Path(__file__).parent / "results"
 
 # glibc's malloc moves its mmap and trim thresholds as a program runs, so whether a
 # multi-megabyte activation gets memory that is already mapped or fresh pages (a page
-# fault per 4 KiB, about 1 ms per 4 MiB here) depends on the allocation history: the
-# same method then times 2x apart from one process to the next. Fixed thresholds make
-# every method reuse freed memory, so the ranking does not depend on that luck.
+# fault per 4 KiB, about 1 ms per 4 MiB here) depends on the allocation history: a
+# method that allocates such temporaries every step then times up to 2x apart from one
+# process to the next. The headline tables run with the system's malloc, as users do
+# (funcensemble's MLP path keeps its large buffers, so it does not depend on this);
+# --pin-malloc re-runs with fixed thresholds, under which every method reuses freed
+# memory, for a second table that does not depend on that luck.
 MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 
 def pin_malloc(argv: Sequence[str]) -> None:
-    """Re-run this command with fixed glibc malloc thresholds (Linux; once)."""
+    """With ``--pin-malloc``, re-run this command with fixed glibc malloc thresholds
+    (Linux; once)."""
     if (
         sys.platform != "linux"
-        or "--system-malloc" in argv
+        or "--pin-malloc" not in argv
         or "GLIBC_TUNABLES" in os.environ
         or platform.libc_ver()[0] != "glibc"
     ):
@@ -74,6 +79,7 @@ def run_group(
     rounds: int,
     min_run_time: float,
     time_it: bool = True,
+    timer: str = "wall",
 ) -> list[Row]:
     """Build, check against the loop, then time (interleaved) every method at one N.
 
@@ -119,7 +125,13 @@ def run_group(
         raise RuntimeError(f"{w.key} {mode} N={n}: the loop itself failed: {rows['loop'].status}")
     if time_it:
         steps = {k: r.step for k, r in runners.items()}
-        timed = time_interleaved(steps, rounds=rounds, min_run_time=min_run_time, threads=threads)
+        timed = time_interleaved(
+            steps,
+            rounds=rounds,
+            min_run_time=min_run_time,
+            threads=threads,
+            timer=clock(timer),
+        )
         for k, t in timed.items():
             rows[k].median_s, rows[k].iqr_s = t.median, t.iqr
     del runners
@@ -188,9 +200,17 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip the optimizer-step-alone table (benchmarks.optimizer_step)",
     )
     parser.add_argument(
-        "--system-malloc",
+        "--pin-malloc",
         action="store_true",
-        help="keep glibc's adaptive malloc thresholds (default: fixed, see MALLOC_TUNABLES)",
+        help="fix glibc's malloc thresholds for every method (MALLOC_TUNABLES; default: "
+        "the system's adaptive ones, as users run)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or this thread's CPU time (cpu: needs --threads 1; steadier on "
+        "a shared machine)",
     )
     parser.add_argument("--name", help="results file name (default: from device and threads)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
@@ -199,6 +219,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA device is available")
     if args.threads < 1:
         parser.error("--threads must be positive")
+    if args.clock == "cpu" and (args.threads != 1 or args.device != "cpu"):
+        parser.error("--clock cpu times the calling thread: use it with --threads 1 on cpu")
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.min_run_time = args.min_run_time or (0.05 if args.quick else 0.2)
     return args
@@ -234,7 +256,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
 
     def mm_peak() -> float:
         return matmul_peak_gflops(
-            device=device, size=mm_size, threads=args.threads, min_run_time=1.0
+            device=device,
+            size=mm_size,
+            threads=args.threads,
+            min_run_time=1.0,
+            clock_fn=clock(args.clock),
         )
 
     peak = mm_peak()
@@ -261,6 +287,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
                     threads=args.threads,
                     rounds=args.rounds,
                     min_run_time=args.min_run_time,
+                    timer=args.clock,
                 )
             rows += sub
             print(f"### {MODES[mode]}\n\n{timing_table(sub, peak)}\n", flush=True)
@@ -296,6 +323,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> list[Row]:
         "check_steps": CHECK_STEPS,
         "compile_caches": "on (a quick run may reuse compiled code)" if args.quick else "off",
         "malloc": os.environ.get("GLIBC_TUNABLES", "system default"),
+        "clock": args.clock,
     }
     # The optimizer step alone, on the stacked parameters of the selected workloads.
     cases = [

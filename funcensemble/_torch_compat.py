@@ -33,6 +33,11 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   ([`fused_adam_devices`][], [`fused_adam_kernel`][], [`fused_adam_takes_tensor_lr`][]).
 - ``torch._weight_norm`` (the kernel behind ``weight_norm``): recognised in
   ``_kernels/rewrites.py`` and recomputed as its math, which vmap batches.
+- ``torch._C._storage_Use_Count`` (2.0): how many tensors share a storage, so the MLP
+  fast path reuses a workspace buffer only when nothing else holds it (``_kernels/workspace.py``);
+  looked up with ``getattr``: without it no buffer is ever reused.
+- ``torch.autograd.forward_ad._current_level`` (1.x): a forward-AD dual level is
+  active (the fused Linear layers have no forward-mode rule; the plain ops do).
 - ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
   ``torch.serialization._get_layout`` (2.2): names a DCP ``.metadata`` pickle holds,
   allowed by our restricted unpickler (``_dcp_metadata.py``); and DCP's
@@ -203,6 +208,23 @@ def missing_batching_rule(message: str) -> str | None:
 set_grad_enabled_fast: Callable[[bool], None] = _set_grad
 """``torch.set_grad_enabled`` as a plain call (no context-manager object): restore the
 previous value yourself in a ``finally``."""
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_held_elsewhere(t: Tensor) -> bool:
+    """Whether any tensor but ``t`` itself (a view, an alias, a tensor autograd saved)
+    shares ``t``'s storage; ``True`` where torch cannot tell."""
+    if _use_count is None:
+        return True
+    # The count includes the Python storage object that untyped_storage() hands us.
+    return _use_count(t.untyped_storage()._cdata) > 2
+
+
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open in this process."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 def global_module_hooks() -> bool:

@@ -109,15 +109,16 @@ def test_pin_malloc_reruns_once_with_fixed_thresholds(monkeypatch):
     calls = []
     monkeypatch.setattr(run.os, "execve", lambda *args: calls.append(args))
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    run.pin_malloc(["--quick"])
-    run.pin_malloc(["--quick", "--system-malloc"])  # opted out: no re-run
+    run.pin_malloc(["--quick"])  # not asked for: no re-run
     monkeypatch.setenv("GLIBC_TUNABLES", "set.by.the.user=1")
-    run.pin_malloc(["--quick"])  # already pinned (or the user's own): no re-run
+    run.pin_malloc(["--quick", "--pin-malloc"])  # already pinned (or the user's own)
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    run.pin_malloc(["--quick", "--pin-malloc"])
     if sys.platform != "linux" or run.platform.libc_ver()[0] != "glibc":
         assert calls == []
         return
     ((_, argv, env),) = calls
-    assert argv[1:] == ["-m", "benchmarks.run", "--quick"]
+    assert argv[1:] == ["-m", "benchmarks.run", "--quick", "--pin-malloc"]
     assert env["GLIBC_TUNABLES"] == run.MALLOC_TUNABLES
 
 
@@ -175,3 +176,13 @@ def test_hetero_benchmark_methods_match_loop():
     from benchmarks import hetero
 
     assert hetero.check(per_structure=1, dtype=torch.float64) is None
+
+
+def test_cpu_clock_needs_one_cpu_thread(capsys):
+    assert run.parse(["--clock", "cpu", "--threads", "1"]).clock == "cpu"
+    assert run.parse([]).clock == "wall"
+    with pytest.raises(SystemExit):
+        run.parse(["--clock", "cpu", "--threads", "2"])
+    assert "--clock cpu times the calling thread" in capsys.readouterr().err
+    assert measure.clock("cpu") is measure.time.thread_time
+    assert measure.clock("wall") is measure.time.perf_counter

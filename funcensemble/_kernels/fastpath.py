@@ -16,7 +16,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .. import _torch_compat
+from . import linear_act as _linear_act
 from . import mlp_op as _mlp_op
+from . import workspace as _workspace
 
 _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
     nn.Identity: lambda m, x: x,
@@ -160,7 +162,10 @@ def run(
     else:
         lead = x.shape[1:-1]
         h = x.reshape(n, -1, x.shape[-1]).transpose(1, 2)
-    h = _chain(steps, params, h, n, shared=member_dim is None)
+    if _kept_buffers(steps, params, h, n):
+        h = _chain_kept(steps, params, h, n, shared=member_dim is None)
+    else:
+        h = _chain(steps, params, h, n, shared=member_dim is None)
     h = _members_first(h, n)
     return h.transpose(1, 2).contiguous().view(n, *lead, h.shape[1])
 
@@ -207,6 +212,50 @@ def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared:
             else:
                 h = torch.baddbmm(params[bias].unsqueeze(2), w, h)
         fresh = True
+    if shared:  # no Linear ran (plan() refuses such chains; kept for safety)
+        h = h.expand(n, -1, -1)
+    return h
+
+
+def _kept_buffers(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int) -> bool:
+    """Whether this call runs its layers as ``_linear_act.LinearAct``: CPU eager only
+    (elsewhere the caching allocator already reuses memory, and a traced or transformed
+    call needs the plain ops), and only where a layer's output is large enough for a
+    kept buffer (below that the plain ops cost less Python)."""
+    widest = max(params[w].shape[1] for _, w, _ in steps if w is not None)
+    return (
+        h.device.type == "cpu"
+        and n * widest * h.shape[-1] * h.element_size() >= _workspace.MIN_BYTES
+        and not torch.compiler.is_compiling()
+        and not _torch_compat.inside_transform()
+        and not _torch_compat.forward_ad_active()
+    )
+
+
+def _chain_kept(
+    steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared: bool
+) -> Tensor:
+    """``_chain`` with each Linear and the activation after it as one ``LinearAct``,
+    which writes into buffers kept across steps; other activations run as ops."""
+    k = 0
+    while k < len(steps):
+        module, weight, bias = steps[k]
+        k += 1
+        kind = type(module)
+        if weight is None:
+            if kind is not nn.Dropout:  # eval or p=0 (run() sent training dropout away)
+                h = _ELEMENTWISE[kind](module, h)
+            continue
+        while k < len(steps) and type(steps[k][0]) is nn.Dropout:
+            k += 1
+        act = None
+        if k < len(steps) and steps[k][1] is None:
+            act = _linear_act.ACTIVATIONS.get(type(steps[k][0]))
+            k += act is not None
+        w = params[weight]
+        b = None if bias is None else params[bias]
+        h = _linear_act.LinearAct.apply(h if shared else _members_first(h, n), w, b, act)
+        shared = False
     if shared:  # no Linear ran (plan() refuses such chains; kept for safety)
         h = h.expand(n, -1, -1)
     return h

@@ -1,0 +1,130 @@
+"""One stacked Linear and the activation after it, as an autograd.Function on kept buffers.
+
+The MLP fast path (``_fastpath``) runs each layer feature-major: ``act(W @ h + b)`` with
+``W: [N, out, in]`` and ``h: [N, in, rows]`` (or ``[in, rows]`` shared by all members).
+Through plain autograd, every step allocates the layer's output, the gradient of its
+pre-activation and the gradient of its input afresh; on CPU those are the megabyte
+tensors that glibc serves from fresh pages (see ``_workspace``). Here the same kernels
+(``addmm``/``baddbmm``, the activation in place, ``tanh_backward`` and kin, ``mm``/``bmm``)
+write into workspace buffers instead, so a step's results are those of the plain ops.
+
+Backward with ``create_graph=True`` runs the same formulas as differentiable ops on
+fresh tensors (the saved input and output are connected to the graph), so double
+backward sees what autograd's own ops give.
+"""
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import workspace as _workspace
+
+# Activations whose derivative is a function of their output, applied in place.
+ACTIVATIONS: dict[type, str] = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.ReLU: "relu"}
+
+_IN_PLACE = {"tanh": torch.tanh_, "sigmoid": torch.sigmoid_, "relu": torch.relu_}
+
+
+def _act_backward(act: str, g: Tensor, y: Tensor, out: Tensor | None) -> Tensor:
+    """``dL/dz`` from ``dL/dy`` and ``y = act(z)``, the kernels autograd itself runs."""
+    ops = torch.ops.aten
+    if act == "tanh":
+        return (
+            ops.tanh_backward(g, y)
+            if out is None
+            else ops.tanh_backward.grad_input(g, y, grad_input=out)
+        )
+    if act == "sigmoid":
+        return (
+            ops.sigmoid_backward(g, y)
+            if out is None
+            else ops.sigmoid_backward.grad_input(g, y, grad_input=out)
+        )
+    # relu_'s derivative, as autograd records it for relu: zero where the output is <= 0.
+    return (
+        ops.threshold_backward(g, y, 0)
+        if out is None
+        else ops.threshold_backward.grad_input(g, y, 0, grad_input=out)
+    )
+
+
+class LinearAct(torch.autograd.Function):
+    """``act(W @ h + b)`` feature-major; ``act`` one of ``ACTIVATIONS`` or None.
+
+    ``forward`` takes ``ctx`` (no ``setup_context``): that form costs an
+    ``inspect.signature`` per call, a third of a small ensemble's step. The fast path
+    never applies it inside a ``torch.func`` transform, which would need the other form.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, w: Tensor, b: Tensor | None, act: str | None) -> Tensor:  # type: ignore[override]
+        n, d_out, d_in = w.shape
+        if h.dim() == 2:  # shared input: all members' weights as one [N * out, in] matrix
+            z = _workspace.empty((n * d_out, h.shape[1]), h)
+            w2 = w.reshape(n * d_out, d_in)
+            if b is None:
+                torch.mm(w2, h, out=z)
+            else:
+                torch.addmm(b.reshape(-1, 1), w2, h, out=z)
+        else:
+            z = _workspace.empty((n, d_out, h.shape[2]), h)
+            if b is None:
+                torch.bmm(w, h, out=z)
+            else:
+                torch.baddbmm(b.unsqueeze(2), w, h, out=z)
+        if act is not None:
+            _IN_PLACE[act](z)
+        # The output only where the activation's derivative needs it: like the plain
+        # baddbmm, a bare layer's output stays free for the caller's in-place ops.
+        ctx.save_for_backward(h, w, z if act is not None else None)
+        ctx.act = act
+        ctx.has_bias = b is not None
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        h, w, y = ctx.saved_tensors
+        n, d_out, d_in = w.shape
+        # With create_graph, fresh tensors only: the graph built here keeps them.
+        reuse = not torch.is_grad_enabled()
+        if ctx.act is None:
+            gz = g
+        else:
+            gz = _act_backward(
+                ctx.act, g, y, _workspace.empty(tuple(y.shape), y) if reuse else None
+            )
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        gh = gw = gb = None
+        if h.dim() == 2:
+            w2 = w.reshape(n * d_out, d_in)
+            if need_h:
+                gh = (
+                    w2.t().mm(gz)
+                    if not reuse
+                    else torch.mm(w2.t(), gz, out=_workspace.empty(tuple(h.shape), h))
+                )
+            if need_w:
+                gw = (
+                    gz.mm(h.t())
+                    if not reuse
+                    else torch.mm(gz, h.t(), out=_workspace.empty((n * d_out, d_in), w))
+                ).view(n, d_out, d_in)
+            if need_b and ctx.has_bias:
+                gb = gz.sum(1).view(n, d_out)
+        else:
+            if need_h:
+                gh = (
+                    w.transpose(1, 2).bmm(gz)
+                    if not reuse
+                    else torch.bmm(w.transpose(1, 2), gz, out=_workspace.empty(tuple(h.shape), h))
+                )
+            if need_w:
+                gw = (
+                    gz.bmm(h.transpose(1, 2))
+                    if not reuse
+                    else torch.bmm(gz, h.transpose(1, 2), out=_workspace.empty(tuple(w.shape), w))
+                )
+            if need_b and ctx.has_bias:
+                gb = gz.sum(2)
+        return gh, gw, gb, None

@@ -1,0 +1,225 @@
+"""The fast path's kept-buffer route (``_linear_act.LinearAct`` on ``_workspace`` buffers)
+equals the loop, and never overwrites a tensor anyone still holds."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcensemble as fe
+from funcensemble import _torch_compat
+from funcensemble._kernels import linear_act as _linear_act
+from funcensemble._kernels import workspace as _workspace
+
+TOL = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-12},
+    torch.float32: {"rtol": 1e-4, "atol": 1e-5},
+}
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def every_buffer_kept(monkeypatch):
+    """Keep even the tiny buffers of these tests, and count the route's calls and the
+    buffers it reused."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 0)
+    _workspace.clear()
+    seen: dict[str, int] = {"apply": 0, "reused": 0}
+    original_held, original_apply = (
+        _torch_compat.storage_held_elsewhere,
+        _linear_act.LinearAct.apply,
+    )
+
+    def held(t):
+        out = original_held(t)
+        seen["reused"] += not out  # the pool hands this kept buffer out again
+        return out
+
+    def apply(*args):
+        seen["apply"] += 1
+        return original_apply(*args)
+
+    monkeypatch.setattr(_torch_compat, "storage_held_elsewhere", held)
+    monkeypatch.setattr(_linear_act.LinearAct, "apply", apply)
+    yield seen
+    _workspace.clear()
+
+
+def heads(n: int, act: nn.Module, dtype: torch.dtype, *, bias: bool = True) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(
+            nn.Linear(5, 7, bias=bias), act, nn.Linear(7, 6), nn.Dropout(0.0), act, nn.Linear(6, 3)
+        ).to(dtype)
+        for _ in range(n)
+    ]
+
+
+ACTS = [nn.Tanh(), nn.ReLU(), nn.Sigmoid(), nn.GELU(), nn.Identity()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("act", ACTS, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("per_member", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_module_face_trains_as_the_loop(dtype, act, per_member, bias, every_buffer_kept):
+    n = 3
+    members = heads(n, act, dtype, bias=bias)
+    loop = [m for m in heads(n, act, dtype, bias=bias)]
+    ens = fe.Ensemble(members)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    ref_opt = torch.optim.Adam([p for m in loop for p in m.parameters()], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    tol = TOL[dtype]
+    for _ in range(STEPS):
+        x = torch.randn(*((n,) if per_member else ()), 11, 5, generator=g, dtype=dtype)
+        y = torch.randn(n, 11, 3, generator=g, dtype=dtype)
+        out = ens(x, in_dims=0) if per_member else ens(x)
+        ref = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)])
+        torch.testing.assert_close(out, ref, **tol)
+        opt.zero_grad()
+        F.mse_loss(out, y, reduction="sum").backward()
+        ref_opt.zero_grad()
+        F.mse_loss(ref, y, reduction="sum").backward()
+        for name, p in ens.stacked_params().items():
+            grads = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+            torch.testing.assert_close(p.grad, grads, **tol)
+        opt.step()
+        ref_opt.step()
+    for name, p in ens.stacked_params().items():
+        ref_params = [dict(m.named_parameters())[name] for m in loop]
+        torch.testing.assert_close(p.detach(), torch.stack(ref_params).detach(), **tol)
+        state = opt.state_dict()["state"]
+        mu = next(v for k, v in state.items() if "mu" in k and k.endswith(f"['{name}']"))
+        exp_avg = torch.stack([ref_opt.state[q]["exp_avg"] for q in ref_params])
+        torch.testing.assert_close(mu, exp_avg, **tol)
+    assert every_buffer_kept["apply"] >= 3 * STEPS  # the route ran, one call per Linear
+    assert every_buffer_kept["reused"] > 0  # and later steps wrote into kept buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_functional_face_trains_as_the_loop(dtype, every_buffer_kept):
+    n = 3
+    members, loop = heads(n, nn.Tanh(), dtype), heads(n, nn.Tanh(), dtype)
+    fmodel, params, buffers = fe.stack(members)
+    params = {k: v.detach() for k, v in params.items()}
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    value_and_grad = fe.value_and_grad(loss_fn, in_dims=(None, 0))
+    opt = fe.optim.adam(1e-2)
+    state = opt.init(params)
+    ref_opt = torch.optim.Adam([p for m in loop for p in m.parameters()], lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(STEPS):
+        x = torch.randn(9, 5, generator=g, dtype=dtype)
+        y = torch.randn(n, 9, 3, generator=g, dtype=dtype)
+        losses, grads, buffers = value_and_grad(params, buffers, x, y)
+        updates, state = opt.update(grads, state, params)
+        params = fe.optim.apply_updates(params, updates)
+        ref_opt.zero_grad()
+        ref_losses = torch.stack([F.mse_loss(m(x), y[i]) for i, m in enumerate(loop)])
+        ref_losses.sum().backward()
+        ref_opt.step()
+        torch.testing.assert_close(losses, ref_losses.detach(), **TOL[dtype])
+    for name, p in params.items():
+        ref = torch.stack([dict(m.named_parameters())[name].detach() for m in loop])
+        torch.testing.assert_close(p, ref, **TOL[dtype])
+    assert every_buffer_kept["reused"] > 0
+
+
+def test_held_outputs_and_graphs_are_never_overwritten(every_buffer_kept):
+    members = heads(2, nn.Tanh(), torch.float64)
+    ens = fe.Ensemble(members)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    # Outputs kept across calls, under no_grad and with grad.
+    with torch.no_grad():
+        first = ens(x)
+    kept = first.clone()
+    second = ens(2 * x)
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)
+    # A graph not yet backpropagated keeps its saved activations: a second forward
+    # (and its backward) in between must not change the first one's gradients.
+    ens.zero_grad()
+    second.sum().backward(retain_graph=True)
+    want = {k: p.grad.clone() for k, p in ens.stacked_params().items()}
+    for scale in (3.0, 4.0):
+        ens.zero_grad()
+        ens(scale * x).pow(2).sum().backward()
+    ens.zero_grad()
+    second.sum().backward()  # the retained graph, after two other steps ran
+    for k, p in ens.stacked_params().items():
+        torch.testing.assert_close(p.grad, want[k], rtol=0, atol=0)
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)
+    # A held .grad is not overwritten by the next backward.
+    held = {k: p.grad for k, p in ens.stacked_params().items()}
+    copies = {k: g.clone() for k, g in held.items()}
+    for p in ens.stacked_params().values():
+        p.grad = None
+    ens(5 * x).sum().backward()
+    for k in held:
+        torch.testing.assert_close(held[k], copies[k], rtol=0, atol=0)
+    assert every_buffer_kept["reused"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "act", [nn.Tanh(), nn.Sigmoid(), nn.ReLU()], ids=lambda m: type(m).__name__
+)
+def test_double_backward_matches_the_loop(dtype, act):
+    # A gradient penalty: create_graph=True builds a graph through the route's backward.
+    n = 3
+    members, loop = heads(n, act, dtype), heads(n, act, dtype)
+    ens = fe.Ensemble(members)
+    params = list(ens.stacked_params().values())
+    for scale in (1.0, 2.0):  # twice: the second runs with buffers kept from the first
+        x = scale * torch.linspace(-1, 1, 40, dtype=dtype).view(8, 5)
+        out = ens(x)
+        grads = torch.autograd.grad(out.pow(2).sum(), params, create_graph=True)
+        ens.zero_grad()
+        sum(g.pow(2).sum() for g in grads).backward()
+        ref_params = [list(m.parameters()) for m in loop]
+        for m in loop:
+            m.zero_grad()
+        ref_out = [m(x) for m in loop]
+        flat = [p for ps in ref_params for p in ps]
+        ref_grads = torch.autograd.grad(
+            sum(o.pow(2).sum() for o in ref_out), flat, create_graph=True
+        )
+        sum(g.pow(2).sum() for g in ref_grads).backward()
+        k = len(ref_params[0])
+        for j, p in enumerate(params):
+            torch.testing.assert_close(
+                grads[j].detach(), torch.stack(ref_grads[j::k]).detach(), **TOL[dtype]
+            )
+            torch.testing.assert_close(
+                p.grad, torch.stack([ps[j].grad for ps in ref_params]), **TOL[dtype]
+            )
+
+
+def test_inference_mode_then_training():
+    ens = fe.Ensemble(heads(2, nn.Tanh(), torch.float64))
+    x = torch.randn(8, 5, dtype=torch.float64)
+    with torch.inference_mode():
+        infer = ens(x)
+    out = ens(x)
+    out.sum().backward()  # a buffer made under inference_mode would refuse to be saved
+    torch.testing.assert_close(out.detach(), infer, rtol=0, atol=0)
+
+
+def test_in_place_on_the_output_as_with_the_plain_ops():
+    # One output feature: the transposed output is already contiguous, so the caller
+    # gets the last layer's own output; modifying it in place must work as with the
+    # plain ops (which do not save it) and give the loop's gradients.
+    torch.manual_seed(3)
+    loop = [nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1)).double() for _ in range(3)]
+    ens = fe.Ensemble(loop)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    out = ens(x)
+    out.mul_(2).pow(2).sum().backward()
+    sum(m(x).mul_(2).pow(2).sum() for m in loop).backward()
+    for name, p in ens.stacked_params().items():
+        ref = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+        torch.testing.assert_close(p.grad, ref, rtol=1e-10, atol=1e-12)
