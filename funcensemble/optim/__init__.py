@@ -13,6 +13,8 @@ from ._adam import adamw as adamw
 from ._adam import scale_by_adam as scale_by_adam
 from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._ensemble_optimizer import EnsembleOptimizer as EnsembleOptimizer
+from ._members import concat as concat
+from ._members import select as select
 from ._polyak import polyak_update as polyak_update
 from ._polyak import polyak_update_ as polyak_update_
 from ._protocol import EmptyState as EmptyState
@@ -41,10 +43,12 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
+    "concat",
     "polyak_update",
     "polyak_update_",
     "rmsprop",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "select",
     "sgd",
 ]

@@ -30,6 +30,7 @@ from ._protocol import (
     traits,
     with_traits,
 )
+from ._recipes import rebuildable
 from ._transforms import Schedule, ScheduleState, checked_learning_rate, learning_rate
 
 
@@ -213,6 +214,7 @@ def _unfolded(where: str) -> Callable[..., tuple[PyTree, Any]]:
     return update
 
 
+@rebuildable
 def scale_by_adam(
     betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),
     eps: float | PerMember = 1e-8,
@@ -462,6 +464,7 @@ def _adam(
     )
 
 
+@rebuildable
 def adam(
     lr: float | PerMember | Schedule = 1e-3,
     betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),
@@ -541,6 +544,7 @@ def adam(
     return _adam("adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
 
 
+@rebuildable
 def adamw(
     lr: float | PerMember | Schedule = 1e-3,
     betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),

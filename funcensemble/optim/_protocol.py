@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import set_grad_enabled_fast
+from ._recipes import rebuildable
 
 # Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
 # `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
@@ -257,6 +258,7 @@ def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, 
     return out
 
 
+@rebuildable
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Run transforms one after the other, each on the previous one's updates.
 

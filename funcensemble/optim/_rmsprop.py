@@ -17,6 +17,7 @@ from ._protocol import (
     scatter,
     trainable,
 )
+from ._recipes import rebuildable
 from ._sgd import _flag
 from ._transforms import Schedule, checked_learning_rate, learning_rate
 
@@ -169,6 +170,7 @@ def _rmsprop_direction(
     return GradientTransformation(init, update)
 
 
+@rebuildable
 def rmsprop(
     lr: float | PerMember | Schedule = 1e-2,
     alpha: float | PerMember = 0.99,

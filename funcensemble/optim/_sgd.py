@@ -16,6 +16,7 @@ from ._protocol import (
     scatter,
     trainable,
 )
+from ._recipes import rebuildable
 from ._transforms import Schedule, checked_learning_rate, learning_rate
 
 
@@ -156,6 +157,7 @@ def _sgd_direction(
     return GradientTransformation(init, update)
 
 
+@rebuildable
 def sgd(
     lr: float | PerMember | Schedule = 1e-3,
     momentum: float | PerMember = 0.0,

@@ -1,0 +1,269 @@
+"""Member surgery on an optimizer: its state and its per-member hyperparameters follow.
+
+A transform holds its hyperparameters in closures, so the library's own constructors
+(``adam``, ``sgd``, ``chain``, ...) record how they were called (``rebuildable``); a
+transform with ``[N]`` per-member values is rebuilt from that record with the values
+of the selected members.
+"""
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from .._core.members import Indices, check_indices, join, num_members, take
+from .._tree import flatten_with_paths
+from ._protocol import GradientTransformation, PyTree
+from ._recipes import Recipe, recipe_of
+
+
+def _recipe(where: str, t: GradientTransformation) -> Recipe:
+    recipe = recipe_of(t.update)
+    if recipe is None:
+        raise TypeError(
+            f"{where}: cannot tell which hyperparameters of this transform are per member "
+            f"(a GradientTransformation built by your own code, update="
+            f"{getattr(t.update, '__qualname__', type(t.update).__name__)}). Build the "
+            "transform for the selected members yourself (EnsembleOptimizer's surgery "
+            "methods take it as transform=; fe.select picks the state's members)."
+        )
+    return recipe
+
+
+def remap(where: str, t: GradientTransformation, fn: Callable[[str, Tensor], Tensor]) -> Any:
+    """``t`` rebuilt with every ``[N]`` hyperparameter ``v`` replaced by ``fn(label, v)``.
+
+    Floats, 0-dim tensors (shared by all members) and schedules are kept as they are.
+    """
+    build, args, kwargs = _recipe(where, t)
+    name = getattr(build, "__name__", "transform")
+    try:
+        names = list(inspect.signature(build).parameters)
+    except (TypeError, ValueError):
+        names = []
+
+    def arg(label: str, value: Any) -> Any:
+        if isinstance(value, GradientTransformation):
+            return remap(where, value, fn)
+        if isinstance(value, Tensor) and value.dim() == 1:
+            return fn(label, value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(arg(f"{label}[{k}]", v) for k, v in enumerate(value))
+        return value
+
+    def label(k: int) -> str:
+        return f"{name}({names[k]}=...)" if k < len(names) else f"{name}(argument {k})"
+
+    new_args = [arg(label(k), v) for k, v in enumerate(args)]
+    new_kwargs = {k: arg(f"{name}({k}=...)", v) for k, v in kwargs.items()}
+    return build(*new_args, **new_kwargs)
+
+
+def per_member_sizes(where: str, t: GradientTransformation) -> list[tuple[str, int]]:
+    """``(label, length)`` of every per-member hyperparameter of ``t`` (none: ``[]``)."""
+    found: list[tuple[str, int]] = []
+
+    def record(label: str, value: Tensor) -> Tensor:
+        found.append((label, value.shape[0]))
+        return value
+
+    remap(where, t, record)
+    return found
+
+
+def selected(where: str, t: GradientTransformation, indices: list[int], n: int) -> Any:
+    """``t`` with its per-member hyperparameters of members ``indices`` (checked, of ``n``)."""
+
+    def pick(label: str, value: Tensor) -> Tensor:
+        if value.shape[0] != n:
+            raise ValueError(
+                f"{where}: {label} has {value.shape[0]} per-member values, but the optimizer "
+                f"has {n} members (expected one value per member)."
+            )
+        return value.index_select(0, torch.tensor(indices, device=value.device))
+
+    return remap(where, t, pick)
+
+
+def _members(where: str, t: GradientTransformation, state: Any) -> int | None:
+    """N as the state shows it, or as the transform's per-member values do."""
+    n = num_members(where, "state", state)
+    for label, size in per_member_sizes(where, t):
+        if n is None:
+            n = size
+        elif size != n:
+            raise ValueError(
+                f"{where}: {label} has {size} per-member values, but the state has {n} "
+                "members (expected one value per member)."
+            )
+    return n
+
+
+def select(
+    transform: GradientTransformation, state: Any, indices: Indices
+) -> tuple[GradientTransformation, Any]:
+    """An optimizer's transform and state for the members ``indices``.
+
+    The functional face of member surgery for the optimizer, beside
+    [`fe.select`][funcensemble.select] for the parameters: the state's per-member
+    tensors (moments, momentum buffers) are those of the selected members, and every
+    ``[N]`` per-member hyperparameter of ``transform`` (``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ...) is rebuilt with the selected members' values, so each
+    member keeps stepping as before. Step counts are one per parameter, shared by all
+    members (all members step together), and are copied. Copy member i over member j
+    with ``idx = list(range(N)); idx[j] = i``: member j then has member i's state and
+    hyperparameters, as after ``load_state_dict`` of member i's ``torch.optim``
+    state. A learning-rate schedule is your function and is kept as it is: if it
+    returns per-member values, rebuild it yourself.
+
+    Args:
+        transform: A transform built by ``fe.optim`` (``adam``, ``sgd``, ``chain`` of
+            them, ...).
+        state: Its state, for N members.
+        indices: Member indices (a sequence of ints or a 1-D integer tensor; negative
+            ones count back; duplicates give copies).
+
+    Returns:
+        ``(transform, state)`` for ``len(indices)`` members; new objects, the inputs
+        are unchanged.
+
+    Raises:
+        TypeError: ``transform`` is not a GradientTransformation, or one built by your
+            own code (its per-member values cannot be found: rebuild it yourself and
+            select the state with [`fe.select`][funcensemble.select]); bad ``indices``.
+        ValueError: Empty ``indices``, or per-member values of another length than N.
+        IndexError: An index out of range.
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> _, params, _ = fe.stack([torch.nn.Linear(3, 1) for _ in range(4)])
+        >>> opt = fe.optim.adam(lr=torch.tensor([0.1, 0.2, 0.3, 0.4]))
+        >>> state = opt.init(params)
+        >>> opt2, state2 = fe.optim.select(opt, state, [3, 0])
+        >>> params2 = fe.select(params, [3, 0])
+        >>> grads = {k: torch.ones_like(v) for k, v in params2.items()}
+        >>> updates, _ = opt2.update(grads, state2, params2)
+        >>> updates["bias"].flatten()  # member 3's lr, then member 0's
+        tensor([-0.4000, -0.1000])
+    """
+    where = "optim.select"
+    if not isinstance(transform, GradientTransformation):
+        raise TypeError(
+            f"{where}: Expected a GradientTransformation such as fe.optim.adam(), got "
+            f"{type(transform).__name__}."
+        )
+    n = _members(where, transform, state)
+    idx = check_indices(where, indices, n)
+    new_transform = transform if n is None else selected(where, transform, idx, n)
+    return new_transform, take(state, idx)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, Tensor):
+        return f"shape {tuple(x.shape)}, {x.dtype}, {x.device}"
+    return repr(x)
+
+
+def check_state_like(where: str, expected: Any, state: Any, fix: str) -> None:
+    """Check that ``state`` has ``expected``'s structure and leaf shapes, dtypes, devices."""
+    paths, want, spec = flatten_with_paths(expected, "state")
+    try:
+        got = spec.flatten_up_to(state)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"{where}: the state does not match the transform's state for these parameters "
+            f"(expected {spec}, got {optree.tree_structure(state, none_is_leaf=True)}). {fix}"
+        ) from error
+    for path, w, g in zip(paths, want, got, strict=True):
+        if isinstance(w, Tensor) != isinstance(g, Tensor) or (
+            isinstance(w, Tensor) and (w.shape, w.dtype, w.device) != (g.shape, g.dtype, g.device)
+        ):
+            raise ValueError(
+                f"{where}: {path} is {_describe(g)}; these parameters need {_describe(w)}. {fix}"
+            )
+
+
+def grown(where: str, state: Any, fresh: Any) -> Any:
+    """``state`` followed by the members ``fresh`` has beyond it (``fresh`` from init)."""
+    n_old = num_members(where, "state", state)
+    n_new = num_members(where, "the new state", fresh)
+    if n_old is not None and (n_new is None or n_new <= n_old):
+        raise ValueError(
+            f"{where}: the parameters have {n_new} members, the state {n_old} (expected "
+            "the grown parameters: the state's members followed by the new ones)."
+        )
+    paths, old_leaves, spec = flatten_with_paths(state, "state")
+    try:
+        new_leaves = spec.flatten_up_to(fresh)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"{where}: the state does not match the transform's state for these parameters "
+            f"(expected {optree.tree_structure(fresh, none_is_leaf=True)}, got {spec}). Pass "
+            "the transform the state came from (or one with the same layout)."
+        ) from error
+    for path, old, new in zip(paths, old_leaves, new_leaves, strict=True):
+        shared = isinstance(old, Tensor) and isinstance(new, Tensor) and old.dim() == 0 == new.dim()
+        if shared and not torch.equal(old.to(new.device, new.dtype), new):
+            raise ValueError(
+                f"{where}: {path} is {old.item()!r} here but {new.item()!r} for a new "
+                "member. A step count is one per parameter, shared by all members (they "
+                "step together), so members starting afresh cannot join an optimizer "
+                "that has already stepped, as they would in torch.optim. Add members "
+                "before the first step, or start a fresh state for all members "
+                "(transform.init(params))."
+            )
+    tail = fresh if n_old is None else take(fresh, list(range(n_old, n_new)))  # type: ignore[arg-type]
+    return join(where, [state, tail], "states")
+
+
+def concat(transform: GradientTransformation, state: Any, params: PyTree) -> Any:
+    """The state for ``params`` grown by new members: the old state, then a fresh one.
+
+    The members beyond the state's N get the state ``transform.init`` gives them, as
+    a fresh ``torch.optim`` optimizer of a new member would have. ``transform`` is
+    the one that will step the grown ensemble: reuse the old one if its
+    hyperparameters are floats, or build one with ``[N + M]`` per-member values
+    (``fe.optim.adam(lr=torch.cat([lr, new_lr]))``). Grow the parameters with
+    [`fe.concat`][funcensemble.concat] first.
+
+    Step counts are one per parameter, shared by all members, so members can join
+    only an optimizer that has not stepped yet (otherwise a clear error): torch.optim
+    would count a new member's steps from 0 while the others go on.
+
+    Args:
+        transform: The transform for all N + M members.
+        state: The state for the first N members.
+        params: The grown parameters, N + M members (the first N the state's).
+
+    Returns:
+        The state for ``params``; new tensors, ``state`` is unchanged.
+
+    Raises:
+        TypeError: ``transform`` is not a GradientTransformation.
+        ValueError: ``params`` with no more members than the state, a state of another
+            transform, or a step count that is not 0 (see above); and ``init``'s
+            errors (per-member values not shaped ``[N + M]``).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> _, params, _ = fe.stack([torch.nn.Linear(3, 1) for _ in range(2)])
+        >>> opt = fe.optim.sgd(lr=0.1, momentum=0.9)
+        >>> state = opt.init(params)
+        >>> _, more, _ = fe.stack([torch.nn.Linear(3, 1)])
+        >>> params = fe.concat([params, more])
+        >>> state = fe.optim.concat(opt, state, params)
+        >>> state[0].momentum_buffer["weight"].shape
+        torch.Size([3, 1, 3])
+    """
+    where = "optim.concat"
+    if not isinstance(transform, GradientTransformation):
+        raise TypeError(
+            f"{where}: Expected a GradientTransformation such as fe.optim.adam(), got "
+            f"{type(transform).__name__}."
+        )
+    with torch.no_grad():
+        fresh = transform.init(params)
+    return grown(where, state, fresh)
