@@ -7,7 +7,14 @@ import optree
 import torch
 from torch import Tensor
 
-from .._core.members import Indices, check_indices, copy_leaves_, copy_mapping, take
+from .._core.members import (
+    Indices,
+    check_indices,
+    copy_leaves_,
+    copy_mapping,
+    num_members,
+    take,
+)
 from .._core.tree_view import Stacked, state_view
 from ._members import check_state_like, grown, selected
 from ._protocol import GradientTransformation, PyTree, flatten
@@ -238,6 +245,14 @@ class EnsembleOptimizer:
             where, transform, lambda: selected(where, self.transform, idx, n)
         )
         state = take(self.state, idx)
+        view = state_view(params)
+        named = view["params"] if view is not None else params
+        got = num_members(where, "params", dict(named)) if isinstance(named, Mapping) else None
+        if got is not None and got != len(idx):
+            raise ValueError(
+                f"{where}: params has {got} members, but {len(idx)} are selected. Pass the "
+                "parameters of the selected members (ens.select(indices))."
+            )
         new = EnsembleOptimizer(params, new_transform)
         check_state_like(
             where,

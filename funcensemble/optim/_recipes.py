@@ -28,6 +28,8 @@ def _snapshot(value: Any) -> Any:
         return value.detach().clone()
     if isinstance(value, (tuple, list)) and not hasattr(type(value), "_fields"):
         return type(value)(_snapshot(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
     return value
 
 
