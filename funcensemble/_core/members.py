@@ -113,7 +113,9 @@ def select(tree: PyTree, indices: Indices) -> PyTree:
     [`stack`][funcensemble.stack] and on optimizer states. This is every kind of
     member surgery at once: drop members (select the others), reorder them, or copy
     member i over member j (``idx = list(range(N)); idx[j] = i``). Duplicates are
-    allowed and give independent copies; negative indices count back from N.
+    allowed and give independent copies; negative indices count back from N. A tree
+    without a member axis anywhere (``{}`` buffers, a state of step counts only)
+    comes back copied.
 
     Nothing is shared with ``tree``: the results are new tensors on the leaves'
     devices, in their dtypes. A tensor that requires grad comes back as a fresh
@@ -129,8 +131,7 @@ def select(tree: PyTree, indices: Indices) -> PyTree:
 
     Raises:
         TypeError: ``indices`` is not a sequence of ints or a 1-D integer tensor.
-        ValueError: ``indices`` is empty, the leaves' leading sizes differ, or no leaf
-            has a member axis.
+        ValueError: ``indices`` is empty, or the leaves' leading sizes differ.
         IndexError: An index out of range (checked before anything is built).
 
     Example:
@@ -144,11 +145,6 @@ def select(tree: PyTree, indices: Indices) -> PyTree:
         (True, True)
     """
     n = num_members("select", "tree", tree)
-    if n is None:
-        raise ValueError(
-            "select: no tensor in the tree has a member axis (expected a stacked pytree "
-            "with [N, ...] tensors, got only 0-dim tensors or non-tensor leaves)."
-        )
     return take(tree, check_indices("select", indices, n))
 
 
