@@ -121,14 +121,16 @@ def assert_same(ens: fe.Ensemble, opt: fe.optim.EnsembleOptimizer, loop: Loop) -
             theirs = [
                 o.state[m.get_parameter(name)] for m, o in zip(loop.modules, loop.opts, strict=True)
             ]
-            if not theirs[0]:  # never stepped (the unused layer): no torch state
+            if not any(theirs):  # never stepped (the unused layer): no torch state
                 assert ours is None or not bool(ours.any()), (field, name)
                 continue
-            if field in ("count", "step"):  # one count per parameter, shared by members
-                for t in theirs:
-                    assert ours.item() == t[key].item(), (field, name)
+            # A member that joined and has not stepped yet has no torch state: zeros.
+            if field in ("count", "step"):  # one per parameter, or one per member
+                counts = ours.expand(len(theirs)).tolist()
+                assert counts == [t[key].item() if t else 0.0 for t in theirs], (field, name)
                 continue
-            expected = torch.stack([t[key] for t in theirs])
+            zeros = torch.zeros_like(ours[0])
+            expected = torch.stack([t[key] if t else zeros for t in theirs])
             torch.testing.assert_close(ours, expected, **tol, msg=f"{field} {name}")
 
 
@@ -183,18 +185,35 @@ def test_select_then_steps_equals_the_loop(kind, dtype):
     assert_same(new, opt, loop)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["adam", "sgd", "rmsprop"])
-def test_append_before_the_first_step_equals_the_loop(kind):
-    ens, opt, loop = start(kind, torch.float64)
-    extra = optim_net_members(2, seed=7)
+@pytest.mark.parametrize("stepped", [0, 3])
+def test_append_then_steps_equals_the_loop(kind, dtype, stepped):
+    ens, opt, loop = start(kind, dtype)
+    for step in range(stepped):
+        loop.step(step)
+        ensemble_step(ens, opt, step)
+    extra = optim_net_members(2, dtype=dtype, seed=7)
     grown = ens.concat(copy.deepcopy(extra))
     lrs = [*LRS, 4e-2, 1e-3]
-    opt = opt.concat(grown, transform=fe_transform(kind, torch.tensor(lrs, dtype=torch.float64)))
+    opt = opt.concat(grown, transform=fe_transform(kind, torch.tensor(lrs, dtype=dtype)))
     loop.append(extra, lrs[N:])
-    for step in range(4):
+    assert_same(grown, opt, loop)
+    for step in range(stepped, stepped + 3):
         loop.step(step)
         ensemble_step(grown, opt, step)
     assert_same(grown, opt, loop)
+    # Surgery goes on with per-member step counts: a new member over an old one.
+    opt.copy_members_(5, 0)
+    grown.copy_members_(5, 0)
+    loop.copy([5], [0])
+    kept = grown.select([0, 2, 5])
+    opt = opt.select([0, 2, 5], kept)
+    loop.select([0, 2, 5])
+    for step in range(stepped + 3, stepped + 5):
+        loop.step(step)
+        ensemble_step(kept, opt, step)
+    assert_same(kept, opt, loop)
 
 
 def test_drop_then_append_keeps_float_hyperparameters():
@@ -413,15 +432,22 @@ def test_the_optimizer_refuses_parameters_that_do_not_fit_the_selection():
         opt.select([0, 1], ens)  # the old, 4-member ensemble
 
 
-def test_append_after_stepping_is_refused_with_the_reason():
-    ens, opt, _ = start("adam", torch.float64)
+def test_a_stepped_schedule_refuses_new_members():
+    ens = fe.Ensemble(optim_net_members(2))
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=lambda count: 0.1 / (1 + count)))
     ensemble_step(ens, opt, 0)
     grown = ens.concat(optim_net_members(1))
-    lr = torch.tensor([*LRS, 0.1], dtype=torch.float64)
-    with pytest.raises(ValueError, match="step count is one per parameter, shared by all"):
-        opt.concat(grown, transform=fe_transform("adam", lr))
+    state = [s.clone() for s in _leaves(opt.state) if s is not None]
+    with pytest.raises(ValueError, match="schedule has been called 1 times"):
+        opt.concat(grown)
+    assert_trees_equal(state, [s for s in _leaves(opt.state) if s is not None])
+
+
+def test_old_per_member_values_do_not_fit_new_members():
+    ens, opt, _ = start("adam", torch.float64)
+    grown = ens.concat(optim_net_members(1))
     with pytest.raises(ValueError, match=r"lr has 4 per-member values but .* leading size 5"):
-        fe.optim.EnsembleOptimizer(ens, opt.transform).concat(grown)  # old [4] lr kept
+        opt.concat(grown)
 
 
 def test_concat_refuses_another_architecture_naming_the_member():

@@ -283,10 +283,13 @@ def _check_leaves(
                 f"{type(p).__name__ if not isinstance(p, Tensor) else f'{p.dtype} tensor'}; "
                 "pass the parameters the state was initialized with."
             )
-        if not isinstance(c, Tensor) or c.dim() != 0:
+        if not isinstance(c, Tensor) or not (
+            c.dim() == 0 or (c.dim() == 1 and c.shape[0] == p.shape[0])
+        ):
             raise ValueError(
-                f"{where}: state.count for {leaf_name(spec, i)} must be a 0-dim tensor, "
-                f"got {type(c).__name__ if not isinstance(c, Tensor) else tuple(c.shape)}."
+                f"{where}: state.count for {leaf_name(spec, i)} must be a 0-dim tensor or "
+                "one count per member, got "
+                f"{type(c).__name__ if not isinstance(c, Tensor) else tuple(c.shape)}."
             )
         key = (p.shape, p.dtype, p.device)
         for what, xs in ((gradient, grads), *moments.items()):

@@ -89,7 +89,12 @@ def step_factors(
     for (device, dtype), ks in groups.items():
         wide = _wide(device)
         beta1, beta2, rate = (_on(h, device, wide) for h in (b1, b2, lr))
-        t = torch.stack([counts[k].to(device) for k in ks]).to(wide).unsqueeze(1)  # [leaves, 1]
+        # A count is 0-dim (shared by the members), or [N] once members with their own
+        # counts have joined (member surgery): [leaves, 1 or N].
+        cs = [counts[k].to(device).reshape(-1) for k in ks]
+        if any(c.shape[0] != 1 for c in cs):
+            cs = list(torch.broadcast_tensors(*cs))
+        t = torch.stack(cs).to(wide)
         neg_bc1 = torch.pow(beta1, t) - 1.0  # b1**t - 1 = -(1 - b1**t)
         root = (1.0 - torch.pow(beta2, t)).sqrt()
         # [2, leaves, members or 1]: both factors, rounded once to the leaves' dtype.
@@ -140,6 +145,7 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
             and p.dtype in _FUSED_DTYPES
             and count.device == p.device
             and count.dtype == torch.float32
+            and count.dim() == 0  # the kernel takes one step per tensor
             # The CPU kernel walks raw memory: a transposed gradient gives wrong numbers.
             and p.is_contiguous()
             and grads[k].is_contiguous()

@@ -16,8 +16,12 @@ from torch import Tensor
 
 from .._core.members import Indices, check_indices, join, num_members, take
 from .._tree import flatten_with_paths
+from ._adam import AdamState
 from ._protocol import GradientTransformation, PyTree
 from ._recipes import Recipe, recipe_of
+from ._rmsprop import RMSpropState
+from ._sgd import SGDState
+from ._transforms import ScheduleState
 
 
 def _recipe(where: str, t: GradientTransformation) -> Recipe:
@@ -168,7 +172,14 @@ def _describe(x: object) -> str:
 
 
 def check_state_like(where: str, expected: Any, state: Any, fix: str) -> None:
-    """Check that ``state`` has ``expected``'s structure and leaf shapes, dtypes, devices."""
+    """Check that ``state`` has ``expected``'s structure and leaf shapes, dtypes, devices.
+
+    Step counts may be per member (``[N]``) where ``expected``, fresh from ``init``,
+    has them shared (0-dim).
+    """
+    per_member = [c.shape[0] for c in _counts(state) if isinstance(c, Tensor) and c.dim() == 1]
+    if per_member:
+        expected = _per_member_counts(expected, per_member[0])
     paths, want, spec = flatten_with_paths(expected, "state")
     try:
         got = spec.flatten_up_to(state)
@@ -186,6 +197,40 @@ def check_state_like(where: str, expected: Any, state: Any, fix: str) -> None:
             )
 
 
+# The states whose step counts are one per parameter (0-dim), or one per member ([N])
+# once members with counts of their own have joined, and the field holding them.
+_COUNTED = {AdamState: "count", SGDState: "count", RMSpropState: "step"}
+
+
+def _is_counted(node: Any) -> bool:
+    return type(node) in _COUNTED or isinstance(node, ScheduleState)
+
+
+def _counts(tree: Any) -> list[Any]:
+    """Every step-count leaf of the counted states in ``tree``, in order."""
+    out: list[Any] = []
+    for node in optree.tree_leaves(tree, is_leaf=_is_counted, none_is_leaf=True):
+        if type(node) in _COUNTED:
+            out.extend(optree.tree_leaves(getattr(node, _COUNTED[type(node)]), none_is_leaf=True))
+    return out
+
+
+def _per_member_counts(tree: Any, n: int) -> Any:
+    """``tree`` with each 0-dim step count of a counted state expanded to ``[n]``."""
+
+    def expand(c: Any) -> Any:
+        return c.expand(n).clone() if isinstance(c, Tensor) and c.dim() == 0 else c
+
+    def fix(node: Any) -> Any:
+        if type(node) not in _COUNTED:
+            return node
+        field = _COUNTED[type(node)]
+        counts = optree.tree_map(expand, getattr(node, field), none_is_leaf=True)
+        return node._replace(**{field: counts})
+
+    return optree.tree_map(fix, tree, is_leaf=_is_counted, none_is_leaf=True)
+
+
 def grown(where: str, state: Any, fresh: Any) -> Any:
     """``state`` followed by the members ``fresh`` has beyond it (``fresh`` from init)."""
     n_old = num_members(where, "state", state)
@@ -195,28 +240,64 @@ def grown(where: str, state: Any, fresh: Any) -> Any:
             f"{where}: the parameters have {n_new} members, the state {n_old} (expected "
             "the grown parameters: the state's members followed by the new ones)."
         )
-    paths, old_leaves, spec = flatten_with_paths(state, "state")
+    spec = optree.tree_structure(state, none_is_leaf=True)
     try:
-        new_leaves = spec.flatten_up_to(fresh)
+        spec.flatten_up_to(fresh)
     except (ValueError, TypeError) as error:
         raise ValueError(
             f"{where}: the state does not match the transform's state for these parameters "
             f"(expected {optree.tree_structure(fresh, none_is_leaf=True)}, got {spec}). Pass "
             "the transform the state came from (or one with the same layout)."
         ) from error
-    for path, old, new in zip(paths, old_leaves, new_leaves, strict=True):
-        shared = isinstance(old, Tensor) and isinstance(new, Tensor) and old.dim() == 0 == new.dim()
-        if shared and not torch.equal(old.to(new.device, new.dtype), new):
+    schedules = [
+        (old, new)
+        for old, new in zip(
+            optree.tree_leaves(state, is_leaf=_is_counted, none_is_leaf=True),
+            optree.tree_leaves(fresh, is_leaf=_is_counted, none_is_leaf=True),
+            strict=True,
+        )
+        if isinstance(old, ScheduleState) and isinstance(new, ScheduleState)
+    ]
+    for old, new in schedules:
+        if not torch.equal(old.count, new.count.to(old.count.device)):
             raise ValueError(
-                f"{where}: {path} is {old.item()!r} here but {new.item()!r} for a new "
-                "member. A step count is one per parameter, shared by all members (they "
-                "step together), so members starting afresh cannot join an optimizer "
-                "that has already stepped, as they would in torch.optim. Add members "
-                "before the first step, or start a fresh state for all members "
-                "(transform.init(params))."
+                f"{where}: the learning-rate schedule has been called {old.count.item()} "
+                "times; its count is one for all members, so new members cannot start their "
+                "schedule at 0 as a new torch.optim scheduler would. Add members before the "
+                "first step, or use a constant (float or per-member) lr."
             )
-    tail = fresh if n_old is None else take(fresh, list(range(n_old, n_new)))  # type: ignore[arg-type]
+    if n_old is None:
+        # No member axis anywhere in the state: its step counts enter no arithmetic
+        # (SGD without momentum keeps no buffer), so the old ones stand for all members.
+        return join(where, [state, _same_counts(state, fresh)], "states")
+    tail = take(fresh, list(range(n_old, n_new)))  # type: ignore[arg-type]
+    old_counts, new_counts = _counts(state), _counts(tail)
+    differ = any(
+        isinstance(o, Tensor)
+        and isinstance(c, Tensor)
+        and (o.dim() != 0 or not torch.equal(o, c.to(o.device, o.dtype)))
+        for o, c in zip(old_counts, new_counts, strict=True)
+    )
+    if differ:
+        # The old members have stepped, the new ones start at 0, as in torch.optim:
+        # each member keeps its own count from now on.
+        state = _per_member_counts(state, n_old)
+        tail = _per_member_counts(tail, n_new - n_old)
     return join(where, [state, tail], "states")
+
+
+def _same_counts(state: Any, fresh: Any) -> Any:
+    """``fresh`` with the step counts of ``state``."""
+    olds = iter(_counts(state))
+
+    def fix(node: Any) -> Any:
+        if type(node) not in _COUNTED:
+            return node
+        field = _COUNTED[type(node)]
+        counts = optree.tree_map(lambda _: next(olds), getattr(node, field), none_is_leaf=True)
+        return node._replace(**{field: counts})
+
+    return optree.tree_map(fix, fresh, is_leaf=_is_counted, none_is_leaf=True)
 
 
 def concat(transform: GradientTransformation, state: Any, params: PyTree) -> Any:

@@ -134,9 +134,10 @@ def _sgd_direction(
                 blend = list(torch._foreach_addcmul(blend, d, od))
             new_bufs = []
             for k, i in enumerate(active):
-                fresh = counts[i] == 0
+                shape = [-1] + [1] * (gs[k].dim() - 1)
+                # The count is 0-dim, or [N] once members with their own counts joined.
+                fresh = (counts[i] == 0).reshape(shape) if counts[i].dim() else counts[i] == 0
                 if no_momentum is not None:
-                    shape = [-1] + [1] * (gs[k].dim() - 1)
                     fresh = fresh | no_momentum.to(gs[k].device).reshape(shape)
                 new_bufs.append(torch.where(fresh, d[k], blend[k]))
             if nesterov:
