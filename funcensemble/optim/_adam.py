@@ -46,6 +46,10 @@ class AdamState(NamedTuple):
         count: Per leaf, how many updates it has received (a 0-dim float32 tensor on
             the leaf's device). A leaf whose gradient is None is not stepped, so
             its count (and bias correction) falls behind, exactly like torch.optim.
+            Members that join an optimizer that has stepped
+            ([`fe.optim.concat`][funcensemble.optim.concat]) make it a ``[N]`` tensor,
+            one count per member; ``update_`` then runs the multi-tensor step
+            instead of the fused kernel.
         mu: First-moment running averages, like the parameters.
         nu: Second-moment running averages, like the parameters.
         nu_max: With ``amsgrad``, the running maximum of ``nu``; otherwise all None.

@@ -274,9 +274,9 @@ class EnsembleOptimizer:
         The optimizer side of [`Ensemble.concat`][funcensemble.Ensemble.concat]:
         ``params`` is the grown ensemble; its first N members keep this optimizer's
         state, the new ones get the state a fresh ``torch.optim`` optimizer starts
-        with. Step counts are one per parameter, shared by all members, so this
-        works only before the first step (otherwise a clear error; see
-        [`fe.optim.concat`][funcensemble.optim.concat]). This optimizer is unchanged.
+        with, step counts at 0 (once the old members have stepped, each member keeps
+        its own count; see [`fe.optim.concat`][funcensemble.optim.concat]). This
+        optimizer is unchanged.
 
         Args:
             params: The grown parameters (an Ensemble or mapping).
@@ -285,8 +285,9 @@ class EnsembleOptimizer:
                 values, pass one built with a value for every member.
 
         Raises:
-            ValueError: The state has stepped; ``params`` with no more members than
-                this optimizer; per-member values not shaped like the grown members.
+            ValueError: ``params`` with no more members than this optimizer;
+                per-member values not shaped like the grown members; a learning-rate
+                schedule that has been called.
 
         Example:
             >>> import torch, funcensemble as fe
@@ -317,7 +318,8 @@ class EnsembleOptimizer:
         and ``dst`` rules): member ``dst``'s moments and buffers become ``src``'s, and
         its per-member hyperparameters (``[N]`` tensors) take ``src``'s values, as
         after loading ``src``'s ``torch.optim`` state_dict into ``dst``'s optimizer.
-        Step counts are shared by all members and already equal. The state tensors
+        Step counts shared by all members are equal already; per-member ones are
+        copied with the rest. The state tensors
         stay the same objects; ``self.transform`` is replaced by the rebuilt one.
         Everything is checked before anything is written.
 

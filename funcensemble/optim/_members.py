@@ -117,7 +117,9 @@ def select(
     ``[N]`` per-member hyperparameter of ``transform`` (``lr``, ``betas``, ``eps``,
     ``weight_decay``, ...) is rebuilt with the selected members' values, so each
     member keeps stepping as before. Step counts are one per parameter, shared by all
-    members (all members step together), and are copied. Copy member i over member j
+    members while all members step together (then copied as they are), or one per
+    member once members joined an optimizer that had stepped (then selected with
+    their members). Copy member i over member j
     with ``idx = list(range(N)); idx[j] = i``: member j then has member i's state and
     hyperparameters, as after ``load_state_dict`` of member i's ``torch.optim``
     state. A learning-rate schedule is your function and is kept as it is: if it
@@ -310,9 +312,13 @@ def concat(transform: GradientTransformation, state: Any, params: PyTree) -> Any
     (``fe.optim.adam(lr=torch.cat([lr, new_lr]))``). Grow the parameters with
     [`fe.concat`][funcensemble.concat] first.
 
-    Step counts are one per parameter, shared by all members, so members can join
-    only an optimizer that has not stepped yet (otherwise a clear error): torch.optim
-    would count a new member's steps from 0 while the others go on.
+    Step counts (Adam's bias correction, SGD's first momentum step) are one per
+    parameter, shared by all members, while all members have stepped together. New
+    members start at 0, as in a new ``torch.optim`` optimizer, so once the old ones
+    have stepped the counts become ``[N + M]`` tensors, one per member, and every
+    member goes on counting its own steps. A learning-rate schedule's count is one for
+    all members: new members cannot join a schedule that has been called (a clear
+    error), since a new ``torch.optim`` scheduler would start at 0.
 
     Args:
         transform: The transform for all N + M members.
@@ -325,7 +331,7 @@ def concat(transform: GradientTransformation, state: Any, params: PyTree) -> Any
     Raises:
         TypeError: ``transform`` is not a GradientTransformation.
         ValueError: ``params`` with no more members than the state, a state of another
-            transform, or a step count that is not 0 (see above); and ``init``'s
+            transform, or a schedule that has been called (see above); and ``init``'s
             errors (per-member values not shaped ``[N + M]``).
 
     Example:

@@ -29,7 +29,8 @@ class RMSpropState(NamedTuple):
     are not floating point. The names are ``torch.optim.RMSprop``'s.
 
     Attributes:
-        step: Per leaf, how many updates it has received (a 0-dim float32 tensor).
+        step: Per leaf, how many updates it has received (a 0-dim float32 tensor;
+            ``[N]``, one per member, once members join an optimizer that has stepped).
         square_avg: The running average of the squared gradient.
         momentum_buffer: The momentum buffer; all None when ``momentum`` is the float 0.
         grad_avg: With ``centered``, the running average of the gradient; else all None.

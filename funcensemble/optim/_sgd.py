@@ -29,7 +29,9 @@ class SGDState(NamedTuple):
     Attributes:
         count: Per leaf, how many updates it has received (a 0-dim float32 tensor on
             the leaf's device). At 0 the momentum buffer is not started yet: the first
-            update sets it to the gradient itself, as ``torch.optim.SGD`` does.
+            update sets it to the gradient itself, as ``torch.optim.SGD`` does. A
+            ``[N]`` tensor, one count per member, once members join an optimizer that
+            has stepped ([`fe.optim.concat`][funcensemble.optim.concat]).
         momentum_buffer: ``torch.optim.SGD``'s ``momentum_buffer``, like the parameters.
 
     Example:
