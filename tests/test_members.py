@@ -258,6 +258,20 @@ def test_selected_parameters_are_fresh_leaves_keeping_requires_grad_dtype_and_fl
     assert torch.equal(twice.stacked_buffers()["bn.num_batches_tracked"], torch.zeros(2).long())
 
 
+def test_copy_takes_index_tensors_as_argsort_gives_them():
+    ens, opt, loop = start("sgd", torch.float64)
+    ensemble_step(ens, opt, 0)
+    loop.step(0)
+    ranked = torch.tensor([2, 0, 3, 1])
+    ens.copy_members_(ranked[:2], ranked[-2:])
+    opt.copy_members_(ranked[:2], ranked[-2:])
+    loop.copy([2, 0], [3, 1])
+    ens.copy_members_(ranked[0], ranked[1])  # 0-dim tensors: one member each
+    opt.copy_members_(ranked[0], ranked[1])
+    loop.copy([2], [0])
+    assert_same(ens, opt, loop)
+
+
 def test_copy_swaps_and_leaves_grads_alone():
     ens = fe.Ensemble(optim_net_members(3))
     before = {k: v.detach().clone() for k, v in ens.stacked_params().items()}

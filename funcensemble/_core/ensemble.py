@@ -350,7 +350,7 @@ class Ensemble(nn.Module):
             join(where, [self.stacked_buffers(), buffers], "buffers"),
         )
 
-    def copy_members_(self, src: int | Sequence[int], dst: int | Sequence[int]) -> None:
+    def copy_members_(self, src: int | Indices, dst: int | Indices) -> None:
         """Copy member ``src`` over member ``dst`` in place: parameters and buffers.
 
         The exploit step of population-based training. ``src`` and ``dst`` are ints or

@@ -248,14 +248,14 @@ def concat(trees: Sequence[PyTree]) -> PyTree:
     return join("concat", trees)
 
 
-def copy_mapping(
-    where: str, src: int | Sequence[int], dst: int | Sequence[int], n: int
-) -> list[int]:
+def copy_mapping(where: str, src: int | Indices, dst: int | Indices, n: int) -> list[int]:
     """``list(range(n))`` with ``dst[k]`` replaced by ``src[k]``, after checking both."""
 
     def as_list(what: str, value: Any) -> list[int]:
         if isinstance(value, int) and not isinstance(value, bool):
             value = [value]
+        elif isinstance(value, Tensor) and value.dim() == 0:
+            value = value.reshape(1)
         return check_indices(where, value, n, what=what)
 
     s, d = as_list("src", src), as_list("dst", dst)
@@ -277,8 +277,17 @@ def copy_mapping(
 
 
 def copy_leaves_(tree: PyTree, mapping: list[int]) -> None:
-    """Every leaf with a member axis rewritten in place as ``leaf[mapping]``."""
+    """Every leaf with a member axis rewritten in place as ``leaf[mapping]``.
+
+    Only the members that change are read and written; the sources are read before
+    anything is written (so a swap works).
+    """
+    moved = [(i, j) for j, i in enumerate(mapping) if i != j]
+    if not moved:
+        return
+    src, dst = [i for i, _ in moved], [j for _, j in moved]
     with torch.no_grad():
         for leaf in _tree.leaves(tree):
             if isinstance(leaf, Tensor) and leaf.dim() >= 1:
-                leaf.copy_(leaf.index_select(0, torch.tensor(mapping, device=leaf.device)))
+                rows = leaf.index_select(0, torch.tensor(src, device=leaf.device))
+                leaf.index_copy_(0, torch.tensor(dst, device=leaf.device), rows)

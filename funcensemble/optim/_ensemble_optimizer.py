@@ -1,6 +1,6 @@
 """``EnsembleOptimizer``: a functional optimizer stepping an Ensemble in place, torch-style."""
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -306,8 +306,8 @@ class EnsembleOptimizer:
 
     def copy_members_(
         self,
-        src: int | Sequence[int],
-        dst: int | Sequence[int],
+        src: int | Indices,
+        dst: int | Indices,
         *,
         transform: GradientTransformation | None = None,
     ) -> None:
