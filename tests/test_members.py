@@ -250,6 +250,18 @@ def test_selected_parameters_are_fresh_leaves_keeping_requires_grad_dtype_and_fl
         assert params["fc2.weight"].dtype == torch.float64 and not new.training
         assert (new.randomness, new.chunk_size) == ("same", 2)
         assert params["fc2.weight"].data_ptr() != ens.stacked.fc2.weight.data_ptr()
+
+    def hook(module, args, out):
+        return out * 0
+
+    ens.stacked.fc2.register_forward_hook(hook)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    extra = copy.deepcopy(modules[0])
+    with pytest.raises(ValueError, match="member 3 has 0 forward hook"):
+        ens.concat([extra])  # a new member must have the ensemble's hooks too
+    extra.fc2.register_forward_hook(hook)
+    for new in (ens.select([2, 0]), ens.concat([extra])):
+        assert not new(x).any()  # the hook came along
     twice = ens.select([1, 1])
     with torch.no_grad():
         twice.stacked.fc2.weight[0] += 1  # duplicates are independent copies
