@@ -171,7 +171,7 @@ def join(where: str, trees: list[PyTree], what: str = "trees") -> PyTree:
                         f"{where}: {path} is {x!r} in {what}[{k}] but {first!r} in "
                         f"{what}[0] (a value shared by all members must agree)."
                     )
-            out.append(first)
+            out.append(first)  # not a list: kept as it is
             continue
         for k, x in enumerate(row[1:], start=1):
             if not isinstance(x, Tensor):
@@ -195,15 +195,20 @@ def join(where: str, trees: list[PyTree], what: str = "trees") -> PyTree:
                 raise ValueError(
                     f"{where}: {path} is {x.item()!r} in {what}[{k}] but {first.item()!r} in "
                     f"{what}[0]. A 0-dim tensor is one value shared by all members (an "
-                    "optimizer's step count, say), so it must agree."
+                    "optimizer's step count, say), so it must agree; grow an optimizer "
+                    "state with fe.optim.concat."
                 )
-        with torch.no_grad():
-            if first.dim() == 0:
-                value = first.detach().clone()
-            else:
-                value = torch.cat([x.detach() for x in row])
-        out.append(_fresh(first, value))
-    return _tree.unflatten(spec, out)
+        out.append(row)
+    with torch.no_grad():  # everything checked: build
+        built = [_joined(row) if isinstance(row, list) else row for row in out]
+    return _tree.unflatten(spec, built)
+
+
+def _joined(row: list[Tensor]) -> Tensor:
+    """One leaf's tensors from every tree, joined: the shared 0-dim value, or the cat."""
+    first = row[0]
+    value = first.detach().clone() if first.dim() == 0 else torch.cat([x.detach() for x in row])
+    return _fresh(first, value)
 
 
 def concat(trees: Sequence[PyTree]) -> PyTree:
