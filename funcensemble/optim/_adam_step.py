@@ -89,12 +89,11 @@ def step_factors(
     for (device, dtype), ks in groups.items():
         wide = _wide(device)
         beta1, beta2, rate = (_on(h, device, wide) for h in (b1, b2, lr))
-        # A count is 0-dim (shared by the members), or [N] once members with their own
-        # counts have joined (member surgery): [leaves, 1 or N].
-        cs = [counts[k].to(device).reshape(-1) for k in ks]
-        if any(c.shape[0] != 1 for c in cs):
-            cs = list(torch.broadcast_tensors(*cs))
-        t = torch.stack(cs).to(wide)
+        cs = [counts[k].to(device) for k in ks]
+        if all(c.dim() == 0 for c in cs):  # one count per leaf, shared by the members
+            t = torch.stack(cs).to(wide).unsqueeze(1)  # [leaves, 1]
+        else:  # [N] counts once members joined after steps (member surgery)
+            t = torch.stack(torch.broadcast_tensors(*[c.reshape(-1) for c in cs])).to(wide)
         neg_bc1 = torch.pow(beta1, t) - 1.0  # b1**t - 1 = -(1 - b1**t)
         root = (1.0 - torch.pow(beta2, t)).sqrt()
         # [2, leaves, members or 1]: both factors, rounded once to the leaves' dtype.
