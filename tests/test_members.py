@@ -216,6 +216,29 @@ def test_append_then_steps_equals_the_loop(kind, dtype, stepped):
     assert_same(kept, opt, loop)
 
 
+def test_per_member_counts_survive_a_checkpoint(tmp_path):
+    ens, opt, loop = start("adam", torch.float64)
+    for step in range(2):
+        loop.step(step)
+        ensemble_step(ens, opt, step)
+    extra = optim_net_members(1, seed=9)
+    grown = ens.concat(copy.deepcopy(extra))
+    transform = fe_transform("adam", torch.tensor([*LRS, 1e-2], dtype=torch.float64))
+    opt = opt.concat(grown, transform=transform)
+    loop.append(extra, [1e-2])
+    torch.save({"ens": grown.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed = fe.Ensemble(optim_net_members(5, seed=3))
+    resumed.load_state_dict(saved["ens"])
+    resumed_opt = fe.optim.EnsembleOptimizer(resumed, transform)  # shared counts at 0
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed_opt.state[0].count["fc1.weight"].tolist() == [2.0] * 4 + [0.0]
+    for step in range(2, 4):
+        loop.step(step)
+        ensemble_step(resumed, resumed_opt, step)
+    assert_same(resumed, resumed_opt, loop)
+
+
 def test_drop_then_append_keeps_float_hyperparameters():
     modules = optim_net_members(3)
     ens = fe.Ensemble(copy.deepcopy(modules))

@@ -16,7 +16,7 @@ from .._core.members import (
     take,
 )
 from .._core.tree_view import Stacked, state_view
-from ._members import check_state_like, grown, selected
+from ._members import check_state_like, count_mask, grown, selected
 from ._protocol import GradientTransformation, PyTree, flatten
 
 
@@ -136,7 +136,9 @@ class EnsembleOptimizer:
         """Load a state saved by [`state_dict`][funcensemble.optim.EnsembleOptimizer.state_dict].
 
         Everything is checked before anything changes; tensors are copied to the current
-        state's device and dtype.
+        state's device and dtype. Step counts load whether they are shared by the
+        members or one per member (after [`concat`][funcensemble.optim.EnsembleOptimizer.concat]):
+        a fresh optimizer resumes from a state saved after members joined.
 
         Raises:
             ValueError: Keys, shapes or missing tensors that do not match this optimizer
@@ -158,8 +160,10 @@ class EnsembleOptimizer:
                 f"{sorted(missing)}, unexpected keys {sorted(extra)}. It was saved from a "
                 "different transform or set of parameters."
             )
+        n = self._num_members() if self.params else None
+        counts = count_mask(self.state)
         new = []
-        for key, mine in zip(keys, leaves, strict=True):
+        for key, mine, is_count in zip(keys, leaves, counts, strict=True):
             value = loaded[key]
             if mine is None or value is None:
                 if mine is not value:
@@ -168,6 +172,17 @@ class EnsembleOptimizer:
                         f"the state_dict but {'None' if mine is None else 'a tensor'} here."
                     )
                 new.append(None)
+                continue
+            if (
+                is_count
+                and isinstance(value, Tensor)
+                and value.shape != mine.shape
+                and {tuple(value.shape), tuple(mine.shape)} == {(), (n,)}
+            ):
+                # Step counts shared by the members (0-dim) or one per member ([N],
+                # after members joined): either loads into either.
+                value = value.reshape(()).expand(n) if value.dim() == 0 else value
+                new.append(value.detach().to(device=mine.device, dtype=mine.dtype, copy=True))
                 continue
             if not isinstance(value, Tensor) or value.shape != mine.shape:
                 got = (

@@ -217,6 +217,23 @@ def _counts(tree: Any) -> list[Any]:
     return out
 
 
+def count_mask(tree: Any) -> list[bool]:
+    """For each leaf of ``tree`` (``None`` included), whether it is a step count."""
+
+    def mark(node: Any) -> Any:
+        if type(node) not in _COUNTED:
+            return optree.tree_map(lambda _: False, node, none_is_leaf=True)
+        return type(node)(
+            *(
+                optree.tree_map(lambda _, f=f: f == _COUNTED[type(node)], v, none_is_leaf=True)
+                for f, v in zip(node._fields, node, strict=True)
+            )
+        )
+
+    marked = optree.tree_map(mark, tree, is_leaf=_is_counted, none_is_leaf=True)
+    return optree.tree_leaves(marked, none_is_leaf=True)
+
+
 def _per_member_counts(tree: Any, n: int) -> Any:
     """``tree`` with each 0-dim step count of a counted state expanded to ``[n]``."""
 
