@@ -521,3 +521,18 @@ def test_a_transform_of_your_own_needs_an_explicit_one():
     opt.copy_members_(0, 1, transform=mine)
     with pytest.raises(TypeError, match="built by your own code"):
         fe.optim.select(fe.optim.chain(fe.optim.sgd(0.1), mine), (), [0])
+
+
+def test_a_schedule_of_per_member_values_is_refused_but_a_shared_one_is_kept():
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    base = torch.tensor([0.1, 0.2, 0.3])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=lambda count: base * 0.9**count))
+    with pytest.raises(TypeError, match=r"adam\(lr=...\) is a schedule returning per-member"):
+        opt.copy_members_(0, 1)
+    with pytest.raises(TypeError, match="schedule returning per-member"):
+        opt.select([0], ens.select([0]))
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(lr=lambda count: 0.1 * 0.9**count))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    kept = opt.select([2, 0], ens.select([2, 0]))
+    assert kept.state[-1].count.item() == 1  # the schedule's count, shared, goes along

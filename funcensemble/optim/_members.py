@@ -56,6 +56,14 @@ def remap(where: str, t: GradientTransformation, fn: Callable[[str, Tensor], Ten
             return fn(label, value)
         if isinstance(value, (tuple, list)):
             return type(value)(arg(f"{label}[{k}]", v) for k, v in enumerate(value))
+        if callable(value):  # a schedule lr(count): kept, unless its values are per member
+            first = value(torch.zeros((), dtype=torch.int64))
+            if isinstance(first, Tensor) and first.dim() == 1:
+                raise TypeError(
+                    f"{where}: {label} is a schedule returning per-member values (shape "
+                    f"{tuple(first.shape)}), which cannot be reordered with the members. Pass "
+                    "transform= built for the new members (a schedule of their values)."
+                )
         return value
 
     def label(k: int) -> str:
@@ -122,8 +130,9 @@ def select(
     their members). Copy member i over member j
     with ``idx = list(range(N)); idx[j] = i``: member j then has member i's state and
     hyperparameters, as after ``load_state_dict`` of member i's ``torch.optim``
-    state. A learning-rate schedule is your function and is kept as it is: if it
-    returns per-member values, rebuild it yourself.
+    state. A learning-rate schedule is your function and is kept as it is; one that
+    returns per-member values is refused (build the transform for the new members
+    yourself).
 
     Args:
         transform: A transform built by ``fe.optim`` (``adam``, ``sgd``, ``chain`` of
@@ -138,8 +147,9 @@ def select(
 
     Raises:
         TypeError: ``transform`` is not a GradientTransformation, or one built by your
-            own code (its per-member values cannot be found: rebuild it yourself and
-            select the state with [`fe.select`][funcensemble.select]); bad ``indices``.
+            own code, or with a schedule returning per-member values (these cannot be
+            reordered: rebuild it yourself and select the state with
+            [`fe.select`][funcensemble.select]); bad ``indices``.
         ValueError: Empty ``indices``, or per-member values of another length than N.
         IndexError: An index out of range.
 
