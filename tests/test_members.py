@@ -536,3 +536,43 @@ def test_a_schedule_of_per_member_values_is_refused_but_a_shared_one_is_kept():
     opt.step()
     kept = opt.select([2, 0], ens.select([2, 0]))
     assert kept.state[-1].count.item() == 1  # the schedule's count, shared, goes along
+
+
+def test_concat_of_two_ensembles_keeps_every_member_in_order():
+    a = fe.Ensemble(optim_net_members(2))
+    b = fe.Ensemble(optim_net_members(3, seed=5))
+    both = a.concat(b)
+    assert len(both) == 5
+    for i, ens_i in enumerate([(a, 0), (a, 1), (b, 0), (b, 1), (b, 2)]):
+        ens, j = ens_i
+        assert_trees_equal(both.member(i).state_dict(), ens.member(j).state_dict())
+    with pytest.raises(ValueError, match="member 2 has parameter `weight`"):
+        fe.Ensemble([nn.Linear(3, 2)] * 2).concat(fe.Ensemble([nn.Linear(3, 4)]))
+
+
+@pytest.mark.parametrize(
+    ("trees", "error", "match"),
+    [
+        ([], ValueError, "Expected at least one pytree, got 0"),
+        ([{"w": torch.zeros(2, 3)}, {"v": torch.zeros(2, 3)}], ValueError, "structure"),
+        ([{"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)}], ValueError, r"shape \(\*, \(3,\)\)"),
+        (
+            [{"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 3, dtype=torch.float64)}],
+            ValueError,
+            "torch.float64",
+        ),
+        (
+            [
+                {"c": torch.tensor(1.0), "w": torch.zeros(2)},
+                {"c": torch.tensor(2.0), "w": torch.zeros(1)},
+            ],
+            ValueError,
+            "one value shared by all members",
+        ),
+        ([{"w": torch.zeros(2)}, {"w": None}], TypeError, "is a NoneType"),
+        ([{"w": torch.zeros(2, 3), "v": torch.zeros(3)}], ValueError, "leading size 2, but"),
+    ],
+)
+def test_bad_concats_raise(trees, error, match):
+    with pytest.raises(error, match=match):
+        fe.concat(trees)
