@@ -77,4 +77,5 @@ figures: $(STAMP) notebook
 	$(BIN)/python examples/deep_ensemble_regression.py --out docs/img
 	$(BIN)/python examples/lr_sweep.py --out docs/img
 	$(BIN)/python examples/digits_ensemble.py --out docs/img
+	$(BIN)/python examples/pbt_digits.py --out docs/img
 	$(BIN)/python examples/rl_q_ensemble.py --out docs/img

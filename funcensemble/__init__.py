@@ -12,6 +12,8 @@ from ._core.ensemble import Ensemble as Ensemble
 from ._core.functional_module import FunctionalModule as FunctionalModule
 from ._core.grad import grad as grad
 from ._core.grad import value_and_grad as value_and_grad
+from ._core.members import concat as concat
+from ._core.members import select as select
 from ._core.stack import stack as stack
 from ._core.stack import unstack as unstack
 from ._core.vmap import vmap as vmap
@@ -41,11 +43,13 @@ __all__ = [
     "HeteroEnsemble",
     "bootstrap_indices",
     "bootstrap_masks",
+    "concat",
     "export_state_dicts",
     "grad",
     "import_state_dicts",
     "load",
     "save",
+    "select",
     "stack",
     "unstack",
     "value_and_grad",

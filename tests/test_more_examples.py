@@ -260,3 +260,30 @@ def test_notebook_runs_top_to_bottom_as_stored():
     # What the docs show is what the notebook's code prints today.
     differences = notebook_outputs.output_differences(notebook_outputs.read(NOTEBOOK), nb)
     assert not differences, "\n".join(differences) + "\nRe-run and store it: make notebook"
+
+
+def test_pbt_digits_quick_beats_fixed_learning_rates(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    example = load("pbt_digits")
+    result = example.main(["--quick", "--out", str(tmp_path)])
+    quick = example.QUICK
+    pbt, fixed = result.pbt, result.fixed
+    assert len(pbt.ens) == len(fixed.ens) == quick["members"]
+    assert len(pbt.val) == len(pbt.lrs) == quick["rounds"]
+    assert pbt.copies == quick["rounds"] * quick["members"] // 4 and fixed.copies == 0
+    # The same initial population: fixed keeps its lrs, PBT moved away from the extremes.
+    assert torch.equal(fixed.lr, pbt.lrs[0]) and all(torch.equal(fixed.lr, x) for x in fixed.lrs)
+    assert pbt.lr.min() > fixed.lr.min() and pbt.lr.max() < fixed.lr.max()
+    assert pbt.val[-1].mean() > fixed.val[-1].mean()
+    assert result.pbt_test.mean() > result.fixed_test.mean()
+    assert (tmp_path / "pbt_digits.png").read_bytes().startswith(b"\x89PNG")
+    assert "PBT's mean validation accuracy beats fixed learning rates" in capsys.readouterr().out
+
+
+def test_pbt_digits_fails_without_exploit_and_explore(monkeypatch):
+    pytest.importorskip("sklearn")
+    example = load("pbt_digits")
+    train = example.train
+    monkeypatch.setattr(example, "train", lambda *a, pbt, **kw: train(*a, pbt=False, **kw))
+    with pytest.raises(AssertionError, match="PBT's mean validation accuracy is not above"):
+        example.main(["--members", "4", "--rounds", "2", "--interval", "2", "--no-plot", "--quiet"])

@@ -8,10 +8,12 @@ from torch import Tensor, nn
 from .._checkpoint.state_dict_checks import check_loadable
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
+from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
 from .functional_module import FunctionalModule
 from .in_dims import InDims
+from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
 from .seeding import check_seed, global_rng_restored_on_error, member_seed, seeded_cpu_rng
 from .skeleton import meta_skeleton, replace_tensors
 from .stack import member_module, stack_as, stack_members
@@ -246,6 +248,112 @@ class Ensemble(nn.Module):
     def unstack(self) -> list[nn.Module]:
         """All members as independent ordinary modules (see [`unstack`][funcensemble.unstack])."""
         return [self.member(i) for i in range(self.num_members)]
+
+    def _with_tensors(self, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> "Ensemble":
+        """A new ensemble of this one's architecture and options holding these tensors."""
+        skeleton = meta_skeleton(self.stacked)
+        return self._from_stacked(skeleton, params, buffers, self.randomness, self.chunk_size)
+
+    def select(self, indices: Indices) -> "Ensemble":
+        """A new ensemble of the members ``indices``, in that order.
+
+        Drop members by selecting the others, reorder them, or copy member i over
+        member j with ``idx = list(range(N)); idx[j] = i`` (duplicates give independent
+        copies; negative indices count back). The new ensemble holds new tensors on the
+        same devices and dtypes, with the same ``randomness``, ``chunk_size``,
+        train/eval flags and hooks; its parameters are fresh leaves with the
+        ``requires_grad`` of this one's (frozen stays frozen). This ensemble is
+        unchanged. An optimizer follows with
+        [`EnsembleOptimizer.select`][funcensemble.optim.EnsembleOptimizer.select].
+
+        Raises:
+            TypeError: ``indices`` is not a sequence of ints or a 1-D integer tensor.
+            ValueError: ``indices`` is empty.
+            IndexError: An index out of range.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(5)])
+            >>> best = ens.select([4, 0])
+            >>> len(best), torch.equal(best.member(0).weight, ens.member(4).weight)
+            (2, True)
+        """
+        idx = check_indices("Ensemble.select", indices, self.num_members)
+        return self._with_tensors(
+            take(self.stacked_params(), idx), take(self.stacked_buffers(), idx)
+        )
+
+    def concat(self, modules: "Sequence[nn.Module] | nn.ModuleList | Ensemble") -> "Ensemble":
+        """A new ensemble of this one's members followed by ``modules`` (members appended).
+
+        Each new module must have this ensemble's architecture, checked as
+        [`stack`][funcensemble.stack] checks members (same classes, names, shapes,
+        dtypes, devices, ``requires_grad``, train/eval flags and non-tensor state);
+        another ``Ensemble`` of that architecture adds all its members. Their tensors
+        are copied. This ensemble is unchanged. Give the new members optimizer state
+        with [`EnsembleOptimizer.concat`][funcensemble.optim.EnsembleOptimizer.concat].
+
+        Raises:
+            TypeError: A member that is not an ``nn.Module``, or of another class.
+            ValueError: No modules, or a module of another architecture (the message
+                names its member index in the grown ensemble).
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(4)])
+            >>> grown = ens.concat([torch.nn.Linear(3, 2)])
+            >>> len(grown), torch.equal(grown.member(1).bias, ens.member(1).bias)
+            (5, True)
+        """
+        where = "Ensemble.concat"
+        n = self.num_members
+        ref = Architecture.of(self.member(0))
+        if isinstance(modules, Ensemble):
+            check_same_architecture(where, n, ref, modules.member(0))
+            params, buffers = modules.stacked_params(), modules.stacked_buffers()
+        else:
+            if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
+                raise TypeError(
+                    f"{where}: Expected a sequence of modules (e.g. a list) or an Ensemble, "
+                    f"got a single {type(modules).__name__}. Wrap it in a list."
+                )
+            modules = list(modules)
+            if not modules:
+                raise ValueError(f"{where}: Expected at least one module, got 0.")
+            for k, module in enumerate(modules):
+                check_same_architecture(where, n + k, ref, check_is_module(where, n + k, module))
+            _, params, buffers = stack_as(where, modules)
+        return self._with_tensors(
+            join(where, [self.stacked_params(), params], "params"),
+            join(where, [self.stacked_buffers(), buffers], "buffers"),
+        )
+
+    def copy_members_(self, src: int | Indices, dst: int | Indices) -> None:
+        """Copy member ``src`` over member ``dst`` in place: parameters and buffers.
+
+        The exploit step of population-based training. ``src`` and ``dst`` are ints or
+        equal-length sequences of pairs; every source is read before any destination
+        is written (so ``copy_members_([0, 1], [1, 0])`` swaps), destinations must be
+        distinct, negative indices count back. The parameters stay the same tensors
+        (an optimizer over them keeps working); their ``.grad`` is not touched. Copy
+        the optimizer state too, with
+        [`EnsembleOptimizer.copy_members_`][funcensemble.optim.EnsembleOptimizer.copy_members_].
+        Everything is checked before anything is written.
+
+        Raises:
+            TypeError: An index that is not an int.
+            ValueError: ``src`` and ``dst`` of different lengths, or a repeated ``dst``.
+            IndexError: An index out of range.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(4)])
+            >>> ens.copy_members_(src=[0, 0], dst=[2, 3])
+            >>> torch.equal(ens.stacked.weight[3], ens.stacked.weight[0])
+            True
+        """
+        mapping = copy_mapping("Ensemble.copy_members_", src, dst, self.num_members)
+        copy_leaves_([self.stacked_params(), self.stacked_buffers()], mapping)
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}"

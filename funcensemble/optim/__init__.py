@@ -13,6 +13,8 @@ from ._adam import adamw as adamw
 from ._adam import scale_by_adam as scale_by_adam
 from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._ensemble_optimizer import EnsembleOptimizer as EnsembleOptimizer
+from ._members import concat as concat
+from ._members import select as select
 from ._polyak import polyak_update as polyak_update
 from ._polyak import polyak_update_ as polyak_update_
 from ._protocol import EmptyState as EmptyState
@@ -44,6 +46,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
+    "concat",
     "cosine_decay",
     "linear_warmup",
     "polyak_update",
@@ -51,6 +54,7 @@ __all__ = [
     "rmsprop",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "select",
     "sgd",
     "warmup_cosine",
 ]

@@ -32,6 +32,7 @@ from ._protocol import (
     traits,
     with_traits,
 )
+from ._recipes import rebuildable
 from ._transforms import Schedule, ScheduleState, checked_learning_rate, learning_rate
 
 
@@ -47,6 +48,10 @@ class AdamState(NamedTuple):
         count: Per leaf, how many updates it has received (a 0-dim float32 tensor on
             the leaf's device). A leaf whose gradient is None is not stepped, so
             its count (and bias correction) falls behind, exactly like torch.optim.
+            Members that join an optimizer that has stepped
+            ([`fe.optim.concat`][funcensemble.optim.concat]) make it a ``[N]`` tensor,
+            one count per member; ``update_`` then runs the multi-tensor step
+            instead of the fused kernel.
         mu: First-moment running averages, like the parameters.
         nu: Second-moment running averages, like the parameters.
         nu_max: With ``amsgrad``, the running maximum of ``nu``; otherwise all None.
@@ -204,6 +209,7 @@ def _unfolded(where: str) -> Callable[..., tuple[PyTree, Any]]:
     return update
 
 
+@rebuildable
 def scale_by_adam(
     betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),
     eps: float | PerMember = 1e-8,
@@ -272,10 +278,13 @@ def _check_leaves(
                 f"{type(p).__name__ if not isinstance(p, Tensor) else f'{p.dtype} tensor'}; "
                 "pass the parameters the state was initialized with."
             )
-        if not isinstance(c, Tensor) or c.dim() != 0:
+        if not isinstance(c, Tensor) or not (
+            c.dim() == 0 or (c.dim() == 1 and c.shape[0] == p.shape[0])
+        ):
             raise ValueError(
-                f"{where}: state.count for {leaf_name(spec, i)} must be a 0-dim tensor, "
-                f"got {type(c).__name__ if not isinstance(c, Tensor) else tuple(c.shape)}."
+                f"{where}: state.count for {leaf_name(spec, i)} must be a 0-dim tensor or "
+                "one count per member, got "
+                f"{type(c).__name__ if not isinstance(c, Tensor) else tuple(c.shape)}."
             )
         key = (p.shape, p.dtype, p.device)
         for what, xs in ((gradient, grads), *moments.items()):
@@ -446,6 +455,7 @@ def _adam(
     )
 
 
+@rebuildable
 def adam(
     lr: float | PerMember | Schedule = 1e-3,
     betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),
@@ -525,6 +535,7 @@ def adam(
     return _adam("adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
 
 
+@rebuildable
 def adamw(
     lr: float | PerMember | Schedule = 1e-3,
     betas: tuple[float | PerMember, float | PerMember] = (0.9, 0.999),

@@ -89,7 +89,11 @@ def step_factors(
     for (device, dtype), ks in groups.items():
         wide = _wide(device)
         beta1, beta2, rate = (_on(h, device, wide) for h in (b1, b2, lr))
-        t = torch.stack([counts[k].to(device) for k in ks]).to(wide).unsqueeze(1)  # [leaves, 1]
+        cs = [counts[k].to(device) for k in ks]
+        if all(c.dim() == 0 for c in cs):  # one count per leaf, shared by the members
+            t = torch.stack(cs).to(wide).unsqueeze(1)  # [leaves, 1]
+        else:  # [N] counts once members joined after steps (member surgery)
+            t = torch.stack(torch.broadcast_tensors(*[c.reshape(-1) for c in cs])).to(wide)
         neg_bc1 = torch.pow(beta1, t) - 1.0  # b1**t - 1 = -(1 - b1**t)
         root = (1.0 - torch.pow(beta2, t)).sqrt()
         # [2, leaves, members or 1]: both factors, rounded once to the leaves' dtype.
@@ -140,6 +144,7 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
             and p.dtype in _FUSED_DTYPES
             and count.device == p.device
             and count.dtype == torch.float32
+            and count.dim() == 0  # the kernel takes one step per tensor
             # The CPU kernel walks raw memory: a transposed gradient gives wrong numbers.
             and p.is_contiguous()
             and grads[k].is_contiguous()

@@ -16,6 +16,7 @@ from ._protocol import (
     scatter,
     trainable,
 )
+from ._recipes import rebuildable
 
 
 def _member_norms(where: str, spec: Any, leaves: list[Any], active: list[int]) -> Tensor:
@@ -40,6 +41,7 @@ def _member_norms(where: str, spec: Any, leaves: list[Any], active: list[int]) -
     return torch.linalg.vector_norm(torch.stack(norms), 2, dim=0)
 
 
+@rebuildable
 def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
     """Clip each member's gradients by that member's own L2 norm over all its leaves.
 

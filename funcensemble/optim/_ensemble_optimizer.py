@@ -7,9 +7,18 @@ import optree
 import torch
 from torch import Tensor
 
+from .._core.members import (
+    Indices,
+    check_indices,
+    copy_leaves_,
+    copy_mapping,
+    num_members,
+    take,
+)
 from .._core.tree_view import Stacked, adapted, state_view
 from .._messages import a, expected_got, key_difference
 from .._types import StackedTensor
+from ._members import check_state_like, count_mask, grown, selected
 from ._protocol import GradientTransformation, PyTree, flatten
 
 
@@ -142,7 +151,9 @@ class EnsembleOptimizer:
         """Load a state saved by [`state_dict`][funcensemble.optim.EnsembleOptimizer.state_dict].
 
         Everything is checked before anything changes; tensors are copied to the current
-        state's device and dtype.
+        state's device and dtype. Step counts load whether they are shared by the
+        members or one per member (after [`concat`][funcensemble.optim.EnsembleOptimizer.concat]):
+        a fresh optimizer resumes from a state saved after members joined.
 
         Raises:
             ValueError: Keys, shapes or missing tensors that do not match this optimizer
@@ -165,8 +176,10 @@ class EnsembleOptimizer:
                 f"{where}: the state does not match this optimizer: it {difference}. It was "
                 "saved from a different transform or set of parameters."
             )
+        n = self._num_members() if self.params else None
+        counts = count_mask(self.state)
         new = []
-        for key, mine in zip(keys, leaves, strict=True):
+        for key, mine, is_count in zip(keys, leaves, counts, strict=True):
             value = loaded[key]
             if mine is None or value is None:
                 if mine is not value:
@@ -177,6 +190,17 @@ class EnsembleOptimizer:
                     )
                 new.append(None)
                 continue
+            if (
+                is_count
+                and isinstance(value, Tensor)
+                and value.shape != mine.shape
+                and {tuple(value.shape), tuple(mine.shape)} == {(), (n,)}
+            ):
+                # Step counts shared by the members (0-dim) or one per member ([N],
+                # after members joined): either loads into either.
+                value = value.reshape(()).expand(n) if value.dim() == 0 else value
+                new.append(value.detach().to(device=mine.device, dtype=mine.dtype, copy=True))
+                continue
             if not isinstance(value, Tensor) or value.shape != mine.shape:
                 raise ValueError(
                     f"{where}: `{key}` does not match this optimizer's state "
@@ -185,6 +209,172 @@ class EnsembleOptimizer:
                 )
             new.append(value.detach().to(device=mine.device, dtype=mine.dtype, copy=True))
         self.state = spec.unflatten(new)
+
+    def _num_members(self) -> int:
+        for p in self.params.values():
+            return p.shape[0]
+        raise ValueError("EnsembleOptimizer: there are no parameters (no member axis).")
+
+    def _transform_for(
+        self, where: str, transform: GradientTransformation | None, follow: Callable[[], Any]
+    ) -> GradientTransformation:
+        if transform is None:
+            return follow()
+        if not isinstance(transform, GradientTransformation):
+            raise TypeError(
+                f"{where}: transform must be a GradientTransformation such as "
+                f"fe.optim.adam(), got {type(transform).__name__}."
+            )
+        return transform
+
+    def select(
+        self,
+        indices: Indices,
+        params: Stacked | Mapping[str, Tensor],
+        *,
+        transform: GradientTransformation | None = None,
+    ) -> "EnsembleOptimizer":
+        """A new optimizer stepping ``params``, with the state of members ``indices``.
+
+        The optimizer side of [`Ensemble.select`][funcensemble.Ensemble.select]:
+        ``params`` is the new ensemble (``ens.select(indices)``) and must have
+        ``len(indices)`` members. Each selected member keeps its moments, buffers and
+        per-member hyperparameters (``lr`` etc. given as ``[N]`` tensors), as after
+        ``load_state_dict`` of its own ``torch.optim`` state; see
+        [`fe.optim.select`][funcensemble.optim.select]. This optimizer is unchanged
+        and keeps stepping the old parameters: step the new one from now on.
+
+        Args:
+            indices: Member indices, as in ``Ensemble.select``.
+            params: The parameters of the selected members (an Ensemble or mapping).
+            transform: Only for a transform of your own (whose per-member values
+                cannot be found): the transform for the selected members.
+
+        Raises:
+            TypeError: Bad ``indices``, or a transform of your own and no
+                ``transform=``.
+            ValueError: Empty ``indices``, or ``params`` that do not fit the selected
+                state (another member count or architecture).
+            IndexError: An index out of range.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 1) for _ in range(4)])
+            >>> opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=torch.rand(4)))
+            >>> best = ens.select([2, 3])
+            >>> opt = opt.select([2, 3], best)
+            >>> opt.state[0].mu["weight"].shape
+            torch.Size([2, 1, 3])
+        """
+        where = "EnsembleOptimizer.select"
+        n = self._num_members()
+        idx = check_indices(where, indices, n)
+        new_transform = self._transform_for(
+            where, transform, lambda: selected(where, self.transform, idx, n)
+        )
+        state = take(self.state, idx)
+        view = state_view(params)
+        named = view["params"] if view is not None else params
+        got = num_members(where, "params", dict(named)) if isinstance(named, Mapping) else None
+        if got is not None and got != len(idx):
+            raise ValueError(
+                f"{where}: params has {got} members, but {len(idx)} are selected. Pass the "
+                "parameters of the selected members (ens.select(indices))."
+            )
+        new = EnsembleOptimizer(params, new_transform)
+        check_state_like(
+            where,
+            new.state,
+            state,
+            f"Pass the parameters of the {len(idx)} selected members (ens.select(indices)).",
+        )
+        new.state = state
+        return new
+
+    def concat(
+        self,
+        params: Stacked | Mapping[str, Tensor],
+        *,
+        transform: GradientTransformation | None = None,
+    ) -> "EnsembleOptimizer":
+        """A new optimizer stepping ``params``, grown by new members with fresh state.
+
+        The optimizer side of [`Ensemble.concat`][funcensemble.Ensemble.concat]:
+        ``params`` is the grown ensemble; its first N members keep this optimizer's
+        state, the new ones get the state a fresh ``torch.optim`` optimizer starts
+        with, step counts at 0 (once the old members have stepped, each member keeps
+        its own count; see [`fe.optim.concat`][funcensemble.optim.concat]). This
+        optimizer is unchanged.
+
+        Args:
+            params: The grown parameters (an Ensemble or mapping).
+            transform: The transform for all members; by default this one, which
+                fits if its hyperparameters are floats. With per-member ``[N]``
+                values, pass one built with a value for every member.
+
+        Raises:
+            ValueError: ``params`` with no more members than this optimizer;
+                per-member values not shaped like the grown members; a learning-rate
+                schedule that has been called.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 1) for _ in range(2)])
+            >>> opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=1e-3))
+            >>> ens = ens.concat([torch.nn.Linear(3, 1)])
+            >>> opt = opt.concat(ens)
+            >>> opt.state[0].nu["bias"].shape
+            torch.Size([3, 1])
+        """
+        where = "EnsembleOptimizer.concat"
+        new_transform = self._transform_for(where, transform, lambda: self.transform)
+        new = EnsembleOptimizer(params, new_transform)
+        new.state = grown(where, self.state, new.state)
+        return new
+
+    def copy_members_(
+        self,
+        src: int | Indices,
+        dst: int | Indices,
+        *,
+        transform: GradientTransformation | None = None,
+    ) -> None:
+        """Copy member ``src``'s optimizer state over member ``dst``'s, in place.
+
+        The optimizer side of
+        [`Ensemble.copy_members_`][funcensemble.Ensemble.copy_members_] (same ``src``
+        and ``dst`` rules): member ``dst``'s moments and buffers become ``src``'s, and
+        its per-member hyperparameters (``[N]`` tensors) take ``src``'s values, as
+        after loading ``src``'s ``torch.optim`` state_dict into ``dst``'s optimizer.
+        Step counts shared by all members are equal already; per-member ones are
+        copied with the rest. The state tensors
+        stay the same objects; ``self.transform`` is replaced by the rebuilt one.
+        Everything is checked before anything is written.
+
+        Args:
+            src: Source member(s).
+            dst: Destination member(s).
+            transform: Only for a transform of your own: the transform to use after
+                the copy.
+
+        Example:
+            >>> import torch, funcensemble as fe
+            >>> ens = fe.Ensemble([torch.nn.Linear(3, 1) for _ in range(3)])
+            >>> opt = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(lr=0.1, momentum=0.9))
+            >>> ens(torch.randn(8, 3)).sum().backward(); opt.step()
+            >>> ens.copy_members_(0, 2); opt.copy_members_(0, 2)
+            >>> buf = opt.state[0].momentum_buffer["weight"]
+            >>> torch.equal(buf[2], buf[0])
+            True
+        """
+        where = "EnsembleOptimizer.copy_members_"
+        n = self._num_members()
+        mapping = copy_mapping(where, src, dst, n)
+        new_transform = self._transform_for(
+            where, transform, lambda: selected(where, self.transform, mapping, n)
+        )
+        copy_leaves_(self.state, mapping)
+        self.transform = new_transform
 
     def __repr__(self) -> str:
         return f"EnsembleOptimizer({len(self.params)} stacked parameters)"

@@ -17,6 +17,7 @@ from .._messages import a, expected_got
 from .._torch_compat import set_grad_enabled_fast
 from .._tree import check_same_structure, flatten
 from .._types import StackedTree
+from ._recipes import rebuildable
 
 # Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
 # `optree.typing.PyTree[Tensor]` would be the precise hint, but its forward references
@@ -297,6 +298,7 @@ def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, 
     return out
 
 
+@rebuildable
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Run transforms one after the other, each on the previous one's updates.
 

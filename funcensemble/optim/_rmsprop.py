@@ -17,6 +17,7 @@ from ._protocol import (
     state_leaves,
     trainable,
 )
+from ._recipes import rebuildable
 from ._sgd import _flag
 from ._transforms import Schedule, checked_learning_rate, learning_rate
 
@@ -28,7 +29,8 @@ class RMSpropState(NamedTuple):
     are not floating point. The names are ``torch.optim.RMSprop``'s.
 
     Attributes:
-        step: Per leaf, how many updates it has received (a 0-dim float32 tensor).
+        step: Per leaf, how many updates it has received (a 0-dim float32 tensor;
+            ``[N]``, one per member, once members join an optimizer that has stepped).
         square_avg: The running average of the squared gradient.
         momentum_buffer: The momentum buffer; all None when ``momentum`` is the float 0.
         grad_avg: With ``centered``, the running average of the gradient; else all None.
@@ -157,6 +159,7 @@ def _rmsprop_direction(
     return GradientTransformation(init, update)
 
 
+@rebuildable
 def rmsprop(
     lr: float | PerMember | Schedule = 1e-2,
     alpha: float | PerMember = 0.99,

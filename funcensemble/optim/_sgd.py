@@ -16,6 +16,7 @@ from ._protocol import (
     state_leaves,
     trainable,
 )
+from ._recipes import rebuildable
 from ._transforms import Schedule, checked_learning_rate, learning_rate
 
 
@@ -28,7 +29,9 @@ class SGDState(NamedTuple):
     Attributes:
         count: Per leaf, how many updates it has received (a 0-dim float32 tensor on
             the leaf's device). At 0 the momentum buffer is not started yet: the first
-            update sets it to the gradient itself, as ``torch.optim.SGD`` does.
+            update sets it to the gradient itself, as ``torch.optim.SGD`` does. A
+            ``[N]`` tensor, one count per member, once members join an optimizer that
+            has stepped ([`fe.optim.concat`][funcensemble.optim.concat]).
         momentum_buffer: ``torch.optim.SGD``'s ``momentum_buffer``, like the parameters.
 
     Example:
@@ -123,9 +126,10 @@ def _sgd_direction(
                 blend = list(torch._foreach_addcmul(blend, d, od))
             new_bufs = []
             for k, i in enumerate(active):
-                fresh = counts[i] == 0
+                shape = [-1] + [1] * (gs[k].dim() - 1)
+                # The count is 0-dim, or [N] once members with their own counts joined.
+                fresh = (counts[i] == 0).reshape(shape) if counts[i].dim() else counts[i] == 0
                 if no_momentum is not None:
-                    shape = [-1] + [1] * (gs[k].dim() - 1)
                     fresh = fresh | no_momentum.to(gs[k].device).reshape(shape)
                 new_bufs.append(torch.where(fresh, d[k], blend[k]))
             if nesterov:
@@ -146,6 +150,7 @@ def _sgd_direction(
     return GradientTransformation(init, update)
 
 
+@rebuildable
 def sgd(
     lr: float | PerMember | Schedule = 1e-3,
     momentum: float | PerMember = 0.0,

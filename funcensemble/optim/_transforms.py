@@ -30,6 +30,7 @@ from ._protocol import (
     trainable,
     with_traits,
 )
+from ._recipes import rebuildable
 
 Schedule = Callable[[Int[Tensor, ""]], Any]
 
@@ -114,6 +115,7 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
     return GradientTransformation(init, update, update)
 
 
+@rebuildable
 def add_decayed_weights(weight_decay: float | PerMember = 0.0) -> GradientTransformation:
     """Add ``weight_decay * params`` to the updates (L2 regularization, or AdamW's decay).
 
@@ -197,6 +199,7 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
     return with_traits(out, learning_rate=(where, schedule))
 
 
+@rebuildable
 def scale_by_learning_rate(lr: float | PerMember | Schedule = 1e-3) -> GradientTransformation:
     """Multiply the updates by ``-lr``, turning a descent direction into a step.
 
