@@ -148,7 +148,10 @@ def predict(
     they do not add); the others add in another order across ranks, so they agree up
     to rounding (see "Inference at scale" in the scale-out guide for measured
     figures). On one rank of the member axis every result is ``fe.reduce``'s, bit for
-    bit.
+    bit. With data replicas, the members run on parts of the batch (their kernels may
+    round otherwise than on the whole batch) and each reduction sees its replica's
+    part: a reduction that draws per sample (``subset_min(..., per_sample=True)``)
+    draws for that part, so it is not the draw one process makes on the whole batch.
 
     Args:
         model: This rank's members, e.g. the ``Ensemble`` from
