@@ -103,10 +103,14 @@ def _check_layout(
     """
     mine = torch.tensor(_layout_row(shape, t.dtype), dtype=torch.int64, device=t.device)
     rows = mine.new_empty(world * mine.numel())
-    _collective(
-        where, rank, world, lambda: dist.all_gather_into_tensor(rows, mine, group=group), group
-    )
-    layouts = [r.tolist() for r in rows.view(world, -1).cpu()]
+
+    def exchange() -> list[list[int]]:
+        dist.all_gather_into_tensor(rows, mine, group=group)
+        # Read inside the wrapped block: with NCCL the collective only queues work, and
+        # a failure may surface when its result reaches the host.
+        return [r.tolist() for r in rows.view(world, -1).cpu()]
+
+    layouts = _collective(where, rank, world, exchange, group)
     if all(r == layouts[0] for r in layouts):
         return
     by_layout: dict[str, list[int]] = {}
