@@ -67,6 +67,14 @@ def reductions(reduce: Any) -> dict[str, Any]:
     return {**out, "subset_min": subset(False), "subset_min_per_sample": subset(True)}
 
 
+def with_nans() -> Tensor:
+    """Outputs ``[N, 8]`` with NaNs in members of every rank, in different columns."""
+    values = torch.randn(NUM_MEMBERS, 8, generator=torch.Generator().manual_seed(2))
+    for member, column in ((0, 0), (4, 1), (6, 2), (1, 3), (5, 3)):
+        values[member, column] = float("nan")
+    return values
+
+
 def members(shard: fe.distributed.MemberShard, dtype: torch.dtype) -> fe.Ensemble:
     ens = shard.from_factory(make_member, seed=0).to(dtype)
     # Outputs far from 0 next to their spread: the variance's two passes matter.
@@ -86,6 +94,12 @@ def main(out: Path) -> None:
             members(shard, dtype), shard, x, reductions=reductions(fe.distributed), src=0
         )
         results[f"member {dtype}"] = got
+    # NaN outputs: the selecting reductions must keep them as torch.amin does.
+    shard = fe.distributed.MemberShard(NUM_MEMBERS)
+    values = with_nans()[shard.members]
+    results["nan"] = {
+        name: fn(values, shard) for name, fn in reductions(fe.distributed).items() if name in EXACT
+    }
     mesh = init_device_mesh("cpu", (1, 3), mesh_dim_names=("member", "data"))
     shard = fe.distributed.MemberShard(NUM_MEMBERS, mesh=mesh)
     results["data"] = {"data_rank": shard.data_rank}

@@ -189,6 +189,15 @@ def test_three_ranks_reduce_as_one_process(tmp_path):
         for result in results[1:]:
             for name, value in result[f"member {dtype}"].items():
                 assert torch.equal(value, results[0][f"member {dtype}"][name]), name
+    nans = worker.with_nans()
+    for name, fn in worker.reductions(fe.reduce).items():
+        if name in worker.EXACT:
+            want_nan = fn(nans)
+            assert want_nan.isnan().any(), name
+            for result in results:
+                torch.testing.assert_close(
+                    result["nan"][name], want_nan, rtol=0, atol=0, equal_nan=True
+                )
     want = _reference(torch.float64)
     assert sorted(r["data"]["data_rank"] for r in results) == [0, 1, 2]
     # Drawing per sample on a third of the batch is another draw (documented).
