@@ -1692,6 +1692,24 @@ CASES += [
         "k",
     ),
     Bad(
+        "distributed.mutual_information-member-count",
+        _collective(lambda s, v: _dist().mutual_information(v[:2], s)),
+        ValueError,
+        "3|2",
+    ),
+    Bad(
+        "distributed.predict-unknown-reduction",
+        _collective(lambda s, v: _dist().predict(lambda: v, s, reductions=["median"])),
+        ValueError,
+        "unknown reduction 'median'",
+    ),
+    Bad(
+        "distributed.predict-output-member-count",
+        _collective(lambda s, v: _dist().predict(lambda: v[:2], s)),
+        ValueError,
+        "3|2",
+    ),
+    Bad(
         "distributed.save-shard-str",
         lambda tmp: Setup(lambda: _dist().save(tmp / "d", {"w": x(3, 2)}, "shard"), [tmp]),
         TypeError,

@@ -419,6 +419,83 @@ def test_cuda_shards_match_cpu_and_launch_without_synchronizing():
     assert all(t.device.type == "cuda" for s in sharded.params for t in s.values())
 
 
+def _wide_members(num: int, width: int = 1024, depth: int = 4) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+        for _ in range(num)
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_forward_launches_without_waiting_and_gathers_only_arrived_values():
+    count = torch.cuda.device_count()
+    devices = [f"cuda:{k % count}" for k in range(2)]
+    members = _wide_members(6)
+    ens = fe.Ensemble(clone_modules(members))  # on the CPU: the reference
+    sharded = ShardedEnsemble(members, devices)
+    x = torch.randn(512, 1024)
+    with torch.no_grad():
+        want = ens(x)
+        pinned = x.pin_memory()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host-device synchronization raises
+        try:
+            parts = sharded(pinned, gather=False)  # copies in, launches: nothing waits
+            on_gpu = sharded.gather(parts)  # to cuda:0, ordered on the streams
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        # Read on the host at once, while the GPUs may still be busy: gather to the CPU
+        # must have waited for every copy.
+        on_cpu = sharded.gather(sharded(pinned, gather=False), device="cpu")
+        copied = on_cpu.clone()
+    assert on_gpu.device == torch.device(devices[0]) and on_cpu.device.type == "cpu"
+    torch.testing.assert_close(copied, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(copied, on_gpu.cpu(), rtol=1e-6, atol=1e-6)
+    back = sharded.to_ensemble(device="cpu")
+    assert torch.equal(back.stacked[0].weight, ens.stacked[0].weight)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_compute_at_the_same_time():
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sharded = ShardedEnsemble(_wide_members(8), ["cuda:0", "cuda:1"])
+    # Milliseconds of GPU work per shard, far more than the launches take in Python:
+    # otherwise each GPU would finish its kernels as soon as they are launched.
+    xs = PerShard(torch.randn(16384, 1024, device=d) for d in sharded.devices)
+    with torch.no_grad():
+        sharded(xs, gather=False)  # warm up: cuBLAS handles, kernels chosen
+        for d in sharded.devices:
+            torch.cuda.synchronize(d)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                sharded(xs, gather=False)
+            for d in sharded.devices:
+                torch.cuda.synchronize(d)
+    spans: dict[int, list[tuple[float, float]]] = {0: [], 1: []}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA and event.device_index in spans:
+            spans[event.device_index].append((event.time_range.start, event.time_range.end))
+    assert spans[0] and spans[1], "the profiler recorded no kernels on one of the GPUs"
+
+    def union(intervals):
+        merged = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return merged
+
+    busy = [union(spans[0]), union(spans[1])]
+    both = sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in busy[0] for b0, b1 in busy[1])
+    alone = min(sum(e - s for s, e in b) for b in busy)
+    # Launched one after another, the devices would never run at once (both = 0).
+    assert both > 0.5 * alone, (both, alone)
+
+
 def test_models_with_unused_parameters_train_on_shards():
     class Partly(nn.Module):
         def __init__(self):

@@ -35,6 +35,7 @@ HARDWARE = {
 # Every block that needs such hardware: page -> what each of its marked blocks needs.
 NEEDS = {
     "docs/how-to/chunking.md": ["gpu"],
+    "docs/how-to/scale-out.md": ["gpu"],
 }
 FRESH_INTERPRETER = {"docs/how-to/compile.md"}
 

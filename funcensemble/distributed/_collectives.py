@@ -105,10 +105,14 @@ def _check_layout(
     """
     mine = torch.tensor(_layout_row(shape, t.dtype), dtype=torch.int64, device=t.device)
     rows = mine.new_empty(world * mine.numel())
-    _collective(
-        where, rank, world, lambda: dist.all_gather_into_tensor(rows, mine, group=group), group
-    )
-    layouts = [r.tolist() for r in rows.view(world, -1).cpu()]
+
+    def exchange() -> list[list[int]]:
+        dist.all_gather_into_tensor(rows, mine, group=group)
+        # Read inside the wrapped block: with NCCL the collective only queues work, and
+        # a failure may surface when its result reaches the host.
+        return [r.tolist() for r in rows.view(world, -1).cpu()]
+
+    layouts = _collective(where, rank, world, exchange, group)
     if all(r == layouts[0] for r in layouts):
         return
     by_layout: dict[str, list[int]] = {}
@@ -137,6 +141,36 @@ def _all_reduce(where: str, shard: MemberShard, t: Tensor, op: Any) -> Tensor:
         shard.group,
     )
     return t
+
+
+def _all_extreme(where: str, shard: MemberShard, partial: Tensor, largest: bool) -> Tensor:
+    """Every rank's minimum (maximum) over its members, combined as ``torch.amin`` does.
+
+    A MIN or MAX all-reduce drops a NaN or keeps it depending on the order in which
+    it meets the other ranks' values (gloo); one process's ``amin`` returns NaN
+    wherever a member has one. So the per-rank results (one per rank, not one per
+    member) are gathered and reduced here, on every rank in the same order.
+    """
+    _check_layout(
+        where,
+        shard.rank,
+        shard.world_size,
+        shard.group,
+        partial,
+        tuple(partial.shape),
+        "reduced outputs",
+    )
+    flat = partial.contiguous().view(-1)
+    out = flat.new_empty(shard.world_size * flat.numel())
+    _collective(
+        where,
+        shard.rank,
+        shard.world_size,
+        lambda: dist.all_gather_into_tensor(out, flat, group=shard.group),
+        shard.group,
+    )
+    ranks = out.view(shard.world_size, *partial.shape)
+    return ranks.amax(dim=0) if largest else ranks.amin(dim=0)
 
 
 def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
@@ -298,12 +332,14 @@ def _extreme(where: str, local: Tensor, shard: MemberShard, largest: bool) -> Te
         out = values.amax(dim=0) if largest else values.amin(dim=0)
         if shard.world_size == 1:
             return out
-        op = dist.ReduceOp.MAX if largest else dist.ReduceOp.MIN
-        return _all_reduce(where, shard, out, op)
+        return _all_extreme(where, shard, out, largest)
 
 
 def min(local: Real[Tensor, " member *rest"], shard: MemberShard) -> Real[Tensor, "*rest"]:
     """The elementwise minimum over all N members (values only), exactly.
+
+    Each rank's minimum over its members is gathered (one value per rank, not per
+    member), so a NaN output of any member gives NaN, as ``torch.amin`` does.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -315,7 +351,8 @@ def min(local: Real[Tensor, " member *rest"], shard: MemberShard) -> Real[Tensor
 
 
 def max(local: Real[Tensor, " member *rest"], shard: MemberShard) -> Real[Tensor, "*rest"]:
-    """The elementwise maximum over all N members (values only), exactly.
+    """The elementwise maximum over all N members (values only), exactly (NaN as in
+    ``torch.amax``).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -338,7 +375,8 @@ def subset_min(
 
     Every rank draws the same subset of member indices, the way
     [`fe.reduce.subset_min`][funcensemble.reduce.subset_min] draws it, takes the
-    minimum over its own selected members and all-reduces the minima. So with the
+    minimum over its own selected members and the ranks' minima are combined (gathered,
+    one per rank, so that a NaN counts as in ``torch.amin``). So with the
     generator in the same state on every rank (e.g. each rank seeds
     ``torch.Generator().manual_seed(step)``, or all ranks seed torch alike) the result
     equals ``fe.reduce.subset_min`` on the gathered outputs with that generator, bit
@@ -398,7 +436,7 @@ def subset_min(
         out = torch.where(mine, values, fill).amin(dim=0)
         if shard.world_size == 1:
             return out
-        return _all_reduce(where, shard, out, dist.ReduceOp.MIN)
+        return _all_extreme(where, shard, out, largest=False)
 
 
 def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:

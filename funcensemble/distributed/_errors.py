@@ -1,11 +1,12 @@
 """One error type for distributed failures: which rank, doing what, for how long, and why.
 
 torch.distributed reports a missing or crashed rank as a ``DistStoreError``, a gloo
-``RuntimeError`` with a C++ stack trace, or DCP's ``CheckpointException`` (a
-``BaseException``). Every set-up, collective, save and load of ``fe.distributed`` turns
-them into a [`DistributedError`][funcensemble.distributed.DistributedError] that says
-which rank failed, what it was waiting for, how long it waited and under which
-timeout, with the original error chained as its cause.
+``RuntimeError`` with a C++ stack trace, NCCL's ``DistBackendError`` (a timeout or an
+aborted communicator), or DCP's ``CheckpointException`` (a ``BaseException``).
+Every set-up, collective, save and load of ``fe.distributed`` turns them into a
+[`DistributedError`][funcensemble.distributed.DistributedError] that says which rank
+failed, what it was waiting for, how long it waited and under which timeout, with the
+original error chained as its cause.
 """
 
 import contextlib
@@ -17,6 +18,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+
+from ._backend_errors import backend_hint
 
 _MAX_CAUSE = 600  # characters of the original message kept in ours
 
@@ -117,7 +120,7 @@ def raise_failure(
     waited = time.monotonic() - started
     message = (
         f"{where}: rank {rank} of {world} failed while {what}, after {waited:.1f} s"
-        f"{_timeout_words(timeout, timeout_name)}. {hint}"
+        f"{_timeout_words(timeout, timeout_name)}. {hint}{backend_hint(cause)}"
     )
     if cause is not None:
         message += f" Cause: {cause_text(cause)}"

@@ -4,7 +4,9 @@ Each device holds a contiguous slice of the members (see ``member_slices``) and 
 it as one vectorized call. The shards are launched one after another from one Python
 thread, with nothing in the loop that waits for a device: on CUDA, kernel launches
 return at once, so every device works on its slice while Python goes on to launch the
-next. Inputs are copied to every device before any compute is launched.
+next. Inputs are copied to every device before any compute is launched, and outputs
+are gathered with non-blocking copies (``_device_copies``). On the CPU (for testing)
+every op completes before it returns, so the shards simply run one after another.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -24,8 +26,9 @@ from .._tree import flatten as tree_flatten
 from .._tree import unflatten
 from .._types import StackedTree
 from ..optim._protocol import GradientTransformation, apply_updates
+from ._device_copies import join_on
 from ._per_shard import PerShard
-from ._placement import copies_async, device_of, devices_of, place_arg
+from ._placement import device_of, devices_of, place_arg
 from ._slices import member_slices, narrow_members, slice_size
 
 
@@ -294,6 +297,12 @@ class ShardedEnsemble:
                 [`map`][funcensemble.distributed.ShardedEnsemble.map] returns).
             device: Where the result lives; the first shard's device by default.
 
+        Every copy is issued without blocking (``non_blocking=True``) before any is
+        waited for. To a GPU, the copies are ordered on the devices' streams and the host
+        never waits. To the CPU, the GPUs' copies into pinned memory overlap, and this
+        waits once for each source device before it returns, so the result is never
+        read before it has arrived.
+
         Returns:
             One pytree of ``[N, ...]`` tensors, in member order.
 
@@ -339,12 +348,7 @@ class ShardedEnsemble:
                         f"shard {k} holds {self.sizes[k]} members. Gather outputs with "
                         "the member axis first."
                     )
-        blocking = not copies_async(target)
-        joined = [
-            torch.cat([leaves[j].to(target, non_blocking=not blocking) for leaves, _ in flat])
-            for j in range(len(flat[0][0]))
-        ]
-        return unflatten(spec, joined)
+        return unflatten(spec, join_on([leaves for leaves, _ in flat], target))
 
     # --- training ------------------------------------------------------------------
 
@@ -469,11 +473,12 @@ class ShardedEnsemble:
         """
         target = self.devices[0] if device is None else device_of("to_ensemble", device)
 
-        def joined(shards: PerShard, name: str) -> Tensor:
-            return torch.cat([s[name].detach().to(target) for s in shards])
+        def joined(shards: PerShard) -> dict[str, Tensor]:
+            names = list(shards[0])
+            parts = [[s[name].detach() for name in names] for s in shards]
+            return dict(zip(names, join_on(parts, target), strict=True))
 
-        params = {name: joined(self._params, name) for name in self._params[0]}
-        buffers = {name: joined(self._buffers, name) for name in self._buffers[0]}
+        params, buffers = joined(self._params), joined(self._buffers)
         return Ensemble._from_stacked(
             self.fmodel.skeleton, params, buffers, self.randomness, self.chunk_size
         )

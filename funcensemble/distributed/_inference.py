@@ -1,0 +1,210 @@
+"""``predict``: one batch through every rank's members, reduced over all N members.
+
+Inference of a sharded ensemble in one call: the batch is broadcast from one rank (or
+already the same on every rank), split along the mesh's ``"data"`` axis when there is
+one, run through this rank's members, and reduced over the members of every rank by the
+``fe.distributed`` reductions, which all-reduce per-rank sums, maxima or minima instead
+of gathering the members' outputs. With data replicas, the reduced results of the
+replicas' parts of the batch are then gathered along ``"data"``, so that every rank
+returns the results for the whole batch.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _tree
+from ._collectives import _check_shard, _collective, broadcast
+from ._collectives import max as max_
+from ._collectives import mean as mean_
+from ._collectives import min as min_
+from ._collectives import std as std_
+from ._collectives import var as var_
+from ._member_shard import MemberShard
+from ._uncertainty import (
+    expected_entropy,
+    mean_log_probs,
+    mean_probs,
+    mutual_information,
+    predictive_entropy,
+)
+
+Reduction = Callable[[Tensor, MemberShard], Tensor]
+
+REDUCTIONS: dict[str, Reduction] = {
+    "mean": mean_,
+    "var": var_,
+    "std": std_,
+    "min": min_,
+    "max": max_,
+    "mean_probs": mean_probs,
+    "mean_log_probs": mean_log_probs,
+    "predictive_entropy": predictive_entropy,
+    "expected_entropy": expected_entropy,
+    "mutual_information": mutual_information,
+}
+
+
+def _reductions(where: str, reductions: object) -> dict[str, Reduction]:
+    if isinstance(reductions, str):
+        reductions = (reductions,)
+    if isinstance(reductions, Mapping):
+        chosen = dict(reductions)
+        for name, fn in chosen.items():
+            if not isinstance(name, str) or not callable(fn):
+                raise TypeError(
+                    f"{where}: reductions as a mapping must map names (str) to functions "
+                    f"fn(local, shard), got {name!r}: {type(fn).__name__}."
+                )
+    elif isinstance(reductions, Sequence):
+        chosen = {}
+        for name in reductions:
+            if name not in REDUCTIONS:
+                raise ValueError(
+                    f"{where}: unknown reduction {name!r}; expected one of "
+                    f"{sorted(REDUCTIONS)}, or pass a mapping of names to functions "
+                    "fn(local, shard) (e.g. for subset_min)."
+                )
+            chosen[name] = REDUCTIONS[name]
+    else:
+        raise TypeError(
+            f"{where}: reductions must be a sequence of names or a mapping of names to "
+            f"functions, got {type(reductions).__name__}."
+        )
+    if not chosen:
+        raise ValueError(f"{where}: Expected at least one reduction, got none.")
+    return chosen
+
+
+def _batch_size(where: str, leaves: list[Any]) -> int:
+    sizes = {tuple(x.shape[:1]) for x in leaves if isinstance(x, Tensor)}
+    if len(sizes) != 1 or () in sizes:
+        raise ValueError(
+            f"{where}: with data replicas every tensor input is split along its dim 0, the "
+            f"batch; expected tensors with one batch size, got leading sizes "
+            f"{sorted(s[0] if s else 'none' for s in sizes)}."
+        )
+    return next(iter(sizes))[0]
+
+
+def _gather_batch(where: str, name: str, part: Tensor, shard: MemberShard, rows: int) -> Tensor:
+    """The data replicas' results on their parts of the batch, joined in batch order."""
+    if part.dim() == 0 or part.shape[0] != rows:
+        got = part.shape[0] if part.dim() else "no batch axis"
+        raise ValueError(
+            f"{where}: reduction {name!r} gave leading size {got} on this data replica's "
+            f"{rows} samples; with a data axis, reduced results must keep the batch axis "
+            "first so that the replicas' parts can be joined."
+        )
+    part = part.contiguous()
+    out = part.new_empty((shard.data_size * rows, *part.shape[1:]))
+    _collective(
+        where,
+        shard.data_rank,
+        shard.data_size,
+        lambda: dist.all_gather_into_tensor(out, part, group=shard.data_group),
+        shard.data_group,
+    )
+    return out
+
+
+def predict(
+    model: Callable[..., Any],
+    shard: MemberShard,
+    *inputs: Any,
+    reductions: Sequence[str] | Mapping[str, Reduction] = ("mean",),
+    src: int | None = None,
+    **kwargs: Any,
+) -> dict[str, Tensor]:
+    """Run a batch through every rank's members and reduce over all N members.
+
+    A collective: every rank calls it with its own members. The batch is
+
+    1. broadcast from rank ``src`` (of the default group) when ``src`` is given (the
+       other ranks pass tensors of the same shapes and dtypes, e.g. ``torch.empty``);
+       with ``src=None`` every rank must pass the same batch (e.g. read from one file
+       or drawn from one seed), which costs no communication;
+    2. split along dim 0 of every tensor input when the shard's mesh has a ``"data"``
+       axis: replica d runs its part
+       ([`batch_slice`][funcensemble.distributed.MemberShard.batch_slice]);
+    3. run through this rank's members, ``model(*inputs, **kwargs)`` under
+       ``torch.no_grad()``, giving ``[n_r, ...]`` outputs (members first);
+    4. reduced over all N members by each reduction, which all-reduces per-rank sums,
+       maxima or minima (the members' outputs never leave their rank);
+    5. with data replicas, the reduced parts are gathered along ``"data"`` so that
+       every rank returns the results for the whole batch.
+
+    Named reductions: ``"mean"``, ``"var"``, ``"std"``, ``"min"``, ``"max"`` (any
+    outputs), ``"mean_probs"``, ``"mean_log_probs"``, ``"predictive_entropy"``,
+    ``"expected_entropy"`` and ``"mutual_information"`` (logits, classes last). Others
+    (e.g. [`subset_min`][funcensemble.distributed.subset_min] with its ``k`` and
+    generator) are given as functions ``fn(local_outputs, shard)``.
+
+    Exactness against the single-process ``fe.reduce`` function on all N members'
+    outputs: ``min``, ``max`` and ``subset_min`` are equal bit for bit (they select,
+    they do not add); the others add in another order across ranks, so they agree up
+    to rounding (see "Inference at scale" in the scale-out guide for measured
+    figures). On one rank of the member axis every result is ``fe.reduce``'s, bit for
+    bit. With data replicas, the members run on parts of the batch (their kernels may
+    round otherwise than on the whole batch) and each reduction sees its replica's
+    part: a reduction that draws per sample (``subset_min(..., per_sample=True)``)
+    draws for that part, so it is not the draw one process makes on the whole batch.
+
+    Args:
+        model: This rank's members, e.g. the ``Ensemble`` from
+            [`MemberShard.from_factory`][funcensemble.distributed.MemberShard.from_factory],
+            or any function returning a tensor with ``shard.size`` members first.
+        shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
+        *inputs: The batch (tensors or pytrees of them), dim 0 the sample axis.
+        reductions: Names of reductions, or a mapping of result names to functions
+            ``fn(local_outputs, shard)`` such as ``fe.distributed.var``.
+        src: The rank that holds the batch, or ``None`` if every rank has it.
+        **kwargs: Keyword arguments of ``model``, shared (not broadcast or split).
+
+    Returns:
+        ``{name: result}``, the same on every rank; each result is what the reduction
+        returns for all N members on the whole batch.
+
+    Raises:
+        ValueError: An unknown reduction name, no reductions, inputs of different
+            batch sizes (or one not divisible by the data axis's size), or a model
+            output whose leading size is not this rank's member count.
+        TypeError: ``shard`` is not a ``MemberShard``, or ``reductions`` is malformed.
+        DistributedError: A collective failed (another rank crashed or timed out).
+
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> shard = fe.distributed.MemberShard(5)  # one process; the same under torchrun
+        >>> ens = shard.from_factory(lambda: torch.nn.Linear(3, 4))
+        >>> x = torch.randn(8, 3)
+        >>> out = fe.distributed.predict(ens, shard, x, reductions=["mean", "mutual_information"])
+        >>> out["mean"].shape, out["mutual_information"].shape
+        (torch.Size([8, 4]), torch.Size([8]))
+        >>> torch.equal(out["mutual_information"], fe.reduce.mutual_information(ens(x)))
+        True
+    """
+    where = "predict"
+    shard = _check_shard(where, shard)
+    if not callable(model):
+        raise TypeError(f"{where}: model must be callable, got {type(model).__name__}.")
+    chosen = _reductions(where, reductions)
+    if src is not None:
+        inputs = broadcast(inputs, src=src)
+    rows = None
+    if shard.data_size > 1:
+        leaves, spec = _tree.flatten(inputs)
+        mine = shard.batch_slice(_batch_size(where, leaves))
+        rows = mine.stop - mine.start
+        inputs = _tree.unflatten(spec, [x[mine] if isinstance(x, Tensor) else x for x in leaves])
+    with torch.no_grad():
+        outputs = model(*inputs, **kwargs)
+        results = {name: fn(outputs, shard) for name, fn in chosen.items()}
+        if rows is not None:
+            results = {
+                name: _gather_batch(where, name, value, shard, rows)
+                for name, value in results.items()
+            }
+    return results
