@@ -67,6 +67,7 @@ FIGURE = "rl_q_ensemble.png"  # the name of the figure in docs/img (make figures
 # A full run must reach this evaluation return (mean over full 200-step episodes):
 # the untrained actor scores about -1300, a policy that swings up and holds about -150.
 THRESHOLD = -300.0
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 @dataclass
@@ -145,7 +146,7 @@ class Critics:
 
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module], *, lr: float) -> "Critics":
-        fmodel, params, buffers = fe.stack(modules)
+        fmodel, params, buffers = fe.stack(modules)  # leaf tensors that require grad
         target = {k: v.detach().clone() for k, v in params.items()}
         opt = fe.optim.adam(lr)
         return cls(fmodel, params, buffers, target, opt, opt.init(params))
@@ -159,17 +160,17 @@ class Critics:
 
         Returns the per-critic losses ``[N]`` and their predictions ``[N, batch]``.
         """
-
-        def td_loss(p: dict[str, Tensor], b: dict[str, Tensor], sa: Tensor, y: Tensor):
-            q = self.fmodel(p, b, sa).squeeze(-1)
-            return F.mse_loss(q, y), q
-
-        losses, grads, _, q = fe.value_and_grad(td_loss, has_aux=True)(
-            self.params, self.buffers, torch.cat([obs, act], -1), y
+        # One stacked forward of all critics; the critics share no parameter, so the
+        # gradient of the SUM of their losses is, for each critic, that of its own loss.
+        q = self.q(self.params, obs, act)
+        losses = (q - y).square().mean(-1)
+        grads = torch.autograd.grad(losses.sum(), list(self.params.values()))
+        # In place: the same step as opt.update + apply_updates, in torch's fused Adam
+        # kernel, with no new parameter or state tensors.
+        self.opt_state = self.opt.update_(
+            dict(zip(self.params, grads, strict=True)), self.opt_state, self.params
         )
-        updates, self.opt_state = self.opt.update(grads, self.opt_state, self.params)
-        self.params = fe.optim.apply_updates(self.params, updates)
-        return losses, q
+        return losses.detach(), q.detach()
 
     def frozen(self) -> dict[str, Tensor]:
         """The online parameters without autograd: the actor's loss must not train them."""
@@ -192,10 +193,11 @@ class Actor(nn.Module):
         mean, log_std = self.net(obs).chunk(2, dim=-1)
         if deterministic:
             return torch.tanh(mean) * self.act_scale, torch.zeros(obs.shape[:-1])
-        std = log_std.clamp(-20.0, 2.0).exp()
-        u = mean + std * torch.randn_like(mean)
-        logp = torch.distributions.Normal(mean, std).log_prob(u).sum(-1)
-        # log|d tanh(u)/du| = 2 (log 2 - u - softplus(-2u)), stable for large |u|.
+        log_std = log_std.clamp(-20.0, 2.0)
+        eps = torch.randn_like(mean)
+        u = mean + log_std.exp() * eps
+        # log N(u; mean, std) in closed form: (u - mean) / std is eps.
+        logp = (-0.5 * eps.square() - log_std).sum(-1) - u.shape[-1] * LOG_SQRT_2PI
         logp = logp - (2 * (math.log(2) - u - F.softplus(-2 * u))).sum(-1)
         logp = logp - u.shape[-1] * math.log(self.act_scale)
         return torch.tanh(u) * self.act_scale, logp
@@ -255,9 +257,10 @@ class Agent:
         return cls(
             critics=critics,
             actor=actor,
-            actor_opt=torch.optim.Adam(actor.parameters(), lr=cfg.lr),
+            # fused: torch.optim.Adam's algorithm in one kernel per step (no per-tensor loop)
+            actor_opt=torch.optim.Adam(actor.parameters(), lr=cfg.lr, fused=True),
             log_alpha=log_alpha,
-            alpha_opt=torch.optim.Adam([log_alpha], lr=cfg.lr),
+            alpha_opt=torch.optim.Adam([log_alpha], lr=cfg.lr, fused=True),
             target_entropy=-float(act_dim),
             cfg=cfg,
             subset_generator=torch.Generator().manual_seed(cfg.seed + 1),
@@ -286,13 +289,13 @@ class Agent:
         act_new, logp = self.actor(obs)
         q_new = self.critics.q(self.critics.frozen(), obs, act_new)
         actor_loss = (self.alpha * logp - fe.reduce.mean(q_new)).mean()
-        self.actor_opt.zero_grad()
-        actor_loss.backward()
-        self.actor_opt.step()
-
         alpha_loss = -(self.log_alpha * (logp.detach() + self.target_entropy)).mean()
+        # One backward for both losses: the actor's loss holds alpha detached and the
+        # temperature's holds logp detached, so each gets exactly its own gradient.
+        self.actor_opt.zero_grad()
         self.alpha_opt.zero_grad()
-        alpha_loss.backward()
+        (actor_loss + alpha_loss).backward()
+        self.actor_opt.step()
         self.alpha_opt.step()
         return {
             "critic_loss": losses.mean().item(),
