@@ -7,12 +7,16 @@ Python loop, every update runs N small networks one after the other. Here the N 
 are one stacked model:
 
 * ``fe.stack`` turns N ``Linear-ReLU-Linear-ReLU-Linear`` critics into one function and
-  ``[N, ...]`` parameters; ``fe.vmap`` evaluates all of them in one call;
-* ``fe.value_and_grad`` gives every critic its own TD loss and gradient at once, and
-  ``fe.optim.adam`` steps them (exactly ``torch.optim.Adam`` per critic);
+  ``[N, ...]`` parameters; ``fe.vmap`` evaluates all of them in one call (for a plain
+  MLP like this one, as a few batched matrix products);
+* one backward of the sum of the critics' TD losses gives every critic the gradient of
+  its own loss (they share no parameter), and ``fe.optim.adam``'s ``update_`` steps
+  them in place (exactly ``torch.optim.Adam`` per critic, in torch's fused kernel);
 * the target critics are a copy of the stacked parameters, moved towards the online
   ones in one call by ``fe.optim.polyak_update_``;
-* ``fe.reduce.subset_min`` gives the REDQ target and ``fe.reduce.mean`` the actor's Q;
+* the REDQ target is the minimum over the random subset, drawn as
+  ``fe.reduce.subset_min`` draws it, of only the chosen target critics (2 forward
+  passes instead of 10, same value); ``fe.reduce.mean`` gives the actor's Q and
   ``fe.reduce.std`` (the critics' disagreement) is logged as the Q standard deviation.
 
 The actor (a tanh-squashed Gaussian) and the entropy temperature are plain PyTorch.
