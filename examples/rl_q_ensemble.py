@@ -34,20 +34,56 @@ started (the critics' TD loss falls between its first and its last updates, and 
 critics disagree), not any score; its evaluation episodes are 50 steps instead of 200,
 so its returns are not comparable with a full run's.
 
-Measured with the default settings (seed 0), on a 2-core Intel Xeon VM shared with
-other busy jobs (load average 3 to 8), torch 2.13 CPU, gymnasium 1.4, one torch thread
-(the learning curve is docs/img/rl_q_ensemble.png):
+Measured with the default settings (seed 0), on a 2-core AMD EPYC VM shared with other
+busy jobs (load average 5 to 13; the three seeds ran side by side), torch 2.13 CPU,
+gymnasium 1.4, one torch thread (the learning curve is docs/img/rl_q_ensemble.png):
 
 * evaluation return (10 episodes, deterministic policy): -1313 at 1,000 steps
-  (untrained actor), -480 at 3,500, **-275 at 4,000** (first above -300), -153 at
-  4,500, between -124 and -108 from 6,000 on; **-108.7 at 15,000** (final);
-* the critics' Q standard deviation rises from 0.25 to 0.57 while the policy improves
-  (about 8,000 steps), then slowly falls (0.50 at the end);
-* a full run (15,000 steps, 14,000 updates) took 656 s wall time on the shared machine
-  and 357 s of CPU time (about 25 ms per environment step with its update), so about
-  6 minutes on an idle core;
-* other seeds: seed 1 first above -300 at 4,500 steps (-213), final -131.2 (622 s wall,
-  345 s CPU); seed 2 at 4,500 steps (-283), final -120.0 (616 s wall, 346 s CPU).
+  (untrained actor), -608 at 3,500, -323 at 4,000, **-154 at 4,500** (first above
+  -300), between -380 and -109 from 6,000 to 12,000, a dip to -634 at 13,500, back to
+  -110 at 14,500; **-109.8 at 15,000** (final);
+* the critics' Q standard deviation rises from 0.29 to 0.58 while the policy improves
+  (about 9,500 steps), then slowly falls (0.52 at the end);
+* other seeds: seed 1 first above -300 at 4,500 steps (-252), final -131.7; seed 2 at
+  4,500 steps (-166), final -119.7, with one dip to -632 (mean final over seeds 0-2:
+  -120.4). The run before the changes below (seed 0) stayed between -125 and -109 from
+  6,000 steps on; the changes keep the algorithm and its random draws, so runs agree
+  closely at first (Q std 0.2745 at 3,000 steps in both) and part only through float
+  rounding, and such transient dips of the deterministic policy come and go by seed;
+* a full run (15,000 steps, 14,000 updates) took 208 s of CPU time (seeds 1 and 2: 255 s
+  and 229 s; about 15 ms per environment step with its update) and 2,000 to 2,150 s
+  wall time on the loaded machine. The same run before the changes below took 254 s of
+  CPU (seed 0, the machine less loaded; final -109.2).
+
+Where a step's time goes (CPU ms per environment step with its update, sections timed
+with time.process_time over 1,000 updates, the old and new code one after the other on
+the loaded machine):
+
+==========================================  ======  =====
+section                                     before  after
+==========================================  ======  =====
+environment step, replay add and sample       0.40   0.33
+action for the environment step               0.50   0.38
+TD target (actor, target critics, min)        2.45   1.23
+critic update (forward, backward, Adam)       8.35   6.26
+Polyak update of the target critics           0.21   0.19
+actor and temperature update                  7.29   6.39
+logged statistics                             0.17   0.24
+total (evaluation adds about 0.1)            19.36  15.01
+==========================================  ======  =====
+
+What changed: the TD target evaluates only the 2 chosen target critics; the critics'
+update is one stacked forward and one ``torch.autograd.grad`` of the summed losses
+with Adam's in-place ``update_`` (``fe.value_and_grad`` maps the loss function itself
+over the members, which cost about 2 ms more per update here); the actor's Gaussian
+log-probability is computed in closed form (no ``torch.distributions`` object per
+call); the actor's and the temperature's losses share one backward and their Adams
+run fused; and funcensemble's MLP fast path now runs a shared input's first layer on a
+row-major copy, which makes that layer's weight and input gradients 4 to 6 times
+cheaper at 4 input features. What is left is mostly the 6 batched products with the
+``[10, 128, 128]`` hidden weights (3 forwards, 3 in the backwards), about 1 ms each at
+close to one core's peak, and activation-sized temporaries (ReLU backward, the last
+layer's input gradient), whose fresh allocations cost page faults.
 """
 
 import argparse
@@ -455,7 +491,7 @@ def check(log: Log, cfg: Config, *, quick: bool) -> tuple[bool, str]:
         f"the evaluation return {'first' if reached else 'never'} reached {THRESHOLD:.0f} "
         + (f"at step {reached}" if reached else f"in {cfg.steps} steps")
         + " (the untrained actor scores about -1300; the documented default runs, 15,000 "
-        "steps with seeds 0 to 2, reach it at 4,000 to 4,500 steps)."
+        "steps with seeds 0 to 2, reach it at 4,500 steps)."
     )
 
 
