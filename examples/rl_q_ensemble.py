@@ -53,7 +53,9 @@ gymnasium 1.4, one torch thread (the learning curve is docs/img/rl_q_ensemble.pn
 * a full run (15,000 steps, 14,000 updates) took 208 s of CPU time (seeds 1 and 2: 255 s
   and 229 s; about 15 ms per environment step with its update) and 2,000 to 2,150 s
   wall time on the loaded machine. The same run before the changes below took 254 s of
-  CPU (seed 0, the machine less loaded; final -109.2).
+  CPU (seed 0, run alone at load average 8 to 10; final -109.2). Seed 1 run again
+  alone (load average about 6) took 199 s of CPU and 294 s wall time, with the same
+  returns to the last digit (the runs are deterministic).
 
 Where a step's time goes (CPU ms per environment step with its update, sections timed
 with time.process_time over 1,000 updates, the old and new code one after the other on
