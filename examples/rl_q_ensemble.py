@@ -7,12 +7,16 @@ Python loop, every update runs N small networks one after the other. Here the N 
 are one stacked model:
 
 * ``fe.stack`` turns N ``Linear-ReLU-Linear-ReLU-Linear`` critics into one function and
-  ``[N, ...]`` parameters; ``fe.vmap`` evaluates all of them in one call;
-* ``fe.value_and_grad`` gives every critic its own TD loss and gradient at once, and
-  ``fe.optim.adam`` steps them (exactly ``torch.optim.Adam`` per critic);
+  ``[N, ...]`` parameters; ``fe.vmap`` evaluates all of them in one call (for a plain
+  MLP like this one, as a few batched matrix products);
+* one backward of the sum of the critics' TD losses gives every critic the gradient of
+  its own loss (they share no parameter), and ``fe.optim.adam``'s ``update_`` steps
+  them in place (exactly ``torch.optim.Adam`` per critic, in torch's fused kernel);
 * the target critics are a copy of the stacked parameters, moved towards the online
   ones in one call by ``fe.optim.polyak_update_``;
-* ``fe.reduce.subset_min`` gives the REDQ target and ``fe.reduce.mean`` the actor's Q;
+* the REDQ target is the minimum over the random subset, drawn as
+  ``fe.reduce.subset_min`` draws it, of only the chosen target critics (2 forward
+  passes instead of 10, same value); ``fe.reduce.mean`` gives the actor's Q and
   ``fe.reduce.std`` (the critics' disagreement) is logged as the Q standard deviation.
 
 The actor (a tanh-squashed Gaussian) and the entropy temperature are plain PyTorch.
@@ -30,20 +34,58 @@ started (the critics' TD loss falls between its first and its last updates, and 
 critics disagree), not any score; its evaluation episodes are 50 steps instead of 200,
 so its returns are not comparable with a full run's.
 
-Measured with the default settings (seed 0), on a 2-core Intel Xeon VM shared with
-other busy jobs (load average 3 to 8), torch 2.13 CPU, gymnasium 1.4, one torch thread
-(the learning curve is docs/img/rl_q_ensemble.png):
+Measured with the default settings (seed 0), on a 2-core AMD EPYC VM shared with other
+busy jobs (load average 5 to 13; the three seeds ran side by side), torch 2.13 CPU,
+gymnasium 1.4, one torch thread (the learning curve is docs/img/rl_q_ensemble.png):
 
 * evaluation return (10 episodes, deterministic policy): -1313 at 1,000 steps
-  (untrained actor), -480 at 3,500, **-275 at 4,000** (first above -300), -153 at
-  4,500, between -124 and -108 from 6,000 on; **-108.7 at 15,000** (final);
-* the critics' Q standard deviation rises from 0.25 to 0.57 while the policy improves
-  (about 8,000 steps), then slowly falls (0.50 at the end);
-* a full run (15,000 steps, 14,000 updates) took 656 s wall time on the shared machine
-  and 357 s of CPU time (about 25 ms per environment step with its update), so about
-  6 minutes on an idle core;
-* other seeds: seed 1 first above -300 at 4,500 steps (-213), final -131.2 (622 s wall,
-  345 s CPU); seed 2 at 4,500 steps (-283), final -120.0 (616 s wall, 346 s CPU).
+  (untrained actor), -608 at 3,500, -323 at 4,000, **-154 at 4,500** (first above
+  -300), between -380 and -109 from 6,000 to 12,000, a dip to -634 at 13,500, back to
+  -110 at 14,500; **-109.8 at 15,000** (final);
+* the critics' Q standard deviation rises from 0.29 to 0.58 while the policy improves
+  (about 9,500 steps), then slowly falls (0.52 at the end);
+* other seeds: seed 1 first above -300 at 4,500 steps (-252), final -131.7; seed 2 at
+  4,500 steps (-166), final -119.7, with one dip to -632 (mean final over seeds 0-2:
+  -120.4). The run before the changes below (seed 0) stayed between -125 and -109 from
+  6,000 steps on; the changes keep the algorithm and its random draws, so runs agree
+  closely at first (Q std 0.2745 at 3,000 steps in both) and part only through float
+  rounding, and such transient dips of the deterministic policy come and go by seed;
+* a full run (15,000 steps, 14,000 updates) took 208 s of CPU time (seeds 1 and 2: 255 s
+  and 229 s; about 15 ms per environment step with its update) and 2,000 to 2,150 s
+  wall time on the loaded machine. The same run before the changes below took 254 s of
+  CPU (seed 0, run alone at load average 8 to 10; final -109.2). Seed 1 run again
+  alone (load average about 6) took 199 s of CPU and 294 s wall time, with the same
+  returns to the last digit (the runs are deterministic).
+
+Where a step's time goes (CPU ms per environment step with its update, sections timed
+with time.process_time over 1,000 updates, the old and new code one after the other on
+the loaded machine):
+
+==========================================  ======  =====
+section                                     before  after
+==========================================  ======  =====
+environment step, replay add and sample       0.40   0.33
+action for the environment step               0.50   0.38
+TD target (actor, target critics, min)        2.45   1.23
+critic update (forward, backward, Adam)       8.35   6.26
+Polyak update of the target critics           0.21   0.19
+actor and temperature update                  7.29   6.39
+logged statistics                             0.17   0.24
+total (evaluation adds about 0.1)            19.36  15.01
+==========================================  ======  =====
+
+What changed: the TD target evaluates only the 2 chosen target critics; the critics'
+update is one stacked forward and one ``torch.autograd.grad`` of the summed losses
+with Adam's in-place ``update_`` (``fe.value_and_grad`` maps the loss function itself
+over the members, which cost about 2 ms more per update here); the actor's Gaussian
+log-probability is computed in closed form (no ``torch.distributions`` object per
+call); the actor's and the temperature's losses share one backward and their Adams
+run fused; and funcensemble's MLP fast path now runs a shared input's first layer on a
+row-major copy, which makes that layer's weight and input gradients 4 to 6 times
+cheaper at 4 input features. What is left is mostly the 6 batched products with the
+``[10, 128, 128]`` hidden weights (3 forwards, 3 in the backwards), about 1 ms each at
+close to one core's peak, and activation-sized temporaries (ReLU backward, the last
+layer's input gradient), whose fresh allocations cost page faults.
 """
 
 import argparse
@@ -67,6 +109,7 @@ FIGURE = "rl_q_ensemble.png"  # the name of the figure in docs/img (make figures
 # A full run must reach this evaluation return (mean over full 200-step episodes):
 # the untrained actor scores about -1300, a policy that swings up and holds about -150.
 THRESHOLD = -300.0
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 @dataclass
@@ -145,7 +188,7 @@ class Critics:
 
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module], *, lr: float) -> "Critics":
-        fmodel, params, buffers = fe.stack(modules)
+        fmodel, params, buffers = fe.stack(modules)  # leaf tensors that require grad
         target = {k: v.detach().clone() for k, v in params.items()}
         opt = fe.optim.adam(lr)
         return cls(fmodel, params, buffers, target, opt, opt.init(params))
@@ -159,17 +202,21 @@ class Critics:
 
         Returns the per-critic losses ``[N]`` and their predictions ``[N, batch]``.
         """
-
-        def td_loss(p: dict[str, Tensor], b: dict[str, Tensor], sa: Tensor, y: Tensor):
-            q = self.fmodel(p, b, sa).squeeze(-1)
-            return F.mse_loss(q, y), q
-
-        losses, grads, _, q = fe.value_and_grad(td_loss, has_aux=True)(
-            self.params, self.buffers, torch.cat([obs, act], -1), y
+        # One stacked forward of all critics; the critics share no parameter, so the
+        # gradient of the SUM of their losses is, for each critic, that of its own loss.
+        q = self.q(self.params, obs, act)
+        losses = (q - y).square().mean(-1)
+        grads = torch.autograd.grad(losses.sum(), list(self.params.values()))
+        # In place: the same step as opt.update + apply_updates, in torch's fused Adam
+        # kernel, with no new parameter or state tensors.
+        self.opt_state = self.opt.update_(
+            dict(zip(self.params, grads, strict=True)), self.opt_state, self.params
         )
-        updates, self.opt_state = self.opt.update(grads, self.opt_state, self.params)
-        self.params = fe.optim.apply_updates(self.params, updates)
-        return losses, q
+        return losses.detach(), q.detach()
+
+    def members(self, params: dict[str, Tensor], index: Tensor) -> dict[str, Tensor]:
+        """The critics ``index`` of stacked ``params`` (these critics have no buffers)."""
+        return {k: v.index_select(0, index) for k, v in params.items()}
 
     def frozen(self) -> dict[str, Tensor]:
         """The online parameters without autograd: the actor's loss must not train them."""
@@ -192,10 +239,11 @@ class Actor(nn.Module):
         mean, log_std = self.net(obs).chunk(2, dim=-1)
         if deterministic:
             return torch.tanh(mean) * self.act_scale, torch.zeros(obs.shape[:-1])
-        std = log_std.clamp(-20.0, 2.0).exp()
-        u = mean + std * torch.randn_like(mean)
-        logp = torch.distributions.Normal(mean, std).log_prob(u).sum(-1)
-        # log|d tanh(u)/du| = 2 (log 2 - u - softplus(-2u)), stable for large |u|.
+        log_std = log_std.clamp(-20.0, 2.0)
+        eps = torch.randn_like(mean)
+        u = mean + log_std.exp() * eps
+        # log N(u; mean, std) in closed form: (u - mean) / std is eps.
+        logp = (-0.5 * eps.square() - log_std).sum(-1) - u.shape[-1] * LOG_SQRT_2PI
         logp = logp - (2 * (math.log(2) - u - F.softplus(-2 * u))).sum(-1)
         logp = logp - u.shape[-1] * math.log(self.act_scale)
         return torch.tanh(u) * self.act_scale, logp
@@ -255,9 +303,10 @@ class Agent:
         return cls(
             critics=critics,
             actor=actor,
-            actor_opt=torch.optim.Adam(actor.parameters(), lr=cfg.lr),
+            # fused: torch.optim.Adam's algorithm in one kernel per step (no per-tensor loop)
+            actor_opt=torch.optim.Adam(actor.parameters(), lr=cfg.lr, fused=True),
             log_alpha=log_alpha,
-            alpha_opt=torch.optim.Adam([log_alpha], lr=cfg.lr),
+            alpha_opt=torch.optim.Adam([log_alpha], lr=cfg.lr, fused=True),
             target_entropy=-float(act_dim),
             cfg=cfg,
             subset_generator=torch.Generator().manual_seed(cfg.seed + 1),
@@ -271,8 +320,13 @@ class Agent:
         """REDQ: min over a random subset of target critics, plus SAC's entropy bonus."""
         with torch.no_grad():
             next_act, next_logp = self.actor(next_obs)
-            next_q = self.critics.q(self.critics.target, next_obs, next_act)
-            min_q = fe.reduce.subset_min(next_q, self.cfg.subset, generator=self.subset_generator)
+            # The minimum over the subset needs only the chosen critics: run those
+            # (2 of 10) instead of all. Drawn as fe.reduce.subset_min draws its subset
+            # from the same generator, so this is its value on all N target critics'
+            # Q at a fraction of the cost (tests/test_rl_example.py checks it).
+            chosen = torch.randperm(self.cfg.critics, generator=self.subset_generator)
+            subset = self.critics.members(self.critics.target, chosen[: self.cfg.subset])
+            min_q = self.critics.q(subset, next_obs, next_act).amin(0)
             return rew + self.cfg.gamma * (1 - done) * (min_q - self.alpha * next_logp)
 
     def update(self, replay: Replay) -> dict[str, float]:
@@ -286,13 +340,13 @@ class Agent:
         act_new, logp = self.actor(obs)
         q_new = self.critics.q(self.critics.frozen(), obs, act_new)
         actor_loss = (self.alpha * logp - fe.reduce.mean(q_new)).mean()
-        self.actor_opt.zero_grad()
-        actor_loss.backward()
-        self.actor_opt.step()
-
         alpha_loss = -(self.log_alpha * (logp.detach() + self.target_entropy)).mean()
+        # One backward for both losses: the actor's loss holds alpha detached and the
+        # temperature's holds logp detached, so each gets exactly its own gradient.
+        self.actor_opt.zero_grad()
         self.alpha_opt.zero_grad()
-        alpha_loss.backward()
+        (actor_loss + alpha_loss).backward()
+        self.actor_opt.step()
         self.alpha_opt.step()
         return {
             "critic_loss": losses.mean().item(),
@@ -439,7 +493,7 @@ def check(log: Log, cfg: Config, *, quick: bool) -> tuple[bool, str]:
         f"the evaluation return {'first' if reached else 'never'} reached {THRESHOLD:.0f} "
         + (f"at step {reached}" if reached else f"in {cfg.steps} steps")
         + " (the untrained actor scores about -1300; the documented default runs, 15,000 "
-        "steps with seeds 0 to 2, reach it at 4,000 to 4,500 steps)."
+        "steps with seeds 0 to 2, reach it at 4,500 steps)."
     )
 
 

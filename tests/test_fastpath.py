@@ -304,3 +304,35 @@ def test_wrong_width_inside_the_architecture_is_named():
         bad[0](torch.randn(4, 5))
     with pytest.raises(ValueError, match=r"layer `2` .* expects 6 input features, but is given 7"):
         fe.Ensemble(bad)(torch.randn(4, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("lead", [(16,), (2, 8), (0,)], ids=str)
+def test_shared_input_gradients_match_loop(dtype, lead, spy):
+    # With autograd on, a shared input runs its first layer on a row-major copy of
+    # x (the fast orientation for dW and dx): the input's own gradient (as an actor's
+    # action gets it through a critic) and the weights' must equal the loop's, and x
+    # itself must be left as it was.
+    torch.manual_seed(5)
+    modules = [
+        nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 1)).to(dtype) for _ in range(3)
+    ]
+    ens = fe.Ensemble(modules)
+    x = torch.randn(*lead, 4, dtype=dtype, requires_grad=True)
+    before = x.detach().clone()
+    out = ens(x)
+    weights = torch.randn(out.shape, dtype=dtype)
+    (out * weights).sum().backward()
+    x_ref = x.detach().requires_grad_()
+    ref = torch.stack([m(x_ref) for m in modules])
+    (ref * weights).sum().backward()
+    tol = TOL if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    for name, p in ens.stacked_params().items():
+        expected = torch.stack([dict(m.named_parameters())[name].grad for m in modules])
+        torch.testing.assert_close(p.grad, expected, **tol)
+    assert torch.equal(x.detach(), before)
+    with torch.no_grad():  # inference runs on the transposed view: the loop's values
+        torch.testing.assert_close(ens(x), ref.detach(), **tol)
+    assert spy == [True, True]

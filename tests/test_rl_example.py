@@ -146,3 +146,28 @@ def test_critic_update_and_target_match_a_loop_of_torch_adam():
         )
         assert_trees_close(critics.params, copy_params(loop), rtol=RTOL, atol=ATOL)
         assert_trees_close(critics.target, copy_params(targets), rtol=RTOL, atol=ATOL)
+
+
+def test_td_target_runs_only_the_chosen_critics_and_equals_subset_min_over_all():
+    # td_target evaluates only the subset's target critics; it must equal REDQ's target
+    # from all N critics' Q through fe.reduce.subset_min with the same generator state.
+    ex = load()
+    cfg = ex.Config(critics=6, subset=2, hidden=16)
+    agent = ex.Agent.build(3, 1, 2.0, cfg)
+    agent.critics.target = {
+        k: v + 0.1 * torch.randn_like(v) for k, v in agent.critics.target.items()
+    }
+    rew, next_obs, done = torch.randn(32), torch.randn(32, 3), (torch.rand(32) < 0.2).float()
+    for _ in range(3):
+        generator_state = agent.subset_generator.get_state()
+        rng_state = torch.get_rng_state()
+        y = agent.td_target(rew, next_obs, done)
+        torch.set_rng_state(rng_state)
+        with torch.no_grad():
+            next_act, next_logp = agent.actor(next_obs)
+            all_q = agent.critics.q(agent.critics.target, next_obs, next_act)
+        g = torch.Generator().set_state(generator_state)
+        min_q = ex.fe.reduce.subset_min(all_q, cfg.subset, generator=g)
+        expected = rew + cfg.gamma * (1 - done) * (min_q - agent.alpha * next_logp)
+        torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(g.get_state(), agent.subset_generator.get_state())
