@@ -1,0 +1,88 @@
+"""Compiled training steps against the loop, in CPU time, in one process.
+
+``python -m benchmarks.compile_speed [--n 128] [--threads 2] [--rounds 15]``: the S
+workload's training step for the loop (``Adam(foreach=True)``), the compiled module face
+and the compiled functional face (docs/how-to/compile.md's recipe, and the pure step),
+and the same functional recipe with the MLP ops switched off (everything traced, as
+before the functional face reached them). Each is checked against the loop first
+(``measure.compare``), then timed in interleaved rounds; a step's time is the process's
+CPU time (``time.process_time``), which a machine shared with other jobs disturbs less
+than wall time. Prints per-step medians, the ratios to the loop, and each method's first
+call (compilation, CPU and wall seconds).
+"""
+
+import argparse
+import contextlib
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from funcensemble import _fastpath
+
+from .measure import compare, quiet_compile_logs, run_check
+from .methods import METHODS
+from .workloads import WORKLOADS
+
+KEYS = ["loop", "fe.Ensemble+compile", "fe.functional+compile_", "fe.functional+compile"]
+
+
+@contextlib.contextmanager
+def traced_mlp() -> Iterator[None]:
+    """The functional face's compiled MLP traced op by op (the route before the ops)."""
+    saved = _fastpath._compiled_member_call
+    _fastpath._compiled_member_call = lambda *args: None
+    try:
+        yield
+    finally:
+        _fastpath._compiled_member_call = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_speed")
+    parser.add_argument("--n", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20, help="steps per method per round")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet_compile_logs()
+    w = WORKLOADS["S"]
+    x, y = w.data(args.n)
+    steps, first = {}, {}
+    ref = None
+    for key in [*KEYS, "fe.functional+compile_ (MLP traced)"]:
+        traced = key.endswith("(MLP traced)")
+        method = METHODS[key.split(" ")[0]]
+        torch._dynamo.reset()
+        with traced_mlp() if traced else contextlib.nullcontext():
+            runner = method.build(w, w.members(args.n), x, y, True)
+            cpu, wall = time.process_time(), time.perf_counter()
+            checked = run_check(runner, train=True, device="cpu")
+            first[key] = (time.process_time() - cpu, time.perf_counter() - wall)
+        if ref is None:
+            ref = checked
+        else:
+            bad = compare(checked, ref, train=True, dtype=torch.float32, compiled=True)
+            assert bad is None, f"{key}: {bad}"
+        steps[key] = runner.step
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for key, step in steps.items():
+            start = time.process_time()
+            for _ in range(args.steps):
+                step()
+            times[key].append((time.process_time() - start) / args.steps)
+    loop = float(np.median(times["loop"]))
+    print(f"S N={args.n}, {args.threads} threads, torch {torch.__version__}, CPU time per step")
+    print("| method | median us | vs loop | first call CPU s | first call wall s |")
+    print("|---|---:|---:|---:|---:|")
+    for key, t in times.items():
+        med = float(np.median(t))
+        cpu, wall = first[key]
+        print(f"| {key} | {med * 1e6:.0f} | {loop / med:.1f}x | {cpu:.1f} | {wall:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
