@@ -9,8 +9,8 @@ before the functional face reached them). Each is checked against the loop first
 (``measure.compare``), then timed in interleaved rounds, in the process's CPU time
 (``time.process_time``, which other jobs on a shared machine disturb less; with 2
 threads it also counts OpenMP's spin-waiting) and in wall time. Prints per-step medians,
-the ratios to the loop, and each method's first call (mostly compilation; inductor
-compiles in worker processes, so wall seconds).
+the ratios to the loop, and each method's first call (mostly compilation, compile caches off;
+inductor compiles in worker processes, so wall seconds).
 """
 
 import argparse
@@ -49,6 +49,15 @@ def traced_mlp() -> Iterator[None]:
 
 
 def main() -> None:
+    # Cold compile times, as a full benchmarks.run reports them: no compile caches.
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False, autotune_local_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        _main()
+
+
+def _main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_speed")
     parser.add_argument("--n", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
