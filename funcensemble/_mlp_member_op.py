@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _mlp_op
+from . import _mlp_op, _mlp_op_vmap  # noqa: F401 (registers the stacked ops' vmap rules)
 
 
 def _stacked(t: Tensor, dim: int | None, size: int) -> Tensor:
