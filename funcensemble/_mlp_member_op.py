@@ -8,7 +8,9 @@ cannot run there. Instead the one-member chain is [`member_mlp`][], an
 ``autograd.Function`` whose ``vmap`` rule runs the stacked op of ``_mlp_op``
 (``funcensemble::mlp_forward``) on the members' weights as stacked, and whose backward
 (under ``torch.func.grad``) is another ``autograd.Function`` whose ``vmap`` rule runs
-``funcensemble::mlp_backward``. ``torch.compiler.allow_in_graph`` keeps Dynamo from
+``funcensemble::mlp_backward``. The rules call the stacked ops through
+``autograd.Function`` s of their own, whose autograd also runs under a
+``torch.func.grad`` around the ``vmap`` (a custom op's registered autograd cannot). ``torch.compiler.allow_in_graph`` keeps Dynamo from
 inlining them (it would trace the one-member forward and drop the rules); AOTAutograd
 then runs the transforms' rules, and the compiled graph holds the two stacked ops, which
 run the eager kernels. Second derivatives through it are refused with a clear error.
@@ -30,6 +32,61 @@ def _stacked(t: Tensor, dim: int | None, size: int) -> Tensor:
 
 def _all_stacked(ts: Sequence[Tensor], dims: Sequence[int | None], size: int) -> list[Tensor]:
     return [_stacked(t, d, size) for t, d in zip(ts, dims, strict=True)]
+
+
+class _StackedForward(torch.autograd.Function):
+    """``_mlp_op.mlp_forward`` with an autograd that ``torch.func.grad`` can run (a
+    ``torch.func.grad`` around the vmap that reached the stacked op): a custom op's
+    registered autograd cannot run under it."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, has_bias: list[bool], acts: list[int], num_w: int, *params: Tensor):
+        outs = _mlp_op.mlp_forward(x, list(params[:num_w]), list(params[num_w:]), has_bias, acts)
+        return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        x, has_bias, acts, num_w, *params = inputs
+        ctx.has_bias, ctx.acts, ctx.num_w = has_bias, acts, num_w
+        ctx.save_for_backward(x, output[0], *params[:num_w], *output[1:])
+        ctx.mark_non_differentiable(*output[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
+        x, out, *rest = ctx.saved_tensors
+        weights, hidden = rest[: ctx.num_w], rest[ctx.num_w :]
+        need_x = ctx.needs_input_grad[0]
+        found = _StackedBackward.apply(
+            grad, out, x, ctx.has_bias, ctx.acts, need_x, ctx.num_w, *weights, *hidden
+        )
+        return (found[0] if need_x else None, None, None, None, *found[1:])
+
+
+class _StackedBackward(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad, out, x, has_bias, acts, need_x, num_w, *rest):
+        weights, hidden = list(rest[:num_w]), list(rest[num_w:])
+        return tuple(_mlp_op.mlp_backward(grad, out, x, weights, hidden, has_bias, acts, need_x))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        _refuse_second_derivatives()
+
+
+def _refuse_second_derivatives() -> None:
+    raise RuntimeError(
+        "funcensemble: second derivatives through a plain MLP's fast path under "
+        "torch.compile are not supported (expected first derivatives only, got a "
+        "derivative of the gradient). Compute them without torch.compile."
+    )
 
 
 class _Forward(torch.autograd.Function):
@@ -68,9 +125,8 @@ class _Forward(torch.autograd.Function):
         # An input all members share stays 2-d: the stacked op's first layer is then
         # one matrix product over all members' weights.
         x = x if x_dim is None else x.movedim(x_dim, 0)
-        stacked = _all_stacked(params, p_dims, n)
-        outs = _mlp_op.mlp_forward(x, stacked[:num_w], stacked[num_w:], has_bias, acts)
-        return tuple(outs), (0,) * len(outs)
+        outs = _StackedForward.apply(x, has_bias, acts, num_w, *_all_stacked(params, p_dims, n))
+        return outs, (0,) * len(outs)
 
 
 class _Backward(torch.autograd.Function):
@@ -98,11 +154,7 @@ class _Backward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
-        raise RuntimeError(
-            "funcensemble: second derivatives through a plain MLP's fast path under "
-            "torch.compile are not supported (expected first derivatives only, got a "
-            "derivative of the gradient). Compute them without torch.compile."
-        )
+        _refuse_second_derivatives()
 
     @staticmethod
     def vmap(
@@ -116,18 +168,17 @@ class _Backward(torch.autograd.Function):
             # For a 2-d input the stacked op sums the gradient over members; vmap asks
             # for each member's own.
             x = x.expand(n, *x.shape)
-        stacked = _all_stacked(rest, r_dims, n)
-        found = _mlp_op.mlp_backward(
+        found = _StackedBackward.apply(
             _stacked(grad, g_dim, n),
             _stacked(out, o_dim, n),
             x,
-            stacked[:num_w],
-            stacked[num_w:],
             has_bias,
             acts,
             need_x,
+            num_w,
+            *_all_stacked(rest, r_dims, n),
         )
-        return tuple(found), (0 if need_x else None,) + (0,) * (len(found) - 1)
+        return found, (0 if need_x else None,) + (0,) * (len(found) - 1)
 
 
 @torch.compiler.allow_in_graph

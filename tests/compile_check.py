@@ -304,8 +304,9 @@ def _functional_mlp_vmap_case(dtype: torch.dtype, tol: float) -> None:
 
 
 def nested_vmap() -> None:
-    """A torch.func.vmap around fe.value_and_grad (over data sets), compiled, equals eager:
-    the stacked MLP ops' own vmap rules fold the outer batch into the members."""
+    """A torch.func.vmap around fe.value_and_grad (over data sets), and a torch.func.grad
+    around fe.vmap, compiled, equal eager: the stacked MLP ops' own vmap rules fold the
+    outer batch into the members, and their autograd runs under torch.func.grad."""
     n = 3
     fmodel, params, buffers = fe.stack(mlp_members(n, torch.float64))
 
@@ -329,6 +330,18 @@ def nested_vmap() -> None:
     for g, w in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
     assert any("funcensemble.mlp_backward" in g for g in graphs), graphs
+    # And torch.func.grad around fe.vmap (grad outside, the vmap inside).
+    x, y = xs[0], ys[0]
+
+    def grads_of(p):
+        return torch.func.grad(
+            lambda p: fe.vmap(loss_fn, in_dims=(None, 0))(p, buffers, x, y).sum()
+        )(p)
+
+    plain = {k: v.detach() for k, v in params.items()}
+    got = torch.compile(grads_of, fullgraph=True)(plain)
+    for k, g in grads_of(plain).items():
+        torch.testing.assert_close(got[k], g, rtol=1e-10, atol=1e-10)
 
 
 if __name__ == "__main__":
