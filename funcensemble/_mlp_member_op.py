@@ -10,10 +10,10 @@ cannot run there. Instead the one-member chain is [`member_mlp`][], an
 (under ``torch.func.grad``) is another ``autograd.Function`` whose ``vmap`` rule runs
 ``funcensemble::mlp_backward``. The rules call the stacked ops through
 ``autograd.Function`` s of their own, whose autograd also runs under a
-``torch.func.grad`` around the ``vmap`` (a custom op's registered autograd cannot). ``torch.compiler.allow_in_graph`` keeps Dynamo from
-inlining them (it would trace the one-member forward and drop the rules); AOTAutograd
-then runs the transforms' rules, and the compiled graph holds the two stacked ops, which
-run the eager kernels. Second derivatives through it are refused with a clear error.
+``torch.func.grad`` around the ``vmap`` (a custom op's registered autograd cannot).
+``torch.compiler.allow_in_graph`` keeps Dynamo from inlining them (it would trace the
+one-member forward and drop the rules); AOTAutograd then runs the transforms' rules,
+and the compiled graph holds the two stacked ops, which run the eager kernels. Second derivatives through it are refused with a clear error.
 """
 
 from collections.abc import Sequence
