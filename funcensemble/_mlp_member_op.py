@@ -13,7 +13,8 @@ cannot run there. Instead the one-member chain is [`member_mlp`][], an
 ``torch.func.grad`` around the ``vmap`` (a custom op's registered autograd cannot).
 ``torch.compiler.allow_in_graph`` keeps Dynamo from inlining them (it would trace the
 one-member forward and drop the rules); AOTAutograd then runs the transforms' rules,
-and the compiled graph holds the two stacked ops, which run the eager kernels. Second derivatives through it are refused with a clear error.
+and the compiled graph holds the two stacked ops, which run the eager kernels. Second
+derivatives through them are refused with a clear error.
 """
 
 from collections.abc import Sequence
