@@ -390,6 +390,32 @@ def _functional_runner(
     return Runner(step, state)
 
 
+def build_fe_functional_compiled_in_place(w, members, x, y, train) -> Runner:
+    """docs/how-to/compile.md's recipe: ``fe.stack``'s own parameters, the whole step
+    (``fe.value_and_grad`` + ``update_``) under ``torch.compile(fullgraph=True)``."""
+    fmodel, params, buffers = fe.stack(members)
+    held = {"buffers": buffers}
+    state = lambda: _detached({**params, **held["buffers"]})  # noqa: E731
+
+    def loss_fn(p: dict, b: dict, x: Tensor, y: Tensor) -> Tensor:
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    value_and_grad = fe.value_and_grad(loss_fn, in_dims=(None, 0))
+    opt = fe.optim.adam(LR)
+    held["opt"] = opt.init(params)
+
+    def train_step(params: dict, buffers: dict, opt_state: Any) -> tuple[dict, Any]:
+        _, grads, buffers = value_and_grad(params, buffers, x, y)
+        return buffers, opt.update_(grads, opt_state, params)
+
+    compiled = torch.compile(train_step, fullgraph=True, dynamic=False)
+
+    def step() -> None:
+        held["buffers"], held["opt"] = compiled(params, held["buffers"], held["opt"])
+
+    return Runner(step, state)
+
+
 def build_fe_functional(w, members, x, y, train) -> Runner:
     """The functional face: ``fe.value_and_grad`` + ``fe.optim.adam(...).update_``."""
     return _functional_runner(members, x, y, train, compiled=False)
@@ -453,6 +479,14 @@ METHODS: dict[str, Method] = {
             "fe.functional+compile",
             "torch.compile(fe.value_and_grad + fe.optim.adam step)",
             build_fe_functional_compiled,
+            modes=("train",),
+            compiled=True,
+            requires=_fe_optim_missing,
+        ),
+        Method(
+            "fe.functional+compile_",
+            "torch.compile(fe.value_and_grad + fe.optim.adam update_), fullgraph",
+            build_fe_functional_compiled_in_place,
             modes=("train",),
             compiled=True,
             requires=_fe_optim_missing,

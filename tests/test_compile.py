@@ -18,7 +18,19 @@ def run_check(face: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("face", ["functional", "in_place", "module", "mlp", "frozen"])
+@pytest.mark.parametrize(
+    "face",
+    [
+        "functional",
+        "in_place",
+        "module",
+        "mlp",
+        "frozen",
+        "functional_mlp",
+        "functional_mlp_vmap",
+        "nested_vmap",
+    ],
+)
 def test_compiled_training_step_matches_eager(face):
     """fullgraph=True compile of a full step equals eager for 3 steps (see the script)."""
     run_check(face)

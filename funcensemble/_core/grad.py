@@ -301,6 +301,12 @@ def _value_and_grad(
             )
             losses = _check_losses(losses)
             grads = {k: grads.get(k) for k in params}
+            if torch.compiler.is_compiling():
+                # As eagerly: results are not part of an autograd graph (which would
+                # ask the compiled graph for second derivatives of every op).
+                losses = losses.detach()
+                grads = {k: None if g is None else g.detach() for k, g in grads.items()}
+                aux = _detach(aux) if has_aux else aux
         elif chunk_size is not None and chunk_size < n:
             losses, grads, aux = _chunked_step(
                 chunk_loss,

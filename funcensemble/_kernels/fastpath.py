@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from .. import _torch_compat
 from . import linear_act as _linear_act
+from . import mlp_member_op as _mlp_member_op
 from . import mlp_op as _mlp_op
 from . import workspace as _workspace
 
@@ -362,8 +363,10 @@ def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor
     hand the result back to vmap as a BatchedTensor: this is a batching rule for the
     whole MLP. Autograd sees ordinary ops on the unwrapped leaves.
     """
-    if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() < 1:
+    if not isinstance(x, Tensor) or x.dim() < 1:
         return None
+    if torch.compiler.is_compiling():
+        return _compiled_member_call(skeleton, params, x)
     level = _torch_compat.vmap_level()
     if level is None:
         return None
@@ -390,3 +393,35 @@ def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor
     if out is None:
         return None
     return _torch_compat.add_batch_dim(out, 0, level)
+
+
+def _compiled_member_call(skeleton: nn.Module, params: dict[str, Any], x: Tensor) -> Tensor | None:
+    """``_batched_call`` under ``torch.compile``: ONE member's chain as
+    [`_mlp_member_op.member_mlp`][], whose ``torch.func`` rules run the stacked ops."""
+    if _torch_compat.global_module_hooks():
+        return None
+    steps = plan(skeleton)
+    found = None if steps is None else _mlp_op.layers(steps)
+    if steps is None or found is None:
+        return None
+    for module, weight, _ in steps:
+        if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
+            return None
+    weights, biases, acts = found
+    present = [b for b in biases if b is not None]
+    if any(not isinstance(params.get(name), Tensor) for name in (*weights, *present)):
+        return None
+    width = x.shape[-1]
+    for i, name in enumerate(weights):
+        shape = tuple(params[name].shape)
+        if shape[-1] != width:
+            raise ValueError(width_error("vmap", name, shape, width, first=i == 0))
+        width = shape[0]
+    out = _mlp_member_op.member_mlp(
+        x.reshape(-1, x.shape[-1]),
+        [params[name] for name in weights],
+        [params[name] for name in present],
+        [b is not None for b in biases],
+        acts,
+    )
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -52,6 +52,18 @@ def _activate_(z: Tensor, act: int) -> Tensor:
     return z
 
 
+def _activation_grad_(g: Tensor, y: Tensor, act: int) -> Tensor:
+    """The gradient through the activation, written over ``g`` (a fresh intermediate of
+    the backward, never an input): one 4 MiB allocation less per hidden layer at S."""
+    if act == TANH:
+        return torch.ops.aten.tanh_backward.grad_input(g, y, grad_input=g)
+    if act == SIGMOID:
+        return torch.ops.aten.sigmoid_backward.grad_input(g, y, grad_input=g)
+    if act == RELU:
+        return torch.ops.aten.threshold_backward.grad_input(g, y, 0, grad_input=g)
+    return g
+
+
 def _activation_grad(g: Tensor, y: Tensor, act: int) -> Tensor:
     if act == TANH:
         return torch.ops.aten.tanh_backward(g, y)
@@ -131,7 +143,10 @@ def mlp_backward(
     grad_x = x.new_empty(0)
     for i in reversed(range(len(weights))):
         w, h = weights[i], inputs[i]
-        g = _activation_grad(g, outputs[i], acts[i])
+        if i == len(weights) - 1:
+            g = _activation_grad(g, outputs[i], acts[i])  # g is the caller's gradient
+        else:
+            g = _activation_grad_(g, outputs[i], acts[i])  # g: our bmm of the last iteration
         if has_bias[i]:
             grad_b.append(g.sum(-1))
         if i == 0 and shared:
