@@ -213,13 +213,31 @@ previous value yourself in a ``finally``."""
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _lone_storage_count() -> int | None:
+    """What ``_storage_Use_Count`` reports for a tensor no other tensor shares, or None
+    where it does not count one reference per sharing tensor (torch 2.6 leaves the Python
+    storage object out of the count; 2.7 and later count it once)."""
+    if _use_count is None:
+        return None
+    t = torch.empty(1)
+    lone = _use_count(t.untyped_storage()._cdata)
+    view = t.view(1)
+    shared = _use_count(t.untyped_storage()._cdata)
+    del view
+    if shared != lone + 1 or _use_count(t.untyped_storage()._cdata) != lone:
+        return None
+    return lone
+
+
+_LONE_STORAGE_COUNT = _lone_storage_count()
+
+
 def storage_held_elsewhere(t: Tensor) -> bool:
     """Whether any tensor but ``t`` itself (a view, an alias, a tensor autograd saved)
     shares ``t``'s storage; ``True`` where torch cannot tell."""
-    if _use_count is None:
+    if _LONE_STORAGE_COUNT is None:
         return True
-    # The count includes the Python storage object that untyped_storage() hands us.
-    return _use_count(t.untyped_storage()._cdata) > 2
+    return _use_count(t.untyped_storage()._cdata) > _LONE_STORAGE_COUNT
 
 
 def forward_ad_active() -> bool:

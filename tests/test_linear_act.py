@@ -206,7 +206,8 @@ def test_inference_mode_then_training():
         infer = ens(x)
     out = ens(x)
     out.sum().backward()  # a buffer made under inference_mode would refuse to be saved
-    torch.testing.assert_close(out.detach(), infer, rtol=0, atol=0)
+    # Bitwise on torch 2.7+; torch 2.6 rounds the inference route one ulp apart.
+    torch.testing.assert_close(out.detach(), infer, rtol=1e-12, atol=1e-15)
 
 
 def test_in_place_on_the_output_as_with_the_plain_ops():
