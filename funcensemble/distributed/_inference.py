@@ -111,6 +111,18 @@ def _gather_batch(where: str, name: str, part: Tensor, shard: MemberShard, rows:
     return out
 
 
+def _check_outputs(where: str, outputs: object, shard: MemberShard) -> None:
+    """Name the model, not a reduction's argument, when its output misses the member axis."""
+    if isinstance(outputs, Tensor) and (outputs.dim() == 0 or outputs.shape[0] != shard.size):
+        got = outputs.shape[0] if outputs.dim() else "no member axis"
+        raise ValueError(
+            f"{where}: the model's output has leading size {got}, but rank {shard.rank} "
+            f"holds {shard.size} members ({shard.members.start}:{shard.members.stop} of "
+            f"{shard.num_members}). Pass this rank's members as model (e.g. "
+            "shard.from_factory(...)), returning their outputs with the member axis first."
+        )
+
+
 def predict(
     model: Callable[..., Any],
     shard: MemberShard,
@@ -201,6 +213,7 @@ def predict(
         inputs = _tree.unflatten(spec, [x[mine] if isinstance(x, Tensor) else x for x in leaves])
     with torch.no_grad():
         outputs = model(*inputs, **kwargs)
+        _check_outputs(where, outputs, shard)
         results = {name: fn(outputs, shard) for name, fn in chosen.items()}
         if rows is not None:
             results = {
