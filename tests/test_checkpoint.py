@@ -597,7 +597,7 @@ def test_load_rejects_other_objects(tmp_path: Path) -> None:
     fe.save(tmp_path / "ens.safetensors", make_ensemble("mlp"))
     with pytest.raises(TypeError, match=r"load: got a Sequential; expected an fe.Ensemble"):
         fe.load(tmp_path / "ens.safetensors", ZOO["mlp"].make())
-    with pytest.raises(TypeError, match="load: got a complex; expected an fe.Ensemble"):
+    with pytest.raises(TypeError, match=r"load: got a complex; expected an fe\.Ensemble"):
         fe.load(tmp_path / "ens.safetensors", 3j)
 
 
