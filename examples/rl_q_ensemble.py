@@ -44,6 +44,11 @@ other busy jobs (load average 3 to 8), torch 2.13 CPU, gymnasium 1.4, one torch 
   6 minutes on an idle core;
 * other seeds: seed 1 first above -300 at 4,500 steps (-213), final -131.2 (622 s wall,
   345 s CPU); seed 2 at 4,500 steps (-283), final -120.0 (616 s wall, 346 s CPU).
+
+On a 2-core AMD EPYC VM (load average about 3), seed 0 took 559 s wall time and 230 s
+of CPU time, and followed another curve (float rounding differs between CPUs, and RL
+amplifies it): first above -300 at 4,500 steps (-153.4), a dip to -396 at 13,000,
+final -109.2.
 """
 
 import argparse
