@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import _tree
@@ -23,6 +22,7 @@ from ._collectives import mean as mean_
 from ._collectives import min as min_
 from ._collectives import std as std_
 from ._collectives import var as var_
+from ._gather import all_gather_single
 from ._member_shard import MemberShard
 from ._uncertainty import (
     expected_entropy,
@@ -105,7 +105,7 @@ def _gather_batch(where: str, name: str, part: Tensor, shard: MemberShard, rows:
         where,
         shard.data_rank,
         shard.data_size,
-        lambda: dist.all_gather_into_tensor(out, part, group=shard.data_group),
+        lambda: all_gather_single(out, part, group=shard.data_group),
         shard.data_group,
     )
     return out
