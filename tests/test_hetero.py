@@ -365,7 +365,9 @@ def test_load_refuses_another_grouping(tmp_path):
     with pytest.raises(ValueError, match=r"groups of members \[\[0, 2\], \[1\]\]"):
         fe.load(path, other)
     assert_trees_close(other.state_dict(), before, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"holds an fe\.HeteroEnsemble of 3 members"):
+    with pytest.raises(
+        ValueError, match=r"holds an fe\.HeteroEnsemble of 3 members; got an Ensemble to load"
+    ):
         fe.load(path, fe.Ensemble([mlp(3)] * 3))
     fe.save(tmp_path / "e.safetensors", fe.Ensemble([mlp(3)] * 3))
     with pytest.raises(ValueError, match=r"holds an fe\.Ensemble; got an fe\.HeteroEnsemble"):

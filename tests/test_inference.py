@@ -121,8 +121,19 @@ def test_predict_checks_its_arguments():
             predict(ens, shard, x, reductions={"m": 3})
         with pytest.raises(TypeError, match="reductions must be a sequence of names"):
             predict(ens, shard, x, reductions=3)
-    with pytest.raises(ValueError, match=r"leading size 4, but rank 0 holds 3 members"):
+    with pytest.raises(
+        ValueError,
+        match=r"predict: the model's output has leading size 4, but rank 0 holds 3 members",
+    ):
         predict(lambda x: x, shard, x)
+    with pytest.raises(
+        ValueError, match=r"predict: the model's output has leading size 2, but rank 0"
+    ):
+        predict(fe.Ensemble([torch.nn.Linear(2, 3) for _ in range(2)]), shard, x)
+    with pytest.raises(
+        ValueError, match=r"predict: the model's output has leading size no member axis"
+    ):
+        predict(lambda x: x.sum(), shard, x)
     with pytest.raises(ValueError, match=r"src must be a rank in 0\.\.0, got 1"):
         predict(ens, shard, x, src=1)
     # A single name, and a mapping to any reduction function.

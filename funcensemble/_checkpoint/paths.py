@@ -72,6 +72,12 @@ def flatten_by_key(
             f"that differ as strings (and hold no dots, for sharded checkpoints). Paths: "
             f"{keys}."
         )
+    if keys == [""] and not isinstance(obj, Tensor) and type(obj) not in value_types:
+        raise TypeError(
+            f"{where}: got {a(type(obj).__name__)}; expected an fe.Ensemble (or "
+            "fe.HeteroEnsemble) or a pytree of tensors. For an optimizer "
+            "(fe.optim.EnsembleOptimizer, torch.optim), pass opt.state_dict()."
+        )
     for key, leaf in zip(keys, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
         if not isinstance(leaf, Tensor) and type(leaf) not in value_types:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .._core.ensemble import Ensemble
 from .._hetero.ensemble import HeteroEnsemble
-from .._messages import ensemble_leaf, key_difference, pytree_leaf, tensor_spec
+from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
 from .file import (
     VALUE_TYPES,
@@ -179,7 +179,7 @@ def _check_kind(where: str, name: str, contents: _Contents, obj: Any, header: di
     if header["kind"] == "hetero_ensemble":
         raise ValueError(
             f"{where}: '{name}' holds an fe.HeteroEnsemble of {header['num_members']} "
-            f"members; got a {type(obj).__name__} to load it into. Load it into an "
+            f"members; got {a(type(obj).__name__)} to load it into. Load it into an "
             "fe.HeteroEnsemble of the same members."
         )
     if contents.kind == "hetero_ensemble":
@@ -192,7 +192,7 @@ def _check_kind(where: str, name: str, contents: _Contents, obj: Any, header: di
     if header["kind"] == "ensemble":
         raise ValueError(
             f"{where}: '{name}' holds an fe.Ensemble of {header['num_members']} members of "
-            f"{header['architecture']['class']}; got a {type(obj).__name__} to load it into. "
+            f"{header['architecture']['class']}; got {a(type(obj).__name__)} to load it into. "
             "Load it into an fe.Ensemble of that architecture."
         )
     raise ValueError(

@@ -22,6 +22,7 @@ from .. import _reduce, _tree
 from .._messages import expected_got
 from .._types import StackedTree
 from ._errors import failures
+from ._gather import all_gather_single
 from ._member_shard import MemberShard, rank_and_world
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
@@ -107,7 +108,7 @@ def _check_layout(
     rows = mine.new_empty(world * mine.numel())
 
     def exchange() -> list[list[int]]:
-        dist.all_gather_into_tensor(rows, mine, group=group)
+        all_gather_single(rows, mine, group=group)
         # Read inside the wrapped block: with NCCL the collective only queues work, and
         # a failure may surface when its result reaches the host.
         return [r.tolist() for r in rows.view(world, -1).cpu()]
@@ -166,7 +167,7 @@ def _all_extreme(where: str, shard: MemberShard, partial: Tensor, largest: bool)
         where,
         shard.rank,
         shard.world_size,
-        lambda: dist.all_gather_into_tensor(out, flat, group=shard.group),
+        lambda: all_gather_single(out, flat, group=shard.group),
         shard.group,
     )
     ranks = out.view(shard.world_size, *partial.shape)
@@ -200,7 +201,7 @@ def _gather_checked(where: str, shard: MemberShard, t: Tensor) -> Tensor:
         where,
         shard.rank,
         shard.world_size,
-        lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=shard.group),
+        lambda: all_gather_single(out, t.contiguous(), group=shard.group),
         shard.group,
     )
     if all(size == rows for size in shard.sizes):

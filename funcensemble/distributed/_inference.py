@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import _tree
@@ -23,6 +22,7 @@ from ._collectives import mean as mean_
 from ._collectives import min as min_
 from ._collectives import std as std_
 from ._collectives import var as var_
+from ._gather import all_gather_single
 from ._member_shard import MemberShard
 from ._uncertainty import (
     expected_entropy,
@@ -105,10 +105,22 @@ def _gather_batch(where: str, name: str, part: Tensor, shard: MemberShard, rows:
         where,
         shard.data_rank,
         shard.data_size,
-        lambda: dist.all_gather_into_tensor(out, part, group=shard.data_group),
+        lambda: all_gather_single(out, part, group=shard.data_group),
         shard.data_group,
     )
     return out
+
+
+def _check_outputs(where: str, outputs: object, shard: MemberShard) -> None:
+    """Name the model, not a reduction's argument, when its output misses the member axis."""
+    if isinstance(outputs, Tensor) and (outputs.dim() == 0 or outputs.shape[0] != shard.size):
+        got = outputs.shape[0] if outputs.dim() else "no member axis"
+        raise ValueError(
+            f"{where}: the model's output has leading size {got}, but rank {shard.rank} "
+            f"holds {shard.size} members ({shard.members.start}:{shard.members.stop} of "
+            f"{shard.num_members}). Pass this rank's members as model (e.g. "
+            "shard.from_factory(...)), returning their outputs with the member axis first."
+        )
 
 
 def predict(
@@ -203,6 +215,7 @@ def predict(
         inputs = _tree.unflatten(spec, [x[mine] if isinstance(x, Tensor) else x for x in leaves])
     with torch.no_grad():
         outputs = model(*inputs, **kwargs)
+        _check_outputs(where, outputs, shard)
         results = {name: fn(outputs, shard) for name, fn in chosen.items()}
         if rows is not None:
             results = {
