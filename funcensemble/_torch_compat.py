@@ -34,8 +34,11 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
 - ``torch._weight_norm`` (the kernel behind ``weight_norm``): recognised in
   ``_kernels/rewrites.py`` and recomputed as its math, which vmap batches.
 - ``torch._C._storage_Use_Count`` (2.0): how many tensors share a storage, so the MLP
-  fast path reuses a workspace buffer only when nothing else holds it (``_kernels/workspace.py``);
-  looked up with ``getattr``: without it no buffer is ever reused.
+  fast path reuses a workspace buffer only when nothing else holds it
+  (``_kernels/workspace.py``). Looked up with ``getattr`` and calibrated at import on a
+  lone tensor and a view of it (torch 2.6 leaves the Python storage object out of the
+  count, 2.7 and later count it once); without it, or if the probe disagrees, no
+  buffer is ever reused.
 - ``torch.autograd.forward_ad._current_level`` (1.x): a forward-AD dual level is
   active (the fused Linear layers have no forward-mode rule; the plain ops do).
 - ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
@@ -45,7 +48,7 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
 - ``torch.distributed.tensor._shards_wrapper.LocalShardsWrapper`` (2.5; torchrec's
   way to hand DCP a DTensor whose rows are split unlike ``torch.chunk``): the local
   tensor of the DTensor view through which a rank's members are checkpointed
-  (``_member_dtensor.py``); and ``DefaultSavePlanner``'s ``dedup_save_to_lowest_rank``
+  (``distributed/_mesh.py``); and ``DefaultSavePlanner``'s ``dedup_save_to_lowest_rank``
   option (2.4), looked up in its signature.
 
 And texts of torch's own messages that we match, each behind one named helper here:
