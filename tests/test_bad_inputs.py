@@ -1323,13 +1323,13 @@ def _apply_none(tmp: Path) -> Setup:
 register_simple(
     "EnsembleOptimizer-params-str",
     TypeError,
-    "Expected an Ensemble or a mapping.*got str",
+    "params is neither an Ensemble nor a mapping.*got str\\)",
     lambda: fe.optim.EnsembleOptimizer("ens", fe.optim.adam()),
 )
 register_simple(
     "EnsembleOptimizer-transform-str",
     TypeError,
-    "Expected a GradientTransformation.*got str",
+    "transform is not a GradientTransformation \\(expected.*got str\\)",
     lambda: fe.optim.EnsembleOptimizer(ens(), "adam"),
 )
 register_simple(

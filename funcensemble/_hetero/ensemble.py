@@ -78,12 +78,16 @@ class HeteroEnsemble(nn.Module):
         where = "HeteroEnsemble"
         if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
             raise TypeError(
-                f"{where}: Expected a sequence of modules (e.g. a list or nn.ModuleList), "
-                f"got a single {type(modules).__name__}."
+                f"{where}: modules is a single module (expected a sequence of modules such "
+                f"as a list or an nn.ModuleList, got a single {type(modules).__name__}). "
+                "Wrap it in a list."
             )
         modules = list(modules)
         if not modules:
-            raise ValueError(f"{where}: Expected at least one module, got 0.")
+            raise ValueError(
+                f"{where}: modules is empty (expected at least one module, got 0). Pass "
+                "one module per member."
+            )
         members = group_by_architecture(where, modules)
         ensembles = [
             Ensemble([modules[i] for i in group], randomness=randomness, chunk_size=chunk_size)

@@ -126,13 +126,15 @@ def grouped(
         for t in per_group:
             if not isinstance(t, GradientTransformation):
                 raise TypeError(
-                    f"{where}: the function must build a GradientTransformation (such as "
-                    f"fe.optim.adam), got {type(t).__name__}."
+                    f"{where}: the function did not build a GradientTransformation "
+                    f"(expected one such as fe.optim.adam(1e-3), got {type(t).__name__}). "
+                    "Pass a function that returns one, such as fe.optim.adam."
                 )
     else:
         raise TypeError(
-            f"{where}: Expected a GradientTransformation or a function building one (such "
-            f"as fe.optim.adam), got {type(transform).__name__}."
+            f"{where}: transform is neither a GradientTransformation nor a function "
+            f"building one (expected e.g. fe.optim.adam(1e-3) or fe.optim.adam, got "
+            f"{type(transform).__name__}). Build one with fe.optim."
         )
 
     def check_state(state: Any) -> None:
