@@ -45,7 +45,9 @@ def lin(d_in: int = 3, d_out: int = 2, **kwargs) -> nn.Linear:
 
 @pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
 def test_no_members(build) -> None:
-    with pytest.raises(ValueError, match=r"Expected at least one module, got 0\."):
+    with pytest.raises(
+        ValueError, match=r": modules is empty \(expected at least one module, got 0\)\. Pass"
+    ):
         build([])
 
 
@@ -56,7 +58,8 @@ def test_single_module_instead_of_a_sequence(build) -> None:
     with (
         runtime_typecheck_off(),
         pytest.raises(
-            TypeError, match=r"Expected a sequence of modules .* got a single Sequential"
+            TypeError,
+            match=r"modules is a single module \(expected a sequence .* got a single Sequential\)",
         ),
     ):
         build(nn.Sequential(lin(), lin(2, 2)))
@@ -318,11 +321,16 @@ def test_bad_randomness(build: str) -> None:
 
 
 def test_vmap_non_callable_and_bad_state() -> None:
-    with pytest.raises(TypeError, match=r"fn|Expected a callable"):
+    with pytest.raises(TypeError, match=r"fn|fn is not callable"):
         fe.vmap(3)
-    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"Expected a callable, got int"):
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=r"fn is not callable \(expected a callable, got int\)"),
+    ):
         fe.vmap(3)
-    with pytest.raises(ValueError, match=r"got none \(the module has no state to map over\)"):
+    with pytest.raises(
+        ValueError, match=r"the module has no state to map over \(expected .* got none\)"
+    ):
         fe.vmap(lambda p, b, x: x)({}, {}, torch.ones(2))
     with pytest.raises(ValueError, match=r"`b` has leading size 2, but `a` has 3"):
         fe.vmap(lambda p, b: p)({"a": torch.ones(3, 1), "b": torch.ones(2, 1)}, {})
@@ -493,7 +501,8 @@ def test_unstack_bad_inputs() -> None:
     with (
         runtime_typecheck_off(),
         pytest.raises(
-            TypeError, match=r"Expected the FunctionalModule returned by stack, got Linear"
+            TypeError,
+            match=r"fmodel is not a FunctionalModule \(expected the one .*, got Linear\)",
         ),
     ):
         fe.unstack(lin(), params, buffers)

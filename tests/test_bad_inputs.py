@@ -197,12 +197,15 @@ def register_simple(id: str, exc: type[BaseException], match: str, call: Callabl
 
 for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
     register_simple(
-        f"{_where}-empty", ValueError, "at least one module, got 0", lambda m=_make: m([])
+        f"{_where}-empty",
+        ValueError,
+        "modules is empty \\(expected at least one module, got 0\\)",
+        lambda m=_make: m([]),
     )
     register_simple(
         f"{_where}-single-module",
         TypeError,
-        "sequence of modules.*single Sequential",
+        "modules is a single module \\(expected a sequence of modules.*single Sequential\\)",
         lambda m=_make: m(mlp()),
     )
     register_simple(
@@ -321,7 +324,12 @@ for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
 
 # --- fe.vmap ------------------------------------------------------------------------------
 
-register_simple("vmap-not-callable", TypeError, "Expected a callable, got int", lambda: fe.vmap(3))
+register_simple(
+    "vmap-not-callable",
+    TypeError,
+    "fn is not callable \\(expected a callable, got int\\)",
+    lambda: fe.vmap(3),
+)
 register_simple(
     "vmap-randomness",
     ValueError,
@@ -552,7 +560,12 @@ register_simple(
     "chunk_size must be a positive int",
     lambda: fe.value_and_grad(len, chunk_size=0),
 )
-register_simple("grad-not-callable", TypeError, "Expected a callable", lambda: fe.grad("loss"))
+register_simple(
+    "grad-not-callable",
+    TypeError,
+    "loss_fn is not callable \\(expected a callable, got str\\)",
+    lambda: fe.grad("loss"),
+)
 register_simple(
     "grad-randomness", ValueError, "randomness must be", lambda: fe.grad(len, randomness="none")
 )
@@ -801,7 +814,7 @@ CASES += [
 register_simple(
     "unstack-not-fmodel",
     TypeError,
-    "Expected the FunctionalModule returned by stack, got Sequential",
+    "fmodel is not a FunctionalModule \\(expected the one returned by stack, got Sequential\\)",
     lambda: fe.unstack(mlp(), {}, {}),
 )
 

@@ -553,7 +553,7 @@ def test_concat_of_two_ensembles_keeps_every_member_in_order():
 @pytest.mark.parametrize(
     ("trees", "error", "match"),
     [
-        ([], ValueError, "Expected at least one pytree, got 0"),
+        ([], ValueError, r"trees is empty \(expected at least one pytree, got 0\)"),
         ([{"w": torch.zeros(2, 3)}, {"v": torch.zeros(2, 3)}], ValueError, "structure"),
         ([{"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)}], ValueError, r"shape \(\*, \(3,\)\)"),
         (

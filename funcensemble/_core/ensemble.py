@@ -314,12 +314,16 @@ class Ensemble(nn.Module):
         else:
             if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
                 raise TypeError(
-                    f"{where}: Expected a sequence of modules (e.g. a list) or an Ensemble, "
-                    f"got a single {type(modules).__name__}. Wrap it in a list."
+                    f"{where}: modules is a single module (expected a sequence of modules "
+                    f"such as a list, or an Ensemble, got a single {type(modules).__name__}). "
+                    "Wrap it in a list."
                 )
             modules = list(modules)
             if not modules:
-                raise ValueError(f"{where}: Expected at least one module, got 0.")
+                raise ValueError(
+                    f"{where}: modules is empty (expected at least one module, got 0). Pass "
+                    "one module per member."
+                )
             for k, module in enumerate(modules):
                 check_same_architecture(where, n + k, ref, check_is_module(where, n + k, module))
             _, params, buffers = stack_as(where, modules)

@@ -268,7 +268,7 @@ def _value_and_grad(
     """[`value_and_grad`][funcensemble.value_and_grad], with errors naming ``where``."""
     # The options and in_dims' type are checked here, once; each call checks its
     # arguments against in_dims once (_in_dims.per_argument), and nothing below again.
-    check_options("vmap", loss_fn, randomness, chunk_size)
+    check_options("vmap", loss_fn, randomness, chunk_size, name="loss_fn")
     _in_dims.check_type("vmap", in_dims)
     mapped_loss = mapped_call(loss_fn, randomness, chunk_size)
 

@@ -249,7 +249,10 @@ def concat(trees: Sequence[PyTree]) -> PyTree:
         raise TypeError(f"concat: trees must be a sequence of pytrees, got {type(trees).__name__}.")
     trees = list(trees)
     if not trees:
-        raise ValueError("concat: Expected at least one pytree, got 0.")
+        raise ValueError(
+            "concat: trees is empty (expected at least one pytree, got 0). Pass the pytrees "
+            "to join, one per group of members."
+        )
     return join("concat", trees)
 
 
