@@ -15,19 +15,21 @@ from ._messages import expected_got
 def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> Tensor:
     if not isinstance(values, Tensor):
         raise TypeError(
-            f"{where}: Expected a tensor of stacked outputs with the member axis first, "
-            f"got {type(values).__name__}. Stack the members' outputs with torch.stack."
+            f"{where}: values is not a tensor (expected a tensor of stacked outputs with the "
+            f"member axis first, got {type(values).__name__}). Stack the members' outputs "
+            "with torch.stack."
         )
     if values.dim() < min_dims:
         axes = "[N, ...]" if min_dims == 1 else "[N, ..., C] (member axis first, classes last)"
         raise ValueError(
-            f"{where}: Expected a tensor of shape {axes}, got shape {tuple(values.shape)} "
-            f"with {values.dim()} dimension(s)."
+            f"{where}: values has too few dimensions (expected a tensor of shape {axes}, "
+            f"got shape {tuple(values.shape)} with {values.dim()} dimension(s)). Stack the "
+            "members' outputs along a new first axis (torch.stack)."
         )
     if values.shape[0] == 0:
         raise ValueError(
-            f"{where}: the member axis (dim 0) is empty, got shape {tuple(values.shape)}. "
-            "An ensemble has at least one member."
+            f"{where}: the member axis (dim 0) is empty (expected at least one member, got "
+            f"shape {tuple(values.shape)}). An ensemble has at least one member."
         )
     return check_floating(where, values) if floating else values
 
@@ -57,10 +59,15 @@ def mean(values: Float[Tensor, " member *rest"]) -> Float[Tensor, "*rest"]:
 def _check_correction(where: str, correction: object, num_members: int) -> None:
     if isinstance(correction, bool) or not isinstance(correction, (int, float)):
         raise TypeError(
-            f"{where}: correction must be an int or a float, got {type(correction).__name__}."
+            f"{where}: correction must be an int or a float (expected e.g. 1, got "
+            f"{type(correction).__name__}). Pass 0 for the population, 1 for the sample "
+            "variance."
         )
     if not correction >= 0:
-        raise ValueError(f"{where}: correction must be >= 0, got {correction!r}.")
+        raise ValueError(
+            f"{where}: correction must be >= 0 (expected 0 or more, got {correction!r}). Pass "
+            "0 for the population, 1 for the sample variance."
+        )
     if num_members - correction <= 0:
         raise ValueError(
             f"{where}: with correction={correction!r} the spread of {num_members} member(s) "

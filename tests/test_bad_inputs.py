@@ -1641,7 +1641,7 @@ register_simple("MemberShard-str", TypeError, "num_members", lambda: _dist().Mem
 register_simple(
     "ShardedEnsemble-no-devices",
     ValueError,
-    "at least one device, got 0",
+    "devices is empty \\(expected at least one device, got 0\\)",
     lambda: _dist().ShardedEnsemble(mlps(), []),
 )
 register_simple(
@@ -1678,7 +1678,7 @@ CASES += [
         "distributed.mean-shard-str",
         _collective(lambda s, v: _dist().mean(v, "shard")),
         TypeError,
-        "Expected a fe.distributed.MemberShard.*got str",
+        "shard is not a MemberShard \\(expected a fe.distributed.MemberShard.*got str\\)",
     ),
     Bad(
         "distributed.mean-member-count",

@@ -250,7 +250,9 @@ def test_collective_errors():
             match=r"not floating point \(expected a floating-point dtype, got torch\.int64\)",
         ):
             d.mean(torch.zeros(4, 2, dtype=torch.int64), shard)
-        with pytest.raises(TypeError, match=r"Expected a fe\.distributed\.MemberShard"):
+        with pytest.raises(
+            TypeError, match=r"shard is not a MemberShard \(expected a fe\.distributed\.MemberShard"
+        ):
             d.all_gather(torch.zeros(4), 4)
         with pytest.raises(TypeError, match="leaf 0 must be a tensor"):
             d.all_gather(["x"], shard)

@@ -22,8 +22,9 @@ from ._member_shard import MemberShard
 def _check_shard(where: str, shard: object) -> MemberShard:
     if not isinstance(shard, MemberShard):
         raise TypeError(
-            f"{where}: Expected a fe.distributed.MemberShard describing this rank's members, "
-            f"got {type(shard).__name__}."
+            f"{where}: shard is not a MemberShard (expected a fe.distributed.MemberShard "
+            f"describing this rank's members, got {type(shard).__name__}). Build one with "
+            "fe.distributed.MemberShard."
         )
     return shard
 

@@ -57,25 +57,30 @@ def _reductions(where: str, reductions: object) -> dict[str, Reduction]:
             if not isinstance(name, str) or not callable(fn):
                 raise TypeError(
                     f"{where}: reductions as a mapping must map names (str) to functions "
-                    f"fn(local, shard), got {name!r}: {type(fn).__name__}."
+                    f"(expected fn(local, shard) under a str name, got {name!r}: "
+                    f"{type(fn).__name__}). Map each name to its function."
                 )
     elif isinstance(reductions, Sequence):
         chosen = {}
         for name in reductions:
             if name not in REDUCTIONS:
                 raise ValueError(
-                    f"{where}: unknown reduction {name!r}; expected one of "
-                    f"{sorted(REDUCTIONS)}, or pass a mapping of names to functions "
-                    "fn(local, shard) (e.g. for subset_min)."
+                    f"{where}: unknown reduction {name!r} (expected one of "
+                    f"{sorted(REDUCTIONS)}, got {name!r}). Pick one of those, or pass a "
+                    "mapping of names to functions fn(local, shard) (e.g. for subset_min)."
                 )
             chosen[name] = REDUCTIONS[name]
     else:
         raise TypeError(
             f"{where}: reductions must be a sequence of names or a mapping of names to "
-            f"functions, got {type(reductions).__name__}."
+            f"functions (expected e.g. ('mean', 'var'), got {type(reductions).__name__}). "
+            "Name the reductions in a tuple or list."
         )
     if not chosen:
-        raise ValueError(f"{where}: Expected at least one reduction, got none.")
+        raise ValueError(
+            f"{where}: reductions is empty (expected at least one reduction, got none). "
+            "Name at least one, e.g. ('mean',)."
+        )
     return chosen
 
 

@@ -40,12 +40,15 @@ def device_of(where: str, value: object) -> torch.device:
 def devices_of(where: str, devices: object) -> tuple[torch.device, ...]:
     if isinstance(devices, (str, torch.device)) or not isinstance(devices, Iterable):
         raise TypeError(
-            f"{where}: devices must be a list of devices (e.g. ['cuda:0', 'cuda:1']), got "
-            f"{type(devices).__name__}."
+            f"{where}: devices must be a list of devices (expected e.g. ['cuda:0', 'cuda:1'], "
+            f"got {type(devices).__name__}). Pass one device per shard in a list."
         )
     found = tuple(device_of(where, d) for d in devices)
     if not found:
-        raise ValueError(f"{where}: Expected at least one device, got 0.")
+        raise ValueError(
+            f"{where}: devices is empty (expected at least one device, got 0). Pass one "
+            "device per shard."
+        )
     return found
 
 
