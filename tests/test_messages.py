@@ -1,7 +1,11 @@
 """The error dialect's builders (funcensemble/_messages.py)."""
 
+import re
+from pathlib import Path
+
 import pytest
 
+import funcensemble as fe
 from funcensemble import _messages as m
 
 
@@ -39,3 +43,19 @@ def test_positive_int_refuses_in_the_dialect(value, or_none, error, match):
     with pytest.raises(error, match=match):
         m.positive_int("f", "n", value, or_none=or_none)
     assert m.positive_int("f", "n", 3) == 3
+
+
+def test_no_message_in_the_old_capitalised_style():
+    """``where: Expected X, got Y.`` was the old style; the dialect says what is wrong
+    first, in lower case, with ``(expected X, got Y)`` after it."""
+    root = Path(fe.__file__).parent
+    old = re.compile(r"""f?["'](?:\{\w+\}|[\w.]+): Expected\b""")
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if old.search(line)
+    ]
+    assert found == []
+    assert old.search('f"{where}: Expected a callable, got int."')
+    assert old.search('"concat: Expected at least one pytree, got 0."')
