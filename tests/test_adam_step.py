@@ -391,7 +391,7 @@ BAD_CALLS = [
         same,
         {**GOOD, "b": 1.0},
         TypeError,
-        r"adam: the gradient for params\['b'\] is a float",
+        r"adam: the gradient for params\['b'\] is not a tensor \(expected .*, got float\)",
         id="grad-type",
     ),
     pytest.param(

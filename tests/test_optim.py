@@ -613,7 +613,13 @@ def test_update_rejects_grads_that_do_not_match_the_params():
         opt.update({"w": params["w"], "b": torch.zeros(3, 5, dtype=torch.float64)}, state, params)
     with pytest.raises(ValueError, match=r"dtype torch.float32"):
         opt.update({"w": params["w"], "b": params["b"].float()}, state, params)
-    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"params\['b'\] is a float"):
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            TypeError,
+            match=r"params\['b'\] is not a tensor \(expected a tensor or None, got float\)",
+        ),
+    ):
         opt.update({"w": params["w"], "b": 1.0}, state, params)
 
 
@@ -636,7 +642,13 @@ def test_weight_decay_needs_params():
 
 
 def test_chain_rejects_non_transforms():
-    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"chain: transform 1 is a"):
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            TypeError,
+            match=r"chain: transform 1 is not a GradientTransformation \(expected .*got \w+\)",
+        ),
+    ):
         fe.optim.chain(fe.optim.scale_by_adam(), lambda g: g)
 
 

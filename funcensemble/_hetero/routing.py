@@ -82,14 +82,15 @@ def _check_grads(where: str, grads: list[dict], params: list[dict]) -> None:
                 continue
             if not isinstance(g, Tensor):
                 raise TypeError(
-                    f"{where}: the gradient of `{k}` is a {type(g).__name__}, expected a "
-                    "tensor or None."
+                    f"{where}: the gradient of `{k}` is not a tensor (expected a tensor or "
+                    f"None, got {type(g).__name__}). Pass one tensor per parameter, or None."
                 )
             if (g.shape, g.dtype, g.device) != (p.shape, p.dtype, p.device):
                 raise ValueError(
                     f"{where}: the gradient of `{k}` has shape {tuple(g.shape)}, dtype "
-                    f"{g.dtype}, device {g.device}; expected {tuple(p.shape)}, {p.dtype}, "
-                    f"{p.device} like the parameter."
+                    f"{g.dtype}, device {g.device} (expected shape {tuple(p.shape)}, dtype "
+                    f"{p.dtype}, device {p.device}, like the parameter). Give it the "
+                    "parameter's shape, dtype and device."
                 )
 
 
