@@ -466,7 +466,9 @@ def test_checkpoint_errors(tmp_path):
         )
     with pytest.raises(ValueError, match=r"rank 1 of 2 loads members 2:4 \(2\)"):
         d.load(path, ens, fake_shard(4, 1, 2))
-    with pytest.raises(TypeError, match=r"got a Linear; expected an fe\.Ensemble"):
+    with pytest.raises(
+        TypeError, match=r"got a Linear, an ordinary module \(expected an fe\.Ensemble"
+    ):
         d.save(tmp_path / "x", torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"leaf `name` is a str"):
         d.save(tmp_path / "x", {"name": "run-1"})
