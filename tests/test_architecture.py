@@ -67,11 +67,17 @@ def test_single_module_instead_of_a_sequence(build) -> None:
 
 @pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
 def test_non_module_member(build) -> None:
-    with pytest.raises(TypeError, match=r"member 1 is a str, expected an nn\.Module|'modules'"):
+    with pytest.raises(
+        TypeError,
+        match=r"member 1 is a str, not a module \(expected an nn\.Module, got str\)|'modules'",
+    ):
         build([lin(), "not a module"])
     with (
         runtime_typecheck_off(),
-        pytest.raises(TypeError, match=r"member 1 is a str, expected an nn\.Module\."),
+        pytest.raises(
+            TypeError,
+            match=r"member 1 is a str, not a module \(expected an nn\.Module, got str\)\. Pass",
+        ),
     ):
         build([lin(), "not a module"])
 
@@ -442,7 +448,8 @@ def test_load_state_dict_from_another_architecture() -> None:
         ens,
         wider,
         r"`stacked.0.weight` has shape \(3, 2, 4\) in the state_dict; this ensemble has "
-        r"\(3, 2, 3\)\. It comes from a different architecture\.",
+        r"\(3, 2, 3\) \(expected \(3, 2, 3\), got \(3, 2, 4\)\)\. It comes from a different "
+        r"architecture\.",
     )
     _assert_load_fails(ens, wider, r"`stacked.0.weight` has shape", strict=False)
     as_int = {**ens.state_dict()}
@@ -457,8 +464,8 @@ def test_load_state_dict_with_another_member_count(n_other: int) -> None:
     _assert_load_fails(
         ens,
         state,
-        rf"has {n_other} members in the state_dict; this ensemble has 3\. Build an Ensemble "
-        r"with the same num_members",
+        rf"has {n_other} members in the state_dict; this ensemble has 3 \(expected 3 members, "
+        rf"got {n_other}\)\. Build an Ensemble with the same num_members",
     )
     state["stacked.1.num_batches_tracked"] = torch.tensor(5)  # a 0-dim entry
     _assert_load_fails(ens, state, r"has \d members in the state_dict|shape with no member axis")
@@ -481,7 +488,7 @@ def test_from_factory_bad_inputs_restore_global_rng() -> None:
     ):
         fe.Ensemble.from_factory(lin, True)
     with pytest.raises(
-        TypeError, match=r"from_factory: member 0 is an int, expected an nn\.Module"
+        TypeError, match=r"from_factory: member 0 is an int, not a module \(expected an nn\.Module"
     ):
         fe.Ensemble.from_factory(lambda: 3, 2)
     sizes = iter([3, 3, 4])

@@ -211,7 +211,7 @@ for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
     register_simple(
         f"{_where}-not-a-module",
         TypeError,
-        "member 1 is a str, expected an nn.Module",
+        "member 1 is a str, not a module \\(expected an nn.Module, got str\\)",
         lambda m=_make: m([mlp(), "mlp"]),
     )
     register_simple(
@@ -678,7 +678,7 @@ register_simple(
 register_simple(
     "from_factory-not-module",
     TypeError,
-    "member 0 is an int, expected an nn.Module",
+    "member 0 is an int, not a module \\(expected an nn.Module, got int\\)",
     lambda: fe.Ensemble.from_factory(lambda: 3, 2),
 )
 CASES.append(

@@ -593,7 +593,7 @@ def test_from_factory_refuses_a_later_non_module_naming_the_member() -> None:
         runtime_typecheck_off(),
         pytest.raises(
             TypeError,
-            match=r"^Ensemble\.from_factory: member 2 is a NoneType, expected an nn\.Module",
+            match=r"^Ensemble\.from_factory: member 2 is a NoneType, not a module \(expected an nn",
         ),
     ):
         fe.Ensemble.from_factory(lambda: next(made), 3)

@@ -186,10 +186,10 @@ def join(where: str, trees: list[PyTree], what: str = "trees") -> PyTree:
                 want_shape = "a 0-dim tensor" if first.dim() == 0 else f"shape (*, {trailing})"
                 raise ValueError(
                     f"{where}: {path} has shape {tuple(x.shape)}, dtype {x.dtype}, device "
-                    f"{x.device}, requires_grad={x.requires_grad} in {what}[{k}]; expected "
-                    f"{want_shape}, "
-                    f"{first.dtype}, {first.device}, requires_grad={first.requires_grad} as "
-                    f"in {what}[0]. Members must share one architecture, dtype and device."
+                    f"{x.device}, requires_grad={x.requires_grad} in {what}[{k}] (expected "
+                    f"{want_shape}, {first.dtype}, {first.device}, "
+                    f"requires_grad={first.requires_grad} as in {what}[0]). Members must "
+                    "share one architecture, dtype and device."
                 )
             if first.dim() == 0 and not torch.equal(x, first):
                 raise ValueError(

@@ -134,8 +134,9 @@ def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
         for name, t in tree.items():
             if not isinstance(t, Tensor):
                 raise TypeError(
-                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, expected a "
-                    "tensor with the member axis first. Pass the dicts from fe.stack."
+                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, not a tensor "
+                    f"(expected a tensor with the member axis first, got {type(t).__name__}). "
+                    "Pass the dicts from fe.stack."
                 )
 
 

@@ -71,7 +71,8 @@ class Architecture:
 def check_is_module(where: str, index: int, module: object) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"{where}: member {index} is {a(type(module).__name__)}, expected an nn.Module."
+            f"{where}: member {index} is {a(type(module).__name__)}, not a module (expected "
+            f"an nn.Module, got {type(module).__name__}). Pass one nn.Module per member."
         )
     for name, sub in module.named_modules():
         if isinstance(sub, _UNBATCHABLE):

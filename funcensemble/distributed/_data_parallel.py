@@ -71,8 +71,9 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
     for i in tensors:
         if not leaves[i].is_floating_point():
             raise TypeError(
-                f"{where}: leaf {i} has dtype {leaves[i].dtype}; expected floating-point "
-                "gradients. Average other values yourself (their mean is not of their dtype)."
+                f"{where}: leaf {i} has dtype {leaves[i].dtype} (expected floating-point "
+                f"gradients, got {leaves[i].dtype}). Average other values yourself (their "
+                "mean is not of their dtype)."
             )
     out = list(leaves)
     with torch.no_grad():

@@ -89,8 +89,9 @@ def _batch_size(where: str, leaves: list[Any]) -> int:
     if len(sizes) != 1 or () in sizes:
         raise ValueError(
             f"{where}: with data replicas every tensor input is split along its dim 0, the "
-            f"batch; expected tensors with one batch size, got leading sizes "
-            f"{sorted(s[0] if s else 'none' for s in sizes)}."
+            f"batch, but the inputs differ there (expected tensors with one batch size, "
+            f"got leading sizes {sorted(s[0] if s else 'none' for s in sizes)}). Give "
+            "every tensor input the batch as its first axis."
         )
     return next(iter(sizes))[0]
 

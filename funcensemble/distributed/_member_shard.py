@@ -349,8 +349,9 @@ class MemberShard:
             if t.dim() == 0 or t.shape[0] != n:
                 got = t.shape[0] if t.dim() else "no member axis"
                 raise ValueError(
-                    f"{where}: {name} has leading size {got}; expected the ensemble's "
-                    f"{n} members first."
+                    f"{where}: {name} has leading size {got} (expected the ensemble's {n} "
+                    f"members first, got {got}). Pass the whole ensemble's tensors, member "
+                    "axis first."
                 )
             out = narrow_members(t.detach(), self.members).clone()
             return out.requires_grad_(True) if t.requires_grad else out
