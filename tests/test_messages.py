@@ -59,3 +59,20 @@ def test_no_message_in_the_old_capitalised_style():
     assert found == []
     assert old.search('f"{where}: Expected a callable, got int."')
     assert old.search('"concat: Expected at least one pytree, got 0."')
+
+
+def test_no_message_with_a_trailing_expected_clause():
+    """``X is a str, expected an nn.Module.`` (or ``; expected ...``) was the other old
+    style; the dialect puts what was expected in parentheses: ``(expected X, got Y)``."""
+    root = Path(fe.__file__).parent
+    old = re.compile(r"""[}\w'"][;,] expected (?:a|an|the)\b""")
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if old.search(line)
+    ]
+    assert found == []
+    assert old.search('f"{where}: member {index} is a {name}, expected an nn.Module."')
+    assert old.search('f"{where}: state is a {name}; expected an fe.Ensemble"')
+    assert not old.search('"(expected a tensor or None, got float)"')
