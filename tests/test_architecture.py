@@ -88,7 +88,11 @@ class MyLinear(nn.Linear):
 
 def test_members_of_different_classes() -> None:
     members = [lin(), MyLinear(3, 2)]
-    with pytest.raises(TypeError, match=r"member 1 is a MyLinear; member 0 is a Linear\."):
+    with pytest.raises(
+        TypeError,
+        match=r"member 1 is a MyLinear; member 0 is a Linear \(expected a Linear as member 0, "
+        r"got a MyLinear\)\.",
+    ):
         fe.stack(members)
 
 
@@ -98,7 +102,8 @@ def test_different_train_eval_modes_name_the_submodule() -> None:
     before = snapshot(*members)
     with pytest.raises(
         ValueError,
-        match=r"member 2 has submodule `1` in eval mode; member 0 has it in train mode\. "
+        match=r"member 2 has submodule `1` in eval mode; member 0 has it in train mode "
+        r"\(expected train mode as member 0, got eval\)\. "
         r"Call \.train\(\) or \.eval\(\)",
     ):
         fe.Ensemble(members)
@@ -141,17 +146,20 @@ def test_missing_or_extra_parameters_and_buffers_are_listed() -> None:
 def test_shape_dtype_device_mismatch_name_parameter_member_and_values() -> None:
     with pytest.raises(
         ValueError,
-        match=r"member 2 has parameter `0.weight` with shape \(2, 4\); member 0 has \(2, 3\)\.",
+        match=r"member 2 has parameter `0.weight` with shape \(2, 4\); member 0 has \(2, 3\) "
+        r"\(expected \(2, 3\) as member 0, got \(2, 4\)\)\.",
     ):
         fe.stack([nn.Sequential(lin()), nn.Sequential(lin()), nn.Sequential(lin(4, 2))])
     with pytest.raises(
         ValueError,
         match=r"member 1 has parameter `weight` with dtype torch.float64; member 0 has "
-        r"torch.float32\..*module\.to",
+        r"torch.float32 \(expected torch.float32 as member 0, got torch.float64\)\..*module\.to",
     ):
         fe.stack([lin(), lin().double()])
     with pytest.raises(
-        ValueError, match=r"member 1 has parameter `weight` with device meta; member 0 has cpu\."
+        ValueError,
+        match=r"member 1 has parameter `weight` with device meta; member 0 has cpu "
+        r"\(expected cpu as member 0, got meta\)\.",
     ):
         fe.stack([lin(), lin().to("meta")])
     with pytest.raises(
@@ -169,7 +177,8 @@ def test_mixed_requires_grad() -> None:
     with pytest.raises(
         ValueError,
         match=r"member 1 has parameter `bias` with requires_grad=False; member 0 has "
-        r"requires_grad=True\. Freeze or unfreeze",
+        r"requires_grad=True \(expected requires_grad=True as member 0, got False\)\. Freeze "
+        r"or unfreeze",
     ):
         fe.Ensemble([lin(), frozen, lin()])
     assert not frozen.bias.requires_grad
