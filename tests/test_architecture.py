@@ -758,8 +758,8 @@ def test_hooks_on_one_member_or_different_hooks_are_refused() -> None:
     ms[2][0].register_forward_hook(_hook)
     with pytest.raises(
         ValueError,
-        match=r"member 2 has 1 forward hook\(s\) on submodule `0`; member 0 has 0\. Register "
-        r"the same forward hooks on every member",
+        match=r"member 2 has 1 forward hook\(s\) on submodule `0`; member 0 has 0 \(expected 0 "
+        r"as member 0, got 1\)\. Register the same forward hooks on every member",
     ):
         fe.Ensemble(ms)
     ms = members()
@@ -793,7 +793,11 @@ def test_hooks_on_one_member_or_different_hooks_are_refused() -> None:
     ms = members()
     for m in ms:
         m.register_forward_hook(_hook, with_kwargs=m is ms[1])
-    with pytest.raises(ValueError, match=r"member 1 has forward hooks on the root module at "):
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has forward hooks on the root module at positions \[0\] registered "
+        r"with with_kwargs; member 0 at \[\] \(expected positions \[\] as member 0, got \[0\]\)\.",
+    ):
         fe.stack(ms)
 
 
@@ -849,7 +853,9 @@ def test_parametrization_on_one_member_or_different_ones_is_refused() -> None:
 def test_submodule_tree_differences_are_refused() -> None:
     torch.manual_seed(0)
     with pytest.raises(
-        TypeError, match=r"member 1 has submodule `1` of class Tanh; member 0 has ReLU\."
+        TypeError,
+        match=r"member 1 has submodule `1` of class Tanh; member 0 has ReLU \(expected ReLU as "
+        r"member 0, got Tanh\)\.",
     ):
         fe.stack([nn.Sequential(lin(), nn.ReLU()), nn.Sequential(lin(), nn.Tanh())])
     a, b = nn.Module(), nn.Module()
@@ -858,7 +864,7 @@ def test_submodule_tree_differences_are_refused() -> None:
     with pytest.raises(
         ValueError,
         match=r"member 1 has the root module with child modules \['y', 'x'\]; member 0 has "
-        r"\['x', 'y'\]",
+        r"\['x', 'y'\] \(expected \['x', 'y'\] as member 0, got \['y', 'x'\]\)\.",
     ):
         fe.stack([a, b])
     shared = lin(2, 2)
