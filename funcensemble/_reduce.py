@@ -6,7 +6,7 @@ import torch
 from jaxtyping import Float, Int, Real
 from torch import Tensor
 
-from ._messages import expected_got
+from ._messages import boolean, expected_got
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
 # expression `member * rest` (jaxtyping's advice); jaxtyping ignores the space.
@@ -180,8 +180,7 @@ def check_subset_options(
         raise TypeError(
             f"{where}: generator must be a torch.Generator or None, got {type(generator).__name__}."
         )
-    if not isinstance(per_sample, bool):
-        raise TypeError(f"{where}: per_sample must be a bool, got {type(per_sample).__name__}.")
+    boolean(where, "per_sample", per_sample)
     if per_sample and values.dim() < 2:
         raise ValueError(
             f"{where}: per_sample=True draws one subset per index of dim 1, but {name} has "

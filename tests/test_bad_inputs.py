@@ -1139,13 +1139,13 @@ for _name, _make in (("adam", fe.optim.adam), ("adamw", fe.optim.adamw)):
     register_simple(
         f"{_name}-amsgrad-int",
         TypeError,
-        "amsgrad must be a bool, got int",
+        r"amsgrad must be a bool \(expected True or False, got int\)",
         lambda m=_make: m(amsgrad=1),
     )
     register_simple(
         f"{_name}-maximize-str",
         TypeError,
-        "maximize must be a bool, got str",
+        r"maximize must be a bool \(expected True or False, got str\)",
         lambda m=_make: m(maximize="yes"),
     )
     register_simple(f"{_name}-lr-matrix", ValueError, "lr", lambda m=_make: m(lr=torch.ones(2, 2)))

@@ -76,3 +76,11 @@ def test_no_message_with_a_trailing_expected_clause():
     assert old.search('f"{where}: member {index} is a {name}, expected an nn.Module."')
     assert old.search('f"{where}: state is a {name}; expected an fe.Ensemble"')
     assert not old.search('"(expected a tensor or None, got float)"')
+
+
+def test_boolean_refuses_in_the_dialect():
+    with pytest.raises(
+        TypeError, match=r"^f: b must be a bool \(expected True or False, got int\)\. Pass b=True"
+    ):
+        m.boolean("f", "b", 1)
+    assert m.boolean("f", "b", False) is False

@@ -540,8 +540,8 @@ def test_invalid_hyperparameters_raise_value_error(make, kwargs, match):
         ({"lr": True}, r"lr must be a float"),
         ({"lr": torch.tensor([1, 2])}, r"lr as a tensor must be floating point"),
         ({"betas": 0.9}, r"betas must be a pair \(beta1, beta2\), got float"),
-        ({"amsgrad": 1}, r"amsgrad must be a bool, got int"),
-        ({"maximize": None}, r"maximize must be a bool, got NoneType"),
+        ({"amsgrad": 1}, r"amsgrad must be a bool \(expected True or False, got int\)"),
+        ({"maximize": None}, r"maximize must be a bool \(expected True or False, got NoneType\)"),
     ],
 )
 def test_wrongly_typed_hyperparameters_raise_type_error(kwargs, match):

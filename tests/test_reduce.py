@@ -409,7 +409,9 @@ def test_subset_min_rejects_bad_options() -> None:
                 fe.reduce.subset_min(x, k)
         with pytest.raises(TypeError, match=r"generator must be a torch\.Generator.*got int"):
             fe.reduce.subset_min(x, 2, generator=0)
-        with pytest.raises(TypeError, match="per_sample must be a bool, got int"):
+        with pytest.raises(
+            TypeError, match=r"per_sample must be a bool \(expected True or False, got int\)"
+        ):
             fe.reduce.subset_min(x, 2, per_sample=1)
         with pytest.raises(ValueError, match=r"no dim after the member axis"):
             fe.reduce.subset_min(torch.randn(3), 2, per_sample=True)

@@ -7,6 +7,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .._messages import boolean as _flag
 from ._adam_step import Moments, Options, adam_step_, foreach_adam
 from ._hyper import (
     Hyper,
@@ -81,12 +82,6 @@ def _betas(where: str, betas: object) -> tuple[Hyper, Hyper]:
         hyperparameter(where, f"betas[{k}]", b, label=f"beta parameter at index {k}", upper=1.0)
         for k, b in enumerate(betas)
     )
-
-
-def _flag(where: str, name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}.")
-    return value
 
 
 _NO_DECAY = Hyper("weight_decay", 0.0)
