@@ -333,7 +333,7 @@ register_simple(
 register_simple(
     "vmap-randomness",
     ValueError,
-    "randomness must be.*got 'bogus'",
+    "randomness must be .*\\(expected one of those, got 'bogus'\\)",
     lambda: fe.vmap(len, randomness="bogus"),
 )
 register_simple(
@@ -357,7 +357,7 @@ register_simple(
 register_simple(
     "vmap-in-dims-str",
     TypeError,
-    "in_dims must be None, an int or a tuple.*got str",
+    "in_dims must be None, an int or a tuple \\(expected .*got str\\)",
     lambda: fe.vmap(len, in_dims="0"),
 )
 
@@ -654,7 +654,7 @@ register_simple(
 register_simple(
     "from_factory-not-callable",
     TypeError,
-    "factory must be callable, got str",
+    "factory must be callable \\(expected a function building one member, got str\\)",
     lambda: fe.Ensemble.from_factory("mlp", 3),
 )
 register_simple(
@@ -757,7 +757,7 @@ CASES += [
         "Ensemble-member-str",
         _ens_call(lambda e: e.member("0")),
         TypeError,
-        "index must be an int, got str",
+        "index must be an int \\(expected a member index, got str\\)",
     ),
     Bad(
         "load_state_dict-missing-key",
@@ -1109,7 +1109,7 @@ for _name, _make in (("adam", fe.optim.adam), ("adamw", fe.optim.adamw)):
     register_simple(
         f"{_name}-betas-one-value",
         ValueError,
-        r"betas must be a pair \(beta1, beta2\), got 1 values",
+        r"betas must be a pair \(beta1, beta2\) \(expected 2 values, got 1 values\)",
         lambda m=_make: m(betas=(0.9,)),
     )
     register_simple(

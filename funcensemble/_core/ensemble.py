@@ -159,7 +159,10 @@ class Ensemble(nn.Module):
         """
         where = "Ensemble.from_factory"
         if not callable(factory):
-            raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}.")
+            raise TypeError(
+                f"{where}: factory must be callable (expected a function building one "
+                f"member, got {type(factory).__name__}). Pass e.g. lambda: nn.Linear(3, 1)."
+            )
         positive_int(where, "num_members", num_members)
         if seed is None:
 
@@ -237,7 +240,10 @@ class Ensemble(nn.Module):
         """
         n = self.num_members
         if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"Ensemble.member: index must be an int, got {type(index).__name__}.")
+            raise TypeError(
+                f"Ensemble.member: index must be an int (expected a member index, got "
+                f"{type(index).__name__}). Pass an int in range(num_members)."
+            )
         if not -n <= index < n:
             raise IndexError(
                 f"Ensemble.member: index {index} is out of range for an ensemble of {n} "

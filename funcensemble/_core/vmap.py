@@ -168,7 +168,8 @@ def check_options(
         )
     if randomness not in ("different", "same", "error"):
         raise ValueError(
-            f"{where}: randomness must be 'different', 'same' or 'error', got {randomness!r}."
+            f"{where}: randomness must be 'different', 'same' or 'error' (expected one of "
+            f"those, got {randomness!r}). Pass one of those three."
         )
     if chunk_size is not None:
         positive_int(where, "chunk_size", chunk_size, or_none=True)

@@ -360,7 +360,8 @@ class HeteroEnsemble(nn.Module):
         n = self.num_members
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(
-                f"HeteroEnsemble.member: index must be an int, got {type(index).__name__}."
+                f"HeteroEnsemble.member: index must be an int (expected a member index, got "
+                f"{type(index).__name__}). Pass an int in range(num_members)."
             )
         if not -n <= index < n:
             raise IndexError(

@@ -392,7 +392,9 @@ class MemberShard:
         """
         if not callable(factory):
             raise TypeError(
-                f"MemberShard.from_factory: factory must be callable, got {type(factory).__name__}."
+                f"MemberShard.from_factory: factory must be callable (expected a function "
+                f"building one member, got {type(factory).__name__}). Pass e.g. "
+                "lambda: nn.Linear(3, 1)."
             )
         indices = iter(range(self.members.start, self.members.stop))
 

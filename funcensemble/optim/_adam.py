@@ -74,10 +74,14 @@ class AdamState(NamedTuple):
 def _betas(where: str, betas: object) -> tuple[Hyper, Hyper]:
     if not isinstance(betas, Sequence) or isinstance(betas, str):
         raise TypeError(
-            f"{where}: betas must be a pair (beta1, beta2), got {type(betas).__name__}."
+            f"{where}: betas must be a pair (beta1, beta2) (expected e.g. (0.9, 0.999), got "
+            f"{type(betas).__name__}). Pass betas as a tuple of two."
         )
     if len(betas) != 2:
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {len(betas)} values.")
+        raise ValueError(
+            f"{where}: betas must be a pair (beta1, beta2) (expected 2 values, got "
+            f"{len(betas)} values). Pass betas as a tuple of two."
+        )
     return tuple(  # type: ignore[return-value]
         hyperparameter(where, f"betas[{k}]", b, label=f"beta parameter at index {k}", upper=1.0)
         for k, b in enumerate(betas)
