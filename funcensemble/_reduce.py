@@ -173,12 +173,19 @@ def check_subset_options(
 ) -> None:
     """Validate ``subset_min``'s options (shared with the distributed variant)."""
     if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{where}: k must be an int, got {type(k).__name__}.")
+        raise TypeError(
+            f"{where}: k must be an int (expected a member count, got {type(k).__name__}). "
+            f"Pass k as an int with 1 <= k <= {n}."
+        )
     if not 1 <= k <= n:
-        raise ValueError(f"{where}: k must satisfy 1 <= k <= N = {n} (the members), got {k}.")
+        raise ValueError(
+            f"{where}: k must satisfy 1 <= k <= N = {n}, the member count (expected 1 to {n}, "
+            f"got {k}). Pick k among the {n} members."
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
-            f"{where}: generator must be a torch.Generator or None, got {type(generator).__name__}."
+            f"{where}: generator must be a torch.Generator or None (expected one of those, got "
+            f"{type(generator).__name__}). Pass torch.Generator().manual_seed(...) or None."
         )
     boolean(where, "per_sample", per_sample)
     if per_sample and values.dim() < 2:

@@ -266,11 +266,15 @@ def test_collective_errors():
             d.all_gather(torch.zeros(4), 4)
         with pytest.raises(TypeError, match="leaf 0 must be a tensor"):
             d.all_gather(["x"], shard)
-        with pytest.raises(TypeError, match="k must be an int, got float"):
+        with pytest.raises(
+            TypeError, match=r"k must be an int \(expected a member count, got float\)"
+        ):
             d.subset_min(torch.zeros(4, 2), shard, 2.0)
     with pytest.raises(ValueError, match="with correction=4 the spread of 4 member"):
         d.var(torch.zeros(4, 2), shard, correction=4)
-    with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= N = 4"):
+    with pytest.raises(
+        ValueError, match=r"k must satisfy 1 <= k <= N = 4, the member count \(expected 1 to 4, got"
+    ):
         d.subset_min(torch.zeros(4, 2), shard, 5)
     with pytest.raises(ValueError, match="per_sample=True draws one subset per index of dim 1"):
         d.subset_min(torch.zeros(4), shard, 2, per_sample=True)

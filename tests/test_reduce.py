@@ -407,7 +407,10 @@ def test_subset_min_rejects_bad_options() -> None:
         for k in [2.0, True, None]:
             with pytest.raises(TypeError, match="k must be an int"):
                 fe.reduce.subset_min(x, k)
-        with pytest.raises(TypeError, match=r"generator must be a torch\.Generator.*got int"):
+        with pytest.raises(
+            TypeError,
+            match=r"generator must be a torch\.Generator.*\(expected one of those, got int\)",
+        ):
             fe.reduce.subset_min(x, 2, generator=0)
         with pytest.raises(
             TypeError, match=r"per_sample must be a bool \(expected True or False, got int\)"
