@@ -337,9 +337,11 @@ def _steps(
     def check(grads: PyTree, state: Any, params: PyTree, words: tuple[str, str]) -> _Step:
         """Everything, with one wording per entry point, before anything is written."""
         if not isinstance(state, tuple) or len(state) != size:
+            got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
             raise ValueError(
-                f"chain: expected the state returned by this chain's init (a tuple of "
-                f"{size} states), got {type(state).__name__}."
+                f"chain: the state is not this chain's (expected the state returned by this "
+                f"chain's init, a tuple of {size} states, got {got}). Pass the state "
+                "that init returned, or the one update returned last."
             )
         moments = state[at]
         check_state_type(where, moments, AdamState)

@@ -356,9 +356,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
             raise ValueError(
-                f"chain: expected the state returned by this chain's init (a tuple of "
-                f"{len(transforms)} states), got {type(state).__name__}."
+                f"chain: the state is not this chain's (expected the state returned by this "
+                f"chain's init, a tuple of {len(transforms)} states, got {got}). Pass the state "
+                "that init returned, or the one update returned last."
             )
 
     def run(
