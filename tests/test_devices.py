@@ -355,7 +355,9 @@ def test_map_and_gather_errors():
         sharded.map(forward, torch.randn(4, 7, 5, dtype=torch.float64), in_dims=0)
     with pytest.raises(ValueError, match="PerShard of 3 values; this ensemble has 2 shards"):
         sharded.map(lambda p, b, s: s, PerShard([1, 2, 3]))
-    with pytest.raises(ValueError, match="its in_dims entry must be None, got 0"):
+    with pytest.raises(
+        ValueError, match=r"its in_dims entry must be None \(expected None, got 0\)"
+    ):
         sharded.map(lambda p, b, s: s, PerShard([1, 2]), in_dims=0)
     with pytest.raises(ValueError, match="in_dims has 2 entries but the call passed 1"):
         sharded.map(forward, torch.randn(5, 7, 5), in_dims=(0, 0))

@@ -141,7 +141,10 @@ def test_predict_checks_its_arguments():
         ValueError, match=r"predict: the model's output has leading size no member axis"
     ):
         predict(lambda x: x.sum(), shard, x)
-    with pytest.raises(ValueError, match=r"src must be a rank in 0\.\.0, got 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"src must be a rank in 0\.\.0 \(expected an int rank of the group, got 1\)",
+    ):
         predict(ens, shard, x, src=1)
     # A single name, and a mapping to any reduction function.
     with torch.no_grad():  # predict's own mode: autograd on may round differently

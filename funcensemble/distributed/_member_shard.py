@@ -125,12 +125,20 @@ def init_process_group(
             continue
         if not isinstance(value, timedelta):
             raise TypeError(
-                f"{where}: {name} must be a datetime.timedelta, got {type(value).__name__}."
+                f"{where}: {name} must be a datetime.timedelta (expected e.g. "
+                f"timedelta(minutes=5), got {type(value).__name__}). Pass {name} as a "
+                "datetime.timedelta."
             )
         if value <= timedelta(0):
-            raise ValueError(f"{where}: {name} must be positive, got {value}.")
+            raise ValueError(
+                f"{where}: {name} must be positive (expected more than 0 seconds, got "
+                f"{value}). Pass a positive timedelta."
+            )
     if backend is not None and backend not in ("gloo", "nccl"):
-        raise ValueError(f"{where}: backend must be 'gloo', 'nccl' or None, got {backend!r}.")
+        raise ValueError(
+            f"{where}: backend must be 'gloo', 'nccl' or None (expected one of those, got "
+            f"{backend!r}). Pass 'gloo' for CPUs, 'nccl' for GPUs, or None to choose."
+        )
     if not dist.is_available():
         raise RuntimeError(f"{where}: this build of PyTorch has no torch.distributed.")
     if dist.is_initialized():

@@ -15,7 +15,8 @@ from ._slices import narrow_members
 def device_of(where: str, value: object) -> torch.device:
     if not isinstance(value, (str, torch.device)):
         raise TypeError(
-            f"{where}: each device must be a str or torch.device, got {type(value).__name__}."
+            f"{where}: each device must be a str or torch.device (expected e.g. 'cuda:0', "
+            f"got {type(value).__name__}). Name each device as a str or torch.device."
         )
     try:
         device = torch.device(value)

@@ -146,7 +146,9 @@ class ShardedEnsemble:
             if not isinstance(new, Mapping) or new.keys() != old.keys():
                 got = sorted(new) if isinstance(new, Mapping) else type(new).__name__
                 raise ValueError(
-                    f"{where}: shard {k} must map the names {sorted(old)} to tensors, got {got}."
+                    f"{where}: shard {k} must map the names {sorted(old)} to tensors "
+                    f"(expected those names, got {got}). Keep each shard's names as "
+                    f"ShardedEnsemble.{what} gives them."
                 )
         return PerShard(dict(v) for v in value)
 
@@ -243,7 +245,8 @@ class ShardedEnsemble:
                 if dim is not None:
                     raise ValueError(
                         f"{where}: {label} is a PerShard value, already split by shard; "
-                        f"its in_dims entry must be None, got {dim!r}."
+                        f"its in_dims entry must be None (expected None, got {dim!r}). Set "
+                        "its in_dims entry to None."
                     )
         plain = tuple(None if isinstance(a, PerShard) else a for a in args)
         try:
