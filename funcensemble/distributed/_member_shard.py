@@ -117,7 +117,8 @@ def init_process_group(
         ...     fe.distributed.init_process_group(timeout=datetime.timedelta(0))
         ... except ValueError as error:
         ...     print(error)
-        init_process_group: timeout must be positive, got 0:00:00.
+        init_process_group: timeout must be positive (expected more than 0 seconds, got
+        0:00:00). Pass a positive timedelta.
     """
     where = "init_process_group"
     for name, value in (("timeout", timeout), ("join_timeout", join_timeout)):
