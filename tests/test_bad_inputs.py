@@ -515,7 +515,7 @@ CASES += [
         "value_and_grad-vector-loss",
         _vg(_vector_loss, lambda: (x(5, 3),)),
         ValueError,
-        r"one scalar per member, got \(2,\) per member",
+        r"one scalar per member \(expected shape \(\) per member, got \(2,\) per member\)",
     ),
     Bad(
         "value_and_grad-vector-loss-bn",

@@ -455,8 +455,8 @@ _BAD_STATES = [
     ),
     pytest.param(
         lambda state, ens: list(state.items()), {}, TypeError,
-        r"state_dict must be a mapping from names to tensors \(e.g. Ensemble.state_dict\(\)\), "
-        r"got list",
+        r"state_dict must be a mapping from names to tensors \(expected e.g. "
+        r"Ensemble.state_dict\(\), got list\)",
         id="not a mapping",
     ),
 ]  # fmt: skip

@@ -39,8 +39,9 @@ def check_loadable(
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(
-            f"{where}: state_dict must be a mapping from names to tensors (e.g. "
-            f"Ensemble.state_dict()), got {type(state_dict).__name__}."
+            f"{where}: state_dict must be a mapping from names to tensors (expected e.g. "
+            f"Ensemble.state_dict(), got {type(state_dict).__name__}). Pass the mapping "
+            "that state_dict() returned."
         )
     # One member module's keys ("0.weight" for this ensemble's "stacked.0.weight"):
     # with strict=False torch would skip them all and load nothing, without a word.
@@ -113,8 +114,9 @@ def check_groups_loadable(where: str, groups: Any, state_dict: Any, strict: bool
     its keys under ``groups.<g>.``; with ``strict``, no key may lie outside the groups."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
-            f"{where}: state_dict must be a mapping from names to tensors (e.g. "
-            f"HeteroEnsemble.state_dict()), got {type(state_dict).__name__}."
+            f"{where}: state_dict must be a mapping from names to tensors (expected e.g. "
+            f"HeteroEnsemble.state_dict(), got {type(state_dict).__name__}). Pass the mapping "
+            "that state_dict() returned."
         )
     prefixes = [f"groups.{g}." for g in range(len(groups))]
     if strict:

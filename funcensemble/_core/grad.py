@@ -42,9 +42,9 @@ def _check_losses(losses: Any) -> Tensor:
     if not isinstance(losses, Tensor) or losses.dim() != 1:
         shape = tuple(losses.shape[1:]) if isinstance(losses, Tensor) else type(losses).__name__
         raise ValueError(
-            f"value_and_grad: loss_fn must return one scalar per member, got {shape} per "
-            "member. Reduce the loss (e.g. .mean()) inside loss_fn; with has_aux=True "
-            "return (loss, aux)."
+            f"value_and_grad: loss_fn must return one scalar per member (expected shape () "
+            f"per member, got {shape} per member). Reduce the loss (e.g. .mean()) inside "
+            "loss_fn; with has_aux=True return (loss, aux)."
         )
     return losses
 

@@ -46,7 +46,8 @@ def check_indices(
                 out.append(operator.index(i))
             except TypeError:
                 raise TypeError(
-                    f"{where}: {what}[{k}] must be an int, got {type(i).__name__} ({i!r})."
+                    f"{where}: {what}[{k}] must be an int (expected a member index, got "
+                    f"{type(i).__name__} {i!r}). Pass member indices as ints."
                 ) from None
     if not out:
         raise ValueError(f"{where}: {what} is empty (expected at least one member index).")

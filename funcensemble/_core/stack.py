@@ -127,7 +127,8 @@ def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
         if not isinstance(tree, dict):
             raise TypeError(
                 f"{where}: {argument} must be a dict of stacked tensors keyed by state-dict "
-                f"names (as fe.stack returns), got {type(tree).__name__}. Pass the "
+                f"names, as fe.stack returns (expected a dict, got {type(tree).__name__}). "
+                f"Pass the "
                 f"{argument} dict from fe.stack"
                 + (" ({} for a module without buffers)." if argument == "buffers" else ".")
             )

@@ -147,7 +147,8 @@ class HeteroEnsemble(nn.Module):
         if not isinstance(tree, dict):
             raise TypeError(
                 f"{where}: {what} must be a dict keyed by the ensemble's names (as "
-                f"hens.stacked_{kind}() returns), got {type(tree).__name__}."
+                f"hens.stacked_{kind}() returns) (expected a dict, got "
+                f"{type(tree).__name__}). Pass the dict that hens.stacked_{kind}() returns."
             )
         names = self._names(kind)
         expected = {k for group in names for k in group}

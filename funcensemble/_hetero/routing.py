@@ -61,7 +61,8 @@ def _split(where: str, what: str, tree: Any, keys: Sequence[Sequence[str]]) -> l
     if not isinstance(tree, dict):
         raise TypeError(
             f"{where}: {what} must be a dict keyed by the ensemble's parameter names (as "
-            f"hens.stacked_params() returns), got {type(tree).__name__}."
+            f"hens.stacked_params() returns) (expected a dict, got {type(tree).__name__}). "
+            "Pass the dict that hens.stacked_params() returns."
         )
     expected = {k for group in keys for k in group}
     if tree.keys() != expected:
@@ -141,8 +142,9 @@ def grouped(
     def check_state(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(keys):
             raise ValueError(
-                f"{where}: expected the state returned by this optimizer's init (a tuple of "
-                f"{len(keys)} group states), got {type(state).__name__}."
+                f"{where}: the state is not this optimizer's (expected the state returned by "
+                f"its init, a tuple of {len(keys)} group states, got "
+                f"{type(state).__name__}). Pass the state that init returned."
             )
 
     def init(params: PyTree) -> tuple[Any, ...]:
