@@ -227,8 +227,9 @@ class EnsembleOptimizer:
             return follow()
         if not isinstance(transform, GradientTransformation):
             raise TypeError(
-                f"{where}: transform must be a GradientTransformation such as "
-                f"fe.optim.adam(), got {type(transform).__name__}."
+                f"{where}: transform is not a GradientTransformation (expected one such as "
+                f"fe.optim.adam(), got {type(transform).__name__}). Build one with fe.optim, "
+                "or leave transform as None."
             )
         return transform
 
