@@ -576,16 +576,26 @@ def test_init_process_group_checks_before_starting(monkeypatch):
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"RANK": "one"}, "the environment variable RANK must be an integer, got 'one'"),
-        ({"RANK": "2"}, "RANK must be in 0..WORLD_SIZE-1, got RANK=2 and WORLD_SIZE=2"),
-        ({"MASTER_PORT": "70000"}, "MASTER_PORT must be in 0..65535, got 70000"),
+        (
+            {"RANK": "one"},
+            "the environment variable RANK must be an integer (expected digits, got 'one')",
+        ),
+        (
+            {"RANK": "2"},
+            "RANK must be in 0..WORLD_SIZE-1 (expected 0 <= RANK < WORLD_SIZE, got RANK=2 and "
+            "WORLD_SIZE=2)",
+        ),
+        (
+            {"MASTER_PORT": "70000"},
+            "MASTER_PORT must be in 0..65535 (expected a TCP port, got 70000)",
+        ),
     ],
 )
 def test_init_process_group_refuses_a_malformed_launch(monkeypatch, env, message):
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
     for name, value in {**launch, **env}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=re.escape(f"init_process_group: {message}.")):
+    with pytest.raises(ValueError, match=re.escape(f"init_process_group: {message}. ")):
         fe.distributed.init_process_group("gloo", timeout=timedelta(seconds=1))
     assert not dist.is_initialized()
 

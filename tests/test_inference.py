@@ -122,7 +122,10 @@ def test_predict_checks_its_arguments():
             TypeError, match=r"shard is not a MemberShard \(expected a fe\.distributed\.MemberShard"
         ):
             predict(ens, 3, x)
-        with pytest.raises(TypeError, match="model must be callable, got Tensor"):
+        with pytest.raises(
+            TypeError,
+            match=r"model must be callable \(expected a function of the inputs, got Tensor\)",
+        ):
             predict(x, shard, x)
         with pytest.raises(TypeError, match=r"map names \(str\) to functions"):
             predict(ens, shard, x, reductions={"m": 3})

@@ -247,7 +247,10 @@ def concat(trees: Sequence[PyTree]) -> PyTree:
         (torch.Size([6, 2, 3]), True)
     """
     if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
-        raise TypeError(f"concat: trees must be a sequence of pytrees, got {type(trees).__name__}.")
+        raise TypeError(
+            f"concat: trees must be a sequence of pytrees (expected e.g. a list, got "
+            f"{type(trees).__name__}). Pass the pytrees to join in a list."
+        )
     trees = list(trees)
     if not trees:
         raise ValueError(

@@ -209,7 +209,10 @@ def predict(
     where = "predict"
     shard = _check_shard(where, shard)
     if not callable(model):
-        raise TypeError(f"{where}: model must be callable, got {type(model).__name__}.")
+        raise TypeError(
+            f"{where}: model must be callable (expected a function of the inputs, got "
+            f"{type(model).__name__}). Pass this rank's ensemble or a function calling it."
+        )
     chosen = _reductions(where, reductions)
     if src is not None:
         inputs = broadcast(inputs, src=src)
