@@ -110,6 +110,23 @@ def submodule(path: str) -> str:
     return f"submodule {quoted(path)}" if path else "the root module"
 
 
+def boolean(where: str, name: str, value: object) -> bool:
+    """``value`` if it is a bool, else a ``TypeError`` in the house dialect naming
+    ``where`` and the argument ``name``.
+
+    Example:
+        >>> from funcensemble._messages import boolean
+        >>> boolean("f", "flag", True)
+        True
+    """
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{where}: {name} must be a bool {expected_got('True or False', type(value).__name__)}"
+            f". Pass {name}=True or {name}=False."
+        )
+    return value
+
+
 def positive_int(where: str, name: str, value: object, *, or_none: bool = False) -> int:
     """``value`` if it is an int >= 1 (not a bool), else a ``TypeError``/``ValueError``
     in the house dialect naming ``where`` and the argument ``name``."""

@@ -6,7 +6,7 @@ import torch
 from jaxtyping import Float, Int, Real
 from torch import Tensor
 
-from ._messages import expected_got
+from ._messages import boolean, expected_got
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
 # expression `member * rest` (jaxtyping's advice); jaxtyping ignores the space.
@@ -15,19 +15,21 @@ from ._messages import expected_got
 def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> Tensor:
     if not isinstance(values, Tensor):
         raise TypeError(
-            f"{where}: Expected a tensor of stacked outputs with the member axis first, "
-            f"got {type(values).__name__}. Stack the members' outputs with torch.stack."
+            f"{where}: values is not a tensor (expected a tensor of stacked outputs with the "
+            f"member axis first, got {type(values).__name__}). Stack the members' outputs "
+            "with torch.stack."
         )
     if values.dim() < min_dims:
         axes = "[N, ...]" if min_dims == 1 else "[N, ..., C] (member axis first, classes last)"
         raise ValueError(
-            f"{where}: Expected a tensor of shape {axes}, got shape {tuple(values.shape)} "
-            f"with {values.dim()} dimension(s)."
+            f"{where}: values has too few dimensions (expected a tensor of shape {axes}, "
+            f"got shape {tuple(values.shape)} with {values.dim()} dimension(s)). Stack the "
+            "members' outputs along a new first axis (torch.stack)."
         )
     if values.shape[0] == 0:
         raise ValueError(
-            f"{where}: the member axis (dim 0) is empty, got shape {tuple(values.shape)}. "
-            "An ensemble has at least one member."
+            f"{where}: the member axis (dim 0) is empty (expected at least one member, got "
+            f"shape {tuple(values.shape)}). An ensemble has at least one member."
         )
     return check_floating(where, values) if floating else values
 
@@ -57,10 +59,15 @@ def mean(values: Float[Tensor, " member *rest"]) -> Float[Tensor, "*rest"]:
 def _check_correction(where: str, correction: object, num_members: int) -> None:
     if isinstance(correction, bool) or not isinstance(correction, (int, float)):
         raise TypeError(
-            f"{where}: correction must be an int or a float, got {type(correction).__name__}."
+            f"{where}: correction must be an int or a float (expected e.g. 1, got "
+            f"{type(correction).__name__}). Pass 0 for the population, 1 for the sample "
+            "variance."
         )
     if not correction >= 0:
-        raise ValueError(f"{where}: correction must be >= 0, got {correction!r}.")
+        raise ValueError(
+            f"{where}: correction must be >= 0 (expected 0 or more, got {correction!r}). Pass "
+            "0 for the population, 1 for the sample variance."
+        )
     if num_members - correction <= 0:
         raise ValueError(
             f"{where}: with correction={correction!r} the spread of {num_members} member(s) "
@@ -166,15 +173,21 @@ def check_subset_options(
 ) -> None:
     """Validate ``subset_min``'s options (shared with the distributed variant)."""
     if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{where}: k must be an int, got {type(k).__name__}.")
+        raise TypeError(
+            f"{where}: k must be an int (expected a member count, got {type(k).__name__}). "
+            f"Pass k as an int with 1 <= k <= {n}."
+        )
     if not 1 <= k <= n:
-        raise ValueError(f"{where}: k must satisfy 1 <= k <= N = {n} (the members), got {k}.")
+        raise ValueError(
+            f"{where}: k must satisfy 1 <= k <= N = {n}, the member count (expected 1 to {n}, "
+            f"got {k}). Pick k among the {n} members."
+        )
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
-            f"{where}: generator must be a torch.Generator or None, got {type(generator).__name__}."
+            f"{where}: generator must be a torch.Generator or None (expected one of those, got "
+            f"{type(generator).__name__}). Pass torch.Generator().manual_seed(...) or None."
         )
-    if not isinstance(per_sample, bool):
-        raise TypeError(f"{where}: per_sample must be a bool, got {type(per_sample).__name__}.")
+    boolean(where, "per_sample", per_sample)
     if per_sample and values.dim() < 2:
         raise ValueError(
             f"{where}: per_sample=True draws one subset per index of dim 1, but {name} has "

@@ -81,12 +81,21 @@ def bootstrap_masks(
     if p is None:
         p = 0.5
     if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"{where}: p must be a float in (0, 1], got {type(p).__name__}.")
+        raise TypeError(
+            f"{where}: p must be a float in (0, 1] (expected a float, got {type(p).__name__}). "
+            "Pass p as a float, e.g. 0.5."
+        )
     if not 0.0 < p <= 1.0:
-        raise ValueError(f"{where}: p must lie in (0, 1] (expected 0 < p <= 1), got {p!r}.")
+        raise ValueError(
+            f"{where}: p must lie in (0, 1] (expected 0 < p <= 1, got {p!r}). Pass a "
+            "probability above 0, at most 1."
+        )
     dtype = torch.get_default_dtype() if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{where}: dtype must be a floating-point torch.dtype, got {dtype!r}.")
+        raise TypeError(
+            f"{where}: dtype must be a floating-point torch.dtype (expected e.g. "
+            f"torch.float32, got {dtype!r}). Pass a floating-point dtype."
+        )
     shape = (num_members, num_samples)
     if distribution == "bernoulli":
         return (torch.rand(shape, generator=generator, dtype=torch.float64) < p).to(dtype)
@@ -105,7 +114,10 @@ def _reduced_dims(where: str, dim: object, ndim: int) -> tuple[int, ...]:
     if not isinstance(dims, tuple) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in dims
     ):
-        raise TypeError(f"{where}: dim must be None, an int or a tuple of ints, got {dim!r}.")
+        raise TypeError(
+            f"{where}: dim must be None, an int or a tuple of ints (expected e.g. -1 or (1, 2), "
+            f"got {dim!r}). Name the dimensions to reduce over."
+        )
     out = []
     for d in dims:
         if not -ndim <= d < max(ndim, 1):
@@ -177,20 +189,27 @@ def weighted_mean(
     where = "weighted_mean"
     for name, t in (("values", values), ("weights", weights)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}.")
+            raise TypeError(
+                f"{where}: {name} must be a tensor (expected a floating-point tensor, got "
+                f"{type(t).__name__}). Convert it with torch.as_tensor."
+            )
         if not t.is_floating_point():
             raise TypeError(
-                f"{where}: {name} must be a floating-point tensor, got dtype {t.dtype}. "
-                "Convert it with .to(values.dtype)."
+                f"{where}: {name} must be a floating-point tensor (expected a floating-point "
+                f"dtype, got dtype {t.dtype}). Convert it with .to(values.dtype)."
             )
     if values.shape != weights.shape:
         raise ValueError(
-            f"{where}: weights must have the shape of values (one weight per sample), got "
-            f"weights {tuple(weights.shape)} and values {tuple(values.shape)}. Reduce the "
+            f"{where}: weights must have the shape of values, one weight per sample (expected "
+            f"{tuple(values.shape)}, got weights {tuple(weights.shape)} and values "
+            f"{tuple(values.shape)}). Reduce the "
             "loss to one value per sample first (e.g. .mean(-1)), or expand the weights."
         )
     if normalize not in ("weights", "samples"):
-        raise ValueError(f"{where}: normalize must be 'weights' or 'samples', got {normalize!r}.")
+        raise ValueError(
+            f"{where}: normalize must be 'weights' or 'samples' (expected one of those, got "
+            f"{normalize!r}). Pass normalize='weights' or normalize='samples'."
+        )
     dims = _reduced_dims(where, dim, values.dim())
     kept = weights != 0
     total = torch.where(kept, weights * values, 0).sum(dim=dims)

@@ -197,18 +197,21 @@ def register_simple(id: str, exc: type[BaseException], match: str, call: Callabl
 
 for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
     register_simple(
-        f"{_where}-empty", ValueError, "at least one module, got 0", lambda m=_make: m([])
+        f"{_where}-empty",
+        ValueError,
+        "modules is empty \\(expected at least one module, got 0\\)",
+        lambda m=_make: m([]),
     )
     register_simple(
         f"{_where}-single-module",
         TypeError,
-        "sequence of modules.*single Sequential",
+        "modules is a single module \\(expected a sequence of modules.*single Sequential\\)",
         lambda m=_make: m(mlp()),
     )
     register_simple(
         f"{_where}-not-a-module",
         TypeError,
-        "member 1 is a str, expected an nn.Module",
+        "member 1 is a str, not a module \\(expected an nn.Module, got str\\)",
         lambda m=_make: m([mlp(), "mlp"]),
     )
     register_simple(
@@ -321,11 +324,16 @@ for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
 
 # --- fe.vmap ------------------------------------------------------------------------------
 
-register_simple("vmap-not-callable", TypeError, "Expected a callable, got int", lambda: fe.vmap(3))
+register_simple(
+    "vmap-not-callable",
+    TypeError,
+    "fn is not callable \\(expected a callable, got int\\)",
+    lambda: fe.vmap(3),
+)
 register_simple(
     "vmap-randomness",
     ValueError,
-    "randomness must be.*got 'bogus'",
+    "randomness must be .*\\(expected one of those, got 'bogus'\\)",
     lambda: fe.vmap(len, randomness="bogus"),
 )
 register_simple(
@@ -349,7 +357,7 @@ register_simple(
 register_simple(
     "vmap-in-dims-str",
     TypeError,
-    "in_dims must be None, an int or a tuple.*got str",
+    "in_dims must be None, an int or a tuple \\(expected .*got str\\)",
     lambda: fe.vmap(len, in_dims="0"),
 )
 
@@ -507,7 +515,7 @@ CASES += [
         "value_and_grad-vector-loss",
         _vg(_vector_loss, lambda: (x(5, 3),)),
         ValueError,
-        r"one scalar per member, got \(2,\) per member",
+        r"one scalar per member \(expected shape \(\) per member, got \(2,\) per member\)",
     ),
     Bad(
         "value_and_grad-vector-loss-bn",
@@ -552,7 +560,12 @@ register_simple(
     "chunk_size must be a positive int",
     lambda: fe.value_and_grad(len, chunk_size=0),
 )
-register_simple("grad-not-callable", TypeError, "Expected a callable", lambda: fe.grad("loss"))
+register_simple(
+    "grad-not-callable",
+    TypeError,
+    "loss_fn is not callable \\(expected a callable, got str\\)",
+    lambda: fe.grad("loss"),
+)
 register_simple(
     "grad-randomness", ValueError, "randomness must be", lambda: fe.grad(len, randomness="none")
 )
@@ -641,7 +654,7 @@ register_simple(
 register_simple(
     "from_factory-not-callable",
     TypeError,
-    "factory must be callable, got str",
+    "factory must be callable \\(expected a function building one member, got str\\)",
     lambda: fe.Ensemble.from_factory("mlp", 3),
 )
 register_simple(
@@ -665,7 +678,7 @@ register_simple(
 register_simple(
     "from_factory-not-module",
     TypeError,
-    "member 0 is an int, expected an nn.Module",
+    "member 0 is an int, not a module \\(expected an nn.Module, got int\\)",
     lambda: fe.Ensemble.from_factory(lambda: 3, 2),
 )
 CASES.append(
@@ -744,7 +757,7 @@ CASES += [
         "Ensemble-member-str",
         _ens_call(lambda e: e.member("0")),
         TypeError,
-        "index must be an int, got str",
+        "index must be an int \\(expected a member index, got str\\)",
     ),
     Bad(
         "load_state_dict-missing-key",
@@ -801,7 +814,7 @@ CASES += [
 register_simple(
     "unstack-not-fmodel",
     TypeError,
-    "Expected the FunctionalModule returned by stack, got Sequential",
+    "fmodel is not a FunctionalModule \\(expected the one returned by stack, got Sequential\\)",
     lambda: fe.unstack(mlp(), {}, {}),
 )
 
@@ -1096,7 +1109,7 @@ for _name, _make in (("adam", fe.optim.adam), ("adamw", fe.optim.adamw)):
     register_simple(
         f"{_name}-betas-one-value",
         ValueError,
-        r"betas must be a pair \(beta1, beta2\), got 1 values",
+        r"betas must be a pair \(beta1, beta2\) \(expected 2 values, got 1 values\)",
         lambda m=_make: m(betas=(0.9,)),
     )
     register_simple(
@@ -1126,13 +1139,13 @@ for _name, _make in (("adam", fe.optim.adam), ("adamw", fe.optim.adamw)):
     register_simple(
         f"{_name}-amsgrad-int",
         TypeError,
-        "amsgrad must be a bool, got int",
+        r"amsgrad must be a bool \(expected True or False, got int\)",
         lambda m=_make: m(amsgrad=1),
     )
     register_simple(
         f"{_name}-maximize-str",
         TypeError,
-        "maximize must be a bool, got str",
+        r"maximize must be a bool \(expected True or False, got str\)",
         lambda m=_make: m(maximize="yes"),
     )
     register_simple(f"{_name}-lr-matrix", ValueError, "lr", lambda m=_make: m(lr=torch.ones(2, 2)))
@@ -1323,13 +1336,13 @@ def _apply_none(tmp: Path) -> Setup:
 register_simple(
     "EnsembleOptimizer-params-str",
     TypeError,
-    "Expected an Ensemble or a mapping.*got str",
+    "params is neither an Ensemble nor a mapping.*got str\\)",
     lambda: fe.optim.EnsembleOptimizer("ens", fe.optim.adam()),
 )
 register_simple(
     "EnsembleOptimizer-transform-str",
     TypeError,
-    "Expected a GradientTransformation.*got str",
+    "transform is not a GradientTransformation \\(expected.*got str\\)",
     lambda: fe.optim.EnsembleOptimizer(ens(), "adam"),
 )
 register_simple(
@@ -1628,7 +1641,7 @@ register_simple("MemberShard-str", TypeError, "num_members", lambda: _dist().Mem
 register_simple(
     "ShardedEnsemble-no-devices",
     ValueError,
-    "at least one device, got 0",
+    "devices is empty \\(expected at least one device, got 0\\)",
     lambda: _dist().ShardedEnsemble(mlps(), []),
 )
 register_simple(
@@ -1665,7 +1678,7 @@ CASES += [
         "distributed.mean-shard-str",
         _collective(lambda s, v: _dist().mean(v, "shard")),
         TypeError,
-        "Expected a fe.distributed.MemberShard.*got str",
+        "shard is not a MemberShard \\(expected a fe.distributed.MemberShard.*got str\\)",
     ),
     Bad(
         "distributed.mean-member-count",

@@ -193,6 +193,9 @@ def test_per_member_size_and_member_axis_are_checked():
     clip = fe.optim.clip_by_global_norm(1.0)
     with pytest.raises(
         ValueError,
-        match=r"params\['w'\] has leading size 2, expected leading size 3 like params\['b'\]",
+        match=(
+            r"params\['w'\] has leading size 2, unlike params\['b'\] "
+            r"\(expected leading size 3, got leading size 2\)"
+        ),
     ):
         clip.update({"w": torch.zeros(2, 4), "b": torch.zeros(3)}, fe.optim.EmptyState())

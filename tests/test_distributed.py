@@ -97,11 +97,20 @@ def test_select_copies_and_checks_the_member_axis():
     t = torch.zeros(3, 2, requires_grad=True)
     out = shard.select({"t": t})["t"]
     assert out.requires_grad and out.is_leaf and out.data_ptr() != t.data_ptr()
-    with pytest.raises(ValueError, match=r"leaf 0 has leading size 4; expected the ensemble's 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 0 has leading size 4 \(expected the ensemble's 3 members first, got 4\)",
+    ):
         shard.select([torch.zeros(4)])
     with pytest.raises(ValueError, match="leaf 0 has leading size no member axis"):
         shard.select([torch.zeros(())])
-    with runtime_typecheck_off(), pytest.raises(TypeError, match="factory must be callable"):
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(
+            TypeError,
+            match=r"factory must be callable \(expected a function building one member, got",
+        ),
+    ):
         shard.from_factory(3)
 
 
@@ -176,7 +185,8 @@ def test_check_agreement_in_one_process_checks_its_arguments():
     sgd = torch.optim.SGD(ens.parameters(), lr=0.1)
     shard.check_agreement(optimizer=sgd)
     with pytest.raises(
-        TypeError, match=r"check_agreement: state is a Linear; expected an fe\.Ensemble"
+        TypeError,
+        match=r"check_agreement: state is a Linear, an ordinary module \(expected an fe\.Ensemble",
     ):
         shard.check_agreement(torch.nn.Linear(2, 1))
     with pytest.raises(
@@ -250,19 +260,28 @@ def test_collective_errors():
             match=r"not floating point \(expected a floating-point dtype, got torch\.int64\)",
         ):
             d.mean(torch.zeros(4, 2, dtype=torch.int64), shard)
-        with pytest.raises(TypeError, match=r"Expected a fe\.distributed\.MemberShard"):
+        with pytest.raises(
+            TypeError, match=r"shard is not a MemberShard \(expected a fe\.distributed\.MemberShard"
+        ):
             d.all_gather(torch.zeros(4), 4)
         with pytest.raises(TypeError, match="leaf 0 must be a tensor"):
             d.all_gather(["x"], shard)
-        with pytest.raises(TypeError, match="k must be an int, got float"):
+        with pytest.raises(
+            TypeError, match=r"k must be an int \(expected a member count, got float\)"
+        ):
             d.subset_min(torch.zeros(4, 2), shard, 2.0)
     with pytest.raises(ValueError, match="with correction=4 the spread of 4 member"):
         d.var(torch.zeros(4, 2), shard, correction=4)
-    with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= N = 4"):
+    with pytest.raises(
+        ValueError, match=r"k must satisfy 1 <= k <= N = 4, the member count \(expected 1 to 4, got"
+    ):
         d.subset_min(torch.zeros(4, 2), shard, 5)
     with pytest.raises(ValueError, match="per_sample=True draws one subset per index of dim 1"):
         d.subset_min(torch.zeros(4), shard, 2, per_sample=True)
-    with pytest.raises(ValueError, match=r"src must be a rank in 0..0, got 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"src must be a rank in 0\.\.0 \(expected an int rank of the group, got 1\)",
+    ):
         d.broadcast(torch.zeros(2), src=1)
 
 
@@ -464,7 +483,9 @@ def test_checkpoint_errors(tmp_path):
         )
     with pytest.raises(ValueError, match=r"rank 1 of 2 loads members 2:4 \(2\)"):
         d.load(path, ens, fake_shard(4, 1, 2))
-    with pytest.raises(TypeError, match=r"got a Linear; expected an fe\.Ensemble"):
+    with pytest.raises(
+        TypeError, match=r"got a Linear, an ordinary module \(expected an fe\.Ensemble"
+    ):
         d.save(tmp_path / "x", torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"leaf `name` is a str"):
         d.save(tmp_path / "x", {"name": "run-1"})
@@ -526,9 +547,14 @@ def _free_port() -> int:
 def test_init_process_group_checks_before_starting(monkeypatch):
     init = fe.distributed.init_process_group
     with runtime_typecheck_off():
-        with pytest.raises(TypeError, match=r"timeout must be a datetime\.timedelta, got int"):
+        with pytest.raises(
+            TypeError, match=r"timeout must be a datetime\.timedelta \(expected .*, got int\)"
+        ):
             init(timeout=60)
-        with pytest.raises(ValueError, match="backend must be 'gloo', 'nccl' or None, got 'mpi'"):
+        with pytest.raises(
+            ValueError,
+            match=r"backend must be 'gloo', 'nccl' or None \(expected one of those, got 'mpi'\)",
+        ):
             init("mpi")
     with pytest.raises(ValueError, match="timeout must be positive"):
         init(timeout=timedelta(seconds=-1))
@@ -550,16 +576,26 @@ def test_init_process_group_checks_before_starting(monkeypatch):
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"RANK": "one"}, "the environment variable RANK must be an integer, got 'one'"),
-        ({"RANK": "2"}, "RANK must be in 0..WORLD_SIZE-1, got RANK=2 and WORLD_SIZE=2"),
-        ({"MASTER_PORT": "70000"}, "MASTER_PORT must be in 0..65535, got 70000"),
+        (
+            {"RANK": "one"},
+            "the environment variable RANK must be an integer (expected digits, got 'one')",
+        ),
+        (
+            {"RANK": "2"},
+            "RANK must be in 0..WORLD_SIZE-1 (expected 0 <= RANK < WORLD_SIZE, got RANK=2 and "
+            "WORLD_SIZE=2)",
+        ),
+        (
+            {"MASTER_PORT": "70000"},
+            "MASTER_PORT must be in 0..65535 (expected a TCP port, got 70000)",
+        ),
     ],
 )
 def test_init_process_group_refuses_a_malformed_launch(monkeypatch, env, message):
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
     for name, value in {**launch, **env}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=re.escape(f"init_process_group: {message}.")):
+    with pytest.raises(ValueError, match=re.escape(f"init_process_group: {message}. ")):
         fe.distributed.init_process_group("gloo", timeout=timedelta(seconds=1))
     assert not dist.is_initialized()
 

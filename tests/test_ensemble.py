@@ -374,8 +374,8 @@ _F64 = {"dtype": torch.float64}
 _BAD_STATES = [
     pytest.param(
         _with(_B, "0.5"), {}, TypeError,
-        r"`stacked.1.bias` is a str in the state_dict, expected a tensor "
-        r"\(shape \(3, 2\), torch.float64\)",
+        r"`stacked.1.bias` is a str in the state_dict, not a tensor \(expected a tensor "
+        r"\(shape \(3, 2\), torch.float64\), got str\)",
         id="str value",
     ),
     pytest.param(_with(_B, "0.5"), {"strict": False}, TypeError, r"is a str", id="str, not strict"),
@@ -391,14 +391,15 @@ _BAD_STATES = [
     ),
     pytest.param(
         _with(_B, torch.ones(2, 2, **_F64)), {}, ValueError,
-        r"`stacked.1.bias` has 2 members in the state_dict; this ensemble has 3\. Build an "
-        r"Ensemble with the same num_members",
+        r"`stacked.1.bias` has 2 members in the state_dict; this ensemble has 3 \(expected 3 "
+        r"members, got 2\)\. Build an Ensemble with the same num_members",
         id="member count",
     ),
     pytest.param(
         lambda state, ens: {k: v[0] for k, v in state.items()}, {}, ValueError,
         r"has shape \(2, 3\) in the state_dict, one member's shape with no member axis; this "
-        r"ensemble has \(3, 2, 3\) \(3 members\)\. To load N single-module state_dicts, stack",
+        r"ensemble has \(3, 2, 3\) \(3 members\) \(expected \(3, 2, 3\), got \(2, 3\)\)\. To "
+        r"load N single-module state_dicts, stack",
         id="one member's shapes",
     ),
     pytest.param(
@@ -454,8 +455,8 @@ _BAD_STATES = [
     ),
     pytest.param(
         lambda state, ens: list(state.items()), {}, TypeError,
-        r"state_dict must be a mapping from names to tensors \(e.g. Ensemble.state_dict\(\)\), "
-        r"got list",
+        r"state_dict must be a mapping from names to tensors \(expected e.g. "
+        r"Ensemble.state_dict\(\), got list\)",
         id="not a mapping",
     ),
 ]  # fmt: skip
@@ -592,7 +593,7 @@ def test_from_factory_refuses_a_later_non_module_naming_the_member() -> None:
         runtime_typecheck_off(),
         pytest.raises(
             TypeError,
-            match=r"^Ensemble\.from_factory: member 2 is a NoneType, expected an nn\.Module",
+            match=r"^Ensemble\.from_factory: member 2 is a NoneType, not a module \(expected an nn",
         ),
     ):
         fe.Ensemble.from_factory(lambda: next(made), 3)

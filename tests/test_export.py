@@ -151,10 +151,14 @@ def _change(i: int, fn: Any) -> list[dict[str, Any]]:
         (
             _change(2, lambda sd: sd.update({"mix.bias": [0.0] * 4})),
             TypeError,
-            "member 2 has `mix.bias` of type list, expected a Tensor",
+            r"member 2 has `mix.bias` of type list \(expected a Tensor, got list\)",
         ),
         (_good()[0], TypeError, "expected a sequence .*got a dict. Wrap a single state_dict"),
-        ([*_good(2), [1, 2]], TypeError, r"state_dicts\[2\] is a list, expected a mapping"),
+        (
+            [*_good(2), [1, 2]],
+            TypeError,
+            r"state_dicts\[2\] is a list, not a mapping \(expected a mapping .*got list\)",
+        ),
     ],
 )
 def test_import_errors_change_nothing(state_dicts: Any, error: type, match: str) -> None:

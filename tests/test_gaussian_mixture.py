@@ -87,7 +87,12 @@ def test_gradients_flow_to_means_and_variances():
             r"member 1, index \(1,\)",
         ),
         (torch.zeros(3, dtype=torch.int64), torch.ones(3), TypeError, "floating-point"),
-        ([0.0, 1.0], torch.ones(2), TypeError, "Expected a tensor"),
+        (
+            [0.0, 1.0],
+            torch.ones(2),
+            TypeError,
+            r"values is not a tensor \(expected a tensor of stacked outputs",
+        ),
         (torch.zeros(0, 2), torch.ones(0, 2), ValueError, "member axis"),
         (torch.tensor(1.0), torch.tensor(1.0), ValueError, "dimension"),
     ],

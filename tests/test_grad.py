@@ -129,7 +129,9 @@ def test_functorch_path_matches_autograd_path():
 def test_losses_must_be_scalar_per_member():
     fmodel, params, buffers = fe.stack([nn.Linear(2, 2) for _ in range(2)])
     step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x))
-    with pytest.raises(ValueError, match=r"one scalar per member, got \(5, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"one scalar per member \(expected shape \(\) per member, got \(5, 2\)"
+    ):
         step(params, buffers, torch.randn(5, 2))
 
 
@@ -325,7 +327,10 @@ def test_chunked_errors_as_unchunked():
                 params, buffers, torch.randn(4, 5, 2)
             )
         not_scalar = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x), chunk_size=chunk_size)
-        with pytest.raises(ValueError, match=r"one scalar per member, got \(5, 1\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"one scalar per member \(expected shape \(\) per member, got \(5, 1\)",
+        ):
             not_scalar(params, buffers, torch.randn(5, 2))
 
 
@@ -428,7 +433,8 @@ def test_params_or_buffers_not_a_dict_is_a_type_error(argument, function):
     step = function(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
     with pytest.raises(
         TypeError,
-        match=rf"{function.__name__}: {argument} must be a dict of stacked tensors .* got list",
+        match=rf"{function.__name__}: {argument} must be a dict of stacked tensors "
+        r".*\(expected a dict, got list\)",
     ):
         step(state["params"], state["buffers"], torch.randn(5, 2))
 

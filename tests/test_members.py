@@ -435,7 +435,12 @@ def _leaves(tree):
         ([0, 1], [2, 2], ValueError, "dst names member 2 more than once"),
         ([0, 1], [2], ValueError, "src and dst must pair up"),
         (True, 1, TypeError, r"src must be a sequence of ints"),
-        ([0.0], [1], TypeError, r"src\[0\] must be an int, got float"),
+        (
+            [0.0],
+            [1],
+            TypeError,
+            r"src\[0\] must be an int \(expected a member index, got float 0\.0\)",
+        ),
         ([], [], ValueError, "src is empty"),
         (-5, 0, IndexError, r"src\[0\] is -5"),
     ],
@@ -553,7 +558,7 @@ def test_concat_of_two_ensembles_keeps_every_member_in_order():
 @pytest.mark.parametrize(
     ("trees", "error", "match"),
     [
-        ([], ValueError, "Expected at least one pytree, got 0"),
+        ([], ValueError, r"trees is empty \(expected at least one pytree, got 0\)"),
         ([{"w": torch.zeros(2, 3)}, {"v": torch.zeros(2, 3)}], ValueError, "structure"),
         ([{"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)}], ValueError, r"shape \(\*, \(3,\)\)"),
         (

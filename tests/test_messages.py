@@ -1,7 +1,11 @@
 """The error dialect's builders (funcensemble/_messages.py)."""
 
+import re
+from pathlib import Path
+
 import pytest
 
+import funcensemble as fe
 from funcensemble import _messages as m
 
 
@@ -39,3 +43,44 @@ def test_positive_int_refuses_in_the_dialect(value, or_none, error, match):
     with pytest.raises(error, match=match):
         m.positive_int("f", "n", value, or_none=or_none)
     assert m.positive_int("f", "n", 3) == 3
+
+
+def test_no_message_in_the_old_capitalised_style():
+    """``where: Expected X, got Y.`` was the old style; the dialect says what is wrong
+    first, in lower case, with ``(expected X, got Y)`` after it."""
+    root = Path(fe.__file__).parent
+    old = re.compile(r"""f?["'](?:\{\w+\}|[\w.]+): Expected\b""")
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if old.search(line)
+    ]
+    assert found == []
+    assert old.search('f"{where}: Expected a callable, got int."')
+    assert old.search('"concat: Expected at least one pytree, got 0."')
+
+
+def test_no_message_with_a_trailing_expected_clause():
+    """``X is a str, expected an nn.Module.`` (or ``; expected ...``) was the other old
+    style; the dialect puts what was expected in parentheses: ``(expected X, got Y)``."""
+    root = Path(fe.__file__).parent
+    old = re.compile(r"""[}\w'"][;,] expected (?:a|an|the)\b""")
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if old.search(line)
+    ]
+    assert found == []
+    assert old.search('f"{where}: member {index} is a {name}, expected an nn.Module."')
+    assert old.search('f"{where}: state is a {name}; expected an fe.Ensemble"')
+    assert not old.search('"(expected a tensor or None, got float)"')
+
+
+def test_boolean_refuses_in_the_dialect():
+    with pytest.raises(
+        TypeError, match=r"^f: b must be a bool \(expected True or False, got int\)\. Pass b=True"
+    ):
+        m.boolean("f", "b", 1)
+    assert m.boolean("f", "b", False) is False

@@ -397,7 +397,9 @@ def test_params_or_buffers_not_a_dict_is_a_type_error(argument) -> None:
     state[argument] = list(state[argument].values())
     with pytest.raises(TypeError, match=rf"vmap: {argument} must be a dict .* got list"):
         fe.vmap(fmodel)(state["params"], state["buffers"], torch.randn(5, 3))
-    with pytest.raises(TypeError, match=r"vmap: params\['weight'\] is a list, expected a tensor"):
+    with pytest.raises(
+        TypeError, match=r"vmap: params\['weight'\] is a list, not a tensor \(expected a tensor"
+    ):
         fe.vmap(fmodel)({**params, "weight": [1.0]}, buffers, torch.randn(5, 3))
 
 

@@ -193,8 +193,9 @@ def _check_member(
 ) -> None:
     if not isinstance(state_dict, Mapping):
         raise TypeError(
-            f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, expected a "
-            "mapping from names to tensors such as module.state_dict()."
+            f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, not a mapping "
+            f"(expected a mapping from names to tensors, got {type(state_dict).__name__}). "
+            "Pass each member's module.state_dict()."
         )
     expected = targets.keys() | set(extras)
     difference = key_difference(expected - state_dict.keys(), state_dict.keys() - expected)
@@ -208,20 +209,22 @@ def _check_member(
         value = state_dict[key]
         if not isinstance(value, Tensor):
             raise TypeError(
-                f"{where}: member {i} has `{key}` of type {type(value).__name__}, expected "
-                "a Tensor."
+                f"{where}: member {i} has `{key}` of type {type(value).__name__} (expected a "
+                f"Tensor, got {type(value).__name__}). Every value of a state_dict must be a "
+                "tensor."
             )
         if value.shape != target.shape[1:]:
             raise ValueError(
                 f"{where}: member {i} has `{key}` with shape {tuple(value.shape)}; the "
-                f"ensemble has {tuple(target.shape[1:])}. All members must share one "
-                "architecture."
+                f"ensemble has {tuple(target.shape[1:])} (expected "
+                f"{tuple(target.shape[1:])}, got {tuple(value.shape)}). All members must "
+                "share one architecture."
             )
         if value.dtype != target.dtype:
             raise ValueError(
                 f"{where}: member {i} has `{key}` with dtype {value.dtype}; the ensemble "
-                f"has {target.dtype}. Convert the state_dicts or the ensemble first (e.g. "
-                "ens.to(...))."
+                f"has {target.dtype} (expected {target.dtype}, got {value.dtype}). Convert "
+                "the state_dicts or the ensemble first (e.g. ens.to(...))."
             )
     for names in tied_groups:
         first = state_dict[names[0]]

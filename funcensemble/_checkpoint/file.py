@@ -105,7 +105,7 @@ def _parse_header(raw: str) -> dict[str, Any]:
         raise _Corrupt(f"its funcensemble header does not name the format {FORMAT!r}")
     version = header.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise _Corrupt(f"its format version is {version!r}, expected a positive int")
+        raise _Corrupt(f"its format version is {version!r} (expected a positive int)")
     if version > VERSION:
         raise _Corrupt(
             f"it was written by a newer funcensemble (checkpoint format version {version}; "
@@ -124,7 +124,7 @@ def _parse_header(raw: str) -> dict[str, Any]:
             raise _Corrupt(f"its header field {field!r} is {header.get(field)!r}")
     if header["kind"] not in ("ensemble", "hetero_ensemble", "pytree"):
         raise _Corrupt(
-            f"its kind is {header['kind']!r}, expected 'ensemble', 'hetero_ensemble' or 'pytree'"
+            f"its kind is {header['kind']!r} (expected 'ensemble', 'hetero_ensemble' or 'pytree')"
         )
     if header["kind"] == "hetero_ensemble" and not _hetero_header_ok(header):
         raise _Corrupt("its heterogeneous ensemble header lacks the member count or groups")

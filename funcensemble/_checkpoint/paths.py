@@ -58,9 +58,9 @@ def flatten_by_key(
     tree: Any = state_view(obj)  # an Ensemble: {"params": ..., "buffers": ...}
     if tree is None and isinstance(obj, nn.Module):
         raise TypeError(
-            f"{where}: got a {type(obj).__name__}; expected an fe.Ensemble (or "
-            "fe.HeteroEnsemble) or a pytree of "
-            "tensors. For an ordinary module, pass module.state_dict()."
+            f"{where}: got a {type(obj).__name__}, an ordinary module (expected an "
+            f"fe.Ensemble (or fe.HeteroEnsemble) or a pytree of tensors, got "
+            f"{type(obj).__name__}). For an ordinary module, pass module.state_dict()."
         )
     if tree is None:
         tree = obj
@@ -74,14 +74,18 @@ def flatten_by_key(
         )
     if keys == [""] and not isinstance(obj, Tensor) and type(obj) not in value_types:
         raise TypeError(
-            f"{where}: got {a(type(obj).__name__)}; expected an fe.Ensemble (or "
-            "fe.HeteroEnsemble) or a pytree of tensors. For an optimizer "
-            "(fe.optim.EnsembleOptimizer, torch.optim), pass opt.state_dict()."
+            f"{where}: got {a(type(obj).__name__)}, which is neither an ensemble nor a pytree "
+            f"of tensors (expected an fe.Ensemble (or fe.HeteroEnsemble) or a pytree of "
+            f"tensors, got "
+            f"{type(obj).__name__}). For an optimizer (fe.optim.EnsembleOptimizer, "
+            "torch.optim), pass opt.state_dict()."
         )
     for key, leaf in zip(keys, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
         if not isinstance(leaf, Tensor) and type(leaf) not in value_types:
             raise TypeError(
-                f"{where}: leaf `{key}` is {a(type(leaf).__name__)}; expected {values_text}."
+                f"{where}: leaf `{key}` is {a(type(leaf).__name__)} (expected "
+                f"{values_text}, got {type(leaf).__name__}). Convert it to one of those "
+                "(e.g. float(x) or torch.as_tensor(x))."
             )
     return dict(zip(keys, leaves, strict=True)), treedef

@@ -39,8 +39,9 @@ def check_loadable(
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(
-            f"{where}: state_dict must be a mapping from names to tensors (e.g. "
-            f"Ensemble.state_dict()), got {type(state_dict).__name__}."
+            f"{where}: state_dict must be a mapping from names to tensors (expected e.g. "
+            f"Ensemble.state_dict(), got {type(state_dict).__name__}). Pass the mapping "
+            "that state_dict() returned."
         )
     # One member module's keys ("0.weight" for this ensemble's "stacked.0.weight"):
     # with strict=False torch would skip them all and load nothing, without a word.
@@ -70,8 +71,9 @@ def check_loadable(
         expected = f"shape {tuple(mine.shape)}, {mine.dtype}"
         if not isinstance(value, Tensor):
             raise TypeError(
-                f"{where}: `{key}` is a {type(value).__name__} in the state_dict, expected "
-                f"a tensor ({expected}). Every value must be a tensor."
+                f"{where}: `{key}` is a {type(value).__name__} in the state_dict, not a "
+                f"tensor (expected a tensor ({expected}), got {type(value).__name__}). Every "
+                "value must be a tensor."
             )
         if value.is_meta:
             raise ValueError(
@@ -84,17 +86,19 @@ def check_loadable(
                 raise ValueError(
                     f"{where}: `{key}` has shape {tuple(value.shape)} in the state_dict, one "
                     f"member's shape with no member axis; this ensemble has "
-                    f"{tuple(mine.shape)} ({n} members). " + STACK_HINT
+                    f"{tuple(mine.shape)} ({n} members) (expected {tuple(mine.shape)}, got "
+                    f"{tuple(value.shape)}). " + STACK_HINT
                 )
             if value.dim() > 0 and value.shape[0] != n:
                 raise ValueError(
                     f"{where}: `{key}` has {value.shape[0]} members in the state_dict; this "
-                    f"ensemble has {n}. Build an Ensemble with the same num_members."
+                    f"ensemble has {n} (expected {n} members, got {value.shape[0]}). Build an "
+                    "Ensemble with the same num_members."
                 )
             raise ValueError(
                 f"{where}: `{key}` has shape {tuple(value.shape)} in the state_dict; "
-                f"this ensemble has {tuple(mine.shape)}. It comes from a different "
-                "architecture."
+                f"this ensemble has {tuple(mine.shape)} (expected {tuple(mine.shape)}, got "
+                f"{tuple(value.shape)}). It comes from a different architecture."
             )
         if _kind(value.dtype) != _kind(mine.dtype):
             raise ValueError(
@@ -110,8 +114,9 @@ def check_groups_loadable(where: str, groups: Any, state_dict: Any, strict: bool
     its keys under ``groups.<g>.``; with ``strict``, no key may lie outside the groups."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
-            f"{where}: state_dict must be a mapping from names to tensors (e.g. "
-            f"HeteroEnsemble.state_dict()), got {type(state_dict).__name__}."
+            f"{where}: state_dict must be a mapping from names to tensors (expected e.g. "
+            f"HeteroEnsemble.state_dict(), got {type(state_dict).__name__}). Pass the mapping "
+            "that state_dict() returned."
         )
     prefixes = [f"groups.{g}." for g in range(len(groups))]
     if strict:

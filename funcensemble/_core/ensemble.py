@@ -159,7 +159,10 @@ class Ensemble(nn.Module):
         """
         where = "Ensemble.from_factory"
         if not callable(factory):
-            raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}.")
+            raise TypeError(
+                f"{where}: factory must be callable (expected a function building one "
+                f"member, got {type(factory).__name__}). Pass e.g. lambda: nn.Linear(3, 1)."
+            )
         positive_int(where, "num_members", num_members)
         if seed is None:
 
@@ -237,7 +240,10 @@ class Ensemble(nn.Module):
         """
         n = self.num_members
         if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"Ensemble.member: index must be an int, got {type(index).__name__}.")
+            raise TypeError(
+                f"Ensemble.member: index must be an int (expected a member index, got "
+                f"{type(index).__name__}). Pass an int in range(num_members)."
+            )
         if not -n <= index < n:
             raise IndexError(
                 f"Ensemble.member: index {index} is out of range for an ensemble of {n} "
@@ -314,12 +320,16 @@ class Ensemble(nn.Module):
         else:
             if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
                 raise TypeError(
-                    f"{where}: Expected a sequence of modules (e.g. a list) or an Ensemble, "
-                    f"got a single {type(modules).__name__}. Wrap it in a list."
+                    f"{where}: modules is a single module (expected a sequence of modules "
+                    f"such as a list, or an Ensemble, got a single {type(modules).__name__}). "
+                    "Wrap it in a list."
                 )
             modules = list(modules)
             if not modules:
-                raise ValueError(f"{where}: Expected at least one module, got 0.")
+                raise ValueError(
+                    f"{where}: modules is empty (expected at least one module, got 0). Pass "
+                    "one module per member."
+                )
             for k, module in enumerate(modules):
                 check_same_architecture(where, n + k, ref, check_is_module(where, n + k, module))
             _, params, buffers = stack_as(where, modules)

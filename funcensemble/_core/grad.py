@@ -42,9 +42,9 @@ def _check_losses(losses: Any) -> Tensor:
     if not isinstance(losses, Tensor) or losses.dim() != 1:
         shape = tuple(losses.shape[1:]) if isinstance(losses, Tensor) else type(losses).__name__
         raise ValueError(
-            f"value_and_grad: loss_fn must return one scalar per member, got {shape} per "
-            "member. Reduce the loss (e.g. .mean()) inside loss_fn; with has_aux=True "
-            "return (loss, aux)."
+            f"value_and_grad: loss_fn must return one scalar per member (expected shape () "
+            f"per member, got {shape} per member). Reduce the loss (e.g. .mean()) inside "
+            "loss_fn; with has_aux=True return (loss, aux)."
         )
     return losses
 
@@ -268,7 +268,7 @@ def _value_and_grad(
     """[`value_and_grad`][funcensemble.value_and_grad], with errors naming ``where``."""
     # The options and in_dims' type are checked here, once; each call checks its
     # arguments against in_dims once (_in_dims.per_argument), and nothing below again.
-    check_options("vmap", loss_fn, randomness, chunk_size)
+    check_options("vmap", loss_fn, randomness, chunk_size, name="loss_fn")
     _in_dims.check_type("vmap", in_dims)
     mapped_loss = mapped_call(loss_fn, randomness, chunk_size)
 

@@ -22,7 +22,9 @@ def check_type(where: str, in_dims: Any) -> None:
     """Refuse an ``in_dims`` that is not ``None``, an int or a tuple."""
     if not (in_dims is None or isinstance(in_dims, (int, tuple))) or isinstance(in_dims, bool):
         raise TypeError(
-            f"{where}: in_dims must be None, an int or a tuple, got {type(in_dims).__name__}."
+            f"{where}: in_dims must be None, an int or a tuple (expected e.g. (0, None), got "
+            f"{type(in_dims).__name__}). Give one entry per positional argument, or one int "
+            "for all."
         )
 
 

@@ -46,7 +46,8 @@ def check_indices(
                 out.append(operator.index(i))
             except TypeError:
                 raise TypeError(
-                    f"{where}: {what}[{k}] must be an int, got {type(i).__name__} ({i!r})."
+                    f"{where}: {what}[{k}] must be an int (expected a member index, got "
+                    f"{type(i).__name__} {i!r}). Pass member indices as ints."
                 ) from None
     if not out:
         raise ValueError(f"{where}: {what} is empty (expected at least one member index).")
@@ -186,10 +187,10 @@ def join(where: str, trees: list[PyTree], what: str = "trees") -> PyTree:
                 want_shape = "a 0-dim tensor" if first.dim() == 0 else f"shape (*, {trailing})"
                 raise ValueError(
                     f"{where}: {path} has shape {tuple(x.shape)}, dtype {x.dtype}, device "
-                    f"{x.device}, requires_grad={x.requires_grad} in {what}[{k}]; expected "
-                    f"{want_shape}, "
-                    f"{first.dtype}, {first.device}, requires_grad={first.requires_grad} as "
-                    f"in {what}[0]. Members must share one architecture, dtype and device."
+                    f"{x.device}, requires_grad={x.requires_grad} in {what}[{k}] (expected "
+                    f"{want_shape}, {first.dtype}, {first.device}, "
+                    f"requires_grad={first.requires_grad} as in {what}[0]). Members must "
+                    "share one architecture, dtype and device."
                 )
             if first.dim() == 0 and not torch.equal(x, first):
                 raise ValueError(
@@ -246,10 +247,16 @@ def concat(trees: Sequence[PyTree]) -> PyTree:
         (torch.Size([6, 2, 3]), True)
     """
     if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
-        raise TypeError(f"concat: trees must be a sequence of pytrees, got {type(trees).__name__}.")
+        raise TypeError(
+            f"concat: trees must be a sequence of pytrees (expected e.g. a list, got "
+            f"{type(trees).__name__}). Pass the pytrees to join in a list."
+        )
     trees = list(trees)
     if not trees:
-        raise ValueError("concat: Expected at least one pytree, got 0.")
+        raise ValueError(
+            "concat: trees is empty (expected at least one pytree, got 0). Pass the pytrees "
+            "to join, one per group of members."
+        )
     return join("concat", trees)
 
 

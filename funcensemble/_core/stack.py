@@ -65,12 +65,16 @@ def stack_as(
     """[`stack`][funcensemble.stack], with errors naming the public entry point ``where``."""
     if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
         raise TypeError(
-            f"{where}: Expected a sequence of modules (e.g. a list or nn.ModuleList), got a "
-            f"single {type(modules).__name__}."
+            f"{where}: modules is a single module (expected a sequence of modules such as a "
+            f"list or an nn.ModuleList, got a single {type(modules).__name__}). Wrap it in a "
+            "list."
         )
     modules = list(modules)
     if not modules:
-        raise ValueError(f"{where}: Expected at least one module, got 0.")
+        raise ValueError(
+            f"{where}: modules is empty (expected at least one module, got 0). Pass one "
+            "module per member."
+        )
     first, params, buffers = stack_members(where, iter(modules), len(modules))
     return FunctionalModule(meta_skeleton(first)), params, buffers
 
@@ -123,15 +127,17 @@ def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
         if not isinstance(tree, dict):
             raise TypeError(
                 f"{where}: {argument} must be a dict of stacked tensors keyed by state-dict "
-                f"names (as fe.stack returns), got {type(tree).__name__}. Pass the "
+                f"names, as fe.stack returns (expected a dict, got {type(tree).__name__}). "
+                f"Pass the "
                 f"{argument} dict from fe.stack"
                 + (" ({} for a module without buffers)." if argument == "buffers" else ".")
             )
         for name, t in tree.items():
             if not isinstance(t, Tensor):
                 raise TypeError(
-                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, expected a "
-                    "tensor with the member axis first. Pass the dicts from fe.stack."
+                    f"{where}: {argument}[{name!r}] is a {type(t).__name__}, not a tensor "
+                    f"(expected a tensor with the member axis first, got {type(t).__name__}). "
+                    "Pass the dicts from fe.stack."
                 )
 
 
@@ -143,15 +149,17 @@ def _num_members(where: str, params: Any, buffers: Any) -> int:
     }
     if not sizes:
         raise ValueError(
-            f"{where}: Expected stacked parameters or buffers with a leading member axis, "
-            "got none (the module has no state to map over)."
+            f"{where}: the module has no state to map over (expected stacked parameters or "
+            "buffers with a leading member axis, got none). Pass the parameters and "
+            "buffers that fe.stack returned."
         )
     first_name, n = next(iter(sizes.items()))
     for name, size in sizes.items():
         if size != n or size is None:
             raise ValueError(
-                f"{where}: `{name}` has leading size {size}, but `{first_name}` has {n}. "
-                "Every stacked tensor must have the member axis first, of one size N."
+                f"{where}: `{name}` has leading size {size}, but `{first_name}` has {n} "
+                f"(expected {n}, got {size}). Every stacked tensor must have the member "
+                "axis first, of one size N."
             )
     assert n is not None
     return n
@@ -184,8 +192,8 @@ def unstack(
     """
     if not isinstance(fmodel, FunctionalModule):
         raise TypeError(
-            f"unstack: Expected the FunctionalModule returned by stack, got "
-            f"{type(fmodel).__name__}."
+            f"unstack: fmodel is not a FunctionalModule (expected the one returned by "
+            f"stack, got {type(fmodel).__name__}). Pass the first value fe.stack returned."
         )
     check_state_dicts("unstack", params, buffers)
     ref = Architecture.of(fmodel.skeleton)

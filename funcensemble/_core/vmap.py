@@ -156,13 +156,20 @@ def vmap(
     return mapped
 
 
-def check_options(where: str, fn: Any, randomness: Any, chunk_size: Any) -> None:
-    """Refuse a non-callable ``fn`` or a malformed ``randomness``/``chunk_size``."""
+def check_options(
+    where: str, fn: Any, randomness: Any, chunk_size: Any, *, name: str = "fn"
+) -> None:
+    """Refuse a non-callable ``fn`` (the argument ``name``) or a malformed
+    ``randomness``/``chunk_size``."""
     if not callable(fn):
-        raise TypeError(f"{where}: Expected a callable, got {type(fn).__name__}.")
+        raise TypeError(
+            f"{where}: {name} is not callable (expected a callable, got "
+            f"{type(fn).__name__}). Pass the function to map over members."
+        )
     if randomness not in ("different", "same", "error"):
         raise ValueError(
-            f"{where}: randomness must be 'different', 'same' or 'error', got {randomness!r}."
+            f"{where}: randomness must be 'different', 'same' or 'error' (expected one of "
+            f"those, got {randomness!r}). Pass one of those three."
         )
     if chunk_size is not None:
         positive_int(where, "chunk_size", chunk_size, or_none=True)

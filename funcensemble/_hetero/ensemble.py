@@ -78,12 +78,16 @@ class HeteroEnsemble(nn.Module):
         where = "HeteroEnsemble"
         if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
             raise TypeError(
-                f"{where}: Expected a sequence of modules (e.g. a list or nn.ModuleList), "
-                f"got a single {type(modules).__name__}."
+                f"{where}: modules is a single module (expected a sequence of modules such "
+                f"as a list or an nn.ModuleList, got a single {type(modules).__name__}). "
+                "Wrap it in a list."
             )
         modules = list(modules)
         if not modules:
-            raise ValueError(f"{where}: Expected at least one module, got 0.")
+            raise ValueError(
+                f"{where}: modules is empty (expected at least one module, got 0). Pass "
+                "one module per member."
+            )
         members = group_by_architecture(where, modules)
         ensembles = [
             Ensemble([modules[i] for i in group], randomness=randomness, chunk_size=chunk_size)
@@ -143,7 +147,8 @@ class HeteroEnsemble(nn.Module):
         if not isinstance(tree, dict):
             raise TypeError(
                 f"{where}: {what} must be a dict keyed by the ensemble's names (as "
-                f"hens.stacked_{kind}() returns), got {type(tree).__name__}."
+                f"hens.stacked_{kind}() returns) (expected a dict, got "
+                f"{type(tree).__name__}). Pass the dict that hens.stacked_{kind}() returns."
             )
         names = self._names(kind)
         expected = {k for group in names for k in group}
@@ -356,7 +361,8 @@ class HeteroEnsemble(nn.Module):
         n = self.num_members
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(
-                f"HeteroEnsemble.member: index must be an int, got {type(index).__name__}."
+                f"HeteroEnsemble.member: index must be an int (expected a member index, got "
+                f"{type(index).__name__}). Pass an int in range(num_members)."
             )
         if not -n <= index < n:
             raise IndexError(

@@ -20,7 +20,10 @@ def grouped_value_and_grad(
     """``HeteroEnsemble.value_and_grad`` (see there): one ``value_and_grad`` per group."""
     where = "HeteroEnsemble.value_and_grad"
     if not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+        raise TypeError(
+            f"{where}: loss_fn must be callable (expected a function returning one loss per "
+            f"member, got {type(loss_fn).__name__}). Pass the loss function itself."
+        )
     _in_dims.check_type(where, in_dims)
 
     def for_group(ens: Any) -> Callable[..., tuple[Any, ...]]:

@@ -61,7 +61,8 @@ def _split(where: str, what: str, tree: Any, keys: Sequence[Sequence[str]]) -> l
     if not isinstance(tree, dict):
         raise TypeError(
             f"{where}: {what} must be a dict keyed by the ensemble's parameter names (as "
-            f"hens.stacked_params() returns), got {type(tree).__name__}."
+            f"hens.stacked_params() returns) (expected a dict, got {type(tree).__name__}). "
+            "Pass the dict that hens.stacked_params() returns."
         )
     expected = {k for group in keys for k in group}
     if tree.keys() != expected:
@@ -82,14 +83,15 @@ def _check_grads(where: str, grads: list[dict], params: list[dict]) -> None:
                 continue
             if not isinstance(g, Tensor):
                 raise TypeError(
-                    f"{where}: the gradient of `{k}` is a {type(g).__name__}, expected a "
-                    "tensor or None."
+                    f"{where}: the gradient of `{k}` is not a tensor (expected a tensor or "
+                    f"None, got {type(g).__name__}). Pass one tensor per parameter, or None."
                 )
             if (g.shape, g.dtype, g.device) != (p.shape, p.dtype, p.device):
                 raise ValueError(
                     f"{where}: the gradient of `{k}` has shape {tuple(g.shape)}, dtype "
-                    f"{g.dtype}, device {g.device}; expected {tuple(p.shape)}, {p.dtype}, "
-                    f"{p.device} like the parameter."
+                    f"{g.dtype}, device {g.device} (expected shape {tuple(p.shape)}, dtype "
+                    f"{p.dtype}, device {p.device}, like the parameter). Give it the "
+                    "parameter's shape, dtype and device."
                 )
 
 
@@ -126,20 +128,23 @@ def grouped(
         for t in per_group:
             if not isinstance(t, GradientTransformation):
                 raise TypeError(
-                    f"{where}: the function must build a GradientTransformation (such as "
-                    f"fe.optim.adam), got {type(t).__name__}."
+                    f"{where}: the function did not build a GradientTransformation "
+                    f"(expected one such as fe.optim.adam(1e-3), got {type(t).__name__}). "
+                    "Pass a function that returns one, such as fe.optim.adam."
                 )
     else:
         raise TypeError(
-            f"{where}: Expected a GradientTransformation or a function building one (such "
-            f"as fe.optim.adam), got {type(transform).__name__}."
+            f"{where}: transform is neither a GradientTransformation nor a function "
+            f"building one (expected e.g. fe.optim.adam(1e-3) or fe.optim.adam, got "
+            f"{type(transform).__name__}). Build one with fe.optim."
         )
 
     def check_state(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(keys):
             raise ValueError(
-                f"{where}: expected the state returned by this optimizer's init (a tuple of "
-                f"{len(keys)} group states), got {type(state).__name__}."
+                f"{where}: the state is not this optimizer's (expected the state returned by "
+                f"its init, a tuple of {len(keys)} group states, got "
+                f"{type(state).__name__}). Pass the state that init returned."
             )
 
     def init(params: PyTree) -> tuple[Any, ...]:

@@ -71,7 +71,8 @@ class Architecture:
 def check_is_module(where: str, index: int, module: object) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"{where}: member {index} is {a(type(module).__name__)}, expected an nn.Module."
+            f"{where}: member {index} is {a(type(module).__name__)}, not a module (expected "
+            f"an nn.Module, got {type(module).__name__}). Pass one nn.Module per member."
         )
     for name, sub in module.named_modules():
         if isinstance(sub, _UNBATCHABLE):
@@ -101,7 +102,8 @@ def _check_tensors(
                 shown_b = tuple(b) if field == "shape" else b
                 raise ValueError(
                     f"{where}: member {index} has {kind[:-1]} `{name}` with {field} "
-                    f"{shown_a}; member 0 has {shown_b}. "
+                    f"{shown_a}; member 0 has {shown_b} (expected {shown_b} as member 0, got "
+                    f"{shown_a}). "
                     + (
                         "All members must share one architecture."
                         if field == "shape"
@@ -112,8 +114,10 @@ def _check_tensors(
         if kind == "parameters" and other.requires_grad != spec.requires_grad:
             raise ValueError(
                 f"{where}: member {index} has parameter `{name}` with requires_grad="
-                f"{other.requires_grad}; member 0 has requires_grad={spec.requires_grad}. "
-                "Freeze or unfreeze the same parameters in every member."
+                f"{other.requires_grad}; member 0 has requires_grad={spec.requires_grad} "
+                f"(expected requires_grad={spec.requires_grad} as member 0, got "
+                f"{other.requires_grad}). Freeze or unfreeze the same parameters in every "
+                "member."
             )
 
 
@@ -130,8 +134,9 @@ def check_same_architecture(
     if original_class(got.module) is not original_class(ref.module):
         ref_name, got_name = class_names(ref.module, got.module)
         raise TypeError(
-            f"{where}: member {index} is a {got_name}; member 0 is a {ref_name}. All "
-            "members must share one architecture."
+            f"{where}: member {index} is a {got_name}; member 0 is a {ref_name} (expected "
+            f"{a(ref_name)} as member 0, got {a(got_name)}). All members must share one "
+            "architecture."
         )
     pairs = check_same_tree(where, index, ref.module, module)
     _check_tensors(where, index, "parameters", ref.params, got.params)
@@ -146,7 +151,8 @@ def check_same_architecture(
         ref_mode = "train" if ref.modes.get(name) else "eval"
         raise ValueError(
             f"{where}: member {index} has {label} in {mode} mode; member 0 has it in "
-            f"{ref_mode} mode. Call .train() or .eval() on all members first."
+            f"{ref_mode} mode (expected {ref_mode} mode as member 0, got {mode}). Call "
+            ".train() or .eval() on all members first."
         )
     check_same_state(where, index, pairs)
     return got

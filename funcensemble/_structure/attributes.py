@@ -151,7 +151,8 @@ def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -
         cls_a, cls_b = class_names(a, b)
         raise TypeError(
             f"{where}: member {index} has {submodule(path)} of class {cls_b}; member 0 has "
-            f"{cls_a}. {_SAME_ARCHITECTURE}: build every member with the same classes."
+            f"{cls_a} (expected {cls_a} as member 0, got {cls_b}). {_SAME_ARCHITECTURE}: "
+            "build every member with the same classes."
         )
     if _parametrized(a) != _parametrized(b):
         has, hasnt = (index, 0) if _parametrized(b) else (0, index)
@@ -166,8 +167,8 @@ def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -
     if kids_a != kids_b:
         raise ValueError(
             f"{where}: member {index} has {submodule(path)} with child modules {kids_b}; "
-            f"member 0 has {kids_a}. {_SAME_ARCHITECTURE}: the same submodules, in the same "
-            "order."
+            f"member 0 has {kids_a} (expected {kids_a} as member 0, got {kids_b}). "
+            f"{_SAME_ARCHITECTURE}: the same submodules, in the same order."
         )
 
 
@@ -192,7 +193,8 @@ def _check_hooks(
         if len(hooks_a) != len(hooks_b):
             raise ValueError(
                 f"{where}: member {index} has {len(hooks_b)} {noun}(s) on {submodule(path)}; "
-                f"member 0 has {len(hooks_a)}. {fix}"
+                f"member 0 has {len(hooks_a)} (expected {len(hooks_a)} as member 0, got "
+                f"{len(hooks_b)}). {fix}"
             )
         for k, (ha, hb) in enumerate(zip(hooks_a, hooks_b, strict=True)):
             if not same(ha, hb):
@@ -210,8 +212,9 @@ def _check_hooks(
             raise ValueError(
                 f"{where}: member {index} has {_HOOKS[table]}s on {submodule(path)} at "
                 f"positions {positions_b} registered with {flags.split('_hooks_')[1]}; "
-                f"member 0 at {positions_a}. Register the same hooks with the same options "
-                "on every member."
+                f"member 0 at {positions_a} (expected positions {positions_a} as member 0, got "
+                f"{positions_b}). Register the same hooks with the same options on every "
+                "member."
             )
 
 

@@ -219,8 +219,9 @@ def describe_state(where: str, value: Any) -> Description:
         return describe_ensemble(value)
     if isinstance(value, nn.Module):
         raise TypeError(
-            f"{where}: state is a {type(value).__name__}; expected an fe.Ensemble (this "
-            "rank's members) or a pytree of member-first tensors."
+            f"{where}: state is a {type(value).__name__}, an ordinary module (expected an "
+            f"fe.Ensemble (this rank's members) or a pytree of member-first tensors, got "
+            f"{type(value).__name__}). Pass the Ensemble, or its state_dict()."
         )
     return describe_tree(value)
 

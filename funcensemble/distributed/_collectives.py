@@ -44,8 +44,9 @@ def _collective(where: str, rank: int, world: int, op: Callable[[], Any], group:
 def _check_shard(where: str, shard: object) -> MemberShard:
     if not isinstance(shard, MemberShard):
         raise TypeError(
-            f"{where}: Expected a fe.distributed.MemberShard describing this rank's members, "
-            f"got {type(shard).__name__}."
+            f"{where}: shard is not a MemberShard (expected a fe.distributed.MemberShard "
+            f"describing this rank's members, got {type(shard).__name__}). Build one with "
+            "fe.distributed.MemberShard."
         )
     return shard
 
@@ -469,7 +470,10 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
     where = "broadcast"
     rank, world = rank_and_world(where, group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
-        raise ValueError(f"{where}: src must be a rank in 0..{world - 1}, got {src!r}.")
+        raise ValueError(
+            f"{where}: src must be a rank in 0..{world - 1} (expected an int rank of the "
+            f"group, got {src!r}). Pass the rank that holds the values."
+        )
     global_src = dist.get_global_rank(group, src) if world > 1 and group is not None else src
     leaves, spec = _tree.flatten(tree)
     out = []

@@ -22,8 +22,9 @@ from ._member_shard import MemberShard
 def _check_shard(where: str, shard: object) -> MemberShard:
     if not isinstance(shard, MemberShard):
         raise TypeError(
-            f"{where}: Expected a fe.distributed.MemberShard describing this rank's members, "
-            f"got {type(shard).__name__}."
+            f"{where}: shard is not a MemberShard (expected a fe.distributed.MemberShard "
+            f"describing this rank's members, got {type(shard).__name__}). Build one with "
+            "fe.distributed.MemberShard."
         )
     return shard
 
@@ -70,8 +71,9 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
     for i in tensors:
         if not leaves[i].is_floating_point():
             raise TypeError(
-                f"{where}: leaf {i} has dtype {leaves[i].dtype}; expected floating-point "
-                "gradients. Average other values yourself (their mean is not of their dtype)."
+                f"{where}: leaf {i} has dtype {leaves[i].dtype} (expected floating-point "
+                f"gradients, got {leaves[i].dtype}). Average other values yourself (their "
+                "mean is not of their dtype)."
             )
     out = list(leaves)
     with torch.no_grad():

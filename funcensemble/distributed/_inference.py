@@ -57,25 +57,30 @@ def _reductions(where: str, reductions: object) -> dict[str, Reduction]:
             if not isinstance(name, str) or not callable(fn):
                 raise TypeError(
                     f"{where}: reductions as a mapping must map names (str) to functions "
-                    f"fn(local, shard), got {name!r}: {type(fn).__name__}."
+                    f"(expected fn(local, shard) under a str name, got {name!r}: "
+                    f"{type(fn).__name__}). Map each name to its function."
                 )
     elif isinstance(reductions, Sequence):
         chosen = {}
         for name in reductions:
             if name not in REDUCTIONS:
                 raise ValueError(
-                    f"{where}: unknown reduction {name!r}; expected one of "
-                    f"{sorted(REDUCTIONS)}, or pass a mapping of names to functions "
-                    "fn(local, shard) (e.g. for subset_min)."
+                    f"{where}: unknown reduction {name!r} (expected one of "
+                    f"{sorted(REDUCTIONS)}, got {name!r}). Pick one of those, or pass a "
+                    "mapping of names to functions fn(local, shard) (e.g. for subset_min)."
                 )
             chosen[name] = REDUCTIONS[name]
     else:
         raise TypeError(
             f"{where}: reductions must be a sequence of names or a mapping of names to "
-            f"functions, got {type(reductions).__name__}."
+            f"functions (expected e.g. ('mean', 'var'), got {type(reductions).__name__}). "
+            "Name the reductions in a tuple or list."
         )
     if not chosen:
-        raise ValueError(f"{where}: Expected at least one reduction, got none.")
+        raise ValueError(
+            f"{where}: reductions is empty (expected at least one reduction, got none). "
+            "Name at least one, e.g. ('mean',)."
+        )
     return chosen
 
 
@@ -84,8 +89,9 @@ def _batch_size(where: str, leaves: list[Any]) -> int:
     if len(sizes) != 1 or () in sizes:
         raise ValueError(
             f"{where}: with data replicas every tensor input is split along its dim 0, the "
-            f"batch; expected tensors with one batch size, got leading sizes "
-            f"{sorted(s[0] if s else 'none' for s in sizes)}."
+            f"batch, but the inputs differ there (expected tensors with one batch size, "
+            f"got leading sizes {sorted(s[0] if s else 'none' for s in sizes)}). Give "
+            "every tensor input the batch as its first axis."
         )
     return next(iter(sizes))[0]
 
@@ -203,7 +209,10 @@ def predict(
     where = "predict"
     shard = _check_shard(where, shard)
     if not callable(model):
-        raise TypeError(f"{where}: model must be callable, got {type(model).__name__}.")
+        raise TypeError(
+            f"{where}: model must be callable (expected a function of the inputs, got "
+            f"{type(model).__name__}). Pass this rank's ensemble or a function calling it."
+        )
     chosen = _reductions(where, reductions)
     if src is not None:
         inputs = broadcast(inputs, src=src)

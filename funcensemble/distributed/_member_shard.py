@@ -117,7 +117,8 @@ def init_process_group(
         ...     fe.distributed.init_process_group(timeout=datetime.timedelta(0))
         ... except ValueError as error:
         ...     print(error)
-        init_process_group: timeout must be positive, got 0:00:00.
+        init_process_group: timeout must be positive (expected more than 0 seconds, got
+        0:00:00). Pass a positive timedelta.
     """
     where = "init_process_group"
     for name, value in (("timeout", timeout), ("join_timeout", join_timeout)):
@@ -125,12 +126,20 @@ def init_process_group(
             continue
         if not isinstance(value, timedelta):
             raise TypeError(
-                f"{where}: {name} must be a datetime.timedelta, got {type(value).__name__}."
+                f"{where}: {name} must be a datetime.timedelta (expected e.g. "
+                f"timedelta(minutes=5), got {type(value).__name__}). Pass {name} as a "
+                "datetime.timedelta."
             )
         if value <= timedelta(0):
-            raise ValueError(f"{where}: {name} must be positive, got {value}.")
+            raise ValueError(
+                f"{where}: {name} must be positive (expected more than 0 seconds, got "
+                f"{value}). Pass a positive timedelta."
+            )
     if backend is not None and backend not in ("gloo", "nccl"):
-        raise ValueError(f"{where}: backend must be 'gloo', 'nccl' or None, got {backend!r}.")
+        raise ValueError(
+            f"{where}: backend must be 'gloo', 'nccl' or None (expected one of those, got "
+            f"{backend!r}). Pass 'gloo' for CPUs, 'nccl' for GPUs, or None to choose."
+        )
     if not dist.is_available():
         raise RuntimeError(f"{where}: this build of PyTorch has no torch.distributed.")
     if dist.is_initialized():
@@ -349,8 +358,9 @@ class MemberShard:
             if t.dim() == 0 or t.shape[0] != n:
                 got = t.shape[0] if t.dim() else "no member axis"
                 raise ValueError(
-                    f"{where}: {name} has leading size {got}; expected the ensemble's "
-                    f"{n} members first."
+                    f"{where}: {name} has leading size {got} (expected the ensemble's {n} "
+                    f"members first, got {got}). Pass the whole ensemble's tensors, member "
+                    "axis first."
                 )
             out = narrow_members(t.detach(), self.members).clone()
             return out.requires_grad_(True) if t.requires_grad else out
@@ -391,7 +401,9 @@ class MemberShard:
         """
         if not callable(factory):
             raise TypeError(
-                f"MemberShard.from_factory: factory must be callable, got {type(factory).__name__}."
+                f"MemberShard.from_factory: factory must be callable (expected a function "
+                f"building one member, got {type(factory).__name__}). Pass e.g. "
+                "lambda: nn.Linear(3, 1)."
             )
         indices = iter(range(self.members.start, self.members.stop))
 

@@ -67,8 +67,9 @@ def mesh_axes(where: str, mesh: Any) -> Axes:
     names = tuple(mesh.mesh_dim_names or ())
     if names not in _NAMES:
         raise ValueError(
-            f"{where}: the mesh's dimensions are named {names or 'nothing'}; expected "
-            '("member",) or ("member", "data"). Pass mesh_dim_names to init_device_mesh.'
+            f"{where}: the mesh's dimensions are named {names or 'nothing'} (expected "
+            f'("member",) or ("member", "data"), got {names or "nothing"}). Pass '
+            "mesh_dim_names to init_device_mesh."
         )
     world = dist.get_world_size()
     if mesh.size() != world:

@@ -15,7 +15,8 @@ from ._slices import narrow_members
 def device_of(where: str, value: object) -> torch.device:
     if not isinstance(value, (str, torch.device)):
         raise TypeError(
-            f"{where}: each device must be a str or torch.device, got {type(value).__name__}."
+            f"{where}: each device must be a str or torch.device (expected e.g. 'cuda:0', "
+            f"got {type(value).__name__}). Name each device as a str or torch.device."
         )
     try:
         device = torch.device(value)
@@ -40,12 +41,15 @@ def device_of(where: str, value: object) -> torch.device:
 def devices_of(where: str, devices: object) -> tuple[torch.device, ...]:
     if isinstance(devices, (str, torch.device)) or not isinstance(devices, Iterable):
         raise TypeError(
-            f"{where}: devices must be a list of devices (e.g. ['cuda:0', 'cuda:1']), got "
-            f"{type(devices).__name__}."
+            f"{where}: devices must be a list of devices (expected e.g. ['cuda:0', 'cuda:1'], "
+            f"got {type(devices).__name__}). Pass one device per shard in a list."
         )
     found = tuple(device_of(where, d) for d in devices)
     if not found:
-        raise ValueError(f"{where}: Expected at least one device, got 0.")
+        raise ValueError(
+            f"{where}: devices is empty (expected at least one device, got 0). Pass one "
+            "device per shard."
+        )
     return found
 
 

@@ -45,15 +45,21 @@ class Launch:
                 values[name] = int(text)
             except ValueError:
                 raise ValueError(
-                    f"{where}: the environment variable {name} must be an integer, got {text!r}."
+                    f"{where}: the environment variable {name} must be an integer (expected "
+                    f"digits, got {text!r}). Start the script with torchrun, which sets it."
                 ) from None
         rank, world, port = values["RANK"], values["WORLD_SIZE"], values["MASTER_PORT"]
         if world < 1 or not 0 <= rank < world:
             raise ValueError(
-                f"{where}: RANK must be in 0..WORLD_SIZE-1, got RANK={rank} and WORLD_SIZE={world}."
+                f"{where}: RANK must be in 0..WORLD_SIZE-1 (expected 0 <= RANK < WORLD_SIZE, "
+                f"got RANK={rank} and WORLD_SIZE={world}). Start the script with torchrun, "
+                "which sets both."
             )
         if not 0 <= port < 2**16:
-            raise ValueError(f"{where}: MASTER_PORT must be in 0..65535, got {port}.")
+            raise ValueError(
+                f"{where}: MASTER_PORT must be in 0..65535 (expected a TCP port, got {port}). "
+                "Set MASTER_PORT to a free port."
+            )
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         return cls(rank, world, os.environ["MASTER_ADDR"], port, agent)
 

@@ -136,7 +136,9 @@ def _failures(where: str, what: str, shard: MemberShard) -> contextlib.AbstractC
 def _check_shard(where: str, shard: object) -> MemberShard:
     if not isinstance(shard, MemberShard):
         raise TypeError(
-            f"{where}: shard must be a fe.distributed.MemberShard, got {type(shard).__name__}."
+            f"{where}: shard must be a fe.distributed.MemberShard (expected this rank's "
+            f"MemberShard, got {type(shard).__name__}). Build one with "
+            "fe.distributed.MemberShard."
         )
     return shard
 

@@ -137,16 +137,18 @@ class ShardedEnsemble:
         where = f"ShardedEnsemble.{what}"
         if not isinstance(value, Sequence) or len(value) != len(ref):
             raise ValueError(
-                f"{where}: Expected one dict per shard ({len(ref)}), got "
-                f"{type(value).__name__}"
+                f"{where}: the {what} do not come one dict per shard (expected {len(ref)} "
+                f"dicts, one per shard, got {type(value).__name__}"
                 + (f" of {len(value)}" if isinstance(value, Sequence) else "")
-                + "."
+                + f"). Pass what ShardedEnsemble.{what} holds, one dict per device."
             )
         for k, (new, old) in enumerate(zip(value, ref, strict=True)):
             if not isinstance(new, Mapping) or new.keys() != old.keys():
                 got = sorted(new) if isinstance(new, Mapping) else type(new).__name__
                 raise ValueError(
-                    f"{where}: shard {k} must map the names {sorted(old)} to tensors, got {got}."
+                    f"{where}: shard {k} must map the names {sorted(old)} to tensors "
+                    f"(expected those names, got {got}). Keep each shard's names as "
+                    f"ShardedEnsemble.{what} gives them."
                 )
         return PerShard(dict(v) for v in value)
 
@@ -222,7 +224,10 @@ class ShardedEnsemble:
         """
         where = "ShardedEnsemble.map"
         if not callable(fn):
-            raise TypeError(f"{where}: Expected a callable, got {type(fn).__name__}.")
+            raise TypeError(
+                f"{where}: fn is not callable (expected a callable, got "
+                f"{type(fn).__name__}). Pass the function to map over members."
+            )
         shards = len(self.devices)
         try:
             dims = arg_dims(in_dims, len(args))
@@ -240,7 +245,8 @@ class ShardedEnsemble:
                 if dim is not None:
                     raise ValueError(
                         f"{where}: {label} is a PerShard value, already split by shard; "
-                        f"its in_dims entry must be None, got {dim!r}."
+                        f"its in_dims entry must be None (expected None, got {dim!r}). Set "
+                        "its in_dims entry to None."
                     )
         plain = tuple(None if isinstance(a, PerShard) else a for a in args)
         try:
@@ -323,10 +329,10 @@ class ShardedEnsemble:
         target = self.devices[0] if device is None else device_of(where, device)
         if not isinstance(outputs, Sequence) or len(outputs) != len(self.devices):
             raise ValueError(
-                f"{where}: Expected one output per shard ({len(self.devices)}), got "
-                f"{type(outputs).__name__}"
+                f"{where}: outputs do not come one per shard (expected "
+                f"{len(self.devices)} outputs, one per shard, got {type(outputs).__name__}"
                 + (f" of {len(outputs)}" if isinstance(outputs, Sequence) else "")
-                + "."
+                + "). Pass what ShardedEnsemble.map returned."
             )
         flat = [tree_flatten(o) for o in outputs]
         spec = flat[0][1]
@@ -358,13 +364,16 @@ class ShardedEnsemble:
             opts = PerShard([optimizer] * len(self.devices))
         if len(opts) != len(self.devices):
             raise ValueError(
-                f"{where}: Expected one optimizer per shard ({len(self.devices)}), got {len(opts)}."
+                f"{where}: optimizer does not come one per shard (expected "
+                f"{len(self.devices)} optimizers, one per shard, got {len(opts)}). Pass one "
+                "GradientTransformation, or a PerShard of one per device."
             )
         for k, opt in enumerate(opts):
             if not isinstance(opt, GradientTransformation):
                 raise TypeError(
-                    f"{where}: optimizer {k} is a {type(opt).__name__}; expected a "
-                    "GradientTransformation such as fe.optim.adam(lr=1e-3)."
+                    f"{where}: optimizer {k} is a {type(opt).__name__}, not a "
+                    f"GradientTransformation (expected one such as fe.optim.adam(lr=1e-3), "
+                    f"got {type(opt).__name__}). Build one with fe.optim."
                 )
         return opts
 

@@ -7,6 +7,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .._messages import boolean as _flag
 from ._adam_step import Moments, Options, adam_step_, foreach_adam
 from ._hyper import (
     Hyper,
@@ -73,20 +74,18 @@ class AdamState(NamedTuple):
 def _betas(where: str, betas: object) -> tuple[Hyper, Hyper]:
     if not isinstance(betas, Sequence) or isinstance(betas, str):
         raise TypeError(
-            f"{where}: betas must be a pair (beta1, beta2), got {type(betas).__name__}."
+            f"{where}: betas must be a pair (beta1, beta2) (expected e.g. (0.9, 0.999), got "
+            f"{type(betas).__name__}). Pass betas as a tuple of two."
         )
     if len(betas) != 2:
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {len(betas)} values.")
+        raise ValueError(
+            f"{where}: betas must be a pair (beta1, beta2) (expected 2 values, got "
+            f"{len(betas)} values). Pass betas as a tuple of two."
+        )
     return tuple(  # type: ignore[return-value]
         hyperparameter(where, f"betas[{k}]", b, label=f"beta parameter at index {k}", upper=1.0)
         for k, b in enumerate(betas)
     )
-
-
-def _flag(where: str, name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}.")
-    return value
 
 
 _NO_DECAY = Hyper("weight_decay", 0.0)
@@ -338,9 +337,11 @@ def _steps(
     def check(grads: PyTree, state: Any, params: PyTree, words: tuple[str, str]) -> _Step:
         """Everything, with one wording per entry point, before anything is written."""
         if not isinstance(state, tuple) or len(state) != size:
+            got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
             raise ValueError(
-                f"chain: expected the state returned by this chain's init (a tuple of "
-                f"{size} states), got {type(state).__name__}."
+                f"chain: the state is not this chain's (expected the state returned by this "
+                f"chain's init, a tuple of {size} states, got {got}). Pass the state "
+                "that init returned, or the one update returned last."
             )
         moments = state[at]
         check_state_type(where, moments, AdamState)

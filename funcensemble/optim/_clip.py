@@ -32,9 +32,9 @@ def _member_norms(where: str, spec: Any, leaves: list[Any], active: list[int]) -
         if g.dim() == 0 or g.shape[0] != first.shape[0]:
             got = "no member axis (0-dim)" if g.dim() == 0 else f"leading size {g.shape[0]}"
             raise ValueError(
-                f"{where}: {leaf_name(spec, i)} has {got}, expected leading size "
-                f"{first.shape[0]} like {leaf_name(spec, active[0])}. Every gradient needs "
-                "the member axis first."
+                f"{where}: {leaf_name(spec, i)} has {got}, unlike "
+                f"{leaf_name(spec, active[0])} (expected leading size {first.shape[0]}, got "
+                f"{got}). Every gradient needs the member axis first."
             )
         per_member = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 2, dim=1)
         norms.append(per_member.to(first.device))

@@ -81,19 +81,24 @@ class EnsembleOptimizer:
             for name, p in named.items():
                 if not isinstance(p, Tensor) or not p.is_leaf:
                     raise TypeError(
-                        f"{where}: parameter `{name}` must be a leaf tensor (an "
-                        f"nn.Parameter or a tensor from fe.stack), got "
-                        f"{type(p).__name__ if not isinstance(p, Tensor) else 'a non-leaf tensor'}."
+                        f"{where}: parameter `{name}` must be a leaf tensor (expected an "
+                        f"nn.Parameter or a tensor from fe.stack, got "
+                        f"{type(p).__name__ if not isinstance(p, Tensor) else 'a non-leaf tensor'}"
+                        "). Pass the stacked parameters themselves, not a result computed from "
+                        "them."
                     )
         else:
             raise TypeError(
-                f"{where}: Expected an Ensemble or a mapping of names to stacked parameters, "
-                f"got {type(params).__name__}."
+                f"{where}: params is neither an Ensemble nor a mapping of names to stacked "
+                f"parameters (expected an Ensemble or a dict of tensors with a leading member "
+                f"axis, got {type(params).__name__}). Pass the Ensemble itself, or "
+                "a dict of stacked parameters (e.g. the one fe.stack returns)."
             )
         if not isinstance(transform, GradientTransformation):
             raise TypeError(
-                f"{where}: Expected a GradientTransformation such as fe.optim.adam(), got "
-                f"{type(transform).__name__}."
+                f"{where}: transform is not a GradientTransformation (expected one such as "
+                f"fe.optim.adam(), got {type(transform).__name__}). Build one with fe.optim, "
+                "e.g. fe.optim.adam(1e-3)."
             )
         # A HeteroEnsemble runs the transform group by group (see HeteroEnsemble.optimizer).
         transform = adapted(params, transform)
@@ -222,8 +227,9 @@ class EnsembleOptimizer:
             return follow()
         if not isinstance(transform, GradientTransformation):
             raise TypeError(
-                f"{where}: transform must be a GradientTransformation such as "
-                f"fe.optim.adam(), got {type(transform).__name__}."
+                f"{where}: transform is not a GradientTransformation (expected one such as "
+                f"fe.optim.adam(), got {type(transform).__name__}). Build one with fe.optim, "
+                "or leave transform as None."
             )
         return transform
 

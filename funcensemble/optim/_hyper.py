@@ -121,7 +121,7 @@ def hyperparameter(
                 if schedule_ok
                 else " or a 1-D tensor of per-member values"
             )
-            + f", got {_describe(value)}."
+            + f" (expected a number, got {_describe(value)}). Pass {name} as a float."
         )
     if isinstance(value, Tensor):
         if value.is_meta:
@@ -178,5 +178,6 @@ def schedule_value(where: str, name: str, value: object) -> Hyper:
     )
     raise TypeError(
         f"{where}: the {name} schedule must return a finite float, a 0-dim tensor or a 1-D "
-        f"floating-point tensor of per-member values, got {desc}."
+        f"floating-point tensor of per-member values (expected one of those, got {desc}). "
+        "Return one of those from the schedule."
     )

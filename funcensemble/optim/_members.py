@@ -168,8 +168,9 @@ def select(
     where = "optim.select"
     if not isinstance(transform, GradientTransformation):
         raise TypeError(
-            f"{where}: Expected a GradientTransformation such as fe.optim.adam(), got "
-            f"{type(transform).__name__}."
+            f"{where}: transform is not a GradientTransformation (expected one such as "
+            f"fe.optim.adam(), got {type(transform).__name__}). Build one with fe.optim, "
+            "e.g. fe.optim.adam(1e-3)."
         )
     n = _members(where, transform, state)
     idx = check_indices(where, indices, n)
@@ -375,8 +376,9 @@ def concat(transform: GradientTransformation, state: Any, params: PyTree) -> Any
     where = "optim.concat"
     if not isinstance(transform, GradientTransformation):
         raise TypeError(
-            f"{where}: Expected a GradientTransformation such as fe.optim.adam(), got "
-            f"{type(transform).__name__}."
+            f"{where}: transform is not a GradientTransformation (expected one such as "
+            f"fe.optim.adam(), got {type(transform).__name__}). Build one with fe.optim, "
+            "e.g. fe.optim.adam(1e-3)."
         )
     with torch.no_grad():
         fresh = transform.init(params)

@@ -27,7 +27,8 @@ def _check(
     if (target_view is None) != (online_view is None):
         raise TypeError(
             f"{where}: target and online must both be Ensembles or both be pytrees of "
-            f"tensors, got {type(target).__name__} and {type(online).__name__}."
+            f"tensors (expected two of a kind, got {type(target).__name__} and "
+            f"{type(online).__name__}). Pass two Ensembles, or the two pytrees."
         )
     if target_view is not None:
         target, online = target_view, online_view

@@ -261,8 +261,9 @@ def check_tensors(where: str, what: str, spec: optree.PyTreeSpec, xs: list[Any])
     for index, x in enumerate(xs):
         if x is not None and not isinstance(x, Tensor):
             raise TypeError(
-                f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
-                "expected a tensor or None."
+                f"{where}: {what} for {leaf_name(spec, index)} is not a tensor (expected a "
+                f"tensor or None, got {type(x).__name__}). Pass one tensor per parameter, "
+                "or None for no gradient."
             )
 
 
@@ -279,14 +280,16 @@ def check_like(
         x, ref = xs[index], refs[index]
         if not isinstance(x, Tensor):
             raise TypeError(
-                f"{where}: {what} for {leaf_name(spec, index)} is a {type(x).__name__}, "
-                "expected a tensor or None."
+                f"{where}: {what} for {leaf_name(spec, index)} is not a tensor (expected a "
+                f"tensor or None, got {type(x).__name__}). Pass one tensor per parameter, "
+                "or None for no gradient."
             )
         if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
             raise ValueError(
                 f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "
-                f"dtype {x.dtype}, device {x.device}; expected {tuple(ref.shape)}, "
-                f"{ref.dtype}, {ref.device} like the parameter."
+                f"dtype {x.dtype}, device {x.device} (expected shape {tuple(ref.shape)}, "
+                f"dtype {ref.dtype}, device {ref.device}, like the parameter). Give it the "
+                "parameter's shape, dtype and device."
             )
 
 
@@ -325,8 +328,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     for k, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
             raise TypeError(
-                f"chain: transform {k} is a {type(t).__name__}, expected a "
-                "GradientTransformation such as fe.optim.scale_by_adam()."
+                f"chain: transform {k} is not a GradientTransformation (expected one such "
+                f"as fe.optim.scale_by_adam(), got {type(t).__name__}). Build each with "
+                "fe.optim."
             )
 
     def init(params: PyTree) -> tuple[Any, ...]:
@@ -352,9 +356,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
             raise ValueError(
-                f"chain: expected the state returned by this chain's init (a tuple of "
-                f"{len(transforms)} states), got {type(state).__name__}."
+                f"chain: the state is not this chain's (expected the state returned by this "
+                f"chain's init, a tuple of {len(transforms)} states, got {got}). Pass the state "
+                "that init returned, or the one update returned last."
             )
 
     def run(

@@ -39,11 +39,14 @@ def _steps(where: str, name: str, value: object, minimum: int) -> float | Tensor
         return value.detach().to(torch.float64)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"{where}: {name} must be an int or a 1-D integer tensor of per-member values, "
-            f"got {type(value).__name__}."
+            f"{where}: {name} must be an int or a 1-D integer tensor of per-member values "
+            f"(expected one of those, got {type(value).__name__}). Pass {name} as an int."
         )
     if value < minimum:
-        raise ValueError(f"{where}: {name} must be >= {minimum}, got {value}.")
+        raise ValueError(
+            f"{where}: {name} must be >= {minimum} (expected {minimum} or more, got {value}). "
+            f"Pass {name} >= {minimum}."
+        )
     return float(value)
 
 
@@ -82,8 +85,9 @@ def _count(where: str, count: object, device: torch.device) -> Tensor:
     if isinstance(count, int) and not isinstance(count, bool):
         return torch.tensor(float(count), dtype=torch.float64, device=device)
     raise TypeError(
-        f"{where}: a schedule is called with the step count, an int or a 0-dim integer "
-        f"tensor (ScheduleState.count), got {count!r}."
+        f"{where}: a schedule is called with the step count (expected an int or a 0-dim "
+        f"integer tensor such as ScheduleState.count, got {count!r}). Call it with the "
+        "step number."
     )
 
 

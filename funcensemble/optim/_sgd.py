@@ -4,6 +4,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._messages import boolean as _flag
 from ._hyper import Hyper, PerMember, check_members, hyperparameter, is_per_member, per_leaf
 from ._protocol import (
     GradientTransformation,
@@ -43,12 +44,6 @@ class SGDState(NamedTuple):
 
     count: PyTree
     momentum_buffer: PyTree
-
-
-def _flag(where: str, name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}.")
-    return value
 
 
 def _sgd_direction(
