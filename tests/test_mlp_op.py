@@ -98,3 +98,47 @@ def test_eager_calls_never_use_the_op(monkeypatch):
     monkeypatch.setattr(_mlp_op, "mlp_forward", fail)
     ens = fe.Ensemble(members((nn.Tanh(),), True))
     ens(torch.randn(6, 5, dtype=torch.float64)).sum().backward()
+
+
+def test_op_outputs_use_kept_buffers_only_when_nothing_holds_them():
+    # Hidden layers of 4 x 64 x 128 doubles (256 KiB): large enough for the kept buffers,
+    # which spare the compiled step a page fault per 4 KiB of every fresh output.
+    torch.manual_seed(0)
+    modules = [
+        nn.Sequential(
+            nn.Linear(5, 64), nn.Tanh(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3)
+        ).double()
+        for _ in range(4)
+    ]
+    fmodel, params, _ = fe.stack(modules)
+    params = {k: v.detach().requires_grad_() for k, v in params.items()}
+
+    def step(x):
+        outs = _mlp_op.mlp_forward(*op_args(fmodel, params, x))
+        grads = torch.autograd.grad(outs[0], list(params.values()), torch.ones_like(outs[0]))
+        return outs, grads
+
+    def reference(x):
+        ref = torch.stack([m(x) for m in modules])
+        per_member = [[dict(m.named_parameters())[k] for m in modules] for k in params]
+        found = torch.autograd.grad(ref, [p for ps in per_member for p in ps], torch.ones_like(ref))
+        return ref, [torch.stack(found[i * 4 : i * 4 + 4]) for i in range(len(params))]
+
+    x1, x2 = torch.randn(128, 5, dtype=torch.float64), torch.randn(128, 5, dtype=torch.float64)
+    outs1, grads1 = step(x1)
+    kept = [t.clone() for t in (*outs1, *grads1)]
+    outs2, grads2 = step(x2)  # the first call's results are all still held
+    for held, copy in zip((*outs1, *grads1), kept, strict=True):
+        torch.testing.assert_close(held, copy, rtol=0, atol=0)  # nothing overwritten
+    for got, want in ((outs1[0], reference(x1)[0]), (outs2[0], reference(x2)[0])):
+        torch.testing.assert_close(got, want, **TOL)
+    for got, want in zip(grads2, reference(x2)[1], strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    ptrs = {t.data_ptr() for t in (*outs1[1:], *outs2[1:])}
+    assert len(ptrs) == 4  # two hidden layers per call, none shared between the calls
+    hidden1 = {t.data_ptr() for t in outs1[1:]}
+    del outs1, grads1
+    outs3, _ = step(x1)
+    assert {t.data_ptr() for t in outs3[1:]} == hidden1  # released: the kept buffers return
+    torch.testing.assert_close(outs3[0], reference(x1)[0], **TOL)
+    torch.library.opcheck(_mlp_op.mlp_forward, op_args(fmodel, params, x2))
