@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._messages import boolean as _flag
-from ._adam_step import Moments, Options, adam_step_, foreach_adam
+from ._adam_step import Moments, Options, adam_step, adam_step_, foreach_adam
 from ._hyper import (
     Hyper,
     PerMember,
@@ -307,6 +307,8 @@ def _replaced(
     Module level, not nested in ``update``: the test run's type-checking decorator
     cannot be applied while torch.compile traces.
     """
+    if len(indices) == spec.num_leaves:  # every leaf replaced: nothing to keep of `tree`
+        return spec.unflatten(values)
     return spec.unflatten(scatter(spec.flatten_up_to(tree), indices, values))
 
 
@@ -387,12 +389,11 @@ def _steps(
         new_state = list(state)
         with torch.no_grad():
             if active:
-                new, updates = foreach_adam(
+                new, updates = adam_step(
                     [step.params[i] for i in active],
                     [step.grads[i] for i in active],
                     step.moments,
                     options._replace(lr=step.lr),
-                    in_place=False,
                 )
                 out = scatter(out, active, updates)
                 old = state[at]
