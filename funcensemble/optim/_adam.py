@@ -487,11 +487,13 @@ def adam(
     ``update`` and ``update_`` both run ``Adam(fused=True)``'s kernel: ``update_``
     on the parameters and state, ``update`` on fresh copies of the state, so its
     inputs stay untouched. Without weight decay ``update`` then returns the kernel's
-    own step, and ``apply_updates`` gives what ``update_`` gives, bit for bit; with
-    weight decay the updates are the kernel's new parameters minus the old ones,
-    which ``apply_updates`` adds back exactly wherever the new value is within a
-    factor 2 of the old (Sterbenz's lemma), and elsewhere (a value crossing zero)
-    within a rounding or two of the larger of the two.
+    own step, and ``apply_updates`` gives what ``update_`` gives, bit for bit in
+    float32 and float64 (float16 and bfloat16 round the step to the parameter's
+    dtype before it is added). With weight decay the updates are the kernel's new
+    parameters minus the old ones, which ``apply_updates`` adds back exactly
+    wherever the new value is within a factor 2 of the old (Sterbenz's lemma), and
+    elsewhere (a value crossing zero) within a rounding or two of the larger of the
+    two.
     With per-member values, under ``torch.compile`` (which cannot trace the fused
     kernel), inside a ``torch.func`` transform (``update``) or with non-contiguous
     tensors, both run multi-tensor (``torch._foreach_*``) kernels over all leaves at
