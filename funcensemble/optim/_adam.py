@@ -484,9 +484,13 @@ def adam(
     The arithmetic is torch.optim's: its operations in its order, with the bias
     corrections and step size in double precision as torch.optim's Python floats
     are. With float hyperparameters (a schedule included) on a device that has it,
-    ``update`` and ``update_`` both run ``Adam(fused=True)``'s kernel: ``update_``
-    on the parameters and state, ``update`` on fresh copies of the state, so its
-    inputs stay untouched. Without weight decay ``update`` then returns the kernel's
+    ``update_`` runs ``Adam(fused=True)``'s kernel on the parameters and state, and
+    ``update`` runs it on fresh copies of the state, so its inputs stay untouched.
+    The CPU kernel rounds a tensor's last ``numel % vector width`` elements in scalar
+    code, unlike the others, so ``update`` pads a leaf whose size is not a multiple
+    of 64 elements: a member's numbers then do not depend on how many members share
+    its tensors (split across devices or selected, it trains alike). On leaves of a
+    multiple of 64 elements and without weight decay, ``update`` returns the kernel's
     own step, and ``apply_updates`` gives what ``update_`` gives, bit for bit in
     float32 and float64 (float16 and bfloat16 round the step to the parameter's
     dtype before it is added). With weight decay the updates are the kernel's new
@@ -494,12 +498,12 @@ def adam(
     wherever the new value is within a factor 2 of the old (Sterbenz's lemma), and
     elsewhere (a value crossing zero) within a rounding or two of the larger of the
     two.
-    With per-member values, under ``torch.compile`` (which cannot trace the fused
-    kernel), inside a ``torch.func`` transform (``update``) or with non-contiguous
-    tensors, both run multi-tensor (``torch._foreach_*``) kernels over all leaves at
-    once, which read no value back to Python: ``update`` in
-    ``Adam(foreach=True)``'s order, ``update_`` ending the step in the order
-    torch.optim uses for tensor hyperparameters. Elementwise kernels may round
+    With per-member values, under
+    ``torch.compile`` (which cannot trace the fused kernel), inside a ``torch.func``
+    transform (``update``) or with non-contiguous tensors, both run multi-tensor
+    (``torch._foreach_*``) kernels over those leaves at once, which read no value
+    back to Python: ``update`` in ``Adam(foreach=True)``'s order, ``update_`` ending
+    the step in the order torch.optim uses for tensor hyperparameters. Elementwise kernels may round
     differently on a stacked tensor than on one member's (SIMD lanes fall
     elsewhere), so in float32 a member can end a few ulps from torch.optim's run of
     it alone: after 1,000 steps the test suite allows 8 ulps (of the larger of the

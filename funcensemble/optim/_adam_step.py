@@ -14,6 +14,9 @@ from ._hyper import Hyper, is_per_member, per_leaf
 
 # The dtypes torch.optim.Adam(fused=True) accepts.
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Elements that fill whole SIMD vectors of the CPU fused kernel for every dtype and
+# vector width up to 1,024 bits (see `_fused_fresh`).
+_WHOLE_VECTORS = 64
 
 
 class Moments(NamedTuple):
@@ -273,17 +276,35 @@ def _fused_fresh(
     state: Moments,
     o: Options,
 ) -> tuple[Moments, list[Tensor]]:
-    """torch's fused kernel on fresh copies of the state: the new state and the updates."""
+    """torch's fused kernel on fresh copies of the state: the new state and the updates.
+
+    A leaf whose size is not a multiple of ``_WHOLE_VECTORS`` runs flattened and padded
+    to one (its gradient copied too): the CPU kernel rounds a tensor's last ``numel %
+    vector width`` elements in scalar code, unlike the others, so without the padding
+    which elements land there would depend on how many members the tensor stacks, and
+    a member's numbers would change when the ensemble is split across devices or
+    members are selected. 64 elements make whole vectors for every dtype and vector
+    width up to 1,024 bits, and whole cache-line chunks of ``parallel_for``.
+    """
     counts = list(torch._foreach_add(state.counts, 1.0))
-    mu = [m.clone() for m in state.mu]
-    nu = [v.clone() for v in state.nu]
-    nu_max = [v.clone() for v in state.nu_max]
+    pads = [-p.numel() % _WHOLE_VECTORS for p in params]
     decays = o.weight_decay.value != 0  # a float here: the kernel takes no tensor
-    # -0.0 + x is x for every x, -0.0 and +0.0 included: the kernel leaves its own step.
-    out = [p.clone() for p in params] if decays else [torch.full_like(p, -0.0) for p in params]
+    if not any(pads):  # the usual case: stacked tensors of even sizes
+        mu = [m.clone() for m in state.mu]
+        nu = [v.clone() for v in state.nu]
+        nu_max = [v.clone() for v in state.nu_max]
+        # -0.0 + x is x for every x, -0.0 and +0.0 included: the kernel leaves its step.
+        out = [p.clone() if decays else torch.full_like(p, -0.0) for p in params]
+        gs = grads
+    else:
+        mu = [_fresh(m, pad) for m, pad in zip(state.mu, pads, strict=True)]
+        nu = [_fresh(v, pad) for v, pad in zip(state.nu, pads, strict=True)]
+        nu_max = [_fresh(v, pad) for v, pad in zip(state.nu_max, pads, strict=False)]
+        out = [_fresh(p, pad, copy=decays) for p, pad in zip(params, pads, strict=True)]
+        gs = [_fresh(g, pad) if pad else g for g, pad in zip(grads, pads, strict=True)]
     kernel(
         out,
-        grads,
+        gs,
         mu,
         nu,
         nu_max,
@@ -296,9 +317,29 @@ def _fused_fresh(
         amsgrad=o.amsgrad,
         maximize=o.maximize,
     )
+    if any(pads):
+        mu, nu, nu_max, out = (
+            [_unpadded(t, p) for t, p in zip(ts, params, strict=False)]
+            for ts in (mu, nu, nu_max, out)
+        )
     if decays:
         torch._foreach_sub_(out, params)
     return Moments(mu, nu, nu_max, counts), out
+
+
+def _fresh(t: Tensor, pad: int, *, copy: bool = True) -> Tensor:
+    """A new tensor of ``t``'s values (``copy``) or of ``-0.0``: flattened with ``pad``
+    zeros after it if ``pad``, else shaped like ``t``."""
+    if not pad:
+        return t.clone() if copy else torch.full_like(t, -0.0)
+    if copy:
+        return torch.nn.functional.pad(t.reshape(-1), (0, pad))
+    return torch.full((t.numel() + pad,), -0.0, dtype=t.dtype, device=t.device)
+
+
+def _unpadded(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` without the padding ``_fresh`` added, shaped like ``like``."""
+    return t if t.shape == like.shape else t[: like.numel()].view(like.shape)
 
 
 def foreach_adam(
