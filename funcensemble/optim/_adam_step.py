@@ -230,7 +230,8 @@ def adam_step(
     parameters (weight decay reads them). From ``-0.0`` the kernel's ``p + (-step * m /
     denom)`` leaves exactly its step ``-step * m / denom``, so ``params + updates``
     rounds as the kernel's in-place step does: ``apply_updates`` then gives bit for
-    bit what ``update_`` gives. With weight decay the updates are ``new - params``:
+    bit what ``update_`` gives (on leaves ``_fused_fresh`` need not pad). With weight
+    decay the updates are ``new - params``:
     exact wherever the new value is within a factor 2 of the old (Sterbenz), so
     ``params + updates`` gives ``new`` back there, and within a rounding of the larger
     of the two elsewhere (a parameter crossing zero). The other leaves take the
