@@ -497,13 +497,12 @@ def adam(
     parameters minus the old ones, which ``apply_updates`` adds back exactly
     wherever the new value is within a factor 2 of the old (Sterbenz's lemma), and
     elsewhere (a value crossing zero) within a rounding or two of the larger of the
-    two.
-    With per-member values, under
-    ``torch.compile`` (which cannot trace the fused kernel), inside a ``torch.func``
-    transform (``update``) or with non-contiguous tensors, both run multi-tensor
-    (``torch._foreach_*``) kernels over those leaves at once, which read no value
-    back to Python: ``update`` in ``Adam(foreach=True)``'s order, ``update_`` ending
-    the step in the order torch.optim uses for tensor hyperparameters. Elementwise kernels may round
+    two. With per-member values, under ``torch.compile`` (which cannot trace the
+    fused kernel), inside a ``torch.func`` transform (``update``) or with
+    non-contiguous tensors, both run multi-tensor (``torch._foreach_*``) kernels over
+    those leaves at once, which read no value back to Python: ``update`` in
+    ``Adam(foreach=True)``'s order, ``update_`` ending the step in the order
+    torch.optim uses for tensor hyperparameters. Elementwise kernels may round
     differently on a stacked tensor than on one member's (SIMD lanes fall
     elsewhere), so in float32 a member can end a few ulps from torch.optim's run of
     it alone: after 1,000 steps the test suite allows 8 ulps (of the larger of the

@@ -231,11 +231,10 @@ def adam_step(
     denom)`` leaves exactly its step ``-step * m / denom``, so ``params + updates``
     rounds as the kernel's in-place step does: ``apply_updates`` then gives bit for
     bit what ``update_`` gives (on leaves ``_fused_fresh`` need not pad). With weight
-    decay the updates are ``new - params``:
-    exact wherever the new value is within a factor 2 of the old (Sterbenz), so
-    ``params + updates`` gives ``new`` back there, and within a rounding of the larger
-    of the two elsewhere (a parameter crossing zero). The other leaves take the
-    multi-tensor ops of ``foreach_adam``.
+    decay the updates are ``new - params``: exact wherever the new value is within a
+    factor 2 of the old (Sterbenz), so ``params + updates`` gives ``new`` back there,
+    and within a rounding of the larger of the two elsewhere (a parameter crossing
+    zero). The other leaves take the multi-tensor ops of ``foreach_adam``.
     """
     o = options
     fused = _fused_split(params, grads, state, o, pure=True)
