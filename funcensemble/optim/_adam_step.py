@@ -289,19 +289,19 @@ def _fused_fresh(
     counts = list(torch._foreach_add(state.counts, 1.0))
     pads = [-p.numel() % _WHOLE_VECTORS for p in params]
     decays = o.weight_decay.value != 0  # a float here: the kernel takes no tensor
-    if not any(pads):  # the usual case: stacked tensors of even sizes
-        mu = [m.clone() for m in state.mu]
-        nu = [v.clone() for v in state.nu]
-        nu_max = [v.clone() for v in state.nu_max]
-        # -0.0 + x is x for every x, -0.0 and +0.0 included: the kernel leaves its step.
-        out = [p.clone() if decays else torch.full_like(p, -0.0) for p in params]
-        gs = grads
-    else:
-        mu = [_fresh(m, pad) for m, pad in zip(state.mu, pads, strict=True)]
-        nu = [_fresh(v, pad) for v, pad in zip(state.nu, pads, strict=True)]
-        nu_max = [_fresh(v, pad) for v, pad in zip(state.nu_max, pads, strict=False)]
-        out = [_fresh(p, pad, copy=decays) for p, pad in zip(params, pads, strict=True)]
-        gs = [_fresh(g, pad) if pad else g for g, pad in zip(grads, pads, strict=True)]
+    mu = [_fresh(m, pad) for m, pad in zip(state.mu, pads, strict=True)]
+    nu = [_fresh(v, pad) for v, pad in zip(state.nu, pads, strict=True)]
+    nu_max = [_fresh(v, pad) for v, pad in zip(state.nu_max, pads, strict=False)]
+    if decays:
+        out = [_fresh(p, pad) for p, pad in zip(params, pads, strict=True)]
+    else:  # -0.0 + x is x for every x, -0.0 and +0.0 included: the kernel leaves its step
+        out = [
+            torch.full((p.numel() + pad,), -0.0, dtype=p.dtype, device=p.device)
+            if pad
+            else torch.full_like(p, -0.0)
+            for p, pad in zip(params, pads, strict=True)
+        ]
+    gs = [_fresh(g, pad) if pad else g for g, pad in zip(grads, pads, strict=True)]
     kernel(
         out,
         gs,
@@ -317,29 +317,19 @@ def _fused_fresh(
         amsgrad=o.amsgrad,
         maximize=o.maximize,
     )
-    if any(pads):
-        mu, nu, nu_max, out = (
-            [_unpadded(t, p) for t, p in zip(ts, params, strict=False)]
-            for ts in (mu, nu, nu_max, out)
-        )
+    for k, pad in enumerate(pads):
+        if pad:  # back to the leaf's shape: a view of the padded tensor's first elements
+            n, shape = params[k].numel(), params[k].shape
+            for ts in (mu, nu, nu_max, out) if o.amsgrad else (mu, nu, out):
+                ts[k] = ts[k][:n].view(shape)
     if decays:
         torch._foreach_sub_(out, params)
     return Moments(mu, nu, nu_max, counts), out
 
 
-def _fresh(t: Tensor, pad: int, *, copy: bool = True) -> Tensor:
-    """A new tensor of ``t``'s values (``copy``) or of ``-0.0``: flattened with ``pad``
-    zeros after it if ``pad``, else shaped like ``t``."""
-    if not pad:
-        return t.clone() if copy else torch.full_like(t, -0.0)
-    if copy:
-        return torch.nn.functional.pad(t.reshape(-1), (0, pad))
-    return torch.full((t.numel() + pad,), -0.0, dtype=t.dtype, device=t.device)
-
-
-def _unpadded(t: Tensor, like: Tensor) -> Tensor:
-    """``t`` without the padding ``_fresh`` added, shaped like ``like``."""
-    return t if t.shape == like.shape else t[: like.numel()].view(like.shape)
+def _fresh(t: Tensor, pad: int) -> Tensor:
+    """A copy of ``t``: flattened with ``pad`` zeros after it if ``pad``."""
+    return torch.constant_pad_nd(t.view(-1), (0, pad)) if pad else t.clone()
 
 
 def foreach_adam(
