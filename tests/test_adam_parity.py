@@ -17,6 +17,7 @@ import functools
 import itertools
 from typing import Any
 
+import optree
 import pytest
 import torch
 from helpers import runtime_typecheck_off
@@ -24,9 +25,13 @@ from helpers import runtime_typecheck_off
 import funcensemble as fe
 
 N, STEPS = 3, 1000
-SHAPES = {"w": (N, 5, 4), "b": (N, 5), "s": (N,)}
-# The pure update runs torch's float-hyperparameter arithmetic in its order (bitwise equal
-# on x86 CPUs); update_ with per-member values ends the step in torch's tensor-
+SHAPES = {"w": (N, 5, 4), "b": (N, 5), "s": (N,), "v": (N, 4, 16)}
+# The leaf whose size is a multiple of 64: torch's fused kernel runs it without a scalar
+# tail, in place as on the pure update's fresh copies (which pads the others).
+WHOLE = ("v",)
+# With float hyperparameters both update and update_ run torch's fused kernel. With
+# per-member values the pure update runs torch's float-hyperparameter arithmetic in its
+# order (bitwise equal on x86 CPUs); update_ ends the step in torch's tensor-
 # hyperparameter order (capturable=True), one rounding per step away from it.
 PURE_ULPS, IN_PLACE_ULPS = 4, 8
 
@@ -172,26 +177,30 @@ def test_float32_thousand_steps_every_path_matches_torch_optim(kind, b2, amsgrad
     flags = {"amsgrad": amsgrad, "maximize": amsgrad}
     grads = gradients(torch.float32)
     multi = torch_params(kind, hp, flags, grads, foreach=True)
-
-    # Pure update + apply_updates: multi-tensor ops in torch's float-hyperparameter order.
     pure = fe_params(kind, hp, flags, grads, "update")
-    assert ulps(pure, multi) <= PURE_ULPS
-
     in_place = fe_params(kind, hp, flags, grads, "update_")
     ensemble = fe_params(kind, hp, flags, grads, "EnsembleOptimizer")
     torch.testing.assert_close(ensemble, in_place, rtol=0, atol=0)  # update_ on .grad
     if per_member:
-        # Multi-tensor ops with [N] views, ending in torch's capturable order.
+        # Multi-tensor ops with [N] views: the pure update in torch's float-hyperparameter
+        # order, update_ ending in torch's capturable order.
+        assert ulps(pure, multi) <= PURE_ULPS
         assert ulps(in_place, multi) <= IN_PLACE_ULPS
     else:
-        # torch's fused kernel on the stacked tensors: against torch's fused Adam per
-        # member it differs only where SIMD lanes split the stacked tensor differently...
+        # torch's fused kernel on the stacked tensors, in place or on fresh copies:
+        # against torch's fused Adam per member it differs only where SIMD lanes split
+        # the stacked tensor differently...
         fused = torch_params(kind, hp, flags, grads, fused=True)
-        assert ulps(in_place, fused) <= IN_PLACE_ULPS
-        # ... and it is no further from torch's for-loop Adam than torch's fused Adam is.
         loop = torch_params(kind, hp, flags, grads, foreach=False)
         assert ulps(multi, loop) <= PURE_ULPS  # torch's two element-wise paths agree
-        assert ulps(in_place, loop) <= ulps(fused, loop) + IN_PLACE_ULPS
+        for ours in (pure, in_place):
+            assert ulps(ours, fused) <= IN_PLACE_ULPS
+            # ... and it is no further from torch's for-loop Adam than torch's fused Adam is.
+            assert ulps(ours, loop) <= ulps(fused, loop) + IN_PLACE_ULPS
+
+
+def part(tree: dict[str, torch.Tensor], keys: Any) -> dict[str, torch.Tensor]:
+    return {k: tree[k] for k in keys}
 
 
 @pytest.mark.parametrize(
@@ -221,17 +230,66 @@ def test_float32_bias_corrections_of_beta2_near_one():
             assert ulps(ours, loop) <= IN_PLACE_ULPS, (steps, path)
 
 
+@pytest.mark.parametrize(("kind", "amsgrad"), [("adam", False), ("adam", True), ("adamw", False)])
+def test_float32_pure_update_is_update_in_place_bit_for_bit_without_weight_decay(kind, amsgrad):
+    # Without weight decay the pure update runs torch's fused kernel on "parameters" of
+    # -0.0 (it never reads them): the updates are the kernel's own step, and
+    # apply_updates rounds params + step as the kernel does in place. (update_ runs the
+    # last elements of the other leaves in its scalar tail, which the pure update pads
+    # away: they agree up to rounding, as the test above checks.)
+    hp = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    flags = {"amsgrad": amsgrad, "maximize": amsgrad}
+    grads = gradients(torch.float32)[:300]
+    pure, pure_state = fe_run(kind, hp, flags, grads, "update")
+    in_place, state = fe_run(kind, hp, flags, grads, "update_")
+    exact = {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(part(pure, WHOLE), part(in_place, WHOLE), **exact)
+    for field in ("mu", "nu", "nu_max"):
+        ours, theirs = getattr(pure_state, field), getattr(state, field)
+        torch.testing.assert_close(part(ours, WHOLE), part(theirs, WHOLE), **exact)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_with_weight_decay_apply_updates_gives_back_the_kernels_parameters(kind):
+    # With weight decay the kernel steps a copy of the parameters and the updates are
+    # new - params: exact where new is within a factor 2 of params (Sterbenz), so
+    # params + updates is the kernel's value there; within a rounding or two of the
+    # larger magnitude where a value crosses zero or moves far. Magnitudes from 1e-4
+    # to 10 and steps of 0.01 give both.
+    g = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(64, 64, generator=g) * torch.logspace(-4, 1, 64)}
+    opt = getattr(fe.optim, kind)(0.01, weight_decay=0.5)
+    state = opt.init(params)
+    eps = torch.finfo(torch.float32).eps
+    for _ in range(3):  # with moments from the earlier steps, as in training
+        grads = {"w": torch.randn(64, 64, generator=g)}
+        kernel, kernel_state = {"w": params["w"].clone()}, optree.tree_map(torch.clone, state)
+        kernel_state = opt.update_(grads, kernel_state, kernel)
+        updates, state = opt.update(grads, state, params)
+        old, new, theirs = params["w"], fe.optim.apply_updates(params, updates)["w"], kernel["w"]
+        torch.testing.assert_close(state, kernel_state, rtol=0, atol=0)
+        near = (
+            (old * theirs > 0) & (theirs.abs() <= 2 * old.abs()) & (old.abs() <= 2 * theirs.abs())
+        )
+        assert 0.05 < near.float().mean() < 0.95  # both kinds of elements are there
+        assert torch.equal(new[near], theirs[near])
+        scale = torch.maximum(old.abs(), theirs.abs())
+        assert ((new - theirs).abs() <= 2 * eps * scale).all()
+        params = {"w": new}
+
+
 # --- one member's non-finite gradients ----------------------------------------------------
 
 BAD = 1  # the member whose gradients go non-finite
 
 
 def poisoned(grads: Grads) -> Grads:
-    """``grads`` with NaN, +inf and -inf in member BAD's gradients at steps 2, 3 and 4."""
+    """``grads`` with NaN, +inf, -inf and +inf in member BAD's gradients at steps 2 to 5."""
     out = [{k: v.clone() for k, v in step.items()} for step in grads]
     out[2]["w"][BAD, 0, 0] = float("nan")
     out[3]["b"][BAD, 3] = float("inf")
     out[4]["s"][BAD] = float("-inf")
+    out[5]["v"][BAD, 2, 7] = float("inf")
     return out
 
 
@@ -258,6 +316,11 @@ def test_non_finite_gradients_of_one_member_leave_the_others_untouched(kind, per
             ours_, clean_ = getattr(state, field)[k], getattr(clean_state, field)[k]
             assert torch.equal(ours_[others], clean_[others]), (k, field)
     # The bad member becomes what torch.optim makes of it alone: NaN where torch has NaN.
+    # torch's fused kernel takes AMSGrad's maximum with std::max in its scalar tail (a
+    # NaN second moment leaves the old maximum) and NaN-propagating in its vector code,
+    # like torch.maximum in torch.optim's other paths. update pads every leaf to whole
+    # vectors: compare it with Adam(foreach=True), whose torch.maximum propagates NaN
+    # as that code does.
     impl = {"foreach": True} if per_member or path == "update" else {"fused": True}
     theirs, their_state = torch_run(kind, hp, flags, bad, **impl)
     assert not torch.isfinite(params["w"][BAD]).all()

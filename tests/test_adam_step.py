@@ -175,7 +175,8 @@ def test_update_in_place_equals_update_then_apply_updates(kind, lr, wd, b1, amsg
 
 def test_non_contiguous_gradients_take_the_multi_tensor_path(fused_calls):
     # torch's CPU fused kernel reads memory linearly: a transposed gradient would give
-    # wrong numbers, so such leaves are stepped with in-place multi-tensor ops instead.
+    # wrong numbers, so such leaves are stepped with multi-tensor ops instead, pure or
+    # in place.
     opt = fe.optim.adam(1e-2, amsgrad=True)
     pure, mutated = int_tree(), int_tree()
     pure_state, state = opt.init(pure), opt.init(mutated)
@@ -185,7 +186,82 @@ def test_non_contiguous_gradients_take_the_multi_tensor_path(fused_calls):
         state = opt.update_(grads_at(step, transposed=True), state, mutated)
     torch.testing.assert_close(mutated, pure, **CLOSE)
     torch.testing.assert_close(state, pure_state, **CLOSE)
-    assert fused_calls == [1, 1]  # only "b", at the steps it has a gradient
+    # Only "b", at the steps it has a gradient (0 and 2): update, then update_.
+    assert fused_calls == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_pure_update_over_two_dtypes_a_padded_leaf_and_a_strided_one(kind, fused_calls):
+    # One fused kernel call per dtype on fresh copies (the leaf of 15 elements padded to
+    # 64), the transposed leaf by multi-tensor ops; all put back in the tree's order,
+    # and nothing of the inputs is written or shared with the results.
+    g = torch.Generator().manual_seed(3)
+    params = {
+        "a": torch.randn(N, 8, 8, generator=g),
+        "b": torch.randn(N, 64, generator=g, dtype=torch.float64),
+        "c": torch.randn(N, 4, 16, generator=g),
+        "d": torch.randn(N, 8, 8, generator=g, dtype=torch.float64),
+        "e": torch.randn(N, 5, generator=g, dtype=torch.float64),
+    }
+    opt = getattr(fe.optim, kind)(1e-2, amsgrad=True, weight_decay=0.0)
+    pure, mutated = dict(params), {k: v.clone() for k, v in params.items()}
+    pure_state, state = opt.init(pure), opt.init(mutated)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
+        grads["d"] = grads["d"].transpose(1, 2).contiguous().transpose(1, 2)  # strided
+        before = optree.tree_map(torch.clone, (pure, pure_state, grads))
+        updates, new_state = opt.update(grads, pure_state, pure)
+        torch.testing.assert_close((pure, pure_state, grads), before, rtol=0, atol=0)
+        inputs = {t.untyped_storage().data_ptr() for t in optree.tree_leaves((pure, pure_state))}
+        outputs = optree.tree_leaves((updates, new_state))
+        assert not inputs & {t.untyped_storage().data_ptr() for t in outputs}
+        pure, pure_state = fe.optim.apply_updates(pure, updates), new_state
+        state = opt.update_(grads, state, mutated)
+    # Without weight decay the leaves of whole vectors match update_ bit for bit; the
+    # padded one runs its last elements in the kernel's vector code, where update_ runs
+    # them in its scalar tail, and the strided one runs multi-tensor ops: both agree
+    # up to rounding.
+    fused = ["a", "b", "c"]
+    exact = {"rtol": 0, "atol": 0}
+    torch.testing.assert_close({k: pure[k] for k in fused}, {k: mutated[k] for k in fused}, **exact)
+    torch.testing.assert_close(pure, mutated, **CLOSE)
+    torch.testing.assert_close(state, pure_state, **CLOSE)
+    # Each of update and update_: float32 (a, c), then float64 (b, e).
+    assert fused_calls == [2, 2, 2, 2] * 3
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pure_update_of_a_member_does_not_depend_on_the_other_members(kind, dtype):
+    # The fused kernel rounds a tensor's last (numel mod vector width) elements in
+    # scalar code: update pads every leaf to whole vectors, so each member's numbers
+    # are the same bit for bit in any split of the ensemble (as ShardedEnsemble and
+    # member selection rely on).
+    g = torch.Generator().manual_seed(4)
+    n = 7
+    params = {
+        "w": torch.randn(n, 8, 8, generator=g, dtype=dtype),
+        "b": torch.randn(n, 5, generator=g, dtype=dtype),  # padded to 64, 64 or 128
+    }
+    grads = [
+        {k: torch.randn(v.shape, generator=g, dtype=dtype) for k, v in params.items()}
+        for _ in range(4)
+    ]
+    opt = getattr(fe.optim, kind)(1e-2, weight_decay=0.1, amsgrad=True)
+
+    def train(members: list[int]) -> dict[str, torch.Tensor]:
+        p = {k: v[members] for k, v in params.items()}
+        state = opt.init(p)
+        for step in grads:
+            updates, state = opt.update({k: v[members] for k, v in step.items()}, state, p)
+            p = fe.optim.apply_updates(p, updates)
+        return p
+
+    whole = train(list(range(n)))
+    for split in ([[0, 1, 2, 3], [4, 5, 6]], [[0, 1, 2, 3, 4, 5], [6]], [[i] for i in range(n)]):
+        parts = [train(members) for members in split]
+        joined = {k: torch.cat([part[k] for part in parts]) for k in params}
+        torch.testing.assert_close(joined, whole, rtol=0, atol=0)
 
 
 def test_state_tensors_are_updated_in_place():

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._messages import boolean as _flag
-from ._adam_step import Moments, Options, adam_step_, foreach_adam
+from ._adam_step import Moments, Options, adam_step, adam_step_, foreach_adam
 from ._hyper import (
     Hyper,
     PerMember,
@@ -51,8 +51,8 @@ class AdamState(NamedTuple):
             its count (and bias correction) falls behind, exactly like torch.optim.
             Members that join an optimizer that has stepped
             ([`fe.optim.concat`][funcensemble.optim.concat]) make it a ``[N]`` tensor,
-            one count per member; ``update_`` then runs the multi-tensor step
-            instead of the fused kernel.
+            one count per member; ``update`` and ``update_`` then run the
+            multi-tensor step instead of the fused kernel.
         mu: First-moment running averages, like the parameters.
         nu: Second-moment running averages, like the parameters.
         nu_max: With ``amsgrad``, the running maximum of ``nu``; otherwise all None.
@@ -307,6 +307,8 @@ def _replaced(
     Module level, not nested in ``update``: the test run's type-checking decorator
     cannot be applied while torch.compile traces.
     """
+    if len(indices) == spec.num_leaves:  # every leaf replaced: nothing to keep of `tree`
+        return spec.unflatten(values)
     return spec.unflatten(scatter(spec.flatten_up_to(tree), indices, values))
 
 
@@ -387,12 +389,11 @@ def _steps(
         new_state = list(state)
         with torch.no_grad():
             if active:
-                new, updates = foreach_adam(
+                new, updates = adam_step(
                     [step.params[i] for i in active],
                     [step.grads[i] for i in active],
                     step.moments,
                     options._replace(lr=step.lr),
-                    in_place=False,
                 )
                 out = scatter(out, active, updates)
                 old = state[at]
@@ -477,21 +478,38 @@ def adam(
     broadcasts over every parameter's leading member axis. Leaves that are not
     floating point (integer buffers) get no state and no update; a leaf whose
     gradient is None is skipped like ``torch.optim`` skips a parameter whose
-    ``.grad`` is None (its moments and step count stay as they are). The update
-    runs as multi-tensor (``torch._foreach_*``) kernels over all leaves at once,
-    records no autograd history, and never reads a value back to Python, so it
-    works under ``torch.compile``.
+    ``.grad`` is None (its moments and step count stay as they are). No step
+    records autograd history.
 
     The arithmetic is torch.optim's: its operations in its order, with the bias
     corrections and step size in double precision as torch.optim's Python floats
-    are. ``update`` follows ``Adam(foreach=True)``; ``update_`` runs
-    ``Adam(fused=True)``'s kernel for float hyperparameters and, for per-member
-    ones, ends the step in the order torch.optim uses for tensor hyperparameters.
-    Elementwise kernels may round differently on a stacked tensor than on one
-    member's (SIMD lanes fall elsewhere), so in float32 a member can end a few ulps
-    from torch.optim's run of it alone: the test suite allows 4 ulps for ``update``
-    and 8 for ``update_`` (of the larger of the parameter and its total change) after
-    1,000 steps, and 1e-12 in float64. A NaN or inf in one member's
+    are. With float hyperparameters (a schedule included) on a device that has it,
+    ``update_`` runs ``Adam(fused=True)``'s kernel on the parameters and state, and
+    ``update`` runs it on fresh copies of the state, so its inputs stay untouched.
+    The CPU kernel rounds a tensor's last ``numel % vector width`` elements in scalar
+    code, unlike the others, so ``update`` pads a leaf whose size is not a multiple
+    of 64 elements: a member's numbers then do not depend on how many members share
+    its tensors (split across devices or selected, it trains alike). On leaves of a
+    multiple of 64 elements and without weight decay, ``update`` returns the kernel's
+    own step, and ``apply_updates`` gives what ``update_`` gives, bit for bit in
+    float32 and float64 (float16 and bfloat16 round the step to the parameter's
+    dtype before it is added). With weight decay the updates are the kernel's new
+    parameters minus the old ones, which ``apply_updates`` adds back exactly
+    wherever the new value is within a factor 2 of the old (Sterbenz's lemma), and
+    elsewhere (a value crossing zero) within a rounding or two of the larger of the
+    two. With per-member values, under ``torch.compile`` (which cannot trace the
+    fused kernel), inside a ``torch.func`` transform (``update``) or with
+    non-contiguous tensors, both run multi-tensor (``torch._foreach_*``) kernels over
+    those leaves at once, which read no value back to Python: ``update`` in
+    ``Adam(foreach=True)``'s order, ``update_`` ending the step in the order
+    torch.optim uses for tensor hyperparameters. Elementwise kernels may round
+    differently on a stacked tensor than on one member's (SIMD lanes fall
+    elsewhere), so in float32 a member can end a few ulps from torch.optim's run of
+    it alone: after 1,000 steps the test suite allows 8 ulps (of the larger of the
+    parameter and its total change) from ``Adam(fused=True)`` for the fused kernel,
+    and no further from torch's for-loop Adam than ``Adam(fused=True)`` is; 4 ulps
+    from ``Adam(foreach=True)`` for ``update``'s multi-tensor ops and 8 for
+    ``update_``'s; and 1e-12 in float64. A NaN or inf in one member's
     gradient makes that member's parameters and state what torch.optim makes of them
     (NaN); every other member is untouched, bit for bit.
 

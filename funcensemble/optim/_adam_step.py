@@ -4,7 +4,7 @@ Nothing here validates: the caller (``_adam``) has checked every list against th
 parameters, so these functions only compute, in place or into fresh tensors.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -14,6 +14,9 @@ from ._hyper import Hyper, is_per_member, per_leaf
 
 # The dtypes torch.optim.Adam(fused=True) accepts.
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Elements that fill whole SIMD vectors of the CPU fused kernel for every dtype and
+# vector width up to 1,024 bits (see `_fused_fresh`).
+_WHOLE_VECTORS = 64
 
 
 class Moments(NamedTuple):
@@ -123,17 +126,34 @@ def _fused_lr(lr: Hyper, device: torch.device) -> float | Tensor | None:
     return value.to(device=device, dtype=torch.promote_types(value.dtype, torch.float32))
 
 
-def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, options: Options) -> None:
-    """One Adam(W) step, in place on ``params`` and ``state``; lists aligned and checked."""
-    o = options
+class _Fused(NamedTuple):
+    """Which leaves of one Adam step torch's fused kernel takes, grouped, and which not."""
+
+    kernel: Any  # torch._fused_adam_ or torch._fused_adamw_
+    lrs: dict[torch.device, float | Tensor]  # the learning rate as the kernel takes it
+    groups: dict[tuple[torch.device, torch.dtype], list[int]]  # one kernel call each
+    rest: list[int]  # leaves for the multi-tensor ops
+
+
+def _fused_split(
+    params: list[Tensor], grads: list[Tensor], state: Moments, o: Options, *, pure: bool
+) -> _Fused:
+    """Split the leaves between torch's fused kernel and the multi-tensor ops.
+
+    The kernel takes float hyperparameters, one float32 step count per tensor, the
+    dtypes and devices ``torch.optim.Adam(fused=True)`` accepts, and contiguous tensors
+    (the CPU kernel walks raw memory: a transposed gradient gives wrong numbers). Under
+    torch.compile it fails functionalization (an internal assert in torch), and the
+    ``pure`` step does not run it on the wrapped tensors of a ``torch.func`` transform:
+    the multi-tensor ops trace and batch, and inductor fuses them anyway.
+    """
     shared = not any(is_per_member(h) for h in (o.b1, o.b2, o.eps, o.weight_decay))
     kernel = _torch_compat.fused_adam_kernel(decoupled=o.decoupled)
     lrs: dict[torch.device, float | Tensor | None] = {}
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     rest = []
-    # Under torch.compile the fused kernel fails functionalization (an internal assert in
-    # torch); the multi-tensor ops trace, and inductor fuses them anyway.
-    devices = frozenset() if torch.compiler.is_compiling() else _torch_compat.fused_adam_devices()
+    off = torch.compiler.is_compiling() or (pure and _torch_compat.inside_transform())
+    devices = frozenset() if off else _torch_compat.fused_adam_devices()
     for k, p in enumerate(params):
         if p.device not in lrs:
             fusable = shared and kernel is not None and p.device.type in devices
@@ -145,7 +165,6 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
             and count.device == p.device
             and count.dtype == torch.float32
             and count.dim() == 0  # the kernel takes one step per tensor
-            # The CPU kernel walks raw memory: a transposed gradient gives wrong numbers.
             and p.is_contiguous()
             and grads[k].is_contiguous()
             and state.mu[k].is_contiguous()
@@ -155,21 +174,33 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
             groups.setdefault((p.device, p.dtype), []).append(k)
         else:
             rest.append(k)
-    for (device, _), ks in groups.items():
-        if len(ks) == len(params):  # the usual case: one device and dtype, all fusable
-            ps, gs, group = params, grads, state
-        else:
-            ps, gs = [params[k] for k in ks], [grads[k] for k in ks]
-            group = Moments(*([field[k] for k in ks] if field else [] for field in state))
+    return _Fused(kernel, lrs, groups, rest)  # type: ignore[arg-type]
+
+
+def _pick(xs: list[Tensor], ks: list[int], everything: bool) -> list[Tensor]:
+    return xs if everything else [xs[k] for k in ks]
+
+
+def _picked(state: Moments, ks: list[int], everything: bool) -> Moments:
+    return Moments(*(_pick(field, ks, everything) if field else [] for field in state))
+
+
+def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, options: Options) -> None:
+    """One Adam(W) step, in place on ``params`` and ``state``; lists aligned and checked."""
+    o = options
+    fused = _fused_split(params, grads, state, o, pure=False)
+    for (device, _), ks in fused.groups.items():
+        everything = len(ks) == len(params)  # the usual case: one device and dtype
+        group = _picked(state, ks, everything)
         torch._foreach_add_(group.counts, 1.0)
-        kernel(  # type: ignore[misc]
-            ps,
-            gs,
+        fused.kernel(
+            _pick(params, ks, everything),
+            _pick(grads, ks, everything),
             group.mu,
             group.nu,
             group.nu_max,
             group.counts,
-            lr=lrs[device],
+            lr=fused.lrs[device],
             beta1=o.b1.value,
             beta2=o.b2.value,
             weight_decay=o.weight_decay.value,
@@ -177,10 +208,128 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
             amsgrad=o.amsgrad,
             maximize=o.maximize,
         )
-    if rest:
-        pick = [params[k] for k in rest], [grads[k] for k in rest]
-        moments = Moments(*([field[k] for k in rest] if field else [] for field in state))
-        foreach_adam(*pick, moments, o, in_place=True)
+    if fused.rest:
+        ks = fused.rest
+        foreach_adam(
+            _pick(params, ks, False),
+            _pick(grads, ks, False),
+            _picked(state, ks, False),
+            o,
+            in_place=True,
+        )
+
+
+def adam_step(
+    params: list[Tensor], grads: list[Tensor], state: Moments, options: Options
+) -> tuple[Moments, list[Tensor]]:
+    """One Adam(W) step into fresh tensors: the new state and the updates; nothing written.
+
+    Where torch's fused kernel applies (see ``_fused_split``) it runs on new tensors:
+    copies of the moments become the new state, and the "parameters" it steps are
+    ``-0.0`` (Adam without weight decay, which never reads them) or a copy of the
+    parameters (weight decay reads them). From ``-0.0`` the kernel's ``p + (-step * m /
+    denom)`` leaves exactly its step ``-step * m / denom``, so ``params + updates``
+    rounds as the kernel's in-place step does: ``apply_updates`` then gives bit for
+    bit what ``update_`` gives (on leaves ``_fused_fresh`` need not pad). With weight
+    decay the updates are ``new - params``: exact wherever the new value is within a
+    factor 2 of the old (Sterbenz), so ``params + updates`` gives ``new`` back there,
+    and within a rounding of the larger of the two elsewhere (a parameter crossing
+    zero). The other leaves take the multi-tensor ops of ``foreach_adam``.
+    """
+    o = options
+    fused = _fused_split(params, grads, state, o, pure=True)
+    n = len(params)
+    parts = []  # (leaf indices, new moments, updates)
+    for (device, _), ks in fused.groups.items():
+        everything = len(ks) == n
+        new, updates = _fused_fresh(
+            fused.kernel,
+            fused.lrs[device],
+            _pick(params, ks, everything),
+            _pick(grads, ks, everything),
+            _picked(state, ks, everything),
+            o,
+        )
+        if everything:  # the usual case: one device and dtype, all fusable
+            return new, updates
+        parts.append((ks, new, updates))
+    if fused.rest:
+        ks = fused.rest
+        picked = _pick(params, ks, False), _pick(grads, ks, False), _picked(state, ks, False)
+        if len(ks) == n:
+            return foreach_adam(*picked, o, in_place=False)
+        parts.append((ks, *foreach_adam(*picked, o, in_place=False)))
+    new = Moments([None] * n, [None] * n, [None] * n if o.amsgrad else [], [None] * n)  # type: ignore[list-item]
+    updates: list[Tensor] = [None] * n  # type: ignore[list-item]
+    for ks, moments, ups in parts:
+        for field, values in zip((*new, updates), (*moments, ups), strict=True):
+            for k, v in zip(ks, values, strict=False):  # nu_max: empty without amsgrad
+                field[k] = v
+    return new, updates
+
+
+def _fused_fresh(
+    kernel: Any,
+    lr: float | Tensor,
+    params: list[Tensor],
+    grads: list[Tensor],
+    state: Moments,
+    o: Options,
+) -> tuple[Moments, list[Tensor]]:
+    """torch's fused kernel on fresh copies of the state: the new state and the updates.
+
+    A leaf whose size is not a multiple of ``_WHOLE_VECTORS`` runs flattened and padded
+    to one (its gradient copied too): the CPU kernel rounds a tensor's last ``numel %
+    vector width`` elements in scalar code, unlike the others, so without the padding
+    which elements land there would depend on how many members the tensor stacks, and
+    a member's numbers would change when the ensemble is split across devices or
+    members are selected. 64 elements make whole vectors for every dtype and vector
+    width up to 1,024 bits, and whole cache-line chunks of ``parallel_for``.
+    """
+    counts = list(torch._foreach_add(state.counts, 1.0))
+    pads = [-p.numel() % _WHOLE_VECTORS for p in params]
+    decays = o.weight_decay.value != 0  # a float here: the kernel takes no tensor
+    mu = [_fresh(m, pad) for m, pad in zip(state.mu, pads, strict=True)]
+    nu = [_fresh(v, pad) for v, pad in zip(state.nu, pads, strict=True)]
+    nu_max = [_fresh(v, pad) for v, pad in zip(state.nu_max, pads, strict=False)]
+    if decays:
+        out = [_fresh(p, pad) for p, pad in zip(params, pads, strict=True)]
+    else:  # -0.0 + x is x for every x, -0.0 and +0.0 included: the kernel leaves its step
+        out = [
+            torch.full((p.numel() + pad,), -0.0, dtype=p.dtype, device=p.device)
+            if pad
+            else torch.full_like(p, -0.0)
+            for p, pad in zip(params, pads, strict=True)
+        ]
+    gs = [_fresh(g, pad) if pad else g for g, pad in zip(grads, pads, strict=True)]
+    kernel(
+        out,
+        gs,
+        mu,
+        nu,
+        nu_max,
+        counts,
+        lr=lr,
+        beta1=o.b1.value,
+        beta2=o.b2.value,
+        weight_decay=o.weight_decay.value,
+        eps=o.eps.value,
+        amsgrad=o.amsgrad,
+        maximize=o.maximize,
+    )
+    for k, pad in enumerate(pads):
+        if pad:  # back to the leaf's shape: a view of the padded tensor's first elements
+            n, shape = params[k].numel(), params[k].shape
+            for ts in (mu, nu, nu_max, out) if o.amsgrad else (mu, nu, out):
+                ts[k] = ts[k][:n].view(shape)
+    if decays:
+        torch._foreach_sub_(out, params)
+    return Moments(mu, nu, nu_max, counts), out
+
+
+def _fresh(t: Tensor, pad: int) -> Tensor:
+    """A copy of ``t``: flattened with ``pad`` zeros after it if ``pad``."""
+    return torch.constant_pad_nd(t.view(-1), (0, pad)) if pad else t.clone()
 
 
 def foreach_adam(
