@@ -108,7 +108,7 @@ def _autograd_step(
         found = torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     grads.update(zip(wrt, found, strict=True))
-    return losses.detach(), grads, _detach(aux)
+    return losses.detach(), grads, _detach(aux) if has_aux else None
 
 
 def _chunked_step(

@@ -388,7 +388,7 @@ def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor
         return None
     # Step out of this vmap level while running on its unwrapped tensors: our kernels
     # (and their autograd.Function) then see no transform at all.
-    with _torch_compat.lower_transform():
+    with _torch_compat.lower_vmap():
         out = run(steps, unwrapped, *found_x)
     if out is None:
         return None
