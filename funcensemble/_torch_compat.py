@@ -77,7 +77,7 @@ import functools
 import importlib
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -293,31 +293,55 @@ _switch_holders = 0
 _switch_saved: tuple[bool, bool] = (True, True)
 
 
-@contextlib.contextmanager
-def no_silent_vmap_loops() -> Iterator[None]:
-    """vmap's per-member fallback loop and ``nn.MultiheadAttention``'s fused fast path off.
+class _NoSilentLoops:
+    __slots__ = ("math_sdpa", "sdpa")
 
-    Safe across threads and nestable: the flags stay off while any thread is inside,
-    and the values they had before the first entry are restored when the last leaves.
-    (Being process-wide in torch, they are off for other threads' plain torch calls
-    meanwhile too.)
-    """
-    global _switch_holders, _switch_saved
-    with _switch_lock:
-        if _switch_holders == 0:
-            _switch_saved = (_fallback_enabled(), torch.backends.mha.get_fastpath_enabled())
-            _set_fallback(False)
-            torch.backends.mha.set_fastpath_enabled(False)
-        _switch_holders += 1
-    try:
-        yield
-    finally:
+    def __init__(self, math_sdpa: bool) -> None:
+        self.math_sdpa = math_sdpa
+
+    def __enter__(self) -> None:
+        global _switch_holders, _switch_saved
+        with _switch_lock:
+            if _switch_holders == 0:
+                _switch_saved = (_fallback_enabled(), torch.backends.mha.get_fastpath_enabled())
+                _set_fallback(False)
+                torch.backends.mha.set_fastpath_enabled(False)
+            _switch_holders += 1
+        if self.math_sdpa:
+            self.sdpa = math_sdpa_only()
+            try:
+                self.sdpa.__enter__()
+            except BaseException:
+                self._leave()
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.math_sdpa:
+                self.sdpa.__exit__(*exc)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        global _switch_holders
         with _switch_lock:
             _switch_holders -= 1
             if _switch_holders == 0:
                 fallback, fastpath = _switch_saved
                 _set_fallback(fallback)
                 torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+def no_silent_vmap_loops(*, math_sdpa: bool = False) -> contextlib.AbstractContextManager:
+    """vmap's per-member fallback loop and ``nn.MultiheadAttention``'s fused fast path off
+    (and, with ``math_sdpa``, [`math_sdpa_only`][] inside).
+
+    Safe across threads and nestable: the flags stay off while any thread is inside,
+    and the values they had before the first entry are restored when the last leaves.
+    (Being process-wide in torch, they are off for other threads' plain torch calls
+    meanwhile too.)
+    """
+    return _NoSilentLoops(math_sdpa)
 
 
 _NO_RULE = re.compile(

@@ -37,8 +37,7 @@ _HINTS["aten::_weight_norm"] = _HINTS["aten::_weight_norm_interface"] = (
 )
 
 
-@contextlib.contextmanager
-def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
+def _no_silent_loops(on_cpu: bool) -> contextlib.AbstractContextManager:
     """Forbid vmap's per-element fallback loop for one call, and avoid its usual causes.
 
     Without this, ops lacking a batching rule silently run one member at a time. Two
@@ -47,17 +46,16 @@ def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
     kernel of ``scaled_dot_product_attention`` (its math backend batches fine).
     """
     if torch.compiler.is_compiling():
-        # Dynamo cannot trace the global fallback/fast-path switches, but it does trace
-        # sdpa_kernel: without it the CPU flash kernel would loop over members.
-        with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
-            yield
-        return
-    with _torch_compat.no_silent_vmap_loops():
-        if on_cpu:
-            with _torch_compat.math_sdpa_only():
-                yield
-        else:
-            yield
+        return _traced_switches(on_cpu)
+    return _torch_compat.no_silent_vmap_loops(math_sdpa=on_cpu)
+
+
+@contextlib.contextmanager
+def _traced_switches(on_cpu: bool) -> Iterator[None]:
+    # Dynamo cannot trace the global fallback/fast-path switches, but it does trace
+    # sdpa_kernel: without it the CPU flash kernel would loop over members.
+    with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
+        yield
 
 
 # Types torch's pytree takes as leaves: arguments of only these are already flat.
@@ -78,7 +76,7 @@ def _all_leaves(args: tuple[Any, ...], dims: tuple[Any, ...], kwargs: dict[str, 
 def _on_cpu(params: Any, buffers: Any) -> bool:
     for tree in (params, buffers):
         for t in tree.values():
-            return t.device.type == "cpu"
+            return t.is_cpu
     return True
 
 
