@@ -256,17 +256,26 @@ def lower_vmap() -> contextlib.AbstractContextManager:
     return _LowerVmap()
 
 
+def _set_math_sdpa_only() -> list[bool]:
+    saved = [get() for get, _, _ in _sdp_switches]
+    for _, set_, value in _sdp_switches:
+        set_(value)
+    return saved
+
+
+def _restore_sdpa(saved: list[bool]) -> None:
+    for (_, set_, _), value in zip(_sdp_switches, saved, strict=True):
+        set_(value)
+
+
 class _MathSdpaOnly:
     __slots__ = ("saved",)
 
     def __enter__(self) -> None:
-        self.saved = [get() for get, _, _ in _sdp_switches]
-        for _, set_, value in _sdp_switches:
-            set_(value)
+        self.saved = _set_math_sdpa_only()
 
     def __exit__(self, *exc: object) -> None:
-        for (_, set_, _), value in zip(_sdp_switches, self.saved, strict=True):
-            set_(value)
+        _restore_sdpa(self.saved)
 
 
 def math_sdpa_only() -> contextlib.AbstractContextManager:
@@ -308,9 +317,8 @@ class _NoSilentLoops:
                 torch.backends.mha.set_fastpath_enabled(False)
             _switch_holders += 1
         if self.math_sdpa:
-            self.sdpa = math_sdpa_only()
             try:
-                self.sdpa.__enter__()
+                self.sdpa = _set_math_sdpa_only()
             except BaseException:
                 self._leave()
                 raise
@@ -318,7 +326,7 @@ class _NoSilentLoops:
     def __exit__(self, *exc: object) -> None:
         try:
             if self.math_sdpa:
-                self.sdpa.__exit__(*exc)
+                _restore_sdpa(self.sdpa)
         finally:
             self._leave()
 

@@ -54,10 +54,10 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
     if kind is nn.Sequential:
         # Sequential.forward runs _modules in order, repeats included (named_children
         # would skip a module instance used twice).
-        return all(
-            child is not None and _visit(child, f"{prefix}{name}.", steps)
-            for name, child in module._modules.items()
-        )
+        for name, child in module._modules.items():
+            if child is None or not _visit(child, f"{prefix}{name}.", steps):
+                return False
+        return True
     if kind is nn.Linear:
         bias = f"{prefix}bias" if module.bias is not None else None
         steps.append((module, f"{prefix}weight", bias))
