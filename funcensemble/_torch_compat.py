@@ -32,7 +32,8 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   interpreter object ([`lower_vmap`][]).
 - ``torch._C._get_<backend>_sdp_enabled``/``_set_sdp_use_<backend>`` (2.0; the
   ``overrideable`` backend where the version has it): what
-  ``torch.nn.attention.sdpa_kernel`` saves, sets and restores ([`math_sdpa_only`][]).
+  ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` saves, sets and restores, done in
+  [`no_silent_vmap_loops`][] without its per-call list building.
 - ``torch._C._functorch._is_vmap_fallback_enabled``, ``_set_vmap_fallback_enabled``
   (2.0): refuse vmap's silent per-member loop for an op without a batching rule. A
   process-wide flag: see [`no_silent_vmap_loops`][] for how threads share it.
@@ -268,22 +269,6 @@ def _restore_sdpa(saved: list[bool]) -> None:
         set_(value)
 
 
-class _MathSdpaOnly:
-    __slots__ = ("saved",)
-
-    def __enter__(self) -> None:
-        self.saved = _set_math_sdpa_only()
-
-    def __exit__(self, *exc: object) -> None:
-        _restore_sdpa(self.saved)
-
-
-def math_sdpa_only() -> contextlib.AbstractContextManager:
-    """``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``: the same flags saved, set and
-    restored, without its per-call list building (it is entered on every call)."""
-    return _MathSdpaOnly()
-
-
 def lower_transform() -> contextlib.AbstractContextManager:
     """Run what follows one transform level down (a batching rule's own kernels)."""
     return _current_interpreter().lower()
@@ -342,7 +327,7 @@ class _NoSilentLoops:
 
 def no_silent_vmap_loops(*, math_sdpa: bool = False) -> contextlib.AbstractContextManager:
     """vmap's per-member fallback loop and ``nn.MultiheadAttention``'s fused fast path off
-    (and, with ``math_sdpa``, [`math_sdpa_only`][] inside).
+    (and, with ``math_sdpa``, the flags ``sdpa_kernel(SDPBackend.MATH)`` sets).
 
     Safe across threads and nestable: the flags stay off while any thread is inside,
     and the values they had before the first entry are restored when the last leaves.

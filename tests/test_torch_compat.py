@@ -169,7 +169,7 @@ def _sdp_flags() -> list[bool]:
     return [get() for get, _, _ in _torch_compat._sdp_switches]
 
 
-def test_math_sdpa_only_sets_and_restores_what_sdpa_kernel_does() -> None:
+def test_the_math_sdpa_switch_sets_and_restores_what_sdpa_kernel_does() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.backends.cuda.enable_flash_sdp(False)  # a user's own setting, kept
@@ -177,7 +177,7 @@ def test_math_sdpa_only_sets_and_restores_what_sdpa_kernel_does() -> None:
         before = _sdp_flags()
         with sdpa_kernel(SDPBackend.MATH):
             expected = _sdp_flags()
-        with _torch_compat.math_sdpa_only():
+        with _torch_compat.no_silent_vmap_loops(math_sdpa=True):
             assert _sdp_flags() == expected
         assert _sdp_flags() == before
     finally:
