@@ -19,6 +19,21 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   vmap as a BatchedTensor.
 - ``torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter().lower()``
   (2.0): run the rule's own kernels one transform level down.
+- ``torch._functorch.vmap._flat_vmap``, ``_unwrap_batched`` and
+  ``lazy_load_decompositions`` (2.0), with a ``torch.utils._pytree.tree_flatten``
+  spec, and ``torch._C._functorch._vmap_increment_nesting``,
+  ``_vmap_decrement_nesting``, ``_remove_batch_dim`` and
+  ``torch._C._is_torch_function_mode_enabled`` (2.0): the steps ``torch.func.vmap``
+  takes once it has flattened and checked its inputs, taken directly for inputs that
+  are already flat and checked ([`vmap_flat`][]), which skips vmap's Python pytree
+  walk.
+- ``torch._C._functorch.pop_dynamic_layer_stack``/``push_dynamic_layer_stack``
+  (2.0): what a vmap interpreter's ``lower()`` does, without building the Python
+  interpreter object ([`lower_vmap`][]).
+- ``torch._C._get_<backend>_sdp_enabled``/``_set_sdp_use_<backend>`` (2.0; the
+  ``overrideable`` backend where the version has it): what
+  ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` saves, sets and restores, done in
+  [`no_silent_vmap_loops`][] without its per-call list building.
 - ``torch._C._functorch._is_vmap_fallback_enabled``, ``_set_vmap_fallback_enabled``
   (2.0): refuse vmap's silent per-member loop for an op without a batching rule. A
   process-wide flag: see [`no_silent_vmap_loops`][] for how threads share it.
@@ -60,15 +75,17 @@ the kernels ``torch.optim`` itself documents as its ``foreach`` implementation.
 
 import contextlib
 import functools
+import importlib
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch._functorch import pyfunctorch as _pyfunctorch
 from torch.nn.modules import module as module_mod
+from torch.utils import _pytree as _torch_pytree
 
 
 def _require(owner: Any, name: str, where: str, since: str) -> Any:
@@ -97,6 +114,29 @@ _set_grad = _require(torch._C, "_set_grad_enabled", "torch._C", "1.0")
 _current_interpreter = _require(
     _pyfunctorch, "retrieve_current_functorch_interpreter", "torch._functorch.pyfunctorch", "2.0"
 )
+_vmap_impl = importlib.import_module("torch._functorch.vmap")
+_flat_vmap = _require(_vmap_impl, "_flat_vmap", "torch._functorch.vmap", "2.0")
+_unwrap_batched = _require(_vmap_impl, "_unwrap_batched", "torch._functorch.vmap", "2.0")
+_load_decompositions = _require(
+    _vmap_impl, "lazy_load_decompositions", "torch._functorch.vmap", "2.0"
+)
+_increment_nesting = _require(_functorch, "_vmap_increment_nesting", "torch._C._functorch", "2.0")
+_decrement_nesting = _require(_functorch, "_vmap_decrement_nesting", "torch._C._functorch", "2.0")
+_remove_batch_dim = _require(_functorch, "_remove_batch_dim", "torch._C._functorch", "2.0")
+_function_mode_on = _require(torch._C, "_is_torch_function_mode_enabled", "torch._C", "2.0")
+_pop_layer = _require(_functorch, "pop_dynamic_layer_stack", "torch._C._functorch", "2.0")
+_push_layer = _require(_functorch, "push_dynamic_layer_stack", "torch._C._functorch", "2.0")
+_SDP_BACKENDS = ("cudnn", "flash", "mem_efficient", "math", "overrideable")
+# (getter, setter, value under sdpa_kernel(MATH)) for each backend this torch has.
+_sdp_switches = [
+    (
+        _require(torch._C, f"_get_{name}_sdp_enabled", "torch._C", "2.0"),
+        _require(torch._C, f"_set_sdp_use_{name}", "torch._C", "2.0"),
+        name == "math",
+    )
+    for name in _SDP_BACKENDS
+    if name != "overrideable" or hasattr(torch._C, "_set_sdp_use_overrideable")
+]
 
 
 # ---- functorch transforms ---------------------------------------------------------------
@@ -145,6 +185,90 @@ def add_batch_dim(t: Tensor, dim: int, level: int) -> Tensor:
     return _add_batch_dim(t, dim, level)
 
 
+@functools.lru_cache(maxsize=64)
+def _flat_spec(count: int) -> Any:
+    """torch's pytree spec of a tuple of ``count`` leaves."""
+    return _torch_pytree.tree_flatten(tuple(range(count)))[1]
+
+
+def vmap_flat(
+    func: Callable[..., Any],
+    batch_size: int,
+    in_dims: list[int | None],
+    args: list[Any],
+    randomness: str,
+) -> Any:
+    """``torch.func.vmap(func, tuple(in_dims), randomness=randomness)(*args)`` where every
+    arg is a pytree leaf (a tensor, a number, a string, ``None``), each ``in_dims`` entry
+    is ``None`` or a non-negative dim, and every mapped arg has ``batch_size`` along it.
+
+    The steps ``torch.func.vmap`` takes once ``_process_batched_inputs`` has flattened
+    and checked its arguments (``_flat_vmap``): for such flat arguments the flattening
+    gives exactly these lists, and the checks are the caller's. Outside a torch
+    function mode its steps are these C calls (its Python wrappers of them only hand
+    over to export's pre-dispatch mode); a tensor output is unwrapped as
+    ``_unwrap_batched`` unwraps one, any other output by ``_unwrap_batched`` itself.
+    Outputs as ``out_dims=0``.
+    """
+    global _decompositions_loaded
+    if _function_mode_on() or _flat_vmap_guards_hooks:
+        # A torch function mode may be export's pre-dispatch tracer, which vmap's steps
+        # hand over to; older torch disables saved-tensor hooks around them: torch's
+        # own _flat_vmap then (its pytree spec of flat args is a tuple of leaves).
+        _load_decompositions()
+        return _flat_vmap(func, batch_size, in_dims, args, _flat_spec(len(args)), 0, randomness)
+    if not _decompositions_loaded:
+        _load_decompositions()  # once: it only ever loads them the first time
+        _decompositions_loaded = True
+    level = _increment_nesting(batch_size, randomness)
+    try:
+        batched = [
+            a if d is None else _add_batch_dim(a, d, level)
+            for a, d in zip(args, in_dims, strict=True)
+        ]
+        out = func(*batched)
+        if type(out) is Tensor:
+            return _remove_batch_dim(out, level, batch_size, 0)
+        return _unwrap_batched(out, 0, level, batch_size, func)
+    finally:
+        _decrement_nesting()
+
+
+_decompositions_loaded = False
+# torch versions whose _flat_vmap is wrapped in doesnt_support_saved_tensors_hooks.
+_flat_vmap_guards_hooks = hasattr(_flat_vmap, "__wrapped__")
+
+
+class _LowerVmap:
+    """``retrieve_current_functorch_interpreter().lower()`` for a vmap interpreter."""
+
+    __slots__ = ("saved",)
+
+    def __enter__(self) -> None:
+        self.saved = _pop_layer()
+
+    def __exit__(self, *exc: object) -> None:
+        _push_layer(self.saved)
+
+
+def lower_vmap() -> contextlib.AbstractContextManager:
+    """[`lower_transform`][] where the innermost transform is known to be a ``vmap``
+    (its ``lower()`` is this pop and push of the layer stack, and nothing else)."""
+    return _LowerVmap()
+
+
+def _set_math_sdpa_only() -> list[bool]:
+    saved = [get() for get, _, _ in _sdp_switches]
+    for _, set_, value in _sdp_switches:
+        set_(value)
+    return saved
+
+
+def _restore_sdpa(saved: list[bool]) -> None:
+    for (_, set_, _), value in zip(_sdp_switches, saved, strict=True):
+        set_(value)
+
+
 def lower_transform() -> contextlib.AbstractContextManager:
     """Run what follows one transform level down (a batching rule's own kernels)."""
     return _current_interpreter().lower()
@@ -163,31 +287,54 @@ _switch_holders = 0
 _switch_saved: tuple[bool, bool] = (True, True)
 
 
-@contextlib.contextmanager
-def no_silent_vmap_loops() -> Iterator[None]:
-    """vmap's per-member fallback loop and ``nn.MultiheadAttention``'s fused fast path off.
+class _NoSilentLoops:
+    __slots__ = ("math_sdpa", "sdpa")
 
-    Safe across threads and nestable: the flags stay off while any thread is inside,
-    and the values they had before the first entry are restored when the last leaves.
-    (Being process-wide in torch, they are off for other threads' plain torch calls
-    meanwhile too.)
-    """
-    global _switch_holders, _switch_saved
-    with _switch_lock:
-        if _switch_holders == 0:
-            _switch_saved = (_fallback_enabled(), torch.backends.mha.get_fastpath_enabled())
-            _set_fallback(False)
-            torch.backends.mha.set_fastpath_enabled(False)
-        _switch_holders += 1
-    try:
-        yield
-    finally:
+    def __init__(self, math_sdpa: bool) -> None:
+        self.math_sdpa = math_sdpa
+
+    def __enter__(self) -> None:
+        global _switch_holders, _switch_saved
+        with _switch_lock:
+            if _switch_holders == 0:
+                _switch_saved = (_fallback_enabled(), torch.backends.mha.get_fastpath_enabled())
+                _set_fallback(False)
+                torch.backends.mha.set_fastpath_enabled(False)
+            _switch_holders += 1
+        if self.math_sdpa:
+            try:
+                self.sdpa = _set_math_sdpa_only()
+            except BaseException:
+                self._leave()
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.math_sdpa:
+                _restore_sdpa(self.sdpa)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        global _switch_holders
         with _switch_lock:
             _switch_holders -= 1
             if _switch_holders == 0:
                 fallback, fastpath = _switch_saved
                 _set_fallback(fallback)
                 torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+def no_silent_vmap_loops(*, math_sdpa: bool = False) -> contextlib.AbstractContextManager:
+    """vmap's per-member fallback loop and ``nn.MultiheadAttention``'s fused fast path off
+    (and, with ``math_sdpa``, the flags ``sdpa_kernel(SDPBackend.MATH)`` sets).
+
+    Safe across threads and nestable: the flags stay off while any thread is inside,
+    and the values they had before the first entry are restored when the last leaves.
+    (Being process-wide in torch, they are off for other threads' plain torch calls
+    meanwhile too.)
+    """
+    return _NoSilentLoops(math_sdpa)
 
 
 _NO_RULE = re.compile(

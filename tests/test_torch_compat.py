@@ -1,9 +1,11 @@
 """The one seam to torch's internals: feature lookups, and flags shared by threads."""
 
+import contextlib
 import threading
 
 import pytest
 import torch
+from helpers import assert_trees_equal
 
 import funcensemble as fe
 from funcensemble import _torch_compat
@@ -107,3 +109,89 @@ def test_transform_helpers_see_vmap_levels():
 def test_a_missing_private_call_fails_at_import_with_the_version():
     with pytest.raises(ImportError, match=r"lacks torch\._C\.no_such_call.*torch >= 2\.9"):
         _torch_compat._require(torch._C, "no_such_call", "torch._C", "2.9")
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """Any torch function mode: vmap_flat then takes torch's own _flat_vmap."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _member(w: torch.Tensor, x: torch.Tensor, scale: float, y: torch.Tensor) -> object:
+    out = torch.tanh(w @ x) * scale
+    return {"out": out, "pair": (out.sum(), y * 2)}
+
+
+@pytest.mark.parametrize("mode", [None, "function mode"])
+def test_vmap_flat_is_torch_func_vmap_on_flat_arguments(mode: str | None) -> None:
+    w, x, y = torch.randn(4, 3, 5), torch.randn(5, 2), torch.randn(2, 4)
+    context = _PassThrough() if mode else contextlib.nullcontext()
+    with context:
+        expected = torch.func.vmap(_member, in_dims=(0, None, None, 1))(w, x, 0.5, y)
+        got = _torch_compat.vmap_flat(_member, 4, [0, None, None, 1], [w, x, 0.5, y], "error")
+        one = _torch_compat.vmap_flat(lambda w: w.sum(), 4, [0], [w], "error")
+    assert_trees_equal(got, expected)
+    assert torch.equal(one, w.sum((1, 2)))
+    assert not _torch_compat.inside_transform()
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_vmap_flat_draws_what_torch_func_vmap_draws(randomness: str) -> None:
+    x = torch.ones(6, 100)
+
+    def drop(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x, 0.5)
+
+    torch.manual_seed(3)
+    expected = torch.func.vmap(drop, randomness=randomness)(x)
+    torch.manual_seed(3)
+    got = _torch_compat.vmap_flat(drop, 6, [0], [x], randomness)
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="randomness"):
+        _torch_compat.vmap_flat(drop, 6, [0], [x], "error")
+    assert not _torch_compat.inside_transform()
+
+
+def test_vmap_flat_refuses_what_torch_func_vmap_refuses() -> None:
+    w = torch.randn(3, 2)
+    with pytest.raises(ValueError) as expected:
+        torch.func.vmap(lambda w: (w, "text"))(w)
+    with pytest.raises(ValueError) as got:
+        _torch_compat.vmap_flat(lambda w: (w, "text"), 3, [0], [w], "error")
+    assert str(got.value) == str(expected.value)
+    with pytest.raises(ZeroDivisionError):  # the level is left whatever func raises
+        _torch_compat.vmap_flat(lambda w: 1 / 0, 3, [0], [w], "error")
+    assert not _torch_compat.inside_transform()
+
+
+def _sdp_flags() -> list[bool]:
+    return [get() for get, _, _ in _torch_compat._sdp_switches]
+
+
+def test_the_math_sdpa_switch_sets_and_restores_what_sdpa_kernel_does() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.backends.cuda.enable_flash_sdp(False)  # a user's own setting, kept
+    try:
+        before = _sdp_flags()
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = _sdp_flags()
+        with _torch_compat.no_silent_vmap_loops(math_sdpa=True):
+            assert _sdp_flags() == expected
+        assert _sdp_flags() == before
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+
+
+def test_lower_vmap_steps_out_of_the_innermost_vmap_and_back() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        level = _torch_compat.vmap_level()
+        with _torch_compat.lower_vmap():
+            lowered = _torch_compat.vmap_level()
+        assert _torch_compat.vmap_level() == level
+        return x * 0 + (-1 if lowered is None else lowered)
+
+    outer = torch.func.vmap(torch.func.vmap(f))(torch.zeros(2, 3))
+    assert torch.equal(outer, torch.ones(2, 3))  # the inner vmap lowered to the outer one
+    assert torch.equal(torch.func.vmap(f)(torch.zeros(2)), -torch.ones(2))

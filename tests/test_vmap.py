@@ -427,3 +427,47 @@ def test_dict_in_dims_pair_by_key_not_by_position():
     members = fe.unstack(fmodel, params, buffers)
     expected = torch.stack([m(a[i] + b) for i, m in enumerate(members)])
     torch.testing.assert_close(out, expected.detach())
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_leaf_arguments_take_the_same_route_as_pytree_arguments(randomness: str) -> None:
+    # Arguments that are all leaves (tensors, numbers, strings, None) go to vmap's steps
+    # directly; the same call with its arguments in one tuple goes through
+    # torch.func.vmap's pytree walk. Outputs, draws and gradients agree bit for bit.
+    fmodel, params, buffers = _dropout_members(3)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    ys = torch.randn(8, 3, 64, dtype=torch.float64)  # per member along dim 1
+    weight = torch.tensor(0.5, dtype=torch.float64)
+
+    def flat(p, b, x, y, scale, name, nothing, weight):
+        assert (name, nothing) == ("loss", None)
+        out = fmodel(p, b, x) * scale
+        return (out - y).pow(2).mean() * weight, out
+
+    def packed(p, b, args, weight):
+        return flat(p, b, *args, weight=weight)
+
+    def run(how: str) -> tuple:
+        torch.manual_seed(5)
+        if how == "flat":
+            f = fe.vmap(flat, in_dims=(None, -2, None, None, None), randomness=randomness)
+            return f(params, buffers, x, ys, 2.0, "loss", None, weight=weight)
+        f = fe.vmap(packed, in_dims=((None, 1, None, None, None),), randomness=randomness)
+        return f(params, buffers, (x, ys, 2.0, "loss", None), weight=weight)
+
+    assert_trees_equal(run("flat"), run("packed"))
+
+    def grads(how: str) -> dict:
+        torch.manual_seed(5)
+        value_and_grad = fe.value_and_grad(
+            flat if how == "flat" else packed,
+            in_dims=(None, 1, None, None, None)
+            if how == "flat"
+            else ((None, 1, None, None, None),),
+            has_aux=True,
+            randomness=randomness,
+        )
+        args = (x, ys, 2.0, "loss", None) if how == "flat" else ((x, ys, 2.0, "loss", None),)
+        return value_and_grad(params, buffers, *args, weight=weight)
+
+    assert_trees_equal(grads("flat"), grads("packed"))

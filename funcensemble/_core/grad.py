@@ -108,7 +108,7 @@ def _autograd_step(
         found = torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     grads.update(zip(wrt, found, strict=True))
-    return losses.detach(), grads, _detach(aux)
+    return losses.detach(), grads, _detach(aux) if has_aux else None
 
 
 def _chunked_step(
@@ -288,7 +288,7 @@ def _value_and_grad(
     def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         check_state_dicts(where, params, buffers)
         trainable = _trainable(params)
-        n = _num_members("vmap", params, buffers)
+        n = _num_members("vmap", params, buffers, checked=True)
         dims = _in_dims.per_argument(in_dims, args, n)
         buffers = {k: v.clone() for k, v in buffers.items()}
         if torch.compiler.is_compiling() or _torch_compat.inside_transform():

@@ -17,6 +17,9 @@ from .. import _tree
 
 InDims = int | None | tuple[Any, ...]
 
+# Tensor types that pytrees take as one leaf.
+_LEAF_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 
 def check_type(where: str, in_dims: Any) -> None:
     """Refuse an ``in_dims`` that is not ``None``, an int or a tuple."""
@@ -73,7 +76,10 @@ def check_member_sizes(
         if dim is None:
             out.append(None)
             continue
-        leaves, flat = leaf_dims(index, arg, dim, where)
+        if type(arg) in _LEAF_TENSORS and type(dim) is int:
+            leaves, flat = [arg], [dim]  # what flattening a tensor gives, without the walk
+        else:
+            leaves, flat = leaf_dims(index, arg, dim, where)
         for leaf, d in zip(leaves, flat, strict=True):
             if d is None:
                 continue

@@ -43,21 +43,35 @@ class _Transaction:
 _current: ContextVar[_Transaction | None] = ContextVar("funcensemble_rollback", default=None)
 
 
+class _Rollback:
+    """The transaction as a context object: entered on every vmap call, so no generator."""
+
+    __slots__ = ("token", "transaction")
+
+    def __init__(self, buffers: Mapping[str, Any]) -> None:
+        self.transaction = _Transaction(buffers)
+
+    def __enter__(self) -> None:
+        self.token = _current.set(self.transaction)
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        try:
+            if kind is not None:
+                self.transaction.restore()
+        finally:
+            _current.reset(self.token)
+
+
 @contextlib.contextmanager
-def rollback_on_error(buffers: Any) -> Iterator[None]:
+def _untracked() -> Iterator[None]:
+    yield
+
+
+def rollback_on_error(buffers: Any) -> contextlib.AbstractContextManager:
     """Run a block; if it raises, put the buffers saved by ``save_before_update`` back."""
     if torch.compiler.is_compiling() or not isinstance(buffers, Mapping):
-        yield
-        return
-    transaction = _Transaction(buffers)
-    token = _current.set(transaction)
-    try:
-        yield
-    except BaseException:
-        transaction.restore()
-        raise
-    finally:
-        _current.reset(token)
+        return _untracked()
+    return _Rollback(buffers)
 
 
 def save_before_update(names: list[str]) -> None:

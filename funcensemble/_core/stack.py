@@ -141,8 +141,11 @@ def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
                 )
 
 
-def _num_members(where: str, params: Any, buffers: Any) -> int:
-    check_state_dicts(where, params, buffers)
+def _num_members(where: str, params: Any, buffers: Any, *, checked: bool = False) -> int:
+    """N, the one leading size of every stacked tensor; ``checked``: the dicts have
+    passed [`check_state_dicts`][] already."""
+    if not checked:
+        check_state_dicts(where, params, buffers)
     sizes = {
         name: (t.shape[0] if t.dim() else None)
         for name, t in list(params.items()) + list(buffers.items())

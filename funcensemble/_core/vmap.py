@@ -37,8 +37,7 @@ _HINTS["aten::_weight_norm"] = _HINTS["aten::_weight_norm_interface"] = (
 )
 
 
-@contextlib.contextmanager
-def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
+def _no_silent_loops(on_cpu: bool) -> contextlib.AbstractContextManager:
     """Forbid vmap's per-element fallback loop for one call, and avoid its usual causes.
 
     Without this, ops lacking a batching rule silently run one member at a time. Two
@@ -47,23 +46,37 @@ def _no_silent_loops(on_cpu: bool) -> Iterator[None]:
     kernel of ``scaled_dot_product_attention`` (its math backend batches fine).
     """
     if torch.compiler.is_compiling():
-        # Dynamo cannot trace the global fallback/fast-path switches, but it does trace
-        # sdpa_kernel: without it the CPU flash kernel would loop over members.
-        with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
-            yield
-        return
-    with _torch_compat.no_silent_vmap_loops():
-        if on_cpu:
-            with sdpa_kernel(SDPBackend.MATH):
-                yield
-        else:
-            yield
+        return _traced_switches(on_cpu)
+    return _torch_compat.no_silent_vmap_loops(math_sdpa=on_cpu)
+
+
+@contextlib.contextmanager
+def _traced_switches(on_cpu: bool) -> Iterator[None]:
+    # Dynamo cannot trace the global fallback/fast-path switches, but it does trace
+    # sdpa_kernel: without it the CPU flash kernel would loop over members.
+    with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
+        yield
+
+
+# Types torch's pytree takes as leaves: arguments of only these are already flat.
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
+
+
+def _all_leaves(args: tuple[Any, ...], dims: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether every argument and keyword value is a pytree leaf, with an int or ``None``
+    member dim, outside ``torch.compile`` (whose tracing of ``torch.func.vmap`` we keep)."""
+    return (
+        all(type(a) in _LEAF_TYPES for a in args)
+        and all(type(v) in _LEAF_TYPES for v in kwargs.values())
+        and all(d is None or type(d) is int for d in dims)
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _on_cpu(params: Any, buffers: Any) -> bool:
     for tree in (params, buffers):
         for t in tree.values():
-            return t.device.type == "cpu"
+            return t.is_cpu
     return True
 
 
@@ -205,23 +218,48 @@ def mapped_call(
         # positional tensors: torch.func.vmap's Python pytree walk of two dicts costs
         # more than a small ensemble's whole forward.
         names, n_params = [*params, *buffers], len(params)
+        n_state = len(names)
+        state = [*params.values(), *buffers.values()]
+        if chunk_size is None and _all_leaves(args, dims, kwargs):
+            # Every argument a leaf too: the inputs are already what vmap's own
+            # flattening would make of them, and checked, so vmap's one call is made
+            # directly (see _torch_compat.vmap_flat), without its pytree walk.
+            def flat_leaves(*flat: Any) -> Any:
+                p = dict(zip(names[:n_params], flat[:n_params], strict=True))
+                b = dict(zip(names[n_params:], flat[n_params:n_state], strict=True))
+                return one_member(p, b, flat[n_state:], kwargs)
 
-        def flat_member(*flat: Any) -> Any:
-            state = dict(zip(names, flat[:-2], strict=True))
-            p = {k: state[k] for k in names[:n_params]}
-            b = {k: state[k] for k in names[n_params:]}
-            return one_member(p, b, flat[-2], flat[-1])
+            flat_dims = [0] * n_state
+            for arg, dim in zip(args, dims, strict=True):
+                flat_dims.append(dim if dim is None or dim >= 0 else dim + arg.dim())
 
-        vmapped = torch.func.vmap(
-            flat_member,
-            in_dims=(*[0] * len(names), dims, None),
-            randomness=randomness,
-            chunk_size=chunk_size,
-        )
+            def call() -> Any:
+                n = state[0].shape[0]
+                return _torch_compat.vmap_flat(
+                    flat_leaves, n, flat_dims, [*state, *args], randomness
+                )
+
+        else:
+
+            def flat_member(*flat: Any) -> Any:
+                p = dict(zip(names[:n_params], flat[:n_params], strict=True))
+                b = dict(zip(names[n_params:], flat[n_params:n_state], strict=True))
+                return one_member(p, b, flat[-2], flat[-1])
+
+            vmapped = torch.func.vmap(
+                flat_member,
+                in_dims=(*[0] * n_state, dims, None),
+                randomness=randomness,
+                chunk_size=chunk_size,
+            )
+
+            def call() -> Any:
+                return vmapped(*state, args, kwargs)
+
         try:
             # A call that raises leaves the buffers as they were (see _rollback).
             with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
-                return vmapped(*params.values(), *buffers.values(), args, kwargs)
+                return call()
         except RuntimeError as error:
             clear = _explain(error, randomness)
             if clear is None:

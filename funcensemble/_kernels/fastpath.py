@@ -54,10 +54,10 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
     if kind is nn.Sequential:
         # Sequential.forward runs _modules in order, repeats included (named_children
         # would skip a module instance used twice).
-        return all(
-            child is not None and _visit(child, f"{prefix}{name}.", steps)
-            for name, child in module._modules.items()
-        )
+        for name, child in module._modules.items():
+            if child is None or not _visit(child, f"{prefix}{name}.", steps):
+                return False
+        return True
     if kind is nn.Linear:
         bias = f"{prefix}bias" if module.bias is not None else None
         steps.append((module, f"{prefix}weight", bias))
@@ -388,7 +388,7 @@ def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor
         return None
     # Step out of this vmap level while running on its unwrapped tensors: our kernels
     # (and their autograd.Function) then see no transform at all.
-    with _torch_compat.lower_transform():
+    with _torch_compat.lower_vmap():
         out = run(steps, unwrapped, *found_x)
     if out is None:
         return None
