@@ -36,6 +36,26 @@ def _all_stacked(ts: Sequence[Tensor], dims: Sequence[int | None], size: int) ->
     return [_stacked(t, d, size) for t, d in zip(ts, dims, strict=True)]
 
 
+def _save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    """The forwards' ``setup_context``: the input, the output, the weights and the hidden
+    activations (which are for backward only, not differentiable outputs)."""
+    x, has_bias, acts, num_w, *params = inputs
+    ctx.has_bias, ctx.acts, ctx.num_w = has_bias, acts, num_w
+    ctx.save_for_backward(x, output[0], *params[:num_w], *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward_by(backward: type[torch.autograd.Function], ctx: Any, grad: Tensor) -> tuple:
+    """The forwards' ``backward``: ``backward.apply`` on what ``_save_for_backward`` kept."""
+    x, out, *rest = ctx.saved_tensors
+    weights, hidden = rest[: ctx.num_w], rest[ctx.num_w :]
+    need_x = ctx.needs_input_grad[0]
+    found = backward.apply(
+        grad, out, x, ctx.has_bias, ctx.acts, need_x, ctx.num_w, *weights, *hidden
+    )
+    return (found[0] if need_x else None, None, None, None, *found[1:])
+
+
 class _StackedForward(torch.autograd.Function):
     """``_mlp_op.mlp_forward`` with an autograd that ``torch.func.grad`` can run (a
     ``torch.func.grad`` around the vmap that reached the stacked op): a custom op's
@@ -48,22 +68,11 @@ class _StackedForward(torch.autograd.Function):
         outs = _mlp_op.mlp_forward(x, list(params[:num_w]), list(params[num_w:]), has_bias, acts)
         return tuple(outs)
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        x, has_bias, acts, num_w, *params = inputs
-        ctx.has_bias, ctx.acts, ctx.num_w = has_bias, acts, num_w
-        ctx.save_for_backward(x, output[0], *params[:num_w], *output[1:])
-        ctx.mark_non_differentiable(*output[1:])
+    setup_context = staticmethod(_save_for_backward)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        x, out, *rest = ctx.saved_tensors
-        weights, hidden = rest[: ctx.num_w], rest[ctx.num_w :]
-        need_x = ctx.needs_input_grad[0]
-        found = _StackedBackward.apply(
-            grad, out, x, ctx.has_bias, ctx.acts, need_x, ctx.num_w, *weights, *hidden
-        )
-        return (found[0] if need_x else None, None, None, None, *found[1:])
+        return _backward_by(_StackedBackward, ctx, grad)
 
 
 class _StackedBackward(torch.autograd.Function):
@@ -103,22 +112,11 @@ class _Forward(torch.autograd.Function):
         )
         return tuple(o.squeeze(0) for o in outs)
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        x, has_bias, acts, num_w, *params = inputs
-        ctx.has_bias, ctx.acts, ctx.num_w = has_bias, acts, num_w
-        ctx.save_for_backward(x, output[0], *params[:num_w], *output[1:])
-        ctx.mark_non_differentiable(*output[1:])  # hidden activations: for backward only
+    setup_context = staticmethod(_save_for_backward)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, *_: Tensor) -> tuple[Tensor | None, ...]:
-        x, out, *rest = ctx.saved_tensors
-        weights, hidden = rest[: ctx.num_w], rest[ctx.num_w :]
-        need_x = ctx.needs_input_grad[0]
-        found = _Backward.apply(
-            grad, out, x, ctx.has_bias, ctx.acts, need_x, ctx.num_w, *weights, *hidden
-        )
-        return (found[0] if need_x else None, None, None, None, *found[1:])
+        return _backward_by(_Backward, ctx, grad)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x, has_bias, acts, num_w, *params):
