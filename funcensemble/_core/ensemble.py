@@ -16,7 +16,7 @@ from .in_dims import InDims
 from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
 from .seeding import check_seed, global_rng_restored_on_error, member_seed, seeded_cpu_rng
 from .skeleton import meta_skeleton, replace_tensors
-from .stack import member_module, stack_as, stack_members
+from .stack import member_list, member_module, stack_as, stack_members
 from .tree_view import register_view
 from .vmap import Randomness, check_options, mapped_call
 
@@ -318,18 +318,7 @@ class Ensemble(nn.Module):
             check_same_architecture(where, n, ref, modules.member(0))
             params, buffers = modules.stacked_params(), modules.stacked_buffers()
         else:
-            if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
-                raise TypeError(
-                    f"{where}: modules is a single module (expected a sequence of modules "
-                    f"such as a list, or an Ensemble, got a single {type(modules).__name__}). "
-                    "Wrap it in a list."
-                )
-            modules = list(modules)
-            if not modules:
-                raise ValueError(
-                    f"{where}: modules is empty (expected at least one module, got 0). Pass "
-                    "one module per member."
-                )
+            modules = member_list(where, modules, "a list, or an Ensemble")
             for k, module in enumerate(modules):
                 check_same_architecture(where, n + k, ref, check_is_module(where, n + k, module))
             _, params, buffers = stack_as(where, modules)

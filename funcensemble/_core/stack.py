@@ -59,22 +59,34 @@ def stack(
     return stack_as("stack", modules)
 
 
-def stack_as(
-    where: str, modules: Sequence[nn.Module] | nn.ModuleList
-) -> tuple[FunctionalModule, dict[str, Tensor], dict[str, Tensor]]:
-    """[`stack`][funcensemble.stack], with errors naming the public entry point ``where``."""
+def member_list(
+    where: str,
+    modules: object,  # checked here: a single module or nothing gets a clear error
+    sequences: str = "a list or an nn.ModuleList",
+) -> list[nn.Module]:
+    """``modules`` as a non-empty list, or a clear error for a single module or none.
+
+    ``sequences`` names what ``where`` accepts in the error message.
+    """
     if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
         raise TypeError(
-            f"{where}: modules is a single module (expected a sequence of modules such as a "
-            f"list or an nn.ModuleList, got a single {type(modules).__name__}). Wrap it in a "
-            "list."
+            f"{where}: modules is a single module (expected a sequence of modules such as "
+            f"{sequences}, got a single {type(modules).__name__}). Wrap it in a list."
         )
-    modules = list(modules)
+    modules = list(modules)  # type: ignore[call-overload]
     if not modules:
         raise ValueError(
             f"{where}: modules is empty (expected at least one module, got 0). Pass one "
             "module per member."
         )
+    return modules
+
+
+def stack_as(
+    where: str, modules: Sequence[nn.Module] | nn.ModuleList
+) -> tuple[FunctionalModule, dict[str, Tensor], dict[str, Tensor]]:
+    """[`stack`][funcensemble.stack], with errors naming the public entry point ``where``."""
+    modules = member_list(where, modules)
     first, params, buffers = stack_members(where, iter(modules), len(modules))
     return FunctionalModule(meta_skeleton(first)), params, buffers
 

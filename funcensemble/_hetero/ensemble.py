@@ -11,6 +11,7 @@ from .._checkpoint.state_dict_checks import check_groups_loadable
 from .._core import in_dims as _in_dims
 from .._core.ensemble import Ensemble
 from .._core.in_dims import InDims
+from .._core.stack import member_list
 from .._core.tree_view import register_view
 from .._core.vmap import Randomness
 from ..optim._protocol import GradientTransformation
@@ -76,18 +77,7 @@ class HeteroEnsemble(nn.Module):
         chunk_size: int | None = None,
     ) -> None:
         where = "HeteroEnsemble"
-        if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
-            raise TypeError(
-                f"{where}: modules is a single module (expected a sequence of modules such "
-                f"as a list or an nn.ModuleList, got a single {type(modules).__name__}). "
-                "Wrap it in a list."
-            )
-        modules = list(modules)
-        if not modules:
-            raise ValueError(
-                f"{where}: modules is empty (expected at least one module, got 0). Pass "
-                "one module per member."
-            )
+        modules = member_list(where, modules)
         members = group_by_architecture(where, modules)
         ensembles = [
             Ensemble([modules[i] for i in group], randomness=randomness, chunk_size=chunk_size)
