@@ -73,13 +73,13 @@ def member_list(
             f"{where}: modules is a single module (expected a sequence of modules such as "
             f"{sequences}, got a single {type(modules).__name__}). Wrap it in a list."
         )
-    modules = list(modules)  # type: ignore[call-overload]
-    if not modules:
+    members: list[nn.Module] = list(modules)  # type: ignore[call-overload]
+    if not members:
         raise ValueError(
             f"{where}: modules is empty (expected at least one module, got 0). Pass one "
             "module per member."
         )
-    return modules
+    return members
 
 
 def stack_as(
