@@ -19,6 +19,7 @@ from .. import _torch_compat
 from . import linear_act as _linear_act
 from . import mlp_member_op as _mlp_member_op
 from . import mlp_op as _mlp_op
+from . import tanh as _tanh
 from . import workspace as _workspace
 
 _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
@@ -90,6 +91,21 @@ _IN_PLACE: dict[type, Callable[[Tensor], Tensor]] = {
     nn.Sigmoid: torch.sigmoid_,
     nn.ReLU: torch.relu_,
 }
+
+
+def _activate_fresh(kind: type, h: Tensor) -> Tensor:
+    """``_IN_PLACE[kind](h)``; a CPU float32 ``Tanh`` as ``_tanh.ExpTanh`` where the
+    kept-buffer layers compute it so (eager, outside other transforms): the same numbers
+    whichever of the two runs a member."""
+    if (
+        kind is nn.Tanh
+        and _tanh.replaces(h)
+        and not torch.compiler.is_compiling()
+        and not _torch_compat.inside_transform()
+        and not _torch_compat.forward_ad_active()
+    ):
+        return _tanh.ExpTanh.apply(h)
+    return _IN_PLACE[kind](h)
 
 
 def width_error(where: str, weight: str, shape: tuple[int, ...], got: int, *, first: bool) -> str:
@@ -203,7 +219,7 @@ def _chain(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int, *, shared:
             if fresh and kind in _IN_PLACE:
                 # In place on h itself, never on a view of it: autograd would record
                 # a copy of the whole base for an in-place op on a view.
-                h = _IN_PLACE[kind](h)
+                h = _activate_fresh(kind, h)
             else:
                 h = _ELEMENTWISE[kind](module, h)
             fresh = False

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import tanh as _tanh
 from . import workspace as _workspace
 
 # Activations whose derivative is a function of their output, applied in place.
 ACTIVATIONS: dict[type, str] = {nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.ReLU: "relu"}
 
-_IN_PLACE = {"tanh": torch.tanh_, "sigmoid": torch.sigmoid_, "relu": torch.relu_}
+_IN_PLACE = {"tanh": _tanh.tanh_, "sigmoid": torch.sigmoid_, "relu": torch.relu_}
 
 
 def _act_backward(act: str, g: Tensor, y: Tensor, out: Tensor | None) -> Tensor:

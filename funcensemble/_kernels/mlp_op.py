@@ -21,6 +21,7 @@ handled here; they keep the traced path.
 import torch
 from torch import Tensor, nn
 
+from . import tanh as _tanh
 from . import workspace as _workspace
 
 # Activation codes: how the op's integer list names what follows each Linear.
@@ -51,7 +52,7 @@ def layers(steps: list) -> tuple[list[str], list[str | None], list[int]] | None:
 
 def _activate_(z: Tensor, act: int) -> Tensor:
     if act == TANH:
-        return z.tanh_()
+        return _tanh.tanh_(z)
     if act == SIGMOID:
         return z.sigmoid_()
     if act == RELU:

@@ -1,0 +1,162 @@
+"""The fast path's float32 CPU tanh (``_tanh``: ``e / (e + 2)``, ``e = expm1(2x)``):
+its accuracy, its specials, its gradient, and a member's numbers on every route."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcensemble as fe
+from funcensemble._kernels import tanh as _tanh
+from funcensemble._kernels import workspace as _workspace
+
+# Measured over every finite float32 (2**32 values): at most 2.4984 ulp (MKL's tanh: 0.51).
+MAX_ULP = 2.5
+
+
+def _ulps(got: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """|got - tanh(x)| in units of the float32 spacing at the correctly rounded tanh."""
+    exact = torch.tanh(x.double())
+    rounded = exact.float()
+    spacing = (torch.nextafter(rounded.abs(), torch.tensor(float("inf"))) - rounded.abs()).double()
+    return (got.double() - exact).abs() / spacing
+
+
+def _fast(x: torch.Tensor) -> torch.Tensor:
+    with _tanh.forced(True):
+        return _tanh.tanh_(x.clone())
+
+
+def test_within_2_5_ulp_of_the_exact_tanh_over_the_float32_range():
+    # Every 512th bit pattern of the non-negative finite floats, both signs, and a
+    # dense grid where tanh bends (the exhaustive sweep took 6 minutes: done once).
+    bits = torch.arange(0, 0x7F800000, 512, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.cat([x, -x, torch.linspace(-10, 10, 2_000_001)])
+    ulps = _ulps(_fast(x), x)
+    assert ulps.max().item() <= MAX_ULP
+    assert ulps.mean().item() < 0.5
+
+
+def test_specials_are_tanhs_own():
+    # (Near 9.0109, where tanh rounds to 1, MKL's tanh gives 1.0 a little early; ours
+    # rounds as the exact value does: the sweep above covers it.)
+    x = torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-38, -1e-45, 9.1, 88.0, -1e30]
+    )
+    got, want = _fast(x), torch.tanh(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(got[keep], want[keep])
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 stays -0.0
+
+
+def test_replaces_only_cpu_float32_and_follows_the_cpu():
+    with _tanh.forced(True):
+        assert _tanh.replaces(torch.zeros(3))
+        assert not _tanh.replaces(torch.zeros(3, dtype=torch.float64))
+        assert not _tanh.replaces(torch.zeros(3, dtype=torch.bfloat16))
+        assert not _tanh.replaces(torch.zeros(3, device="meta"))
+    with _tanh.forced(False):
+        assert not _tanh.replaces(torch.zeros(3))
+        z = torch.randn(100)
+        assert torch.equal(_tanh.tanh_(z.clone()), torch.tanh(z))
+    assert _tanh.replaces(torch.zeros(3)) == _tanh._slow_mkl_tanh()
+
+
+def test_exp_tanh_is_differentiated_as_autograd_differentiates_tanh():
+    torch.manual_seed(0)
+    x = torch.randn(6, 40, requires_grad=True)
+    g = torch.randn(6, 40)
+    with _tanh.forced(True):
+        y = _tanh.ExpTanh.apply(x * 1.0)  # a fresh intermediate, as in the chain
+    assert torch.equal(y.detach(), _fast(x.detach()))
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert torch.equal(gx, torch.ops.aten.tanh_backward(g, y.detach()))
+    # Second derivatives: through tanh_backward of the saved output, as torch.tanh's.
+    with _tanh.forced(True):
+        y = _tanh.ExpTanh.apply(x * 1.0)
+    (gx,) = torch.autograd.grad(y, x, g, create_graph=True)
+    (ggx,) = torch.autograd.grad(gx.sum(), x)
+    yd = y.detach()
+    assert torch.allclose(ggx, -2 * yd * (1 - yd**2) * g, rtol=1e-5, atol=1e-6)
+
+
+def _heads(n: int, dtype: torch.dtype = torch.float32) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Sequential(
+            nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4)
+        ).to(dtype)
+        for _ in range(n)
+    ]
+
+
+def _steps(members: list[nn.Module], x: torch.Tensor, y: torch.Tensor, steps: int = 3):
+    ens = fe.Ensemble(copy.deepcopy(members))
+    opt = torch.optim.Adam(ens.parameters(), lr=1e-2)
+    outs = []
+    for _ in range(steps):
+        out = ens(x)
+        outs.append(out.detach().clone())
+        loss = F.mse_loss(out, y, reduction="none").mean(dim=(1, 2)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return outs, ens.stacked.state_dict()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_member_gets_the_same_numbers_alone_and_among_many(enabled, monkeypatch):
+    """One member alone runs the plain-op chain, among 64 the kept-buffer layers (its
+    outputs pass the pool's threshold): bit for bit the same outputs and parameters."""
+    monkeypatch.setattr(_workspace, "MIN_BYTES", 64 * 1024)
+    members = _heads(64)
+    x = torch.randn(256, 8)
+    y = torch.randn(64, 256, 4)
+    with _tanh.forced(enabled):
+        many_out, many_state = _steps(members, x, y)
+        one_out, one_state = _steps(members[5:6], x, y[5:6])
+    for a, b in zip(many_out, one_out, strict=True):
+        assert torch.equal(a[5:6], b)
+    for k, v in one_state.items():
+        assert torch.equal(many_state[k][5:6], v), k
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("n", [1, 64])
+def test_training_matches_the_loop_in_float32(enabled, n):
+    members = _heads(n)
+    loop = copy.deepcopy(members)
+    x = torch.randn(256, 8)
+    y = torch.randn(n, 256, 4)
+    opt = torch.optim.Adam([p for m in loop for p in m.parameters()], lr=1e-2)
+    want = []
+    for _ in range(3):
+        out = torch.stack([m(x) for m in loop])
+        want.append(out.detach().clone())
+        loss = torch.stack([F.mse_loss(out[i], y[i]) for i in range(n)]).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with _tanh.forced(enabled):
+        got, state = _steps(members, x, y)
+    # Adam at lr 1e-2 turns rounding differences of the gradient into parameter
+    # differences of up to a few 1e-6 (the batched GEMMs round unlike the loop's too).
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    loop_state = fe.stack(loop)[1]
+    for k, v in state.items():
+        torch.testing.assert_close(v, loop_state[k], rtol=1e-4, atol=1e-5)
+
+
+def test_float64_is_torch_tanh_bit_for_bit():
+    members = _heads(64, torch.float64)
+    x = torch.randn(256, 8, dtype=torch.float64)
+    with _tanh.forced(True):
+        on = fe.Ensemble(members)(x)
+    with _tanh.forced(False):
+        off = fe.Ensemble(members)(x)
+    assert torch.equal(on, off)
