@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcensemble as fe
+from funcensemble._kernels import mlp_op as _mlp_op
 from funcensemble._kernels import tanh as _tanh
 from funcensemble._kernels import workspace as _workspace
 
@@ -110,8 +111,9 @@ def _steps(members: list[nn.Module], x: torch.Tensor, y: torch.Tensor, steps: in
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_member_gets_the_same_numbers_alone_and_among_many(enabled, monkeypatch):
-    """One member alone runs the plain-op chain, among 64 the kept-buffer layers (its
-    outputs pass the pool's threshold): bit for bit the same outputs and parameters."""
+    """One member alone runs the plain-op chain (``ExpTanh``), among 64 the kept-buffer
+    layers (its outputs pass the pool's threshold): bit for bit the same outputs and
+    parameters, with the replacement on and off."""
     monkeypatch.setattr(_workspace, "MIN_BYTES", 64 * 1024)
     members = _heads(64)
     x = torch.randn(256, 8)
@@ -160,3 +162,22 @@ def test_float64_is_torch_tanh_bit_for_bit():
     with _tanh.forced(False):
         off = fe.Ensemble(members)(x)
     assert torch.equal(on, off)
+
+
+def test_the_compiled_op_and_inference_compute_what_the_eager_layers_do():
+    """``mlp_op.mlp_forward`` (what compiled code runs), the kept-buffer layers and the
+    plain-op chain without grad give one member the same output bit for bit."""
+    members = _heads(64)
+    x = torch.randn(256, 8)
+    params = fe.stack(members)[1]
+    weights = [params[f"{i}.weight"].detach() for i in (0, 2, 4)]
+    biases = [params[f"{i}.bias"].detach() for i in (0, 2, 4)]
+    acts = [_mlp_op.TANH, _mlp_op.TANH, _mlp_op.NONE]
+    with _tanh.forced(True), torch.no_grad():
+        eager = fe.Ensemble(members)(x)
+        alone = fe.Ensemble(members[5:6])(x)
+        op = _mlp_op.mlp_forward(x, weights, biases, [True] * 3, acts)
+    assert torch.equal(eager, op[0])
+    assert torch.equal(eager[5:6], alone)
+    with _tanh.forced(False), torch.no_grad():
+        assert not torch.equal(fe.Ensemble(members)(x), eager)  # the replacement ran

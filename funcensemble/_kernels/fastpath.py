@@ -94,18 +94,19 @@ _IN_PLACE: dict[type, Callable[[Tensor], Tensor]] = {
 
 
 def _activate_fresh(kind: type, h: Tensor) -> Tensor:
-    """``_IN_PLACE[kind](h)``; a CPU float32 ``Tanh`` as ``_tanh.ExpTanh`` where the
-    kept-buffer layers compute it so (eager, outside other transforms): the same numbers
-    whichever of the two runs a member."""
+    """``_IN_PLACE[kind](h)``, with a CPU float32 ``Tanh`` computed as the kept-buffer
+    layers compute it (``_tanh``) wherever they could run instead (eager, outside other
+    transforms): a member's numbers do not depend on which of the two runs it."""
     if (
-        kind is nn.Tanh
-        and _tanh.replaces(h)
-        and not torch.compiler.is_compiling()
-        and not _torch_compat.inside_transform()
-        and not _torch_compat.forward_ad_active()
+        kind is not nn.Tanh
+        or not _tanh.replaces(h)
+        or torch.compiler.is_compiling()
+        or _torch_compat.inside_transform()
+        or _torch_compat.forward_ad_active()
     ):
-        return _tanh.ExpTanh.apply(h)
-    return _IN_PLACE[kind](h)
+        return _IN_PLACE[kind](h)
+    # Without grad, no autograd.Function: its overhead is a third of a small layer's.
+    return _tanh.ExpTanh.apply(h) if torch.is_grad_enabled() else _tanh.tanh_(h)
 
 
 def width_error(where: str, weight: str, shape: tuple[int, ...], got: int, *, first: bool) -> str:
