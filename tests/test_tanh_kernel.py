@@ -181,3 +181,22 @@ def test_the_compiled_op_and_inference_compute_what_the_eager_layers_do():
     assert torch.equal(eager[5:6], alone)
     with _tanh.forced(False), torch.no_grad():
         assert not torch.equal(fe.Ensemble(members)(x), eager)  # the replacement ran
+
+
+def test_chunked_value_and_grad_gives_the_unchunked_numbers():
+    """One member at a time (each chunk's layer below 16,384 values): the same values
+    bit for bit as all members at once, replacement on."""
+    members = _heads(64)
+    fmodel, params, buffers = fe.stack(members)
+    x = torch.randn(256, 8)
+    y = torch.randn(64, 256, 4)
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    with _tanh.forced(True):
+        whole = fe.value_and_grad(loss_fn, in_dims=(None, 0))(params, buffers, x, y)
+        chunked = fe.value_and_grad(loss_fn, in_dims=(None, 0), chunk_size=1)(params, buffers, x, y)
+    assert torch.equal(whole[0], chunked[0])
+    for k, g in whole[1].items():
+        assert torch.equal(g, chunked[1][k]), k

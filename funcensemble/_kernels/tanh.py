@@ -30,7 +30,7 @@ from . import workspace as _workspace
 
 # tanh(x) rounds to 1 in float32 from x = 9.0109; the clamp keeps expm1(2x) finite.
 _CLAMP = 10.0
-_TWO = torch.tensor(2.0)
+_TWO = torch.tensor(2.0, dtype=torch.float32, device="cpu")  # whatever the defaults at import
 
 
 @functools.cache
