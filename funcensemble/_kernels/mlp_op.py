@@ -170,7 +170,9 @@ def mlp_backward(
         if i == 0 and shared:
             g2 = g.reshape(g.shape[0] * g.shape[1], g.shape[-1])  # [N * out, rows]
             gw = _workspace.empty((g2.shape[0], h.shape[0]), w)
-            grad_w[i] = torch.mm(g2, h.t(), out=gw).view_as(w)
+            # g @ x as g @ (x^T, row-major)^T, the orientation the eager layers use: on
+            # x itself MKL's narrow [N * out, in] product is 2.2x slower (S: 0.62 ms).
+            grad_w[i] = torch.mm(g2, h.contiguous().t(), out=gw).view_as(w)
             if need_x:
                 grad_x = torch.mm(g2.t(), w.reshape(-1, w.shape[-1]))  # [rows, in]
         else:
