@@ -184,8 +184,8 @@ def test_the_compiled_op_and_inference_compute_what_the_eager_layers_do():
 
 
 def test_chunked_value_and_grad_gives_the_unchunked_numbers():
-    """One member at a time (each chunk's layer below 16,384 values): the same values
-    bit for bit as all members at once, replacement on."""
+    """One member at a time (the plain-op chain) gives the same values bit for bit as
+    all members at once (the kept-buffer layers), replacement on."""
     members = _heads(64)
     fmodel, params, buffers = fe.stack(members)
     x = torch.randn(256, 8)
@@ -200,3 +200,18 @@ def test_chunked_value_and_grad_gives_the_unchunked_numbers():
     assert torch.equal(whole[0], chunked[0])
     for k, g in whole[1].items():
         assert torch.equal(g, chunked[1][k]), k
+
+
+def test_inside_another_torch_func_transform_tanh_is_torchs():
+    """Documented: eager calls inside other ``torch.func`` transforms run ``torch.tanh``,
+    so forcing the replacement on changes nothing there."""
+    members = _heads(8)
+    xs = torch.randn(3, 256, 8)
+    ens = fe.Ensemble(members)
+    with _tanh.forced(True):
+        on = torch.func.vmap(ens)(xs)
+    with _tanh.forced(False):
+        off = torch.func.vmap(ens)(xs)
+        plain = torch.stack([ens(x) for x in xs])
+    assert torch.equal(on, off)
+    torch.testing.assert_close(on, plain, rtol=1e-5, atol=1e-6)
