@@ -43,9 +43,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 	$(BIN)/mkdocs build --strict --quiet
 
-$(OLD_STAMP): pyproject.toml Makefile
+# torch 2.6.0's CUDA build is about 5 GB installed; .ci/lean_install.py installs it one
+# wheel at a time with no pip cache (a plain install needs about twice that disk), and
+# `df` says beforehand how much disk there is, should it still run out.
+$(OLD_STAMP): pyproject.toml Makefile .ci/lean_install.py
 	$(PYTHON_OLDEST) -m venv --clear $(OLD_VENV)
-	$(OLD_VENV)/bin/python -m pip install --quiet -e '.[dev]' $(OLDEST)
+	@df -h . | tail -1 | awk '{print "disk free before the oldest install: " $$4}'
+	$(OLD_VENV)/bin/python .ci/lean_install.py $(firstword $(OLDEST))
+	$(OLD_VENV)/bin/python -m pip install --quiet --no-cache-dir -e '.[dev]' $(OLDEST)
 	touch $(OLD_STAMP)
 
 # The test suite less its slow and multi-process tests (the compiled steps, the long
