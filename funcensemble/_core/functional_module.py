@@ -10,6 +10,7 @@ from .. import _torch_compat
 from .._kernels.batchnorm import norm_layers, updated_in_place
 from .._kernels.fastpath import fast_call
 from .._kernels.rewrites import vmap_rewrites
+from .._structure import backward_hooks as _backward_hooks
 from .diagnose import linear_width_error
 from .rollback import save_before_update
 
@@ -43,6 +44,8 @@ class FunctionalModule:
             if fast is not None:
                 return fast
         if not torch.compiler.is_compiling() and _torch_compat.inside_transform():
+            # Backward hooks would not run here: refused (see _structure.backward_hooks).
+            _backward_hooks.check_call("vmap", self.skeleton)
             # Inside fe.vmap: keep a copy of the statistics this forward will update,
             # put back if the call fails (see _rollback).
             save_before_update(updated_in_place(norm_layers(self.skeleton)))

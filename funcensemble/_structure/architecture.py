@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from .._core.skeleton import modes, named_tensors
 from .._messages import a, key_difference, submodule
+from . import backward_hooks as _backward_hooks
 from .attributes import check_same_state, check_same_tree, class_names, original_class
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
@@ -80,6 +81,7 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                 f"{where}: member {index} contains {type(sub).__name__} at {submodule(name)}. "
                 + _UNBATCHABLE_HINT
             )
+    _backward_hooks.check_member(where, index, module)
     return module
 
 

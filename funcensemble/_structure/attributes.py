@@ -15,7 +15,8 @@ all of it, compared submodule by submodule:
   user-defined modules are covered by the same rule;
 - the hooks: forward, forward pre-, backward, backward pre-, state-dict and
   load-state-dict hooks, in order, each the same function (or the same code with equal
-  captured values), with the same ``with_kwargs``/``always_call`` flags.
+  captured values), with the same ``with_kwargs``/``always_call`` flags (backward
+  hooks never get here: ``backward_hooks`` refuses them, as they do not run in ``vmap``).
 
 Parametrizations (``torch.nn.utils.parametrize``) are submodules (``parametrizations``),
 so they are compared by the same rules.

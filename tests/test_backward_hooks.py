@@ -1,0 +1,139 @@
+"""Module backward hooks do not run inside vmap: refused, never silently dropped.
+
+The loop runs a member's backward hooks; inside ``torch.func.vmap`` torch leaves them
+out, so an ensemble of members carrying one would compute other gradients without a
+word. Each route that could meet one refuses it before anything changes.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+
+import funcensemble as fe
+
+
+def _triple(module, grad_input, grad_output):
+    return (grad_input[0] * 3.0,)
+
+
+def _triple_pre(module, grad_output):
+    return (grad_output[0] * 3.0,)
+
+
+def _triple_legacy(module, grad_input, grad_output):
+    return tuple(None if g is None else g * 3.0 for g in grad_input)
+
+
+HOOKS = {
+    "full": lambda m: m.register_full_backward_hook(_triple),
+    "pre": lambda m: m.register_full_backward_pre_hook(_triple_pre),
+    "legacy": lambda m: m.register_backward_hook(_triple_legacy),
+}
+KIND = {"full": "backward hook", "pre": "backward pre-hook", "legacy": "backward hook"}
+
+
+def _members(n: int = 3) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double() for _ in range(n)]
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+@pytest.mark.parametrize("build", ["Ensemble", "stack", "HeteroEnsemble", "concat"])
+def test_a_member_with_a_backward_hook_is_refused(hook: str, build: str) -> None:
+    members = _members()
+    HOOKS[hook](members[1][2])
+    before = copy.deepcopy([m.state_dict() for m in members])
+    index = 2 if build == "concat" else 1  # concat counts the members it joins onto
+    message = rf"member {index} has a {KIND[hook]} on submodule `2`\. Module backward hooks"
+    with pytest.raises(ValueError, match=message):
+        if build == "Ensemble":
+            fe.Ensemble(members)
+        elif build == "stack":
+            fe.stack(members)
+        elif build == "HeteroEnsemble":
+            fe.HeteroEnsemble(members)
+        else:
+            fe.Ensemble(_members(1)).concat(members)
+    for m, state in zip(members, before, strict=True):
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, state[k])
+
+
+def test_the_refusal_says_what_to_do_instead() -> None:
+    members = _members()
+    for m in members:
+        m.register_full_backward_hook(_triple)
+    with pytest.raises(ValueError, match=r"member 0 has a backward hook on the root") as info:
+        fe.Ensemble(members)
+    assert "do not run inside torch.func.vmap" in str(info.value)
+    assert "out.register_hook" in str(info.value)
+
+
+def test_a_hook_added_to_the_ensemble_module_later_is_refused_at_the_call() -> None:
+    ens = fe.Ensemble(_members())
+    handle = ens.stacked[2].register_full_backward_hook(_triple)
+    with pytest.raises(ValueError, match=r"vmap: the ensemble's module has a backward hook on"):
+        ens(_x())
+    fmodel, params, buffers = fe.stack(_members())
+    fmodel.skeleton[0].register_full_backward_pre_hook(_triple_pre)
+    with pytest.raises(ValueError, match=r"has a backward pre-hook on submodule `0`"):
+        fe.vmap(fmodel)(params, buffers, _x())
+    handle.remove()
+    assert ens(_x()).shape == (3, 5, 2)
+
+
+@pytest.mark.parametrize("register", ["full", "pre", "legacy"])
+def test_a_global_backward_hook_is_refused_at_the_call(
+    register: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch remembers whether the last global backward hook was a full one, even once
+    # removed, and refuses the other kind after it: start this test afresh.
+    monkeypatch.setattr(module_mod, "_global_is_full_backward_hook", None)
+    ens = fe.Ensemble(_members())
+    fmodel, params, buffers = fe.stack(_members())
+
+    def loss_fn(p, b, x):
+        return fmodel(p, b, x).pow(2).mean()
+
+    add = {
+        "full": lambda: module_mod.register_module_full_backward_hook(_triple),
+        "pre": lambda: module_mod.register_module_full_backward_pre_hook(_triple_pre),
+        "legacy": lambda: module_mod.register_module_backward_hook(_triple_legacy),
+    }[register]
+    handle = add()
+    try:
+        for call in (
+            lambda: ens(_x()),
+            lambda: fe.vmap(fmodel)(params, buffers, _x()),
+            lambda: fe.value_and_grad(loss_fn)(params, buffers, _x()),
+        ):
+            with pytest.raises(ValueError, match=r"vmap: a global module backward hook"):
+                call()
+    finally:
+        handle.remove()
+    losses, grads, _ = fe.value_and_grad(loss_fn)(params, buffers, _x())
+    assert losses.shape == (3,) and grads["0.weight"].shape == (3, 8, 4)
+
+
+def test_a_hook_on_the_ensemble_itself_runs_as_the_refusal_suggests() -> None:
+    """The suggested replacement: a backward pre-hook on the Ensemble scales the
+    stacked output's gradient, as the same hook on each plain member does."""
+    members = _members()
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    ens.register_full_backward_pre_hook(_triple_pre)
+    x = _x().requires_grad_()  # a full hook with no input requiring grad warns
+    ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+    for m in loop:
+        m.register_full_backward_pre_hook(_triple_pre)
+        m(x).pow(2).mean().backward()
+    for name, g in ens.stacked_params().items():
+        expected = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+        torch.testing.assert_close(g.grad, expected, rtol=1e-12, atol=1e-14)
