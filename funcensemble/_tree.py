@@ -43,16 +43,21 @@ def broadcast_prefix(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
     broadcast to one value per leaf of ``spec``, or ``None`` if it is no prefix of it.
 
     A leaf of ``prefix`` (an int or ``None``) stands for the whole subtree at its place,
-    as ``torch.func.vmap`` reads ``in_dims``.
+    as ``torch.func.vmap`` reads ``in_dims``. The values come in ``spec``'s leaf order,
+    matched by key: a dict and an ``OrderedDict`` flatten in different key orders (sorted,
+    and as inserted), so the prefix's own leaf order may not be ``spec``'s.
     """
     try:
         prefix_leaves, prefix_spec = flatten(prefix)
-        subtrees = prefix_spec.flatten_up_to(optree.tree_unflatten(spec, [0] * spec.num_leaves))
+        # Each of spec's leaves replaced by its position, to see where each subtree lands.
+        positions = optree.tree_unflatten(spec, list(range(spec.num_leaves)))
+        subtrees = prefix_spec.flatten_up_to(positions)
     except (ValueError, TypeError):
         return None
-    out: list[Any] = []
+    out: list[Any] = [None] * spec.num_leaves
     for value, subtree in zip(prefix_leaves, subtrees, strict=True):
-        out.extend([value] * len(leaves(subtree)))
+        for position in leaves(subtree):
+            out[position] = value
     return out
 
 

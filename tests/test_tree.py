@@ -1,6 +1,6 @@
 """funcensemble's pytree helpers (optree, None kept as a leaf)."""
 
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
@@ -16,6 +16,14 @@ Pair = namedtuple("Pair", "a b")
         (0, [1, 2], [0, 0]),
         (None, {"a": 1}, [None]),
         ({"a": 0, "b": None}, {"b": 1, "a": 2}, [0, None]),  # leaves in key order a, b
+        # An OrderedDict flattens as inserted, a dict sorted: matched by key either way.
+        (OrderedDict(b=0, a=None), {"a": 1, "b": 2}, [None, 0]),
+        ({"a": 0, "b": None}, OrderedDict(b=1, a=2), [None, 0]),
+        (
+            OrderedDict(b=None, a=OrderedDict(q=0, p=None)),
+            {"a": {"p": 1, "q": 2}, "b": [3, 4]},
+            [None, 0, None, None],
+        ),
         ((0, None), (1, [2, 3]), [0, None, None]),
         (Pair(0, None), Pair(1, (2, 3)), [0, None, None]),
         ([0, None], [1, {"x": 2, "y": None}], [0, None, None]),

@@ -5,6 +5,7 @@ Every result is compared, in float64, with a plain Python loop over ordinary mod
 
 import copy
 import traceback
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -427,6 +428,38 @@ def test_dict_in_dims_pair_by_key_not_by_position():
     members = fe.unstack(fmodel, params, buffers)
     expected = torch.stack([m(a[i] + b) for i, m in enumerate(members)])
     torch.testing.assert_close(out, expected.detach())
+
+
+@pytest.mark.parametrize("ordered", ["in_dims", "argument", "both"])
+def test_ordered_dict_in_dims_pair_by_key_not_by_position(ordered: str) -> None:
+    # An OrderedDict flattens in insertion order, a dict in sorted key order: an in_dims
+    # entry of one kind for an argument of the other used to be paired by position,
+    # silently swapping the per-member and the shared input.
+    n = 4
+    x = torch.randn(n, 5, 3, dtype=torch.float64)  # per member
+    shift = torch.randn(5, 3, dtype=torch.float64)  # shared
+    members = [_KeyedInputs().double() for _ in range(n)]
+    expected = torch.stack([m({"x": x[i], "shift": shift}) for i, m in enumerate(members)])
+    dims = {"x": 0, "shift": None}
+    arg = {"shift": shift, "x": x}
+    if ordered in ("in_dims", "both"):
+        dims = OrderedDict(x=0, shift=None)  # x first; a dict flattens shift first
+    if ordered in ("argument", "both"):
+        arg = OrderedDict(x=x, shift=shift) if ordered == "argument" else OrderedDict(arg)
+    ens = fe.Ensemble(members)
+    torch.testing.assert_close(ens(arg, in_dims=(dims,)), expected.detach(), rtol=0, atol=0)
+    fmodel, params, buffers = fe.stack(members)
+    out = fe.vmap(fmodel, in_dims=(dims,))(params, buffers, arg)
+    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=0)
+
+
+class _KeyedInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.linear(batch["x"]) + batch["shift"]
 
 
 @pytest.mark.parametrize("randomness", ["different", "same"])
