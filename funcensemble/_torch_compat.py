@@ -40,7 +40,8 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
 - ``torch._C._set_grad_enabled`` (1.x): autograd off around a small in-place
   optimizer step without the cost of a ``torch.no_grad()`` object (``_adam.py``).
 - ``torch.nn.modules.module._global_forward_hooks`` and its pre/backward kin (2.0): a
-  global module hook turns the MLP fast path off (the fast path would skip it).
+  global module hook turns the MLP fast path off (the fast path would skip it); a
+  global backward hook is refused inside vmap (``_structure/backward_hooks.py``).
 - ``torch.utils._foreach_utils._get_fused_kernels_supported_devices`` (which devices
   have ``torch._fused_adam_``; CPU from 2.4), ``torch._fused_adam_``/``_fused_adamw_``
   and the ``tensor_lr`` overload of ``aten._fused_adam_`` (2.4): the fused Adam kernel
@@ -393,6 +394,11 @@ def storage_held_elsewhere(t: Tensor) -> bool:
 def forward_ad_active() -> bool:
     """Whether a ``torch.autograd.forward_ad.dual_level`` is open in this process."""
     return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
+def global_backward_hooks() -> bool:
+    """Whether a global ``nn.Module`` backward hook (``register_module_*backward*``) is set."""
+    return bool(module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks)
 
 
 def global_module_hooks() -> bool:

@@ -81,7 +81,9 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                 f"{where}: member {index} contains {type(sub).__name__} at {submodule(name)}. "
                 + _UNBATCHABLE_HINT
             )
-    _backward_hooks.check_member(where, index, module)
+        kind = _backward_hooks.kind_on(sub)
+        if kind is not None:
+            raise _backward_hooks.member_error(where, index, kind, name)
     return module
 
 

@@ -10,8 +10,8 @@ built, and a call refuses one added later (on the skeleton, or globally).
 """
 
 from torch import nn
-from torch.nn.modules import module as _module
 
+from .. import _torch_compat
 from .._messages import submodule
 
 _TABLES = {"_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
@@ -26,28 +26,21 @@ HINT = (
 )
 
 
-def found_in(module: nn.Module) -> tuple[str, str] | None:
-    """``(kind of hook, submodule path)`` of the first backward hook in ``module``'s tree."""
-    for path, sub in module.named_modules():
-        tables = vars(sub)
-        for table, kind in _TABLES.items():
-            if tables.get(table):
-                return kind, path
-    return None
+def kind_on(module: nn.Module) -> str | None:
+    """The kind of backward hook registered on ``module`` itself, if any."""
+    tables = vars(module)
+    return next((kind for table, kind in _TABLES.items() if tables.get(table)), None)
 
 
-def check_member(where: str, index: int, module: nn.Module) -> None:
-    """Refuse member ``index`` if any of its submodules has a backward hook."""
-    found = found_in(module)
-    if found is not None:
-        kind, path = found
-        raise ValueError(f"{where}: member {index} has a {kind} on {submodule(path)}. {HINT}")
+def member_error(where: str, index: int, kind: str, path: str) -> ValueError:
+    """The refusal of member ``index`` for its ``kind`` of hook on submodule ``path``."""
+    return ValueError(f"{where}: member {index} has a {kind} on {submodule(path)}. {HINT}")
 
 
 def check_call(where: str, skeleton: nn.Module) -> None:
     """Refuse a call inside ``vmap`` whose hooks would not run: a backward hook added to
     the skeleton after the ensemble was built, or a global module backward hook."""
-    if _module._global_backward_hooks or _module._global_backward_pre_hooks:
+    if _torch_compat.global_backward_hooks():
         raise ValueError(
             f"{where}: a global module backward hook is registered "
             "(torch.nn.modules.module.register_module_full_backward_hook, "
@@ -57,10 +50,10 @@ def check_call(where: str, skeleton: nn.Module) -> None:
             "(handle.remove()) while the ensemble runs, or apply its change outside the "
             "members (in the loss, or on the stacked gradients after backward)."
         )
-    found = found_in(skeleton)
-    if found is not None:
-        kind, path = found
-        raise ValueError(
-            f"{where}: the ensemble's module has a {kind} on {submodule(path)}, added after "
-            f"the ensemble was built. {HINT}"
-        )
+    for path, sub in skeleton.named_modules():
+        kind = kind_on(sub)
+        if kind is not None:
+            raise ValueError(
+                f"{where}: the ensemble's module has a {kind} on {submodule(path)}, added "
+                f"after the ensemble was built. {HINT}"
+            )
