@@ -137,3 +137,15 @@ def test_a_hook_on_the_ensemble_itself_runs_as_the_refusal_suggests() -> None:
     for name, g in ens.stacked_params().items():
         expected = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
         torch.testing.assert_close(g.grad, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_refused_call_changes_no_running_statistics() -> None:
+    """The docs: the call refuses the hook "before anything is computed"."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)) for _ in range(2)])
+    before = {k: v.clone() for k, v in ens.stacked_buffers().items()}
+    ens.stacked[1].register_full_backward_hook(_triple)
+    with pytest.raises(ValueError, match=r"backward hook on submodule `1`, added after"):
+        ens(torch.randn(6, 4))
+    for k, v in ens.stacked_buffers().items():
+        assert torch.equal(v, before[k]), k
