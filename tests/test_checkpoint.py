@@ -376,17 +376,107 @@ def test_save_rejects_what_it_cannot_store(
     assert os.listdir(tmp_path) == []
 
 
-def test_save_and_load_point_an_optimizer_to_its_state_dict(tmp_path: Path) -> None:
+def test_an_ensemble_optimizer_saves_and_loads_in_place(tmp_path: Path) -> None:
+    """``fe.save(path, opt)`` writes ``opt.state_dict()``; ``fe.load(path, opt)`` loads
+    it in place (either file loads either way); a torch.optim one is pointed to its
+    state_dict."""
     ens = make_ensemble("mlp")
     opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=1e-2))
-    path = tmp_path / "opt.safetensors"
-    for call in (lambda: fe.save(path, opt), lambda: fe.load(path, opt)):
+    ens(torch.randn(7, 5, dtype=torch.float64)).pow(2).mean(dim=(1, 2)).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.safetensors", opt)
+    fe.save(tmp_path / "sd.safetensors", opt.state_dict())
+    for name in ("opt", "sd"):
+        fresh = fe.optim.EnsembleOptimizer(make_ensemble("mlp", seed=1), fe.optim.adam(1e-2))
+        assert fe.load(tmp_path / f"{name}.safetensors", fresh) is fresh
+        assert_trees_equal(fresh.state, opt.state)
+        template = fe.optim.EnsembleOptimizer(make_ensemble("mlp", seed=1), fe.optim.adam(1e-2))
+        loaded = fe.load(tmp_path / f"{name}.safetensors", template.state_dict())
+        assert_trees_equal(loaded, opt.state_dict())
+    torch_opt = torch.optim.Adam(ens.parameters())
+    path = tmp_path / "torch.safetensors"
+    for call in (lambda: fe.save(path, torch_opt), lambda: fe.load(path, torch_opt)):
         with pytest.raises(
             TypeError,
-            match=r"got an EnsembleOptimizer, which is neither .*\)\. .*opt\.state_dict\(\)",
+            match=r"got an Adam, which is neither .*\)\. For a torch\.optim optimizer, pass "
+            r"opt\.state_dict\(\)",
         ):
             call()
-    assert os.listdir(tmp_path) == []
+    assert not path.exists()
+
+
+def _train(ens: fe.Ensemble, opt: Any, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+
+
+def test_an_optimizer_grown_by_concat_resumes_exactly(tmp_path: Path) -> None:
+    """After concat the step counts are one per member ([N]); a fresh optimizer's are
+    shared (0-dim): fe.load(path, opt) takes either, and training goes on exactly as
+    without the checkpoint (a state_dict() template cannot hold the other layout)."""
+
+    def grown(seed: int) -> tuple[fe.Ensemble, Any]:
+        ens = make_ensemble("mlp", n=2)
+        opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+        _train(ens, opt, range(3))
+        ens = ens.concat(ZOO["mlp"].members(1, train=False))
+        return ens, opt.concat(ens)
+
+    straight, opt_straight = grown(0)
+    _train(straight, opt_straight, range(3, 8))
+    ens, opt = grown(0)
+    _train(ens, opt, range(3, 5))
+    assert opt.state[0].count["0.weight"].shape == (3,)
+    fe.save(tmp_path / "ens.safetensors", ens)
+    fe.save(tmp_path / "opt.safetensors", opt)
+    fresh = make_ensemble("mlp")
+    with torch.no_grad():  # other values, that loading must replace
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh_opt = fe.optim.EnsembleOptimizer(fresh, fe.optim.adam(1e-2))
+    with pytest.raises(ValueError, match=r"count.* is a float32 tensor of shape \(3,\) in the "):
+        fe.load(tmp_path / "opt.safetensors", fresh_opt.state_dict())
+    fe.load(tmp_path / "ens.safetensors", fresh)
+    fe.load(tmp_path / "opt.safetensors", fresh_opt)
+    assert_trees_equal(fresh_opt.state, opt.state)
+    _train(fresh, fresh_opt, range(5, 8))
+    assert_trees_equal(snapshot(fresh), snapshot(straight))
+    assert_trees_equal(fresh_opt.state, opt_straight.state)
+
+    # And the other way: shared counts load into an optimizer whose counts are per member.
+    shared = fe.optim.EnsembleOptimizer(make_ensemble("mlp", seed=2), fe.optim.adam(1e-2))
+    fe.save(tmp_path / "shared.safetensors", shared)
+    fe.load(tmp_path / "shared.safetensors", opt)
+    for key, value in opt.state_dict()["state"].items():  # a shared count, per member
+        saved = shared.state_dict()["state"][key]
+        assert value is saved is None or torch.equal(value, saved.expand_as(value)), key
+
+
+def test_a_functional_state_grown_by_concat_loads_into_a_fresh_template(tmp_path: Path) -> None:
+    _, params, _ = fe.stack(ZOO["mlp"].members(2, train=False))
+    tx = fe.optim.adam(1e-2)
+    state = tx.init(params)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    state = tx.update_(grads, state, params)
+    _, more, _ = fe.stack(ZOO["mlp"].members(1, train=False))
+    params = fe.concat([params, more])
+    state = fe.optim.concat(tx, state, params)
+    fe.save(tmp_path / "run.safetensors", {"params": params, "opt": state})
+    template = {"params": params, "opt": tx.init(params)}
+    loaded = fe.load(tmp_path / "run.safetensors", template)
+    assert_trees_equal(loaded, {"params": params, "opt": state})
+    assert loaded["opt"][0].count["0.weight"].tolist() == [1.0, 1.0, 0.0]
+    # A count for another number of members is refused, naming it.
+    four = fe.optim.concat(tx, state, fe.concat([params, more]))
+    fe.save(tmp_path / "four.safetensors", {"opt": four})
+    with pytest.raises(
+        ValueError, match=r"count\['0\.bias'\]` is a float32 tensor of shape \(4,\)"
+    ):
+        fe.load(tmp_path / "four.safetensors", {"opt": tx.init(params)})
 
 
 # --- loading bad files changes nothing ----------------------------------------------------

@@ -77,8 +77,8 @@ def flatten_by_key(
             f"{where}: got {a(type(obj).__name__)}, which is neither an ensemble nor a pytree "
             f"of tensors (expected an fe.Ensemble (or fe.HeteroEnsemble) or a pytree of "
             f"tensors, got "
-            f"{type(obj).__name__}). For an optimizer (fe.optim.EnsembleOptimizer, "
-            "torch.optim), pass opt.state_dict()."
+            f"{type(obj).__name__}). For a torch.optim optimizer, pass opt.state_dict() (an "
+            "fe.optim.EnsembleOptimizer can be passed itself)."
         )
     for key, leaf in zip(keys, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.

@@ -24,6 +24,8 @@ from .._core.ensemble import Ensemble
 from .._hetero.ensemble import HeteroEnsemble
 from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
+from ..optim._ensemble_optimizer import EnsembleOptimizer
+from ..optim._members import count_mask
 from .file import (
     VALUE_TYPES,
     Spec,
@@ -56,6 +58,10 @@ class _Contents:
 
 
 def _contents(where: str, obj: Any) -> _Contents:
+    if isinstance(obj, EnsembleOptimizer):
+        # Stored as its state_dict(): the same file as fe.save(path, opt.state_dict()).
+        contents = _contents(where, obj.state_dict())
+        return replace(contents, this="this optimizer")
     leaves, treedef = flatten_by_key(
         where,
         obj,
@@ -67,6 +73,54 @@ def _contents(where: str, obj: Any) -> _Contents:
     if isinstance(obj, HeteroEnsemble):
         return _Contents("hetero_ensemble", leaves, treedef, "this ensemble")
     return _Contents("pytree", leaves, treedef, "the template")
+
+
+def _count_paths(where: str, obj: Any) -> tuple[set[str], int | None]:
+    """The paths of ``obj``'s optimizer step counts, and the member count.
+
+    A step count is one tensor shared by the members (0-dim) while they have all
+    stepped together, and one per member (``[N]``) once members joined later
+    (``concat``); a checkpoint of either loads into an optimizer state of either.
+    """
+    if isinstance(obj, EnsembleOptimizer):
+        # state_dict() lists the state's leaves in their flattening order.
+        keys = obj.state_dict()["state"]
+        marked = {"state": dict(zip(keys, count_mask(obj.state), strict=True))}
+        n: int | None = obj._num_members() if obj.params else None
+    else:
+        marked = optree.tree_unflatten(
+            optree.tree_structure(obj, none_is_leaf=True), count_mask(obj)
+        )
+        sizes = {
+            leaf.shape[0]
+            for leaf, is_count in zip(
+                optree.tree_leaves(obj, none_is_leaf=True),
+                count_mask(obj),
+                strict=True,
+            )
+            if isinstance(leaf, Tensor) and leaf.dim() > 0 and not is_count
+        }
+        n = sizes.pop() if len(sizes) == 1 else None
+    flags, _ = flatten_by_key(where, marked, (bool,), "a flag")
+    return {path for path, is_count in flags.items() if is_count}, n
+
+
+def _counts_as_saved(
+    contents: _Contents, counts: set[str], n: int | None, tensors: dict[str, Tensor]
+) -> _Contents:
+    """``contents`` with each step count in the layout the file has (see ``_count_paths``)."""
+    leaves = dict(contents.leaves)
+    for path in counts:
+        mine, saved = leaves.get(path), tensors.get(path)
+        if (
+            isinstance(mine, Tensor)
+            and isinstance(saved, Tensor)
+            and n is not None
+            and saved.dtype == mine.dtype
+            and {tuple(mine.shape), tuple(saved.shape)} == {(), (n,)}
+        ):
+            leaves[path] = mine.new_zeros(saved.shape)
+    return replace(contents, leaves=leaves)
 
 
 def _describe(spec: Spec) -> str:
@@ -115,7 +169,10 @@ def save(path: str | os.PathLike, obj: Any) -> None:
             the header), or any optree pytree (dicts,
             lists, tuples, NamedTuples, ``None``) whose leaves are tensors or Python
             ``bool``, ``int``, ``float`` or ``str``, e.g.
-            ``{"params": params, "buffers": buffers, "opt_state": state}``.
+            ``{"params": params, "buffers": buffers, "opt_state": state}``; or an
+            [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer], stored as
+            its ``state_dict()`` (for a ``torch.optim`` one, pass its
+            ``state_dict()``).
 
     Raises:
         TypeError: ``obj`` is another ``nn.Module`` (pass its ``state_dict()``), or
@@ -257,7 +314,8 @@ def _check_leaves(
         "It was saved from a different architecture."
         if contents.kind in ("ensemble", "hetero_ensemble")
         else "Build the template with the structure that was saved (e.g. the same model "
-        "and optimizer)."
+        "and optimizer; for an fe.optim.EnsembleOptimizer, load into the optimizer itself: "
+        "fe.load(path, opt))."
     )
     difference = key_difference(
         expected.keys() - got.keys(), got.keys() - expected.keys(), label=contents.label
@@ -308,10 +366,16 @@ def load(path: str | os.PathLike, obj: T) -> T:
             are the saved values. A
             [`HeteroEnsemble`][funcensemble.HeteroEnsemble] loads in place like an
             ``Ensemble``, once its member count, its grouping (which members form each
-            group) and each group's member class match the file.
+            group) and each group's member class match the file. An
+            [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] also loads in
+            place (through its ``load_state_dict``) and is returned. Optimizer step
+            counts load whether the file holds one shared by the members (0-dim) or
+            one per member (``[N]``, after members joined by ``concat``), into an
+            ``EnsembleOptimizer`` or into the ``fe.optim`` states of a template: the
+            loaded state takes the file's layout.
 
     Returns:
-        ``obj`` itself for an ensemble; a new pytree for a template.
+        ``obj`` itself for an ensemble or an optimizer; a new pytree for a template.
 
     Raises:
         ValueError: An unreadable, corrupt or invalid file, or one that does not match
@@ -353,6 +417,8 @@ def load(path: str | os.PathLike, obj: T) -> T:
             _check_hetero(where, name, obj, header)
 
     header, tensors, verified = read_checkpoint(where, path, check)
+    if contents.kind == "pytree":
+        contents = _counts_as_saved(contents, *_count_paths(where, obj), tensors)
     _check_leaves(where, name, contents, tensors, header["values"])
     if not verified:
         warnings.warn(
@@ -374,4 +440,8 @@ def load(path: str | os.PathLike, obj: T) -> T:
             leaves.append(value.requires_grad_() if leaf.requires_grad else value)
         else:
             leaves.append(header["values"][key])
-    return optree.tree_unflatten(contents.treedef, leaves)
+    loaded = optree.tree_unflatten(contents.treedef, leaves)
+    if isinstance(obj, EnsembleOptimizer):
+        obj.load_state_dict(loaded)
+        return obj  # type: ignore[return-value]
+    return loaded
