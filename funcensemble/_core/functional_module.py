@@ -10,6 +10,7 @@ from .. import _torch_compat
 from .._kernels.batchnorm import norm_layers, updated_in_place
 from .._kernels.fastpath import fast_call
 from .._kernels.rewrites import vmap_rewrites
+from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
 from .diagnose import linear_width_error
 from .rollback import save_before_update
@@ -52,7 +53,8 @@ class FunctionalModule:
         try:
             # Under vmap, BatchNorm of all members runs as one call, and a few calls that
             # vmap cannot batch, or batches wrongly, run as the loop's math (see _rewrites).
-            with vmap_rewrites(self.skeleton):
+            # A submodule under two names: put back what functional_call leaks (see _aliases).
+            with vmap_rewrites(self.skeleton), _aliases.kept(self.skeleton):
                 return functional_call(
                     self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
                 )
