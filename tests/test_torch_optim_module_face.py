@@ -1,0 +1,87 @@
+"""``torch.optim`` on an Ensemble's stacked parameters, against the loop.
+
+An optimizer whose step acts element by element (plus per-tensor step counts) steps
+each member as its own optimizer would: the docs list those. One that looks across a
+whole tensor (Adafactor's factored second moment, LBFGS's line search) mixes the
+members, and the docs say so; both claims are checked here.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import funcensemble as fe
+
+ELEMENTWISE = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "Adam": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=1),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+}
+
+
+def _members(n: int = 4) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double() for _ in range(n)]
+
+
+def _train_both(make_opt, steps: int = 6) -> tuple[fe.Ensemble, list[nn.Module]]:
+    members = _members()
+    ens = fe.Ensemble(copy.deepcopy(members))
+    opt = make_opt(ens.parameters())
+    opts = [make_opt(m.parameters()) for m in members]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 5, generator=g, dtype=torch.float64)
+        y = torch.randn(16, 3, generator=g, dtype=torch.float64)
+
+        def ensemble_loss(x=x, y=y):
+            opt.zero_grad()
+            loss = ((ens(x) - y) ** 2).mean(dim=(1, 2)).sum()
+            loss.backward()
+            return loss
+
+        opt.step(ensemble_loss)  # a closure, for LBFGS; the others call it once
+        for m, o in zip(members, opts, strict=True):
+
+            def member_loss(m=m, o=o, x=x, y=y):
+                o.zero_grad()
+                loss = nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                return loss
+
+            o.step(member_loss)
+    return ens, members
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+def test_an_elementwise_torch_optim_steps_each_member_as_its_own(name: str) -> None:
+    ens, members = _train_both(ELEMENTWISE[name])
+    for i, m in enumerate(members):
+        for k, v in m.state_dict().items():
+            torch.testing.assert_close(ens.member(i).state_dict()[k], v, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "LBFGS"])
+def test_a_whole_tensor_torch_optim_mixes_members(name: str) -> None:
+    if not hasattr(torch.optim, name):
+        pytest.skip(f"torch.optim.{name} is not in this torch")
+    if name == "LBFGS":
+        ens, members = _train_both(lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=3), steps=2)
+    else:
+        ens, members = _train_both(lambda p: torch.optim.Adafactor(p, lr=1e-2))
+    differ = [
+        not torch.allclose(ens.member(i).state_dict()[k], v, rtol=1e-6, atol=1e-8)
+        for i, m in enumerate(members)
+        for k, v in m.state_dict().items()
+    ]
+    assert any(differ)
