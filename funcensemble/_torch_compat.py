@@ -396,6 +396,30 @@ def forward_ad_active() -> bool:
     return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (the argument is torch >= 2.4's)."""
+    if device_type == "meta":
+        return False
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know
+        return False
+    except TypeError:  # older torch: CPU and CUDA have their own queries
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled()
+        return device_type == "cuda" and torch.is_autocast_enabled()
+
+
+def autocast_dtype(device_type: str) -> torch.dtype:
+    """The dtype ``torch.autocast`` casts to on ``device_type`` (torch >= 2.4's query)."""
+    try:
+        return torch.get_autocast_dtype(device_type)
+    except (AttributeError, TypeError):  # older torch
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype()
+        return torch.get_autocast_gpu_dtype()
+
+
 def global_backward_hooks() -> bool:
     """Whether a global ``nn.Module`` backward hook (``register_module_*backward*``) is set."""
     return bool(module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks)

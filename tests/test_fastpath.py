@@ -336,3 +336,81 @@ def test_shared_input_gradients_match_loop(dtype, lead, spy):
     with torch.no_grad():  # inference runs on the transposed view: the loop's values
         torch.testing.assert_close(ens(x), ref.detach(), **tol)
     assert spy == [True, True]
+
+
+def _scaled_forward(self, x):
+    return nn.functional.linear(x, self.weight, self.bias) * 2.0
+
+
+@pytest.mark.parametrize("rows", [6, 600])  # plain ops, and the kept-buffer layers
+def test_a_forward_set_on_the_instance_is_honoured(rows):
+    """``layer.forward = ...`` (accelerate's hooks, ad-hoc patches) replaces the class's
+    forward for the loop, so the MLP fast path, which knows only the class's, steps aside."""
+    import types
+
+    torch.manual_seed(0)
+    members = []
+    for _ in range(4):
+        m = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3)).double()
+        m[0].forward = types.MethodType(_scaled_forward, m[0])
+        members.append(m)
+    assert _fastpath.plan(members[0]) is None
+    x = torch.randn(rows, 16, dtype=torch.float64)
+    y = torch.randn(rows, 3, dtype=torch.float64)
+    want = torch.stack([m(x) for m in members])
+    ens = fe.Ensemble(members)
+    torch.testing.assert_close(ens(x), want, rtol=1e-12, atol=1e-12)
+    fmodel, params, buffers = fe.stack(members)
+    torch.testing.assert_close(fe.vmap(fmodel)(params, buffers, x), want, rtol=1e-12, atol=1e-12)
+    losses, grads, _ = fe.value_and_grad(
+        lambda p, b, x, y: nn.functional.mse_loss(fmodel(p, b, x), y)
+    )(params, buffers, x, y)
+    for i, m in enumerate(members):
+        m.zero_grad()
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        torch.testing.assert_close(losses[i], loss.detach(), rtol=1e-12, atol=1e-12)
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(grads[k][i], p.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [6, 600])  # plain ops, and where kept buffers would run
+def test_autocast_runs_the_mlp_as_the_loop_does(rows):
+    """Under ``torch.autocast`` the MLP's layers run in the autocast dtype, bit for bit
+    the loop's, whatever the size (the out= kept buffers would not be cast)."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3)) for _ in range(4)]
+    x = torch.randn(rows, 16)
+    fmodel, params, buffers = fe.stack(members)
+    ens = fe.Ensemble(members)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.stack([m(x) for m in members])
+        for out in (ens(x), fe.vmap(fmodel)(params, buffers, x)):
+            assert out.dtype == want.dtype == torch.bfloat16
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_autocast_outside_the_mlp_chain_computes_in_the_autocast_dtype():
+    """Beyond the MLP chain, a Linear with a bias under vmap would run in float32 (torch's
+    batching rule runs below autocast): its operands are cast as autocast casts the loop's,
+    so results have the loop's dtype and agree to its rounding."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)) for _ in range(3)]
+    x = torch.randn(5, 6)
+    fmodel, params, buffers = fe.stack(members)
+    ens = fe.Ensemble(members)
+    tol = {"rtol": 2e-2, "atol": 2e-2}  # two bfloat16 roundings
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.stack([m(x) for m in members])
+        for out in (ens(x), fe.vmap(fmodel)(params, buffers, x)):
+            assert out.dtype == want.dtype == torch.bfloat16
+            torch.testing.assert_close(out.float(), want.float(), **tol)
+        _, grads, _ = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).float().pow(2).mean())(
+            params, buffers, x
+        )
+        for i, m in enumerate(members):
+            m.zero_grad()
+            m(x).float().pow(2).mean().backward()
+            for k, p in m.named_parameters():
+                assert grads[k].dtype == p.grad.dtype == torch.float32
+                torch.testing.assert_close(grads[k][i], p.grad, **tol)

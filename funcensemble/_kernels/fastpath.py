@@ -49,7 +49,9 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
-    if _has_hooks(module):
+    if _has_hooks(module) or "forward" in module.__dict__:
+        # A forward set on the instance (module.forward = ..., as accelerate's hooks
+        # and ad-hoc patches do) is not the class's: the general path calls it.
         return False
     kind = type(module)
     if kind is nn.Sequential:
@@ -156,6 +158,10 @@ def run(
     """
     if _torch_compat.global_module_hooks() or x.dim() < 1:
         return None
+    # Autocast casts the operands of the plain ops (addmm, baddbmm, bmm) as it casts
+    # the loop's F.linear, but not those of an op writing into out= or of the compiled
+    # MLP op: under it only the plain-op chain runs.
+    autocast = _torch_compat.autocast_enabled(x.device.type)
     for module, weight, _ in steps:
         if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
             return None  # random masks follow vmap's randomness rules: general path
@@ -165,7 +171,7 @@ def run(
         if x.dim() < 2 or x.shape[0] != n:
             return None
     check_widths(where, steps, params, x.shape[-1])
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not autocast:
         out = _compiled_chain(steps, params, x, n, shared=member_dim is None)
         if out is not None:
             lead = x.shape[:-1] if member_dim is None else x.shape[1:-1]
@@ -188,7 +194,7 @@ def run(
     else:
         lead = x.shape[1:-1]
         h = x.reshape(n, -1, x.shape[-1]).transpose(1, 2)
-    if _kept_buffers(steps, params, h, n):
+    if not autocast and _kept_buffers(steps, params, h, n):
         h = _chain_kept(steps, params, h, n, shared=member_dim is None)
     else:
         h = _chain(steps, params, h, n, shared=member_dim is None)
@@ -383,6 +389,8 @@ def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor
     if not isinstance(x, Tensor) or x.dim() < 1:
         return None
     if torch.compiler.is_compiling():
+        if _torch_compat.autocast_enabled(x.device.type):
+            return None  # the compiled MLP op's operands would not be cast (see run())
         return _compiled_member_call(skeleton, params, x)
     level = _torch_compat.vmap_level()
     if level is None:

@@ -67,12 +67,34 @@ def _global_pool(spatial: int, input: Tensor, output_size: Any) -> Tensor | None
     return input.mean(dims, keepdim=True)
 
 
+def _autocast_linear(
+    device_types: tuple[str, ...], input: Tensor, weight: Tensor, bias: Any = None
+) -> Tensor:
+    """``F.linear`` with its operands cast as autocast casts them (float tensors other
+    than float64, on a device it is on for, to its dtype there): under ``vmap`` torch's
+    rule for a batched linear with a bias runs below autocast, in the operands' dtype."""
+
+    def cast(t: Any) -> Any:
+        eligible = (
+            isinstance(t, Tensor)
+            and t.is_floating_point()
+            and t.dtype != torch.float64
+            and t.device.type in device_types
+        )
+        return t.to(_torch_compat.autocast_dtype(t.device.type)) if eligible else t
+
+    return F.linear(cast(input), cast(weight), cast(bias))
+
+
 class VmapRewrites(TorchFunctionMode):
     """Within this mode, the calls listed in the module docstring run batchable math."""
 
-    def __init__(self, batch_norm: _batchnorm.BatchNormRule | None) -> None:
+    def __init__(
+        self, batch_norm: _batchnorm.BatchNormRule | None, autocast: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
         self.batch_norm = batch_norm
+        self.autocast = autocast  # the device types torch.autocast is on for
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -86,6 +108,8 @@ class VmapRewrites(TorchFunctionMode):
                 return count
         elif func is F.embedding:
             return embedding_per_member(*args, **kwargs)
+        elif func is F.linear and self.autocast:
+            return _autocast_linear(self.autocast, *args, **kwargs)
         elif func is torch._weight_norm:
             return _weight_norm(*args, **kwargs)
         elif func is F.normalize and kwargs.get("out") is not None:
@@ -104,6 +128,8 @@ def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
     # A plain nullcontext otherwise, which torch.compile traces without a graph break.
     if not _torch_compat.inside_transform():
         return contextlib.nullcontext()
+    # fe.stack's skeleton holds meta tensors: the members' devices are the inputs'.
+    autocast = tuple(kind for kind in ("cpu", "cuda") if _torch_compat.autocast_enabled(kind))
     embedding = needs_embedding_rule(skeleton)
     if torch.compiler.is_compiling():
         # Only the embedding rule is traced; the others have no compiled use.
@@ -112,4 +138,6 @@ def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
     rule = _batchnorm.BatchNormRule(_batchnorm.cumulative(norms))
     fold = _batchnorm.has_batch_norm(norms)
     other = embedding or any(isinstance(m, _POOL_LAYERS + _NORM_LAYERS) for m in skeleton.modules())
-    return VmapRewrites(rule if fold else None) if fold or other else contextlib.nullcontext()
+    if fold or other or autocast:
+        return VmapRewrites(rule if fold else None, autocast)
+    return contextlib.nullcontext()
