@@ -926,3 +926,75 @@ def test_identical_members_still_stack(name: str) -> None:
     members = ZOO[name].members(3, train=True)
     fe.stack(members)
     fe.stack([copy.deepcopy(members[0]) for _ in range(3)])
+
+
+# --- tied tensors: the same ties in every member; no tensor shared between members -----
+
+
+def _tied(tie_to: int) -> nn.Module:
+    """Linear-Tanh-Linear-Tanh-Linear with the last weight tied to layer ``tie_to``'s."""
+    m = nn.Sequential(lin(4, 4), nn.Tanh(), lin(4, 4), nn.Tanh(), lin(4, 4))
+    m[4].weight = m[tie_to].weight
+    return m
+
+
+class _TiedBuffers(nn.Module):
+    def __init__(self, tie: str) -> None:
+        super().__init__()
+        for name in ("s0", "s1", "s2"):
+            self.register_buffer(name, torch.ones(3))
+        self.s2 = getattr(self, tie)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s0 + 2 * x * self.s1 + 3 * x * self.s2
+
+
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
+def test_members_tied_differently_are_refused(build) -> None:
+    members = [_tied(0), _tied(2), _tied(2)]
+    before = snapshot(*members)
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has parameter `4\.weight` as the same tensor as `2\.weight` \(tied\); "
+        r"member 0 has it as the same tensor as `0\.weight` \(tied\)\. All members must "
+        r"share one architecture: tie the same",
+    ):
+        build(members)
+    assert_trees_equal(snapshot(*members), before)
+    with pytest.raises(ValueError, match=r"member 1 has buffer `s2` as the same tensor as `s1`"):
+        build([_TiedBuffers("s0"), _TiedBuffers("s1")])
+    untied = nn.Sequential(lin(4, 4), nn.Tanh(), lin(4, 4), nn.Tanh(), lin(4, 4))
+    with pytest.raises(ValueError, match=r"member 1 has extra parameters `4\.weight`"):
+        build([_tied(0), untied])
+
+
+def test_members_tied_differently_form_other_groups_of_a_hetero_ensemble() -> None:
+    torch.manual_seed(0)
+    members = [_tied(0), _tied(2), _tied(0)]
+    hens = fe.HeteroEnsemble(copy.deepcopy(members))
+    assert hens.group_members == ((0, 2), (1,))
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(hens(x), torch.stack([m(x) for m in members]))
+
+
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble, fe.HeteroEnsemble])
+def test_a_tensor_shared_between_members_is_refused(build) -> None:
+    backbone = lin(4, 4)
+    shared = [nn.Sequential(backbone, nn.Tanh(), lin(4, 2)) for _ in range(3)]
+    message = r"member 1's parameter `0\.weight` is the same tensor as member 0's parameter"
+    with pytest.raises(ValueError, match=message + r" `0\.weight`\. An ensemble holds its own"):
+        build(shared)
+    one = lin()
+    with pytest.raises(ValueError, match=r"member 1's parameter `weight` is the same tensor"):
+        build([one, one])
+    buffer_owner = nn.BatchNorm1d(3)
+    with pytest.raises(
+        ValueError, match=r"member 2's parameter `weight` is the same tensor as member 1's"
+    ):
+        build([nn.BatchNorm1d(3), buffer_owner, buffer_owner])
+
+
+def test_a_factory_returning_one_module_is_refused() -> None:
+    one = lin()
+    with pytest.raises(ValueError, match=r"member 1's parameter `weight` is the same tensor"):
+        fe.Ensemble.from_factory(lambda: one, num_members=3)

@@ -236,7 +236,9 @@ def test_fingerprints_depend_on_architecture_not_values(tmp_path: Path) -> None:
     assert fingerprints(make_ensemble("mlp", seed=1)) == (arch_a, struct_a)
     assert fingerprints(make_ensemble("mlp", n=5))[0] == arch_a  # the count is stored apart
     assert fingerprints(make_ensemble("tied"))[0] != arch_a
-    wider = fe.Ensemble([nn.Sequential(nn.Linear(5, 17), nn.Tanh(), nn.Linear(17, 3))] * 3)
+    wider = fe.Ensemble(
+        [nn.Sequential(nn.Linear(5, 17), nn.Tanh(), nn.Linear(17, 3)) for _ in range(3)]
+    )
     assert fingerprints(wider)[0]["fingerprint"] != arch_a["fingerprint"]
 
     _, tree_a = fingerprints(functional_tree(0))
@@ -604,7 +606,10 @@ class Scaled(nn.Linear):
         (lambda: make_ensemble("tied"), "holds an ensemble of torch.nn.*Sequential; this "),
         (
             lambda: fe.Ensemble(
-                [nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 4)).double()] * 3
+                [
+                    nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+                    for _ in range(3)
+                ]
             ),
             r"parameter `2.bias` is a float64 tensor of shape \(3, 3\) in the file; "
             r"this ensemble has a float64 tensor of shape \(3, 4\). .*different architecture",
@@ -615,7 +620,9 @@ class Scaled(nn.Linear):
             r".* Convert this ensemble to float64 before loading",
         ),
         (
-            lambda: fe.Ensemble([nn.Sequential(nn.Linear(5, 16), nn.Tanh()).double()] * 3),
+            lambda: fe.Ensemble(
+                [nn.Sequential(nn.Linear(5, 16), nn.Tanh()).double() for _ in range(3)]
+            ),
             "the file has extra parameter `2.bias`, parameter `2.weight`",
         ),
         (lambda: {"a": torch.ones(1)}, "holds an fe.Ensemble of 3 members of .*; got a dict"),

@@ -368,8 +368,8 @@ def test_load_refuses_another_grouping(tmp_path):
     with pytest.raises(
         ValueError, match=r"holds an fe\.HeteroEnsemble of 3 members; got an Ensemble to load"
     ):
-        fe.load(path, fe.Ensemble([mlp(3)] * 3))
-    fe.save(tmp_path / "e.safetensors", fe.Ensemble([mlp(3)] * 3))
+        fe.load(path, fe.Ensemble([mlp(3) for _ in range(3)]))
+    fe.save(tmp_path / "e.safetensors", fe.Ensemble([mlp(3) for _ in range(3)]))
     with pytest.raises(ValueError, match=r"holds an fe\.Ensemble; got an fe\.HeteroEnsemble"):
         fe.load(tmp_path / "e.safetensors", other)
 

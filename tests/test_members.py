@@ -552,7 +552,7 @@ def test_concat_of_two_ensembles_keeps_every_member_in_order():
         ens, j = ens_i
         assert_trees_equal(both.member(i).state_dict(), ens.member(j).state_dict())
     with pytest.raises(ValueError, match="member 2 has parameter `weight`"):
-        fe.Ensemble([nn.Linear(3, 2)] * 2).concat(fe.Ensemble([nn.Linear(3, 4)]))
+        fe.Ensemble([nn.Linear(3, 2) for _ in range(2)]).concat(fe.Ensemble([nn.Linear(3, 4)]))
 
 
 @pytest.mark.parametrize(

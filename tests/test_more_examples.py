@@ -164,7 +164,7 @@ def test_digits_fails_when_the_members_are_copies(monkeypatch):
 
     def copies(data, **kwargs):
         trained = train(data, **{**kwargs, "members": 1})
-        return fe.Ensemble([trained.member(0)] * kwargs["members"])
+        return fe.Ensemble([trained.member(0) for _ in range(kwargs["members"])])
 
     monkeypatch.setattr(example, "train", copies)
     with pytest.raises(AssertionError, match=r"members predict alike \(are they copies\?\)"):

@@ -180,7 +180,7 @@ class Ensemble(nn.Module):
         # (a member that raises or differs from member 0) puts them back as they were.
         with global_rng_restored_on_error():
             members = (build(i) for i in range(num_members))
-            first, params, buffers = stack_members(where, members, num_members)
+            first, params, buffers = stack_members(where, members, num_members, alive=False)
         return cls._from_stacked(meta_skeleton(first), params, buffers, randomness, chunk_size)
 
     def __len__(self) -> int:

@@ -7,7 +7,13 @@ import torch
 from torch import Tensor, nn
 
 from .._messages import key_difference
-from .._structure.architecture import Architecture, check_is_module, check_same_architecture
+from .._structure.architecture import (
+    Architecture,
+    Owners,
+    check_is_module,
+    check_same_architecture,
+    check_unshared,
+)
 from .._types import StackedTensors
 from .functional_module import FunctionalModule
 from .skeleton import meta_skeleton, replace_tensors
@@ -87,7 +93,7 @@ def stack_as(
 ) -> tuple[FunctionalModule, dict[str, Tensor], dict[str, Tensor]]:
     """[`stack`][funcensemble.stack], with errors naming the public entry point ``where``."""
     modules = member_list(where, modules)
-    first, params, buffers = stack_members(where, iter(modules), len(modules))
+    first, params, buffers = stack_members(where, iter(modules), len(modules), alive=True)
     return FunctionalModule(meta_skeleton(first)), params, buffers
 
 
@@ -100,7 +106,7 @@ def put_member(stacked: Mapping[str, Tensor], i: int, values: Mapping[str, Any])
 
 
 def stack_members(
-    where: str, members: Iterator[nn.Module], num_members: int
+    where: str, members: Iterator[nn.Module], num_members: int, *, alive: bool
 ) -> tuple[nn.Module, dict[str, Tensor], dict[str, Tensor]]:
     """The one stacking loop (``stack``, ``Ensemble``, ``Ensemble.from_factory``).
 
@@ -108,10 +114,14 @@ def stack_members(
     member 0 and copies it into preallocated ``[N, ...]`` tensors, so that a lazy
     ``members`` (a factory) never holds more than one member besides member 0. Returns
     member 0 and the stacked parameters (fresh autograd leaves with the members'
-    ``requires_grad``) and buffers.
+    ``requires_grad``) and buffers. ``alive``: the members outlive this call (a list),
+    so a tensor shared by any two is found; else (a factory) one shared with member 0.
     """
     first = check_is_module(where, 0, next(members))
     ref = Architecture.of(first)
+    # Tensor ids are unique among live tensors only: record those that stay alive.
+    owners: Owners = {}
+    check_unshared(where, 0, first, owners, add=True)
 
     def empty(specs: Mapping[str, Any]) -> dict[str, Tensor]:
         return {
@@ -125,6 +135,7 @@ def stack_members(
     for i in range(1, num_members):
         member = check_is_module(where, i, next(members))
         check_same_architecture(where, i, ref, member)
+        check_unshared(where, i, member, owners, add=alive)
         put_member(params, i, dict(member.named_parameters()))
         put_member(buffers, i, dict(member.named_buffers()))
         del member

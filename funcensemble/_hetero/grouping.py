@@ -17,15 +17,23 @@ from torch import Tensor, nn
 
 from .. import _tree
 from .._core.in_dims import leaf_dims
-from .._structure.architecture import Architecture, check_is_module, check_same_architecture
+from .._structure.architecture import (
+    Architecture,
+    Owners,
+    check_is_module,
+    check_same_architecture,
+    check_unshared,
+)
 
 
 def group_by_architecture(where: str, modules: Sequence[nn.Module]) -> list[list[int]]:
     """The members' indices, grouped by architecture, groups in order of first appearance."""
     refs: list[Architecture] = []
     groups: list[list[int]] = []
+    owners: Owners = {}  # every member's tensors: the modules are all alive in `modules`
     for i, module in enumerate(modules):
         check_is_module(where, i, module)
+        check_unshared(where, i, module, owners, add=True)
         for ref, members in zip(refs, groups, strict=True):
             try:
                 check_same_architecture(where, i, ref, module)

@@ -87,6 +87,37 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
     return module
 
 
+Owners = dict[int, tuple[int, str, str]]  # id of a tensor -> (member, "parameter", name)
+
+
+def check_unshared(where: str, index: int, module: nn.Module, owners: Owners, *, add: bool) -> None:
+    """Raise if member ``index`` holds a tensor that another member in ``owners`` holds.
+
+    The loop trains a tensor two members share (a common backbone, one module passed
+    twice) as one; an ensemble copies each member's tensors, which would then train
+    apart. ``add``: record this member's tensors in ``owners`` for later members (only
+    while the tensors stay alive: an id is unique among live objects only).
+    """
+    for noun, named in (
+        ("parameter", module.named_parameters()),
+        ("buffer", module.named_buffers()),
+    ):
+        for name, t in named:
+            owner = owners.get(id(t))
+            if owner is not None and owner[0] != index:
+                other, other_noun, other_name = owner
+                raise ValueError(
+                    f"{where}: member {index}'s {noun} `{name}` is the same tensor as member "
+                    f"{other}'s {other_noun} `{other_name}`. An ensemble holds its own copy of "
+                    "each member's tensors, so they would train apart, while the loop trains "
+                    "the one tensor they share. Pass separate modules (e.g. "
+                    "copy.deepcopy(module) for each member), or keep the shared part out of "
+                    "the ensemble and give its output as the input."
+                )
+            if add:
+                owners[id(t)] = (index, noun, name)
+
+
 def _check_tensors(
     where: str, index: int, kind: str, ref: dict[str, TensorSpec], got: dict[str, TensorSpec]
 ) -> None:

@@ -7,8 +7,9 @@ parametrization, therefore comes from member 0 for all members. So members must 
 all of it, compared submodule by submodule:
 
 - the class (for a parametrized module, the class before parametrization), the names
-  and order of the child modules, which submodules are one shared instance, and which
-  parameter and buffer slots exist (including slots set to ``None``);
+  and order of the child modules, which submodules are one shared instance, which
+  parameter and buffer slots exist (including slots set to ``None``), and which of
+  them hold one tied tensor;
 - every entry of the submodule's ``__dict__`` except ``nn.Module``'s own bookkeeping
   (`BOOKKEEPING`: the tensors, children and train/eval flag, checked elsewhere, and the
   hook tables), with values compared by ``SameValue`` (``_same_value``);
@@ -56,6 +57,10 @@ _SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"))
 
 def _instance(first: str, path: str) -> str:
     return "its own instance" if first == path else f"the same instance as `{first}`"
+
+
+def _tensor_instance(first: str, slot: str) -> str:
+    return "its own tensor" if first == slot else f"the same tensor as `{first}` (tied)"
 
 
 def _parametrized(module: nn.Module) -> bool:
@@ -125,6 +130,8 @@ def check_same_tree(where: str, index: int, ref: nn.Module, module: nn.Module) -
 def check_same_state(where: str, index: int, pairs: Pairs) -> None:
     """Raise if the pairs of submodules differ in tensor slots, attributes or hooks."""
     same_as: dict[int, object] = {}
+    first_a: dict[int, str] = {}  # a tensor of member 0 -> the first slot holding it
+    first_b: dict[int, str] = {}
     for path, a, b in pairs:
         same_as[id(b)] = a
         dict_a, dict_b = vars(a), vars(b)
@@ -141,6 +148,16 @@ def check_same_state(where: str, index: int, pairs: Pairs) -> None:
             for k, t in table_b.items():
                 if t is not None:
                     same_as.setdefault(id(t), table_a[k])
+                    slot = f"{path}.{k}" if path else k
+                    tied_a = first_a.setdefault(id(table_a[k]), slot)
+                    tied_b = first_b.setdefault(id(t), slot)
+                    if tied_a != tied_b:
+                        raise ValueError(
+                            f"{where}: member {index} has {noun} `{slot}` as "
+                            f"{_tensor_instance(tied_b, slot)}; member 0 has it as "
+                            f"{_tensor_instance(tied_a, slot)}. {_SAME_ARCHITECTURE}: tie "
+                            "the same parameters and buffers in every member."
+                        )
     same = SameValue(same_as, {id(v) for v in same_as.values()})
     for path, a, b in pairs:
         _check_hooks(where, index, path, a, b, same)

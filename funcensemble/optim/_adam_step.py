@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch_compat
-from ._hyper import Hyper, is_per_member, per_leaf
+from ._hyper import Hyper, is_per_member, one_minus, per_leaf
 
 # The dtypes torch.optim.Adam(fused=True) accepts.
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -54,7 +54,7 @@ def _in_double(h: Hyper) -> float | Tensor:
 
 def complement(h: Hyper, like: list[Tensor]) -> float | list[Tensor]:
     """``1 - h`` per leaf, computed in double precision and rounded to each leaf's dtype."""
-    return per_leaf(Hyper(h.name, 1.0 - _in_double(h)), like)  # type: ignore[operator]
+    return per_leaf(one_minus(h), like)
 
 
 def _shrink(lr: Hyper, weight_decay: Hyper, like: list[Tensor]) -> float | list[Tensor]:

@@ -64,6 +64,16 @@ def check_members(
             )
 
 
+def one_minus(h: Hyper) -> Hyper:
+    """``1 - h``, computed in double precision where the device has it, as torch.optim
+    computes ``1 - beta`` from a Python float; each leaf's view then rounds it once."""
+    value = h.value
+    if isinstance(value, Tensor):
+        wide = torch.float32 if value.device.type == "mps" else torch.float64
+        return Hyper(h.name, 1.0 - value.to(wide))
+    return Hyper(h.name, 1.0 - value)
+
+
 def per_leaf(
     h: Hyper, leaves: list[Tensor], dtypes: list[torch.dtype] | None = None
 ) -> float | list[Tensor]:

@@ -5,7 +5,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._hyper import Hyper, PerMember, check_members, hyperparameter, is_per_member
+from ._hyper import Hyper, PerMember, check_members, hyperparameter, is_per_member, one_minus
 from ._protocol import (
     GradientTransformation,
     PyTree,
@@ -69,7 +69,7 @@ def _rmsprop_direction(
     per_member = [h for h in (alpha, eps, weight_decay, momentum) if is_per_member(h)]
     buffered = is_per_member(momentum) or momentum.value != 0.0
     decays = is_per_member(weight_decay) or weight_decay.value != 0.0
-    one_minus_alpha = Hyper("alpha", 1.0 - alpha.value)
+    one_minus_alpha = one_minus(alpha)
 
     def init(params: PyTree) -> RMSpropState:
         leaves, spec = flatten(params)
@@ -127,7 +127,8 @@ def _rmsprop_direction(
                 if isinstance(a, float):
                     s = sq[i].mul(a).addcmul_(g, g, value=oma)
                 else:
-                    s = sq[i].mul(a).addcmul_(g * g, oma)
+                    # torch's addcmul(g, g, value=1 - alpha) multiplies (value * g) * g.
+                    s = sq[i].mul(a).addcmul_(g * oma, g)
                 new_sq[i] = s
                 if centered:
                     ga = gavg[i].lerp(g, oma)

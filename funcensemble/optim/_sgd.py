@@ -5,7 +5,15 @@ from typing import Any, NamedTuple
 import torch
 
 from .._messages import boolean as _flag
-from ._hyper import Hyper, PerMember, check_members, hyperparameter, is_per_member, per_leaf
+from ._hyper import (
+    Hyper,
+    PerMember,
+    check_members,
+    hyperparameter,
+    is_per_member,
+    one_minus,
+    per_leaf,
+)
 from ._protocol import (
     GradientTransformation,
     PyTree,
@@ -57,7 +65,7 @@ def _sgd_direction(
     """torch.optim.SGD's step before the learning rate: sign, L2 decay, momentum."""
     per_member = [h for h in (momentum, dampening, weight_decay) if is_per_member(h)]
     buffered = is_per_member(momentum) or momentum.value != 0.0
-    one_minus_d = Hyper("dampening", 1.0 - dampening.value)
+    one_minus_d = one_minus(dampening)
     # A member with momentum 0 keeps no buffer in torch.optim: its direction is the
     # gradient itself (not (1 - dampening) * gradient, nor 0 * buffer + gradient).
     no_momentum = momentum.value == 0 if is_per_member(momentum) else None
