@@ -261,3 +261,27 @@ def test_bad_arguments_are_refused_when_built(build, error, match):
 def test_a_bad_count_is_refused():
     with runtime_typecheck_off(), pytest.raises(TypeError, match="called with the step count"):
         fe.optim.cosine_decay(0.1, 5)(1.5)
+
+
+def test_a_lambda_schedule_of_the_count_in_double_is_lambdalr():
+    """As the training how-to says: ``0.9 ** count`` is float32 (the count is int64);
+    ``0.9 ** count.double()`` steps as ``LambdaLR`` with a Python float."""
+    assert (0.9 ** torch.tensor(3)).dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    grads = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(6)]
+    params = {"w": start.clone()}
+    opt = fe.optim.adam(lr=lambda count: 1e-2 * 0.9 ** count.double())
+    state = opt.init(params)
+    members = [torch.nn.Parameter(start[i].clone()) for i in range(3)]
+    torch_opts = [torch.optim.Adam([p], lr=1e-2) for p in members]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.9**step) for o in torch_opts]
+    for grad in grads:
+        state = opt.update_({"w": grad.clone()}, state, params)
+        for i, (o, s) in enumerate(zip(torch_opts, scheds, strict=True)):
+            members[i].grad = grad[i].clone()
+            o.step()
+            s.step()
+    torch.testing.assert_close(
+        params["w"], torch.stack([p.detach() for p in members]), rtol=1e-15, atol=1e-15
+    )

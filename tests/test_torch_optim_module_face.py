@@ -85,3 +85,30 @@ def test_a_whole_tensor_torch_optim_mixes_members(name: str) -> None:
         for k, v in m.state_dict().items()
     ]
     assert any(differ)
+
+
+def test_a_member_left_out_of_the_loss_gets_zero_gradients_and_still_steps() -> None:
+    """As the training how-to says: zeros, not None; SGD leaves the member where it is,
+    Adam moves it on its moments from earlier steps."""
+    members = _members(3)
+    x = torch.randn(16, 5, dtype=torch.float64)
+    builders = {
+        "SGD": (lambda ens: torch.optim.SGD(ens.parameters(), lr=0.1), False),
+        "Adam": (lambda ens: torch.optim.Adam(ens.parameters(), lr=1e-2), True),
+        "EnsembleOptimizer": (
+            lambda ens: fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2)),
+            True,
+        ),
+    }
+    for name, (make, moves) in builders.items():
+        ens = fe.Ensemble(copy.deepcopy(members))
+        opt = make(ens)
+        for active in (slice(None), slice(0, 2)):  # all members, then member 2 left out
+            opt.zero_grad()
+            ens(x).pow(2).mean(dim=(1, 2))[active].sum().backward()
+            before = {k: v.detach()[2].clone() for k, v in ens.named_parameters()}
+            opt.step()
+        for p in ens.parameters():
+            assert p.grad is not None and torch.all(p.grad[2] == 0), name
+        moved = any(not torch.equal(v.detach()[2], before[k]) for k, v in ens.named_parameters())
+        assert moved is moves, name

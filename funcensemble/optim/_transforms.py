@@ -44,7 +44,7 @@ class ScheduleState(NamedTuple):
 
     Example:
         >>> import torch, funcensemble as fe
-        >>> opt = fe.optim.adam(lr=lambda count: 1e-3 * 0.9**count)
+        >>> opt = fe.optim.adam(lr=lambda count: 1e-3 * 0.9 ** count.double())
         >>> opt.init({"w": torch.zeros(2, 3)})[-1]
         ScheduleState(count=tensor(0))
     """
@@ -209,6 +209,8 @@ def scale_by_learning_rate(lr: float | PerMember | Schedule = 1e-3) -> GradientT
             previous ``update`` calls (a 0-dim int64 tensor: 0, 1, 2, ...), like a
             ``torch.optim.lr_scheduler.LambdaLR`` stepped once per iteration. The
             count advances on every call, even one where every gradient is None.
+            ``0.9 ** count`` is float32 (an int64 tensor promotes to torch's default
+            dtype): ``0.9 ** count.double()`` computes what ``LambdaLR`` does.
             A schedule may return a float, a 0-dim tensor or a ``[N]`` tensor; its
             values are not range-checked (that would sync the device every step).
 
