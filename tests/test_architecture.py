@@ -998,3 +998,20 @@ def test_a_factory_returning_one_module_is_refused() -> None:
     one = lin()
     with pytest.raises(ValueError, match=r"member 1's parameter `weight` is the same tensor"):
         fe.Ensemble.from_factory(lambda: one, num_members=3)
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "hint"),
+    [
+        (lambda: nn.EmbeddingBag(10, 3), (torch.randint(0, 10, (4, 2)),), r"use nn\.Embedding"),
+        (
+            lambda: nn.Bilinear(3, 3, 2),
+            (torch.randn(4, 3), torch.randn(4, 3)),
+            r"torch\.einsum\('\.\.\.i,oij,\.\.\.j->\.\.\.o'",
+        ),
+    ],
+)
+def test_an_operator_without_a_batching_rule_gets_its_own_hint(make, args, hint) -> None:
+    ens = fe.Ensemble([make() for _ in range(2)])
+    with pytest.raises(RuntimeError, match=r"has no vmap batching rule.*" + hint):
+        ens(*args)

@@ -30,6 +30,17 @@ _HINTS = {
         "values), or call x.contiguous() before pooling."
     ),
 }
+_HINTS["aten::rrelu"] = _HINTS["aten::rrelu_with_noise"] = (
+    "It is nn.RReLU / F.rrelu: in eval mode RReLU is nn.LeakyReLU((lower + upper) / 2)."
+)
+_HINTS["aten::embedding_bag"] = _HINTS["aten::embedding_bag.padding_idx"] = (
+    "It is nn.EmbeddingBag / F.embedding_bag (with or without padding_idx): use "
+    "nn.Embedding and reduce over the bag yourself (e.g. .sum(-2) or .mean(-2))."
+)
+_HINTS["aten::bilinear"] = (
+    "It is nn.Bilinear / F.bilinear: write it as "
+    "torch.einsum('...i,oij,...j->...o', x1, weight, x2) + bias (the same values)."
+)
 _HINTS["aten::_weight_norm"] = _HINTS["aten::_weight_norm_interface"] = (
     "It is torch._weight_norm (as in torch.nn.utils.weight_norm): use "
     "torch.nn.utils.parametrizations.weight_norm, which funcensemble handles, or write "
@@ -90,9 +101,9 @@ def _explain(error: RuntimeError, randomness: str) -> Exception | None:
             "them). "
             + _HINTS.get(
                 op,
-                "Replace the layer that calls it (fused RNN kernels are the usual "
-                "cause: write the recurrence with nn.Linear; nn.RReLU in eval mode is "
-                "nn.LeakyReLU((lower + upper) / 2)), or loop over the members yourself.",
+                "Replace the layer or call that uses it with operators that batch "
+                "(see the how-to page 'Unsupported layers'), or loop over the members "
+                "yourself.",
             )
         )
     if "randomness" in message and randomness == "error":
