@@ -1015,3 +1015,17 @@ def test_an_operator_without_a_batching_rule_gets_its_own_hint(make, args, hint)
     ens = fe.Ensemble([make() for _ in range(2)])
     with pytest.raises(RuntimeError, match=r"has no vmap batching rule.*" + hint):
         ens(*args)
+
+
+def test_members_holding_generators_are_refused_with_a_reason() -> None:
+    class WithGenerator(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = lin()
+            self.gen = torch.Generator().manual_seed(0)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.linear(x) + torch.randn(2, generator=self.gen)
+
+    with pytest.raises(ValueError, match=r"`gen` = a torch\.Generator of its own.*Keep generators"):
+        fe.Ensemble([WithGenerator() for _ in range(2)])

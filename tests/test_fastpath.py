@@ -414,3 +414,20 @@ def test_autocast_outside_the_mlp_chain_computes_in_the_autocast_dtype():
             for k, p in m.named_parameters():
                 assert grads[k].dtype == p.grad.dtype == torch.float32
                 torch.testing.assert_close(grads[k][i], p.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_an_input_of_another_dtype_names_the_input_and_the_layer(dtype):
+    members = [nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in range(2)]
+    x = torch.ones(5, 3, dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    message = rf"the input's dtype is {name}, but layer `0` \(Linear\) has float32 weights"
+    with pytest.raises(RuntimeError, match="Ensemble: " + message):
+        fe.Ensemble(members)(x)
+    fmodel, params, buffers = fe.stack(members)
+    with pytest.raises(RuntimeError, match="vmap: " + message):
+        fe.vmap(fmodel)(params, buffers, x)
+    with pytest.raises(RuntimeError, match="vmap: " + message):
+        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(params, buffers, x)
+    with pytest.raises(RuntimeError, match="dtype"):  # the loop refuses it too
+        members[0](x)

@@ -145,6 +145,21 @@ def check_widths(where: str, steps: Plan, params: dict[str, Tensor], width: int)
         first = False
 
 
+def check_dtype(where: str, steps: Plan, params: dict[str, Tensor], x: Tensor) -> None:
+    """Refuse an input of another dtype than the first Linear's weight, as the loop's
+    ``F.linear`` does, but naming the input and the layer (not our matrix products)."""
+    weight = next(w for _, w, _ in steps if w is not None)
+    want = params[weight].dtype
+    if x.dtype != want:
+        layer = weight.removesuffix("weight").rstrip(".") or "(the module itself)"
+        got, wanted = str(x.dtype).removeprefix("torch."), str(want).removeprefix("torch.")
+        raise RuntimeError(  # the class of the loop's own error
+            f"{where}: the input's dtype is {got}, but layer `{layer}` (Linear) has {wanted} "
+            f"weights (expected a {wanted} input, got {got}), as each member's own "
+            f"module requires. Convert the input (x.to(torch.{wanted})) or the members."
+        )
+
+
 def run(
     steps: Plan,
     params: dict[str, Tensor],
@@ -171,6 +186,8 @@ def run(
         if x.dim() < 2 or x.shape[0] != n:
             return None
     check_widths(where, steps, params, x.shape[-1])
+    if not autocast:
+        check_dtype(where, steps, params, x)
     if torch.compiler.is_compiling() and not autocast:
         out = _compiled_chain(steps, params, x, n, shared=member_dim is None)
         if out is not None:

@@ -25,6 +25,7 @@ so they are compared by the same rules.
 
 from collections.abc import Iterator
 
+import torch
 from torch import Tensor, nn
 
 from .._messages import submodule
@@ -263,6 +264,16 @@ def _check_attributes(
         vb = dict_b[name]
         if va is vb or (type(va) is type(vb) and type(va) in _PLAIN and va == vb):
             continue
+        if isinstance(va, torch.Generator) and isinstance(vb, torch.Generator):
+            raise ValueError(
+                f"{where}: member {index} has {submodule(path)} ({_class_name(b)}) with "
+                f"`{name}` = a torch.Generator of its own, as has member 0. Every member "
+                "runs with member 0's non-tensor state, so all members would draw from "
+                "member 0's generator, not each from its own as in a loop. Keep "
+                "generators out of the members: draw from torch's global generator "
+                "(the ensemble's randomness option decides whether members draw alike), "
+                "or pass the random numbers in as an input."
+            )
         if not same(va, vb):
             raise ValueError(
                 f"{where}: member {index} has {submodule(path)} ({_class_name(b)}) with "
