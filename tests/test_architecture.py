@@ -1029,3 +1029,13 @@ def test_members_holding_generators_are_refused_with_a_reason() -> None:
 
     with pytest.raises(ValueError, match=r"`gen` = a torch\.Generator of its own.*Keep generators"):
         fe.Ensemble([WithGenerator() for _ in range(2)])
+
+
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
+def test_an_uninitialized_lazy_module_is_refused_with_what_to_do(build) -> None:
+    with pytest.raises(ValueError, match=r"member 0 has `0\.weight` of .*uninitialized.*Run one"):
+        build([nn.Sequential(nn.LazyLinear(2)) for _ in range(2)])
+    members = [nn.Sequential(nn.LazyLinear(2)) for _ in range(2)]
+    for m in members:
+        m(torch.randn(1, 3))
+    build(members)  # initialized by a forward pass: stacks

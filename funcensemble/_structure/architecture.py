@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from .._core.skeleton import modes, named_tensors
 from .._messages import a, key_difference, submodule
@@ -84,6 +85,15 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
         kind = _backward_hooks.kind_on(sub)
         if kind is not None:
             raise _backward_hooks.member_error(where, index, kind, name)
+        for slot, t in (*sub._parameters.items(), *sub._buffers.items()):
+            if isinstance(t, UninitializedTensorMixin):
+                full = f"{name}.{slot}" if name else slot
+                raise ValueError(
+                    f"{where}: member {index} has `{full}` of {submodule(name)} "
+                    f"({type(sub).__name__}) uninitialized: a lazy module has no shape "
+                    "until its first forward. Run one forward pass on each member first "
+                    "(e.g. module(example_input)), then build the ensemble."
+                )
     return module
 
 
