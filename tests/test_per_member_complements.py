@@ -70,3 +70,27 @@ def test_per_member_values_on_float32_parameters(name: str) -> None:
     the multiplication order shows (it ended 3e-5 off when squared first)."""
     cls, kwargs, transform = CASES[name]
     assert _against_torch(cls, kwargs, transform(), torch.float32) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_a_0_dim_float32_lr_steps_as_its_python_float(name: str) -> None:
+    """As adam's docstring says: ``lr=t`` is ``torch.optim``'s ``lr=float(t)``."""
+    lr = torch.tensor(3e-3)  # float32
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    make = {"adam": fe.optim.adam, "adamw": fe.optim.adamw}[name]
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    params = {"w": start.clone()}
+    opt = make(lr=lr)
+    state = opt.init(params)
+    members = [torch.nn.Parameter(start[i].clone()) for i in range(3)]
+    torch_opts = [cls([m], lr=float(lr)) for m in members]
+    for _ in range(5):
+        grad = torch.randn(3, 4, generator=g, dtype=torch.float64)
+        state = opt.update_({"w": grad.clone()}, state, params)
+        for i, o in enumerate(torch_opts):
+            members[i].grad = grad[i].clone()
+            o.step()
+    torch.testing.assert_close(
+        params["w"], torch.stack([m.detach() for m in members]), rtol=1e-15, atol=1e-16
+    )

@@ -516,6 +516,10 @@ def adam(
     Args:
         lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``
             (see [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate]).
+            A tensor's values enter the step in double precision, as a Python float
+            does: ``lr=t`` steps as ``torch.optim.Adam(lr=float(t))`` (torch.optim
+            given the float32 tensor itself computes its step size in float32, about
+            1e-8 of it apart, on float64 parameters).
         betas: Decay rates of the first and second moment averages.
         eps: Added to the denominator for numerical stability.
         weight_decay: L2 penalty added to the gradient (after the sign flip of
