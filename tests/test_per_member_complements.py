@@ -94,3 +94,26 @@ def test_a_0_dim_float32_lr_steps_as_its_python_float(name: str) -> None:
     torch.testing.assert_close(
         params["w"], torch.stack([m.detach() for m in members]), rtol=1e-15, atol=1e-16
     )
+
+
+def test_float16_adam_is_the_fused_kernel_where_the_for_loop_gives_nan() -> None:
+    """As adam's docstring says: eps=1e-8 is 0 in float16 for torch's for-loop Adam."""
+    g = torch.Generator().manual_seed(0)
+    start = (torch.randn(3, 8, generator=g) * 0.1).half()
+    params = {"w": start.clone()}
+    opt = fe.optim.adam(1e-3)
+    state = opt.init(params)
+    fused_params = [torch.nn.Parameter(start[i].clone()) for i in range(3)]
+    loop_params = [torch.nn.Parameter(start[i].clone()) for i in range(3)]
+    fused = [torch.optim.Adam([p], lr=1e-3, fused=True) for p in fused_params]
+    loop = [torch.optim.Adam([p], lr=1e-3) for p in loop_params]
+    for _ in range(5):
+        grad = (torch.randn(3, 8, generator=g) * 1e-4).half()
+        state = opt.update_({"w": grad.clone()}, state, params)
+        for i in range(3):
+            fused_params[i].grad = grad[i].clone()
+            loop_params[i].grad = grad[i].clone()
+            fused[i].step()
+            loop[i].step()
+    assert torch.equal(params["w"], torch.stack([p.detach() for p in fused_params]))
+    assert torch.isnan(torch.stack([p.detach() for p in loop_params])).any()

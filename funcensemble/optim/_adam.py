@@ -511,7 +511,10 @@ def adam(
     from ``Adam(foreach=True)`` for ``update``'s multi-tensor ops and 8 for
     ``update_``'s; and 1e-12 in float64. A NaN or inf in one member's
     gradient makes that member's parameters and state what torch.optim makes of them
-    (NaN); every other member is untouched, bit for bit.
+    (NaN); every other member is untouched, bit for bit. In float16 ``eps=1e-8``
+    rounds to 0 in torch's for-loop and foreach Adam, whose updates then turn NaN where
+    a gradient is tiny; the fused kernel computes in float32 and stays finite, so
+    ``update_`` and ``EnsembleOptimizer`` give ``Adam(fused=True)``'s numbers there.
 
     Args:
         lr: The learning rate: a float, a ``[N]`` tensor, or a schedule ``lr(count)``
