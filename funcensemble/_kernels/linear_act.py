@@ -50,29 +50,6 @@ def _act_backward(act: str, g: Tensor, y: Tensor, out: Tensor | None) -> Tensor:
     )
 
 
-# Whether the weight gradient of a layer on a shared input is computed as (h @ gz^T)^T.
-ROWS_FIRST = True
-
-
-def _shared_weight_grad(gz: Tensor, h: Tensor, w: Tensor, reuse: bool) -> Tensor:
-    """``gz @ h^T`` ([N * out, in]) for a shared input ``h`` ([in, rows]).
-
-    With a narrow input (``in`` small) and many members, BLAS runs ``h @ gz^T``, a
-    short-and-wide product, faster than the tall-and-narrow ``gz @ h^T``; its
-    ``[in, N * out]`` result is then transposed into the weight's layout (a copy of the
-    small gradient).
-    """
-    n_out, d_in = gz.shape[0], h.shape[0]
-    if not ROWS_FIRST:
-        if not reuse:
-            return gz.mm(h.t())
-        return torch.mm(gz, h.t(), out=_workspace.empty((n_out, d_in), w))
-    if not reuse:
-        return h.mm(gz.t()).t().contiguous()
-    wide = torch.mm(h, gz.t(), out=_workspace.empty((d_in, n_out), w))
-    return _workspace.empty((n_out, d_in), w).copy_(wide.t())
-
-
 class LinearAct(torch.autograd.Function):
     """``act(W @ h + b)`` feature-major; ``act`` one of ``ACTIVATIONS`` or None.
 
@@ -129,7 +106,11 @@ class LinearAct(torch.autograd.Function):
                     else torch.mm(w2.t(), gz, out=_workspace.empty(tuple(h.shape), h))
                 )
             if need_w:
-                gw = _shared_weight_grad(gz, h, w, reuse).view(n, d_out, d_in)
+                gw = (
+                    gz.mm(h.t())
+                    if not reuse
+                    else torch.mm(gz, h.t(), out=_workspace.empty((n * d_out, d_in), w))
+                ).view(n, d_out, d_in)
             if need_b and ctx.has_bias:
                 gb = gz.sum(1).view(n, d_out)
         else:
