@@ -110,7 +110,8 @@ def std(
     """The standard deviation over members: the square root of [`var`][funcensemble.reduce.var].
 
     For a regression ensemble this is its disagreement (epistemic uncertainty). Where
-    all members agree exactly its gradient is 0, not the NaN of ``torch.std``.
+    all members agree exactly its gradient is 0, not the NaN of ``torch.std``; a NaN or
+    inf among the values gives NaN, as ``torch.std`` does.
 
     Args:
         values: Stacked outputs, member axis first.
@@ -129,9 +130,10 @@ def std(
     _check_correction("std", correction, values.shape[0])
     variance = torch.var(values, dim=0, correction=correction)
     # sqrt has an infinite slope at 0; route zero variances around it so that agreeing
-    # members get a zero gradient instead of 0 * inf = NaN.
-    positive = variance > 0
-    return torch.where(positive, torch.where(positive, variance, 1).sqrt(), 0)
+    # members get a zero gradient instead of 0 * inf = NaN. Only exact zeros: a NaN
+    # variance (a NaN or inf among the values) stays NaN, as torch.std gives.
+    zero = variance == 0
+    return torch.where(zero, 0, torch.where(zero, 1, variance).sqrt())
 
 
 def min(values: Real[Tensor, " member *rest"]) -> Real[Tensor, "*rest"]:

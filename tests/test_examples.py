@@ -39,6 +39,8 @@ def test_multihead_options():
     multihead = load("multihead")
     results = multihead.main(["--heads", "3", "--steps", "2", "--batch", "5"])
     assert [r.losses.shape for r in results] == [(3,)] * len(results)
+    with pytest.raises(SystemExit):  # it writes nothing: no --out (docs/examples.md)
+        multihead.main(["--out", "somewhere"])
 
 
 def test_multihead_fails_when_a_variant_disagrees(monkeypatch):

@@ -147,6 +147,13 @@ def test_std_gradient_is_zero_where_members_agree() -> None:
     torch.testing.assert_close(grad[:, 1], expected[:, 1])
 
 
+def test_std_of_nan_or_inf_is_nan_as_torch_std() -> None:
+    """A NaN or inf among the values gives NaN (it read 0, "all members agree")."""
+    x = torch.tensor([[1.0, 1.0, 1.0], [float("nan"), 2.0, 1.0], [3.0, float("inf"), 1.0]])
+    torch.testing.assert_close(fe.reduce.std(x), torch.std(x, dim=0), equal_nan=True)
+    assert fe.reduce.std(x)[:2].isnan().all() and fe.reduce.std(x)[2] == 0
+
+
 def test_min_max_of_integers() -> None:
     x = torch.tensor([[3, -1], [2, 5]])
     assert fe.reduce.min(x).tolist() == [2, -1]

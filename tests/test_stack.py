@@ -1,5 +1,7 @@
 """fe.stack / fe.unstack / fe.FunctionalModule: exact round trips and no aliasing."""
 
+import re
+
 import pytest
 import torch
 from helpers import ZOO, assert_trees_equal, runtime_typecheck_off, stacked_state
@@ -178,3 +180,27 @@ def test_unstack_params_or_buffers_not_a_dict_is_a_type_error(argument) -> None:
         pytest.raises(TypeError, match=rf"unstack: {argument} must be a dict .* got list"),
     ):
         fe.unstack(fmodel, state["params"], state["buffers"])
+
+
+@pytest.mark.parametrize("missing", ["0.weight", "2.bias"])
+def test_params_without_one_of_the_module_s_tensors_are_refused(missing) -> None:
+    """functional_call(strict=False) would use the skeleton's own tensor in its place:
+    meta for fe.stack, all members' stacked one for Ensemble.fmodel."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)) for _ in range(3)]
+    x = torch.randn(3, 3)  # a batch of N rows: a stacked [N, ...] tensor would broadcast
+    message = rf"parameter `{re.escape(missing)}` is in neither params nor buffers"
+    for fmodel, params, buffers in (fe.stack(members), _ensemble_face(members)):
+        partial = {k: v for k, v in params.items() if k != missing}
+        with pytest.raises(ValueError, match="vmap: the module's " + message):
+            fe.vmap(fmodel)(partial, buffers, x)
+        with pytest.raises(ValueError, match="vmap: the module's " + message):
+            fe.value_and_grad(lambda p, b, x, f=fmodel: f(p, b, x).sum())(partial, buffers, x)
+        one = {k: v[0] for k, v in partial.items()}
+        with pytest.raises(ValueError, match="FunctionalModule: the module's " + message):
+            fmodel(one, {k: v[0] for k, v in buffers.items()}, x)
+
+
+def _ensemble_face(members):
+    ens = fe.Ensemble(members)
+    return ens.fmodel, dict(ens.stacked_params()), dict(ens.stacked_buffers())

@@ -1,5 +1,6 @@
 """``FunctionalModule``: one member's module as a pure function of its tensors."""
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,6 +15,31 @@ from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
 from .diagnose import linear_width_error
 from .rollback import save_before_update
+
+
+def _check_complete(skeleton: nn.Module, params: Any, buffers: Any) -> None:
+    """Refuse ``params`` and ``buffers`` that leave out a tensor of the module.
+
+    ``functional_call(strict=False)`` would use the skeleton's own tensor for it: a
+    meta tensor (``fe.stack``) or all members' stacked one (``Ensemble.fmodel``),
+    wrong numbers either way (or none at all).
+    """
+    if torch.compiler.is_compiling():
+        return
+    given = (params, buffers)
+    for kind, named in (
+        ("parameter", skeleton.named_parameters()),
+        ("buffer", skeleton.named_buffers()),
+    ):
+        for name, _ in named:
+            if not any(isinstance(d, Mapping) and name in d for d in given):
+                where = "vmap" if _torch_compat.inside_transform() else "FunctionalModule"
+                raise ValueError(
+                    f"{where}: the module's {kind} `{name}` is in neither params nor "
+                    f"buffers (expected every parameter and buffer, as fe.stack returns "
+                    "them). Pass them all, the frozen ones too: value_and_grad "
+                    "differentiates only those that require grad."
+                )
 
 
 class FunctionalModule:
@@ -44,6 +70,7 @@ class FunctionalModule:
             fast = fast_call(self.skeleton, params, args, kwargs, None)
             if fast is not None:
                 return fast
+        _check_complete(self.skeleton, params, buffers)
         if not torch.compiler.is_compiling() and _torch_compat.inside_transform():
             # Backward hooks would not run here: refused (see _structure.backward_hooks).
             _backward_hooks.check_call("vmap", self.skeleton)
