@@ -268,8 +268,11 @@ def _log_probs(where: str, logits: object) -> Tensor:
     # A masked class (-inf logit) becomes the most negative finite value: its
     # probability still underflows to exactly 0, but every log stays finite, so no
     # 0 * inf = NaN reaches the values or the gradients.
+    # A row with every class masked has no distribution: NaN, as softmax gives it
+    # (clamped, it would pass for a uniform one).
+    empty = torch.isneginf(logits).all(dim=-1, keepdim=True)
     logits = logits.clamp(min=torch.finfo(logits.dtype).min)
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1).masked_fill(empty, math.nan)
 
 
 def _average(log_probs: Tensor) -> Tensor:
@@ -288,7 +291,8 @@ def mean_log_probs(
 
     This averages probabilities, not logits, and is computed in log space
     (``logsumexp(log_softmax(logits), dim=0) - log N``), so it stays finite and exact
-    for logits of any size. A logit of ``-inf`` masks its class.
+    for logits of any size. A logit of ``-inf`` masks its class; a member whose every
+    class is masked gives NaN, as ``softmax`` does (here and in the entropies).
 
     Args:
         logits: Stacked classifier outputs ``[N, ..., C]``, classes last.

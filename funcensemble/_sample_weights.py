@@ -155,7 +155,9 @@ def weighted_mean(
 
     A sample of weight 0 is left out of the value entirely, even if its loss is inf or
     NaN. Weights are used as given (negative ones included, as the loop's formula
-    would): no value check runs, so that nothing syncs the device in a training step.
+    would), except that weights summing to exactly 0 give 0, whatever their signs,
+    as an empty mask does: no value check runs, so that nothing syncs the device in
+    a training step.
 
     Inside a one-member ``loss_fn`` (functional face) leave ``dim=None`` to reduce
     all of the member's samples; on stacked ``[N, batch]`` losses (module face) pass

@@ -433,3 +433,12 @@ def test_runtime_checker_sees_the_member_axis() -> None:
     # In the test run jaxtyping checks the annotations: the member axis is required.
     with pytest.raises(TypeError, match="member"):
         fe.reduce.mean(torch.tensor(1.0))
+
+
+def test_a_member_with_every_class_masked_gives_nan_as_softmax() -> None:
+    logits = torch.tensor([[[-math.inf, -math.inf], [0.0, -math.inf]], [[0.0, 1.0], [2.0, 1.0]]])
+    want = logits.softmax(-1).mean(0)
+    torch.testing.assert_close(fe.reduce.mean_probs(logits), want, equal_nan=True)
+    assert fe.reduce.mean_probs(logits)[0].isnan().all()
+    assert fe.reduce.predictive_entropy(logits)[0].isnan()
+    assert fe.reduce.mean_probs(logits)[1].isfinite().all()  # one masked class: finite

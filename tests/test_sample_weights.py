@@ -246,3 +246,10 @@ def test_weighted_mean_leaves_its_inputs_alone():
     before = (values.clone(), weights.clone())
     fe.weighted_mean(values, weights, dim=1)
     assert torch.equal(values, before[0]) and torch.equal(weights, before[1])
+
+
+def test_weights_summing_to_zero_give_zero_whatever_their_signs() -> None:
+    """As weighted_mean's docstring says (the formula would give -inf here)."""
+    values = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+    weights = torch.tensor([[1.0, -1.0], [0.0, 0.0]])
+    assert fe.weighted_mean(values, weights, dim=1).tolist() == [0.0, 0.0]
