@@ -88,16 +88,12 @@ def _count_paths(where: str, obj: Any) -> tuple[set[str], int | None]:
         marked = {"state": dict(zip(keys, count_mask(obj.state), strict=True))}
         n: int | None = obj._num_members() if obj.params else None
     else:
-        marked = optree.tree_unflatten(
-            optree.tree_structure(obj, none_is_leaf=True), count_mask(obj)
-        )
+        leaves, spec = optree.tree_flatten(obj, none_is_leaf=True)
+        mask = count_mask(obj)
+        marked = optree.tree_unflatten(spec, mask)
         sizes = {
             leaf.shape[0]
-            for leaf, is_count in zip(
-                optree.tree_leaves(obj, none_is_leaf=True),
-                count_mask(obj),
-                strict=True,
-            )
+            for leaf, is_count in zip(leaves, mask, strict=True)
             if isinstance(leaf, Tensor) and leaf.dim() > 0 and not is_count
         }
         n = sizes.pop() if len(sizes) == 1 else None
