@@ -152,3 +152,43 @@ def test_max_norm_inside_another_transform_is_refused_before_anything_changes():
     with pytest.raises(NotImplementedError, match=r"max_norm.*not under torch.compile, inside"):
         torch.func.vmap(losses)(idx.unsqueeze(0))
     torch.testing.assert_close(params, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"padding_idx": 0}, {"max_norm": 1.0}], ids=str)
+@pytest.mark.parametrize("bad", [ROWS, -1], ids=["past-the-end", "negative"])
+@pytest.mark.parametrize("face", ["module", "vmap", "value_and_grad"])
+def test_an_index_outside_a_members_table_is_refused_naming_the_member(options, bad, face):
+    # vmap's own rule looks every member up in one flat table: member 1's index ROWS
+    # would read member 2's row 0, and -1 member 0's last row. The loop raises.
+    members = make_members(**options)
+    idx = indices(per_member=True)
+    idx[1, 4] = bad
+    with pytest.raises(IndexError):
+        members[1](idx[1])
+    fmodel, params, buffers = fe.stack(members)
+    before = {k: v.clone() for k, v in params.items()}
+    message = rf"index {bad} in member 1's indices is out of range for a table of {ROWS} rows"
+    with pytest.raises(IndexError, match=message):
+        if face == "module":
+            fe.Ensemble(members)(idx, in_dims=0)
+        elif face == "vmap":
+            fe.vmap(fmodel, in_dims=(0,))(params, buffers, idx)
+        else:
+            loss = lambda p, b, i: fmodel(p, b, i).sum()  # noqa: E731
+            fe.value_and_grad(loss, in_dims=(0,))(params, buffers, idx)
+    # Nothing was renormalised (max_norm), in any member.
+    torch.testing.assert_close(params, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_norm": 1.0}], ids=str)
+def test_a_shared_index_outside_the_table_is_refused_before_anything_changes(options):
+    members = make_members(**options)
+    idx = indices(per_member=False)
+    idx[3] = ROWS  # the flat table has N * ROWS rows: vmap's rule would read member 1's
+    ens = fe.Ensemble(members)
+    before = {k: v.detach().clone() for k, v in ens.stacked_params().items()}
+    with pytest.raises(IndexError, match=rf"index {ROWS} in a shared index is out of range"):
+        ens(idx)
+    torch.testing.assert_close(
+        {k: v.detach() for k, v in ens.stacked_params().items()}, before, rtol=0, atol=0
+    )

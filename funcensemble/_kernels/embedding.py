@@ -1,13 +1,18 @@
 """``F.embedding`` of every member as the loop computes it, under ``vmap``.
 
 vmap's batching rules for ``embedding`` look the members up in one flat table of
-``N * num_embeddings`` rows, offsetting each member's indices; ``padding_idx`` stays
+``N * num_embeddings`` rows, offsetting each member's indices: an index past a
+member's rows (or a negative one) reads and trains a neighbouring member's row where
+the loop raises ``IndexError``. ``padding_idx`` stays
 one row number of that flat table, so only member 0's padding row is kept out of the
 gradient and members 1..N-1 train theirs. ``max_norm`` renormalises the looked-up
 rows of the weight in place, which has no batching rule at all. This module
 intercepts ``F.embedding`` inside a ``FunctionalModule`` call under a ``torch.func``
 transform and computes what each member's own ``F.embedding`` computes:
 
+- every index is checked against the member's own table first, as ``F.embedding``
+  checks it, and an ``IndexError`` names the member (before ``max_norm`` changes
+  anything);
 - ``padding_idx``: the lookup without it, whose output at the padding positions is
   cut from autograd (their values are the padding row's, as in the loop, and no
   gradient reaches the padding row, nor any other row from those positions);
@@ -28,12 +33,45 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat
 
 
-def needs_embedding_rule(module: nn.Module) -> bool:
-    """Whether ``module`` holds an ``nn.Embedding`` that vmap's own rules get wrong."""
+def needs_embedding_rule(module: nn.Module, *, compiling: bool = False) -> bool:
+    """Whether ``module`` holds an ``nn.Embedding``: vmap's own rule never checks an
+    index against the member's table, and gets ``padding_idx`` and ``max_norm`` wrong
+    (``compiling``: only those, as no index is read under torch.compile)."""
     return any(
         isinstance(m, nn.Embedding)
-        and (m.padding_idx is not None or m.max_norm is not None or m.sparse)
+        and (not compiling or m.padding_idx is not None or m.max_norm is not None or m.sparse)
         for m in module.modules()
+    )
+
+
+def _check_indices(input: Tensor, rows: int) -> None:
+    """Refuse an index outside ``[0, rows)`` of any member, as ``F.embedding`` does.
+
+    Read on the indices of all members at once, the tensor under vmap's wrappers (the
+    values cannot be read through them). Under ``torch.compile`` nothing is read: see
+    the how-to page "Unsupported layers".
+    """
+    if torch.compiler.is_compiling() or not isinstance(input, Tensor):
+        return
+    level = _torch_compat.vmap_level()
+    found = _torch_compat.unwrap_at(input, level) if level is not None else None
+    raw, member_dim = found if found is not None else (_torch_compat.fully_unwrapped(input), None)
+    if raw.is_floating_point() or raw.is_complex() or raw.numel() == 0:
+        return  # F.embedding's own dtype error, or nothing to look up
+    with torch.no_grad():
+        bad = (raw < 0) | (raw >= rows)
+        if not bool(bad.any()):
+            return
+        value = int(raw[bad][0])
+        where = "a shared index"
+        if member_dim is not None:
+            per_member = bad.movedim(member_dim, 0).reshape(raw.shape[member_dim], -1)
+            where = f"member {int(per_member.any(1).nonzero()[0, 0])}'s indices"
+    raise IndexError(
+        f"nn.Embedding: index {value} in {where} is out of range for a table of {rows} "
+        f"rows (expected 0 <= index < {rows}, as each member's own F.embedding "
+        "requires; the loop raises 'index out of range in self'). Fix the indices, "
+        "e.g. the vocabulary size or an off-by-one."
     )
 
 
@@ -93,6 +131,7 @@ def embedding_per_member(
         )
     if padding_idx is not None:
         padding_idx = _padding_row(padding_idx, weight.shape[0])
+    _check_indices(input, weight.shape[0])  # before max_norm writes anything
     if max_norm is not None:
         _renorm_(input.contiguous(), weight, max_norm, norm_type)
     out = F.embedding(input, weight, None, None, norm_type, scale_grad_by_freq, False)

@@ -17,9 +17,10 @@ functional calls:
   the spatial dims and then, for a ``channels_last`` input, restrides the result in
   place (``as_strided_``), which has no batching rule. The mean is computed here
   directly (the same values; only the output's memory layout can differ);
-- ``F.embedding`` with ``padding_idx`` or ``max_norm``: vmap's rule keeps only member
-  0's padding row out of the gradient and cannot renormalise in place; each member's
-  own embedding is computed instead (see ``_embedding``).
+- ``F.embedding`` of an ``nn.Embedding``: vmap's rule checks no index against the
+  member's own table (one member's out-of-range index reads another member's row),
+  keeps only member 0's padding row out of the gradient and cannot renormalise in
+  place; each member's own embedding is computed instead (see ``_embedding``).
 
 The mode is entered only for skeletons holding a layer that makes these calls
 (checked on every call: submodules may change), so other models pay nothing.
@@ -130,8 +131,9 @@ def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     # fe.stack's skeleton holds meta tensors: the members' devices are the inputs'.
     autocast = tuple(kind for kind in ("cpu", "cuda") if _torch_compat.autocast_enabled(kind))
-    embedding = needs_embedding_rule(skeleton)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    embedding = needs_embedding_rule(skeleton, compiling=compiling)
+    if compiling:
         # Only the embedding rule is traced; the others have no compiled use.
         return PerMemberEmbedding() if embedding else contextlib.nullcontext()
     norms = _batchnorm.norm_layers(skeleton)
