@@ -484,3 +484,30 @@ def test_polyak_update_over_all_groups():
     with pytest.raises(ValueError, match="tau has 8 per-member values"):
         fe.optim.polyak_update_(target, online, torch.full((N,), 0.5, dtype=torch.float64))
     assert_trees_close(target.state_dict(), before, rtol=0, atol=0)
+
+
+def test_member_surgery_on_a_hetero_layout_is_refused_not_done_within_each_group():
+    # Two groups of two: every leaf has leading size 2, so indices would silently pick
+    # members within each group (and pair one group's state with another's members).
+    a = lambda: nn.Linear(3, 2)  # noqa: E731
+    b = lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))  # noqa: E731
+    torch.manual_seed(0)
+    hens = fe.HeteroEnsemble([a(), b(), a(), b()])
+    opt = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=1e-2))
+    hens(torch.randn(5, 3)).pow(2).sum().backward()
+    opt.step()
+    before = copy.deepcopy(opt.state)
+    groups = r"holds a HeteroEnsemble's groups .* fe.HeteroEnsemble\(\[hens.member\(i\)"
+    with pytest.raises(ValueError, match="select: tree " + groups):
+        fe.select(hens.stacked_params(), [1, 0])
+    with pytest.raises(ValueError, match="concat: .*" + groups):
+        fe.concat([hens.stacked_params(), hens.stacked_params()])
+    with pytest.raises(ValueError, match="EnsembleOptimizer.select: .*" + groups):
+        opt.select([1, 0], hens, transform=hens.optimizer(fe.optim.adam, lr=1e-2))
+    with pytest.raises(ValueError, match="EnsembleOptimizer.copy_members_: .*" + groups):
+        opt.copy_members_(0, 1)
+    with pytest.raises(ValueError, match="EnsembleOptimizer.concat: .*" + groups):
+        opt.concat(hens)
+    with pytest.raises(ValueError, match=groups):
+        fe.optim.select(opt.transform, opt.state, [1, 0])
+    assert_trees_close(opt.state, before, rtol=0, atol=0)

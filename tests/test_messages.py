@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import funcensemble as fe
 from funcensemble import _messages as m
@@ -84,3 +85,28 @@ def test_boolean_refuses_in_the_dialect():
     ):
         m.boolean("f", "b", 1)
     assert m.boolean("f", "b", False) is False
+
+
+def test_a_non_tensor_output_is_refused_in_our_words_naming_what_to_do():
+    torch.manual_seed(0)
+    mha = [torch.nn.MultiheadAttention(4, 2, batch_first=True) for _ in range(2)]
+    x = torch.randn(3, 5, 4)
+    with pytest.raises(ValueError, match=r"returned a NoneType among its outputs .* \[0\] of it"):
+        fe.Ensemble(mha)(x, x, x, need_weights=False)
+    fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 1) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"vmap: the function returned a float among its outputs"):
+        fe.vmap(lambda p, b, x: (fmodel(p, b, x), 1.5))(params, buffers, torch.ones(4, 3))
+    with pytest.raises(ValueError, match=r"returned a NoneType .* return the loss, and any aux"):
+        fe.value_and_grad(lambda p, b, x: (fmodel(p, b, x).sum(), None), has_aux=True)(
+            params, buffers, torch.ones(4, 3)
+        )
+
+
+def test_a_loss_using_no_parameter_is_refused_naming_likely_causes():
+    fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 1) for _ in range(2)])
+    for loss_fn in (
+        lambda p, b, x: fmodel(p, b, x).detach().sum(),
+        lambda p, b, x: fmodel(p, b, x).argmax(),
+    ):
+        with pytest.raises(ValueError, match=r"value_and_grad: the loss depends on no trainable"):
+            fe.value_and_grad(loss_fn)(params, buffers, torch.ones(4, 3))

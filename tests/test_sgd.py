@@ -120,7 +120,15 @@ def test_matches_torch_sgd_per_member(case, in_place):
         if not p.requires_grad:
             assert sgd_state.count[k] is None or sgd_state.count[k].item() == 0
             continue
-        assert sgd_state.count[k].item() == STEPS
+        # One count per member once a per-member momentum holding 0 has stepped: a
+        # member with momentum 0 takes no momentum update (torch.optim keeps no buffer).
+        count = sgd_state.count[k]
+        momenta = [kw.get("momentum", 0.0) for kw in CASES[case]]
+        if count.dim() == 0:
+            assert len(set(momenta)) == 1 or 0.0 not in momenta
+            assert count.item() == STEPS
+        else:
+            assert count.tolist() == [STEPS if m else 0 for m in momenta]
         for i, (m, o) in enumerate(zip(ref, ref_opts, strict=True)):
             buf = o.state[m.get_parameter(k)].get("momentum_buffer")
             if buf is not None:
@@ -260,3 +268,94 @@ def test_float32_matches_torch_sgd(in_place):
     assert params["w"].dtype == torch.float32
     expected = torch.stack([p.detach() for p in ref])
     torch.testing.assert_close(params["w"], expected, rtol=1e-6, atol=1e-6)
+
+
+# Population-based training explores by swapping the transform for one with new values
+# (docs/how-to/surgery.md); torch.optim by setting the group's momentum. A member with
+# momentum 0 has no buffer there, and one is started afresh (the gradient itself) when
+# its momentum becomes non-zero; a member whose momentum drops to 0 keeps its buffer
+# untouched and resumes it when its momentum comes back.
+MOMENTA = [
+    ([0.0, 0.5, 0.9], [0.9, 0.9, 0.0], [0.3, 0.0, 0.8]),  # per member, zeros moving about
+    (0.0, [0.9, 0.0, 0.5], 0.7),  # the float 0: a state without buffers, then per member
+    (0.0, 0.9, 0.0),  # floats only
+    ([0.5, 0.9, 0.7], 0.8),  # no zero: Nesterov in every phase
+]
+
+
+def batches(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step)
+    return torch.randn(N, 8, 4, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("phases", MOMENTA, ids=str)
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("face", ["update", "update_", "EnsembleOptimizer"])
+def test_momentum_changed_mid_training_matches_the_loop(phases, nesterov, face):
+    loop, ours = members(), members()
+    torch_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in loop]
+    ens = fe.Ensemble(ours) if face == "EnsembleOptimizer" else None
+    fmodel, params, buffers = fe.stack(ours)
+    value_and_grad = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean(), in_dims=(0,))
+    opt = state = None
+    step = 0
+    for momentum in phases:
+        per_member = isinstance(momentum, list)
+        values = momentum if per_member else [momentum] * N
+        with_nesterov = nesterov and 0.0 not in values  # it needs momentum > 0
+        m = torch.tensor(momentum, dtype=torch.float64) if per_member else momentum
+        tx = fe.optim.sgd(lr=0.1, momentum=m, nesterov=with_nesterov)
+        for o, v in zip(torch_opts, values, strict=True):
+            o.param_groups[0].update(momentum=v, nesterov=with_nesterov)
+        if face == "EnsembleOptimizer":
+            if opt is None:
+                opt = fe.optim.EnsembleOptimizer(ens, tx)
+            opt.transform = tx
+        elif state is None:
+            state = tx.init(params)
+        for _ in range(3):
+            step += 1
+            x = batches(step)
+            for i, (mod, o) in enumerate(zip(loop, torch_opts, strict=True)):
+                o.zero_grad()
+                mod(x[i]).pow(2).mean().backward()
+                o.step()
+            if face == "EnsembleOptimizer":
+                opt.zero_grad()
+                ens(x, in_dims=0).pow(2).mean(dim=(1, 2)).sum().backward()
+                opt.step()
+                continue
+            _, grads, _ = value_and_grad(params, buffers, x)
+            if face == "update_":
+                state = tx.update_(grads, state, params)
+            else:
+                updates, state = tx.update(grads, state, params)
+                params = fe.optim.apply_updates(params, updates)
+    if ens is not None:
+        params = {k: v.detach() for k, v in ens.stacked_params().items()}
+    torch.testing.assert_close(params, stacked(loop), **TOL)
+
+
+@pytest.mark.parametrize(
+    "make, later",
+    [
+        (lambda: fe.optim.rmsprop(0.01), lambda: fe.optim.rmsprop(0.01, centered=True)),
+        (lambda: fe.optim.rmsprop(0.01), lambda: fe.optim.rmsprop(0.01, momentum=0.9)),
+        (lambda: fe.optim.adam(0.01), lambda: fe.optim.adam(0.01, amsgrad=True)),
+    ],
+    ids=["rmsprop-centered", "rmsprop-momentum", "adam-amsgrad"],
+)
+def test_switching_on_a_buffer_torch_optim_cannot_switch_on_is_refused_before_a_change(make, later):
+    # torch.optim creates these buffers at a parameter's first step only (a KeyError
+    # after); here a clear error, and nothing stepped.
+    ens = fe.Ensemble(members())
+    opt = fe.optim.EnsembleOptimizer(ens, make())
+    ens(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    opt.transform = later()
+    before = {k: v.detach().clone() for k, v in ens.stacked_params().items()}
+    with pytest.raises(ValueError, match=r"the state holds no buffer for .* torch.optim cannot"):
+        opt.step()
+    torch.testing.assert_close(
+        {k: v.detach() for k, v in ens.stacked_params().items()}, before, rtol=0, atol=0
+    )

@@ -105,6 +105,13 @@ def _autograd_step(
         losses, aux = _split_aux(where, out, has_aux)
         losses = _check_losses(losses)
         wrt = [k for k, v in leaves.items() if v.requires_grad]
+        if wrt and not losses.requires_grad:
+            raise ValueError(
+                f"{where}: the loss depends on no trainable parameter (expected a loss "
+                "computed from the params passed in; it has no autograd history, as "
+                "torch.autograd.grad would also refuse). Check loss_fn for a .detach(), "
+                ".item(), an integer result (argmax, a count) or a torch.no_grad() block."
+            )
         found = torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     grads.update(zip(wrt, found, strict=True))

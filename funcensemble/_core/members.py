@@ -5,6 +5,7 @@ step count, a schedule's count) or a non-tensor leaf is one value shared by all 
 """
 
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,9 +63,36 @@ def check_indices(
     return [i % n for i in out]
 
 
+_GROUP = re.compile(r"groups\.(\d+)\.stacked\.")
+
+
+def _refuse_groups(where: str, what: str, paths: list[str]) -> None:
+    """Refuse a HeteroEnsemble's tensors: one member axis per group, not one for all.
+
+    Their names are ``groups.<g>.stacked.<name>`` (``HeteroEnsemble.stacked_params``
+    and its optimizer's state); with groups of equal sizes every leaf has the same
+    leading size, and indices would silently pick members within each group.
+    """
+    groups: dict[str, str] = {}
+    for path in paths:
+        found = _GROUP.search(path)
+        if found is not None:
+            groups.setdefault(found.group(1), path)
+    if len(groups) > 1:
+        first, second = list(groups.values())[:2]
+        raise ValueError(
+            f"{where}: {what} holds a HeteroEnsemble's groups ({first} and {second}), each "
+            "with its own member axis (expected one member axis for all members), so "
+            "member indices would pick members within each group. Rebuild instead: "
+            "fe.HeteroEnsemble([hens.member(i) for i in indices]) and a new optimizer "
+            "(hens.optimizer(...))."
+        )
+
+
 def num_members(where: str, what: str, tree: PyTree) -> int | None:
     """The leading size N shared by every leaf with a member axis, or None if no leaf has one."""
     paths, leaves, _ = _tree.flatten_with_paths(tree, what)
+    _refuse_groups(where, what, paths)
     n, first = None, None
     for path, leaf in zip(paths, leaves, strict=True):
         if isinstance(leaf, Tensor) and leaf.dim() >= 1:

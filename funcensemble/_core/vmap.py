@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -91,7 +92,7 @@ def _on_cpu(params: Any, buffers: Any) -> bool:
     return True
 
 
-def _explain(error: RuntimeError, randomness: str) -> Exception | None:
+def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | None:
     message = str(error)
     op = _torch_compat.missing_batching_rule(message)
     if op is not None:
@@ -105,6 +106,16 @@ def _explain(error: RuntimeError, randomness: str) -> Exception | None:
                 "(see the how-to page 'Unsupported layers'), or loop over the members "
                 "yourself.",
             )
+        )
+    if "must only return Tensors" in message:
+        found = re.search(r"got type <class '([^']+)'>", message)
+        kind = found.group(1) if found else "non-tensor"
+        return ValueError(
+            f"vmap: the function returned a {kind} among its outputs (expected tensors "
+            "only: every output is stacked along a new member axis, and a Python value "
+            "or None has none). nn.MultiheadAttention(need_weights=False) returns (out, "
+            "None): keep [0] of it in the member's forward (or in a small wrapper module); "
+            "with value_and_grad, return the loss, and any aux, as tensors."
         )
     if "randomness" in message and randomness == "error":
         return RuntimeError(
@@ -271,7 +282,7 @@ def mapped_call(
             # A call that raises leaves the buffers as they were (see _rollback).
             with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
                 return call()
-        except RuntimeError as error:
+        except (RuntimeError, ValueError) as error:
             clear = _explain(error, randomness)
             if clear is None:
                 raise

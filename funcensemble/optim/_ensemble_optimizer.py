@@ -273,6 +273,7 @@ class EnsembleOptimizer:
             torch.Size([2, 1, 3])
         """
         where = "EnsembleOptimizer.select"
+        num_members(where, "this optimizer's parameters", self.params)  # not a hetero layout
         n = self._num_members()
         idx = check_indices(where, indices, n)
         new_transform = self._transform_for(
@@ -374,6 +375,7 @@ class EnsembleOptimizer:
             True
         """
         where = "EnsembleOptimizer.copy_members_"
+        num_members(where, "this optimizer's parameters", self.params)  # not a hetero layout
         n = self._num_members()
         mapping = copy_mapping(where, src, dst, n)
         new_transform = self._transform_for(

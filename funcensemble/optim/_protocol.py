@@ -267,6 +267,18 @@ def check_tensors(where: str, what: str, spec: optree.PyTreeSpec, xs: list[Any])
             )
 
 
+def missing_state(where: str, leaf: str) -> str:
+    """The refusal of a state made by a transform that keeps less state than this one."""
+    return (
+        f"{where}: the state holds no buffer for {leaf} that this transform needs "
+        "(expected the state of a transform with the same options; this one was made "
+        "without momentum, centered or amsgrad, and a transform with it now steps it). "
+        "torch.optim cannot switch those on mid-training either (it creates a "
+        "parameter's buffers at its first step); keep the options, or start a new "
+        "state with init (EnsembleOptimizer: a new optimizer)."
+    )
+
+
 def check_like(
     where: str,
     what: str,
@@ -278,6 +290,8 @@ def check_like(
     """Check that ``xs[i]`` can stand in for ``refs[i]`` (same shape, dtype and device)."""
     for index in indices:
         x, ref = xs[index], refs[index]
+        if ref is None or (x is None and what.startswith("state.")):
+            raise ValueError(missing_state(where, leaf_name(spec, index)))
         if not isinstance(x, Tensor):
             raise TypeError(
                 f"{where}: {what} for {leaf_name(spec, index)} is not a tensor (expected a "

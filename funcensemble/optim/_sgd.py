@@ -36,11 +36,15 @@ class SGDState(NamedTuple):
     are not floating point, and for every leaf when ``momentum`` is the float 0.
 
     Attributes:
-        count: Per leaf, how many updates it has received (a 0-dim float32 tensor on
-            the leaf's device). At 0 the momentum buffer is not started yet: the first
-            update sets it to the gradient itself, as ``torch.optim.SGD`` does. A
-            ``[N]`` tensor, one count per member, once members join an optimizer that
-            has stepped ([`fe.optim.concat`][funcensemble.optim.concat]).
+        count: Per leaf, how many momentum updates it has received (a 0-dim float32
+            tensor on the leaf's device). At 0 the momentum buffer is not started yet:
+            the first update sets it to the gradient itself, as ``torch.optim.SGD``
+            does. A ``[N]`` tensor, one count per member, once members join an
+            optimizer that has stepped ([`fe.optim.concat`][funcensemble.optim.concat])
+            or once a per-member ``momentum`` holding 0 has stepped: a member whose
+            momentum is 0 takes no momentum update, so its count and buffer stay (and
+            a transform with momentum started later starts its buffer afresh, as
+            torch.optim does when a group's momentum becomes non-zero).
         momentum_buffer: ``torch.optim.SGD``'s ``momentum_buffer``, like the parameters.
 
     Example:
@@ -100,7 +104,12 @@ def _sgd_direction(
             check_like(where, "the update", spec, active, grads, ps_all)
         else:
             ps_all = None
+        unstarted = set()  # leaves whose state holds no buffer: from momentum the float 0
         if buffered:
+            for i in active:
+                if bufs[i] is None:  # a transform with momentum after one without
+                    unstarted.add(i)
+                    bufs = [*bufs[:i], torch.zeros_like(grads[i]), *bufs[i + 1 :]]
             check_like(where, "the update", spec, active, grads, bufs)
         for h in per_member:
             check_members(h, where, spec, grads, active)
@@ -114,7 +123,15 @@ def _sgd_direction(
                     d = list(torch._foreach_add(d, ps, alpha=wd))
                 else:
                     d = list(torch._foreach_addcmul(d, ps, wd))
-            new_counts = [counts[i] + 1 for i in active]
+            if no_momentum is not None and bool(no_momentum.any()):
+                # Members with momentum 0 take no momentum update: their buffer stays as
+                # it was (unstarted, or as their last momentum left it), and so does
+                # their count, one per member from here on (torch.optim keeps no buffer
+                # for them and starts one afresh when their momentum becomes non-zero).
+                moved = [(~no_momentum).to(counts[i].device, counts[i].dtype) for i in active]
+                new_counts = [counts[i] + step for i, step in zip(active, moved, strict=True)]
+            else:
+                new_counts = [counts[i] + 1 for i in active]
             if not buffered:
                 out = spec.unflatten(scatter([None] * len(counts), active, d))
                 new_count = spec.unflatten(scatter(counts, active, new_counts))
@@ -128,13 +145,18 @@ def _sgd_direction(
             else:
                 blend = list(torch._foreach_addcmul(blend, d, od))
             new_bufs = []
+            still = []  # per leaf, the [N, 1, ...] mask of members with momentum 0, or None
             for k, i in enumerate(active):
                 shape = [-1] + [1] * (gs[k].dim() - 1)
                 # The count is 0-dim, or [N] once members with their own counts joined.
                 fresh = (counts[i] == 0).reshape(shape) if counts[i].dim() else counts[i] == 0
+                if i in unstarted:
+                    fresh = torch.ones_like(fresh)
+                buf = torch.where(fresh, d[k], blend[k])
                 if no_momentum is not None:
-                    fresh = fresh | no_momentum.to(gs[k].device).reshape(shape)
-                new_bufs.append(torch.where(fresh, d[k], blend[k]))
+                    still.append(no_momentum.to(gs[k].device).reshape(shape))
+                    buf = torch.where(still[-1], old[k], buf)
+                new_bufs.append(buf)
             if nesterov:
                 if isinstance(m, float):
                     direction = list(torch._foreach_add(d, new_bufs, alpha=m))
@@ -142,6 +164,10 @@ def _sgd_direction(
                     direction = list(torch._foreach_addcmul(d, new_bufs, m))
             else:
                 direction = new_bufs
+            if still:  # a member with momentum 0 steps along its gradient itself
+                direction = [
+                    torch.where(z, dk, x) for z, dk, x in zip(still, d, direction, strict=True)
+                ]
         out = spec.unflatten(scatter([None] * len(counts), active, direction))
         new_state = SGDState(
             spec.unflatten(scatter(counts, active, new_counts)),
