@@ -169,6 +169,11 @@ def unwrap_at(t: Tensor, level: int) -> tuple[Tensor, int | None] | None:
     return inner, _bdim_of(t)
 
 
+def is_wrapped(t: Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` wrapper (batched or grad-tracking tensor)."""
+    return bool(_is_wrapped(t))
+
+
 def unwrap_once(t: Tensor) -> Tensor | None:
     """The tensor a ``torch.func`` wrapper holds, or ``None`` if ``t`` is not wrapped."""
     return _unwrap(t) if _is_wrapped(t) else None

@@ -13,6 +13,7 @@ from .._kernels.fastpath import fast_call
 from .._kernels.rewrites import vmap_rewrites
 from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
+from .._structure import forward_state as _forward_state
 from .diagnose import linear_width_error
 from .rollback import save_before_update
 
@@ -71,29 +72,39 @@ class FunctionalModule:
             if fast is not None:
                 return fast
         _check_complete(self.skeleton, params, buffers)
-        if not torch.compiler.is_compiling() and _torch_compat.inside_transform():
+        compiling = torch.compiler.is_compiling()
+        inside = not compiling and _torch_compat.inside_transform()
+        if inside:
             # Backward hooks would not run here: refused (see _structure.backward_hooks).
             _backward_hooks.check_call("vmap", self.skeleton)
             # Inside fe.vmap: keep a copy of the statistics this forward will update,
             # put back if the call fails (see _rollback).
             save_before_update(updated_in_place(norm_layers(self.skeleton)))
+        where = "vmap" if inside else "FunctionalModule"
+        before = _forward_state.kept_tensors(self.skeleton) if inside else None
+        # One dict of our own: functional_call writes back into it what the module holds
+        # at the end, so re-assigned buffers show (see _forward_state).
+        given = (params, buffers) if compiling else {**params, **buffers}
         try:
             # Under vmap, BatchNorm of all members runs as one call, and a few calls that
             # vmap cannot batch, or batches wrongly, run as the loop's math (see _rewrites).
             # A submodule under two names: put back what functional_call leaks (see _aliases).
             with vmap_rewrites(self.skeleton), _aliases.kept(self.skeleton):
-                return functional_call(
-                    self.skeleton, (params, buffers), args, kwargs, tie_weights=True, strict=False
+                out = functional_call(
+                    self.skeleton, given, args, kwargs, tie_weights=True, strict=False
                 )
         except RuntimeError:
             if torch.compiler.is_compiling():
                 raise
-            inside = _torch_compat.inside_transform()
-            where = "vmap" if inside else "FunctionalModule"
             clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
             if clear is None:
                 raise
-        raise clear from None
+            raise clear from None
+        if before is not None:
+            _forward_state.check_kept(where, self.skeleton, before)
+        if not compiling:
+            _forward_state.carry_rebound(where, params, buffers, given)  # type: ignore[arg-type]
+        return out
 
     def __repr__(self) -> str:
         return f"FunctionalModule({self.skeleton!r})"

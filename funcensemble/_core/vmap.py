@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
+from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import _torch_compat
@@ -210,6 +211,43 @@ def check_options(
         positive_int(where, "chunk_size", chunk_size, or_none=True)
 
 
+def _shared_inputs(
+    args: tuple[Any, ...], dims: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, Tensor, int]]:
+    """The tensor arguments every member shares, with their version counters now."""
+    if torch.compiler.is_compiling():
+        return []
+    out = [
+        (f"positional argument {i}", a, a._version)
+        for i, (a, d) in enumerate(zip(args, dims, strict=True))
+        if d is None and isinstance(a, Tensor)
+    ]
+    out += [
+        (f"keyword argument {k!r}", a, a._version)
+        for k, a in kwargs.items()
+        if isinstance(a, Tensor)
+    ]
+    return out
+
+
+def _check_unchanged(shared: list[tuple[str, Tensor, int]]) -> None:
+    """Refuse a call that modified an input shared by all members in place.
+
+    The loop's members modify it in turn, each seeing the changes of the members
+    before it; here the one call modifies it once for all of them.
+    """
+    for what, tensor, version in shared:
+        if tensor._version != version:
+            raise ValueError(
+                f"vmap: the function modified its {what}, an input shared by all members, "
+                "in place (expected inputs left as they are: the loop's members would "
+                "each modify it in turn, every member seeing the changes of those before "
+                "it, where one vectorized call modifies it once). The input has been "
+                "modified once. Clone it at the start of forward (x = x.clone()), or "
+                "avoid the in-place op (e.g. nn.ReLU(inplace=False) on the input)."
+            )
+
+
 def mapped_call(
     fn: Callable[..., Any], randomness: Randomness, chunk_size: int | None
 ) -> Callable[[Any, Any, tuple[Any, ...], dict[str, Any], tuple[Any, ...]], Any]:
@@ -278,10 +316,13 @@ def mapped_call(
             def call() -> Any:
                 return vmapped(*state, args, kwargs)
 
+        shared = _shared_inputs(args, dims, kwargs)
         try:
             # A call that raises leaves the buffers as they were (see _rollback).
             with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
-                return call()
+                out = call()
+                _check_unchanged(shared)
+                return out
         except (RuntimeError, ValueError) as error:
             clear = _explain(error, randomness)
             if clear is None:

@@ -1,0 +1,152 @@
+"""State a member's forward leaves besides its outputs, against the plain loop.
+
+A buffer re-assigned in forward carries its new value as the loop's module keeps it; a
+tensor of a member's data kept on ``self``, a re-assigned parameter or buffer of
+another shape, and an in-place change to an input all members share are refused.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import funcensemble as fe
+
+N = 3
+
+
+class Ema(nn.Module):
+    """A running mean kept by re-assignment (not in place), and a call counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("avg", torch.zeros(2))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.avg = 0.9 * self.avg + 0.1 * y.detach().mean(0)
+        self.calls = self.calls + 1
+        return y - self.avg
+
+
+def members() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [Ema().double() for _ in range(N)]
+
+
+def batch(step: int, per_member: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(*((N,) if per_member else ()), 5, 4, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
+@pytest.mark.parametrize("face", ["module", "value_and_grad", "vmap"])
+def test_a_buffer_reassigned_in_forward_keeps_its_new_value_as_in_the_loop(face, per_member):
+    loop, ours = members(), members()
+    fmodel, params, buffers = fe.stack(ours)
+    ens = fe.Ensemble(copy.deepcopy(ours))
+    dims = (0,) if per_member else None
+    loss = lambda p, b, x: fmodel(p, b, x).pow(2).mean()  # noqa: E731
+    for step in range(4):
+        x = batch(step, per_member)
+        expected = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)])
+        if face == "module":
+            got = ens(x, in_dims=0 if per_member else None)
+        elif face == "vmap":
+            got = fe.vmap(fmodel, in_dims=dims)(params, buffers, x)
+        else:
+            losses, _, buffers = fe.value_and_grad(loss, in_dims=dims)(params, buffers, x)
+            got = None
+            torch.testing.assert_close(losses, expected.pow(2).mean((1, 2)).detach())
+        if got is not None:
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    state = ens.stacked_buffers() if face == "module" else buffers
+    torch.testing.assert_close(state["avg"], torch.stack([m.avg for m in loop]))
+    assert state["calls"].tolist() == [4] * N
+
+
+class Reassigns(nn.Module):
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("count", torch.zeros(()))
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.what == "dtype":
+            self.count = self.count.to(torch.float64) + 1
+        elif self.what == "shape":
+            self.count = torch.zeros(3)
+        else:
+            self.lin.weight = nn.Parameter(self.lin.weight * 2)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("dtype", r"re-assigned the buffer `count` with shape \(\), dtype torch.float64"),
+        ("shape", r"re-assigned the buffer `count` with shape \(3,\)"),
+        ("parameter", r"re-assigned the parameter `lin.weight`"),
+    ],
+)
+def test_a_reassignment_the_stacked_tensors_cannot_hold_is_refused(what, message):
+    ens = fe.Ensemble([Reassigns(what) for _ in range(N)])
+    before = {k: v.detach().clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        ens(torch.ones(5, 4))
+    after = ens.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+class KeepsLast(nn.Module):
+    def __init__(self, start: torch.Tensor | None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        if start is not None:
+            self.prev = start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.prev = out.detach()
+        self.shape_only = torch.ones(3)  # not member data: kept, as in the loop
+        return out
+
+
+@pytest.mark.parametrize("start", [None, torch.zeros(5, 2)], ids=["new", "replaced"])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_a_tensor_of_member_data_kept_on_the_module_is_refused_and_put_back(start, chunk_size):
+    fmodel, params, buffers = fe.stack([KeepsLast(start) for _ in range(N)])
+    skeleton = fmodel.skeleton
+    kept = getattr(skeleton, "prev", None)
+    with pytest.raises(ValueError, match=r"kept a tensor computed from a member's data .* `prev`"):
+        fe.vmap(fmodel, in_dims=(0,), chunk_size=chunk_size)(params, buffers, torch.ones(N, 5, 4))
+    if start is None:
+        assert not hasattr(skeleton, "prev")
+    else:
+        assert skeleton.prev is kept
+
+
+def test_a_shared_input_modified_in_place_is_refused_a_per_member_one_runs_as_the_loop():
+    class AddsOne(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.add_(1.0)  # the loop's members would each see the changes of those before
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    loop = [AddsOne().double() for _ in range(N)]
+    ens = fe.Ensemble(copy.deepcopy(loop))
+    x = torch.zeros(5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"modified its positional argument 0, an input shared"):
+        ens(x)
+    xs = torch.zeros(N, 5, 4, dtype=torch.float64)
+    expected = torch.stack([m(xs[i].clone()) for i, m in enumerate(loop)])
+    torch.testing.assert_close(ens(xs, in_dims=0), expected)
+    assert torch.equal(xs, torch.ones(N, 5, 4, dtype=torch.float64))  # once each, as the loop
