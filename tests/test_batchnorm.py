@@ -307,3 +307,15 @@ def test_a_failed_forward_leaves_instance_norm_statistics():
         ens(torch.randn(4, 3, 6, dtype=torch.float64))  # the Linear expects 15 features
     for name, buf in ens.stacked_buffers().items():
         assert torch.equal(buf, before[name]), name
+
+
+def test_one_value_per_channel_in_training_is_refused_in_one_members_sizes():
+    members = [torch.nn.BatchNorm1d(3) for _ in range(4)]
+    with pytest.raises(ValueError) as loop_error:
+        members[0](torch.randn(1, 3))
+    before = {k: v.clone() for k, v in fe.Ensemble(members).state_dict().items()}
+    ens = fe.Ensemble(members)
+    with pytest.raises(ValueError) as ours:
+        ens(torch.randn(1, 3))
+    assert str(ours.value).startswith(str(loop_error.value))  # [1, 3], not [1, 12]
+    assert all(torch.equal(ens.state_dict()[k], v) for k, v in before.items())

@@ -18,6 +18,7 @@ the statistics are updated per member with factor ``1 / count`` (see
 ``_per_member_average``).
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +106,12 @@ def _fold(
     if any(t is not None and not t.is_contiguous() for t in stats):
         return None  # a copy would not receive the in-place statistics update
     flat = [None if t is None else t.reshape(n * c) for t in per_member]
+    if training and b * math.prod(spatial) == 1:
+        # F.batch_norm's own check, in one member's sizes (not the folded N * C channels).
+        raise ValueError(
+            "Expected more than 1 value per channel when training, got input size "
+            f"{torch.Size([b, c, *spatial])} (per member)"
+        )
     with _torch_compat.lower_transform():
         out = F.batch_norm(h.reshape(b, n * c, *spatial), *flat, training, momentum, eps)
     return _torch_compat.add_batch_dim(out.view(b, n, c, *spatial), 1, level)
