@@ -208,6 +208,18 @@ def disagree(rank: int, out: Path) -> None:
     expect_error("mean shapes", lambda: fe.distributed.mean(local, shard))
     local = torch.zeros(shard.size, 4) if rank == 0 else torch.zeros(shard.size, 4).double()
     expect_error("gather dtypes", lambda: fe.distributed.all_gather(local, shard))
+    # Generators out of step: members {0, 4} drawn on rank 0, {3, 4} on rank 1.
+    q = torch.zeros(shard.size, 3)
+    for name, per_sample in (("subset", False), ("subset per sample", True)):
+        expect_error(
+            name,
+            lambda p=per_sample: fe.distributed.subset_min(
+                q, shard, 2, generator=torch.Generator().manual_seed(2 * rank), per_sample=p
+            ),
+        )
+    # The same subset drawn in another order ({0, 4} from seeds 0 and 1): no error.
+    same = fe.distributed.subset_min(q, shard, 2, generator=torch.Generator().manual_seed(rank))
+    messages["same subset"] = same.shape
     shard.check_agreement(ens, optimizer=fe.optim.adam(1e-2), batch_size=BATCH)  # no error
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)

@@ -986,6 +986,16 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         "dtypes or shapes (rank 0: float32 (4,); rank 1: float64 (4,))"
     )
     assert messages["gathered"] == (worker.NUM_MEMBERS, 2)
+    assert messages["subset"].startswith(
+        "subset_min: the ranks drew different subsets (rank 0: members [0, 4], rank 1: "
+        "[3, 4]), so the minimum would be over no subset of k members"
+    )
+    assert "generator=torch.Generator().manual_seed(step)" in messages["subset"]
+    assert messages["subset per sample"].startswith(
+        "subset_min: the ranks drew different subsets (rank 0: members [2, 4] for sample 0, "
+        "rank 1: [1, 3] for sample 0)"
+    )
+    assert messages["same subset"] == (3,)
 
 
 @pytest.mark.multiprocess

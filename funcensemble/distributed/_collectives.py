@@ -393,8 +393,9 @@ def subset_min(
         per_sample: An independent subset for each index of dim 1.
 
     Raises:
-        ValueError: ``k`` out of range, or ``per_sample`` with no dim after the
-            member axis.
+        ValueError: ``k`` out of range, ``per_sample`` with no dim after the member
+            axis, or subsets drawn differently on different ranks (their generators
+            out of step; the draws are compared before the minimum is combined).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -427,6 +428,8 @@ def subset_min(
             mask.scatter_(1, chosen, True)
             mine = mask[:, shard.members].T.to(values.device)
             mine = mine.reshape(*mine.shape, *[1] * (values.dim() - 2))
+        if shard.world_size > 1:
+            _check_same_draw(where, shard, mask.to(values.device))
         if values.is_floating_point():
             fill = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
         else:
@@ -439,6 +442,41 @@ def subset_min(
         if shard.world_size == 1:
             return out
         return _all_extreme(where, shard, out, largest=False)
+
+
+def _check_same_draw(where: str, shard: MemberShard, mask: Tensor) -> None:
+    """Refuse subsets drawn differently on different ranks (generators out of step).
+
+    Each rank keeps its own members of the subset it drew: with different draws the
+    combined minimum is over no subset at all (``+inf`` where no rank kept a member).
+    The drawn masks are gathered and compared, on every rank alike.
+    """
+    mine = mask.to(torch.uint8).reshape(-1)
+    rows = mine.new_empty(shard.world_size * mine.numel())
+
+    def exchange() -> Tensor:
+        all_gather_single(rows, mine, group=shard.group)
+        return rows.view(shard.world_size, -1).cpu()
+
+    drawn = _collective(where, shard.rank, shard.world_size, exchange, shard.group)
+    differ = [r for r in range(1, shard.world_size) if not torch.equal(drawn[r], drawn[0])]
+    if not differ:
+        return
+
+    def members(r: int) -> str:
+        row = drawn[r].view(mask.shape)
+        if mask.dim() == 1:
+            return str(row.nonzero().flatten().tolist())
+        return f"{row[0].nonzero().flatten().tolist()} for sample 0"
+
+    raise ValueError(
+        f"{where}: the ranks drew different subsets (rank 0: members {members(0)}, rank "
+        f"{differ[0]}: {members(differ[0])}), so the minimum would be over no subset of "
+        "k members (expected one draw, from generators in the same state on every rank). "
+        "Pass generator=torch.Generator().manual_seed(step) (the same seed on every "
+        "rank): torch's default generator drifts apart as soon as a rank draws for its "
+        "own members (dropout, per-member noise)."
+    )
 
 
 def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
