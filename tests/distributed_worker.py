@@ -8,6 +8,7 @@ the test runs in a single process as the reference.
 """
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -165,6 +166,27 @@ def main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
+class Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.factor
+
+
+def _double(module: nn.Module, inputs: Any, output: Tensor) -> Tensor:
+    return output * 2
+
+
+def _triple(module: nn.Module, inputs: Any, output: Tensor) -> Tensor:
+    return output * 3
+
+
+def _decayed(count: Tensor, base: float) -> Tensor:
+    return base * 0.5 ** count.double()
+
+
 def disagree(rank: int, out: Path) -> None:
     """Set-ups that differ between ranks: every rank must raise the same clear error."""
     messages = {}
@@ -190,6 +212,17 @@ def disagree(rank: int, out: Path) -> None:
             lambda: nn.Sequential(nn.Linear(4, 2), nn.LeakyReLU(0.1 * rank))
         ),
     )
+    expect_error(  # an attribute of a custom module: neither a tensor nor in extra_repr
+        "attribute", lambda: shard.from_factory(lambda: nn.Sequential(nn.Linear(4, 2), Scale(rank)))
+    )
+    hook = _double if rank == 0 else _triple
+
+    def hooked() -> nn.Module:
+        member = make_member()
+        member.register_forward_hook(hook)
+        return member
+
+    expect_error("hook", lambda: shard.from_factory(hooked))
     dtype = torch.float64 if rank == 0 else torch.float32
     expect_error("dtype", lambda: shard.from_factory(lambda: make_member().to(dtype)))
     ens = shard.from_factory(make_member, seed=SEED)  # alike on every rank: no error
@@ -198,6 +231,16 @@ def disagree(rank: int, out: Path) -> None:
     expect_error("names", lambda: shard.check_agreement({"params": renamed}))
     betas = (0.9, 0.999) if rank == 0 else (0.9, 0.99)
     expect_error("betas", lambda: shard.check_agreement(optimizer=fe.optim.adam(1e-2, betas=betas)))
+    # A schedule's number written in its body (code constants, not closure cells)...
+    schedule = (lambda c: 0.01 + 0 * c) if rank == 0 else (lambda c: 0.001 + 0 * c)  # noqa: E731
+    expect_error("schedule", lambda: shard.check_agreement(optimizer=fe.optim.adam(schedule)))
+    base = 1e-2 if rank == 0 else 1e-3  # ... or bound by functools.partial
+    expect_error(
+        "partial",
+        lambda: shard.check_agreement(
+            optimizer=fe.optim.adam(functools.partial(_decayed, base=base))
+        ),
+    )
     torch_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1 * (rank + 1))
     expect_error("torch.optim", lambda: shard.check_agreement(optimizer=torch_opt))
     expect_error(

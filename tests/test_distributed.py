@@ -986,6 +986,21 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         "dtypes or shapes (rank 0: float32 (4,); rank 1: float64 (4,))"
     )
     assert messages["gathered"] == (worker.NUM_MEMBERS, 2)
+    assert (
+        "the attributes of submodule `1` (rank 0: factor=0; rank 1: factor=1)"
+        in (messages["attribute"])
+    )
+    assert (
+        "the forward hooks of the root module (rank 0: _double(2); rank 1: _triple(3))"
+        in (messages["hook"])
+    )
+    assert re.search(
+        r"value 1 of `disagree.<locals>.<lambda>` \(rank 0: 0.01; rank 1: 0.001\)",
+        messages["schedule"],
+    )
+    assert re.search(
+        r"of `partial\(_decayed\)` \(rank 0: 0.01; rank 1: 0.001\)", messages["partial"]
+    )
     assert messages["subset"].startswith(
         "subset_min: the ranks drew different subsets (rank 0: members [0, 4], rank 1: "
         "[3, 4]), so the minimum would be over no subset of k members"

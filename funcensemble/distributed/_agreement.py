@@ -8,6 +8,7 @@ exchanged with one ``all_gather_object``, and every rank compares the same list,
 every rank raises the same error, naming the ranks and what differs.
 """
 
+import functools
 import math
 import numbers
 from collections.abc import Iterator, Mapping
@@ -115,14 +116,50 @@ def describe_ensemble(ens: Ensemble) -> Description:
         # A module's extra_repr shows its settings (a slope, eps, stride, p), which the
         # tensors do not: the fingerprint may not cover them all.
         out[f"the settings of {label}"] = f"{type(module).__name__}({module.extra_repr()})"
+        # And what extra_repr leaves out: a custom module's own attributes (a scale, a
+        # mode string), as fe.stack compares them between the members of one process.
+        attributes = _attributes(module)
+        if attributes:
+            out[f"the attributes of {label}"] = attributes
         hooks = {
-            "forward hooks": len(module._forward_hooks),
-            "forward pre-hooks": len(module._forward_pre_hooks),
+            "forward hooks": module._forward_hooks,
+            "forward pre-hooks": module._forward_pre_hooks,
         }
-        for kind, count in hooks.items():
-            if count:
-                out[f"the {kind} of {label}"] = str(count)
+        for kind, table in hooks.items():
+            if table:
+                out[f"the {kind} of {label}"] = "; ".join(_function(f) for f in table.values())
     return out
+
+
+_MODULE_SLOTS = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
+
+
+def _function(fn: Any) -> str:
+    """A function by name and the values it closes over or defaults to."""
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    values = ", ".join(v for _, v in _constants(fn, name, 0, set()))
+    return f"{name}({values})" if values else name
+
+
+def _simple(value: Any, depth: int = 0) -> str:
+    if value is None or isinstance(value, (bool, str, numbers.Number)):
+        return _value(value)
+    if isinstance(value, (tuple, list)) and depth < _DEPTH:
+        inner = ", ".join(_simple(v, depth + 1) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if callable(value) and not isinstance(value, (type, nn.Module)):
+        return _function(value)
+    return type(value).__qualname__
+
+
+def _attributes(module: nn.Module) -> str:
+    """The module's attributes beyond nn.Module's bookkeeping, tensors and submodules."""
+    parts = [
+        f"{name}={_simple(value)}"
+        for name, value in sorted(vars(module).items())
+        if name not in _MODULE_SLOTS and not isinstance(value, (Tensor, nn.Module))
+    ]
+    return ", ".join(parts)
 
 
 def _value(x: Any) -> str:
@@ -174,8 +211,26 @@ def _constants(obj: Any, owner: str, depth: int, seen: set[int]) -> Iterator[tup
     if isinstance(obj, tuple):  # GradientTransformation is a NamedTuple too
         for x in obj:
             yield from _constants(x, owner, depth + 1, seen)
+    elif isinstance(obj, functools.partial):
+        name = f"partial({getattr(obj.func, '__qualname__', type(obj.func).__qualname__)})"
+        for x in (obj.func, *obj.args, *[obj.keywords[k] for k in sorted(obj.keywords)]):
+            yield from _constants(x, name, depth + 1, seen)
+        for key in sorted(obj.keywords):
+            yield name, repr(key)
     elif callable(obj) and not isinstance(obj, type):
         name = getattr(obj, "__qualname__", type(obj).__qualname__)
+        code = getattr(obj, "__code__", None)
+        own = (getattr(obj, "__module__", None) or "").startswith("funcensemble")
+        if code is not None and not own:
+            # A function of the user's (a schedule): the numbers written in its body and
+            # its defaults are its settings too. fe.optim's own keep theirs in closures.
+            for c in code.co_consts:
+                if isinstance(c, numbers.Number):
+                    yield name, _value(c)
+            for d in getattr(obj, "__defaults__", None) or ():
+                yield from _constants(d, name, depth + 1, seen)
+            for d in (getattr(obj, "__kwdefaults__", None) or {}).values():
+                yield from _constants(d, name, depth + 1, seen)
         for cell in getattr(obj, "__closure__", None) or ():
             try:
                 contents = cell.cell_contents
