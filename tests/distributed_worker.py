@@ -232,7 +232,7 @@ def disagree(rank: int, out: Path) -> None:
     betas = (0.9, 0.999) if rank == 0 else (0.9, 0.99)
     expect_error("betas", lambda: shard.check_agreement(optimizer=fe.optim.adam(1e-2, betas=betas)))
     # A schedule's number written in its body (code constants, not closure cells)...
-    schedule = (lambda c: 0.01 + 0 * c) if rank == 0 else (lambda c: 0.001 + 0 * c)  # noqa: E731
+    schedule = (lambda c: 0.01 + 0 * c) if rank == 0 else (lambda c: 0.001 + 0 * c)
     expect_error("schedule", lambda: shard.check_agreement(optimizer=fe.optim.adam(schedule)))
     base = 1e-2 if rank == 0 else 1e-3  # ... or bound by functools.partial
     expect_error(
