@@ -169,6 +169,15 @@ def unwrap_at(t: Tensor, level: int) -> tuple[Tensor, int | None] | None:
     return inner, _bdim_of(t)
 
 
+_is_legacy_batched = _require(_functorch, "is_legacy_batchedtensor", "torch._C._functorch", "2.0")
+
+
+def is_legacy_batched(t: Tensor) -> bool:
+    """Whether ``t`` is batched by torch's legacy vmap (``torch.autograd.grad(...,
+    is_grads_batched=True)``, vectorized ``torch.autograd.functional.jacobian``)."""
+    return bool(_is_legacy_batched(t))
+
+
 def is_wrapped(t: Tensor) -> bool:
     """Whether ``t`` is a ``torch.func`` wrapper (batched or grad-tracking tensor)."""
     return bool(_is_wrapped(t))

@@ -1,5 +1,7 @@
 """The direct baddbmm path for plain MLPs equals the vmap path and the loop."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -431,3 +433,27 @@ def test_an_input_of_another_dtype_names_the_input_and_the_layer(dtype):
         fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(params, buffers, x)
     with pytest.raises(RuntimeError, match="dtype"):  # the loop refuses it too
         members[0](x)
+
+
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
+def test_autocast_gradients_of_the_mlp_against_the_loop(per_member):
+    """Shared input: outputs and gradients bit for bit the loop's. Per-member inputs:
+    outputs bit for bit, weight gradients to one rounding of bfloat16 (one batched
+    matmul for all members' weight gradients)."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3)) for _ in range(4)]
+    loop = copy.deepcopy(members)
+    x = torch.randn(*((4,) if per_member else ()), 600, 16)
+    ens = fe.Ensemble(members)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ens(x, in_dims=0 if per_member else None)
+        want = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)])
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.float().square().mean((1, 2)).sum().backward()
+    want.float().square().mean((1, 2)).sum().backward()
+    for name, p in ens.stacked_params().items():
+        got = p.grad
+        expected = torch.stack([m.get_parameter(name).grad for m in loop])
+        exact = {"rtol": 0, "atol": 0}
+        one_rounding = {"rtol": 2**-7, "atol": 2**-7 * expected.abs().max().item()}
+        torch.testing.assert_close(got, expected, **(one_rounding if per_member else exact))

@@ -1,6 +1,8 @@
 """The fast path's kept-buffer route (``_linear_act.LinearAct`` on ``_workspace`` buffers)
 equals the loop, and never overwrites a tensor anyone still holds."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,3 +226,29 @@ def test_in_place_on_the_output_as_with_the_plain_ops():
     for name, p in ens.stacked_params().items():
         ref = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
         torch.testing.assert_close(p.grad, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
+def test_batched_gradients_through_kept_buffers_match_the_loop(per_member):
+    # torch's legacy vmap runs the backward of is_grads_batched and of vectorized
+    # jacobians: the kept buffers' out= kernels have no batching rule there, so fresh
+    # tensors are used (layer outputs of 64 KiB and more take the kept buffers).
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4)) for _ in range(4)]
+    ens = fe.Ensemble(copy.deepcopy(members))
+    x = torch.randn(*((4,) if per_member else ()), 64, 8, requires_grad=True)
+    out = ens(x, in_dims=0 if per_member else None)
+    v = torch.randn(3, *out.shape)
+    (got,) = torch.autograd.grad(out, x, v, is_grads_batched=True)
+    outs = [m(x[i] if per_member else x) for i, m in enumerate(members)]
+    (want,) = torch.autograd.grad(outs, x, [v[:, i] for i in range(4)], is_grads_batched=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    jac = torch.autograd.functional.jacobian(
+        lambda z: ens(z, in_dims=0 if per_member else None).sum(0), x, vectorize=True
+    )
+    loop = torch.autograd.functional.jacobian(
+        lambda z: sum(m(z[i] if per_member else z) for i, m in enumerate(members)),
+        x,
+        vectorize=True,
+    )
+    torch.testing.assert_close(jac, loop, rtol=1e-5, atol=1e-5)

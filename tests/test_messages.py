@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import runtime_typecheck_off
 
 import funcensemble as fe
 from funcensemble import _messages as m
@@ -110,3 +111,13 @@ def test_a_loss_using_no_parameter_is_refused_naming_likely_causes():
     ):
         with pytest.raises(ValueError, match=r"value_and_grad: the loss depends on no trainable"):
             fe.value_and_grad(loss_fn)(params, buffers, torch.ones(4, 3))
+
+
+def test_unstack_of_an_ensemble_or_without_the_state_says_what_to_call():
+    ens = fe.Ensemble([torch.nn.Linear(3, 1) for _ in range(2)])
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"got Ensemble\).* ens.unstack"):
+        fe.unstack(ens)
+    fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 1) for _ in range(2)])
+    with pytest.raises(TypeError, match=r"params and buffers are missing .* fe.unstack\(fmodel"):
+        fe.unstack(fmodel)
+    assert len(fe.unstack(fmodel, params, buffers)) == 2

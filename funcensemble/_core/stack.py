@@ -192,7 +192,9 @@ def _num_members(where: str, params: Any, buffers: Any, *, checked: bool = False
 
 
 def unstack(
-    fmodel: FunctionalModule, params: StackedTensors, buffers: StackedTensors
+    fmodel: FunctionalModule,
+    params: StackedTensors | None = None,
+    buffers: StackedTensors | None = None,
 ) -> list[nn.Module]:
     """Turn a stacked ensemble back into N ordinary modules.
 
@@ -217,9 +219,21 @@ def unstack(
         (4, True)
     """
     if not isinstance(fmodel, FunctionalModule):
+        face = (
+            " An Ensemble unstacks itself: ens.unstack()."
+            if hasattr(fmodel, "unstack") and isinstance(fmodel, nn.Module)
+            else ""
+        )
         raise TypeError(
             f"unstack: fmodel is not a FunctionalModule (expected the one returned by "
-            f"stack, got {type(fmodel).__name__}). Pass the first value fe.stack returned."
+            f"stack, got {type(fmodel).__name__}). Pass the three values fe.stack "
+            f"returned: fe.unstack(fmodel, params, buffers).{face}"
+        )
+    if params is None or buffers is None:
+        raise TypeError(
+            "unstack: params and buffers are missing (expected the stacked parameters and "
+            "buffers, as fe.stack returns them beside fmodel). Call "
+            "fe.unstack(fmodel, params, buffers)."
         )
     check_state_dicts("unstack", params, buffers)
     ref = Architecture.of(fmodel.skeleton)

@@ -217,15 +217,16 @@ def _shared_inputs(
     """The tensor arguments every member shares, with their version counters now."""
     if torch.compiler.is_compiling():
         return []
+    # An inference tensor (made under torch.inference_mode) keeps no version counter.
     out = [
         (f"positional argument {i}", a, a._version)
         for i, (a, d) in enumerate(zip(args, dims, strict=True))
-        if d is None and isinstance(a, Tensor)
+        if d is None and isinstance(a, Tensor) and not a.is_inference()
     ]
     out += [
         (f"keyword argument {k!r}", a, a._version)
         for k, a in kwargs.items()
-        if isinstance(a, Tensor)
+        if isinstance(a, Tensor) and not a.is_inference()
     ]
     return out
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import _torch_compat
 from . import tanh as _tanh
 from . import workspace as _workspace
 
@@ -87,8 +88,14 @@ class LinearAct(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         h, w, y = ctx.saved_tensors
         n, d_out, d_in = w.shape
-        # With create_graph, fresh tensors only: the graph built here keeps them.
-        reuse = not torch.is_grad_enabled()
+        # With create_graph, fresh tensors only: the graph built here keeps them. Under a
+        # transform (is_grads_batched, vectorized jacobians run the backward in vmap) the
+        # out= kernels have no batching rule: fresh tensors too.
+        reuse = (
+            not torch.is_grad_enabled()
+            and not _torch_compat.inside_transform()
+            and not _torch_compat.is_legacy_batched(g)
+        )
         if ctx.act is None:
             gz = g
         else:

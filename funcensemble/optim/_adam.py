@@ -146,7 +146,7 @@ def _adam_moments(
         mu, nu, nu_max = fields["mu"], fields["nu"], fields["nu_max"]
         if not active:
             return spec.unflatten([None] * len(counts)), state
-        check_like(where, "the update", spec, active, grads, mu)
+        check_like(where, "the update", spec, active, grads, mu, "state.mu")
         for h in per_member:
             check_members(h, where, spec, mu, active)
 

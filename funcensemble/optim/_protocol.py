@@ -286,8 +286,13 @@ def check_like(
     indices: list[int],
     xs: list[Any],
     refs: list[Any],
+    state: str | None = None,
 ) -> None:
-    """Check that ``xs[i]`` can stand in for ``refs[i]`` (same shape, dtype and device)."""
+    """Check that ``xs[i]`` can stand in for ``refs[i]`` (same shape, dtype and device).
+
+    ``state``: the name of the state field ``refs`` are (e.g. ``"state.mu"``), whose
+    mismatch with the gradients is told as such; ``None``: ``refs`` are parameters.
+    """
     for index in indices:
         x, ref = xs[index], refs[index]
         if ref is None or (x is None and what.startswith("state.")):
@@ -298,12 +303,27 @@ def check_like(
                 f"tensor or None, got {type(x).__name__}). Pass one tensor per parameter, "
                 "or None for no gradient."
             )
+        if (x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device) and state:
+            raise ValueError(
+                f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "
+                f"dtype {x.dtype}, device {x.device}, but {state} holds shape "
+                f"{tuple(ref.shape)}, dtype {ref.dtype}, device {ref.device} (expected them "
+                "alike). If the parameters changed dtype or device since the state was made "
+                "(ens.double(), .to(...)), build the optimizer (or init the state) after the "
+                "change; otherwise pass gradients shaped like the parameters."
+            )
         if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
+            advice = (
+                "If the parameters changed dtype or device since the state was made "
+                "(ens.double(), .to(...)), build the optimizer (or init the state) after "
+                "the change."
+                if what.startswith("state.")
+                else "Give it the parameter's shape, dtype and device."
+            )
             raise ValueError(
                 f"{where}: {what} for {leaf_name(spec, index)} has shape {tuple(x.shape)}, "
                 f"dtype {x.dtype}, device {x.device} (expected shape {tuple(ref.shape)}, "
-                f"dtype {ref.dtype}, device {ref.device}, like the parameter). Give it the "
-                "parameter's shape, dtype and device."
+                f"dtype {ref.dtype}, device {ref.device}, like the parameter). {advice}"
             )
 
 

@@ -99,11 +99,11 @@ def _rmsprop_direction(
         sq, bufs, gavg = fields["square_avg"], fields["momentum_buffer"], fields["grad_avg"]
         if not active:
             return spec.unflatten([None] * len(steps)), state
-        check_like(where, "the update", spec, active, grads, sq)
+        check_like(where, "the update", spec, active, grads, sq, "state.square_avg")
         if buffered:
-            check_like(where, "the update", spec, active, grads, bufs)
+            check_like(where, "the update", spec, active, grads, bufs, "state.momentum_buffer")
         if centered:
-            check_like(where, "the update", spec, active, grads, gavg)
+            check_like(where, "the update", spec, active, grads, gavg, "state.grad_avg")
         ps: list[Any] = []
         if decays:
             if params is None:

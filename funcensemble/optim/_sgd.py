@@ -110,7 +110,7 @@ def _sgd_direction(
                 if bufs[i] is None:  # a transform with momentum after one without
                     unstarted.add(i)
                     bufs = [*bufs[:i], torch.zeros_like(grads[i]), *bufs[i + 1 :]]
-            check_like(where, "the update", spec, active, grads, bufs)
+            check_like(where, "the update", spec, active, grads, bufs, "state.momentum_buffer")
         for h in per_member:
             check_members(h, where, spec, grads, active)
         gs = [grads[i] for i in active]
