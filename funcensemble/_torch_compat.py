@@ -148,6 +148,12 @@ def inside_transform() -> bool:
     return _peek() is not None
 
 
+def grad_innermost() -> bool:
+    """Whether the innermost ``torch.func`` transform is a grad-like one (not a vmap)."""
+    interpreter = _peek()
+    return interpreter is not None and interpreter.key() != _VMAP
+
+
 def vmap_level() -> int | None:
     """The level of the innermost transform if it is a ``vmap``, else ``None``."""
     interpreter = _peek()

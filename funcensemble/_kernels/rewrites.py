@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
 from . import batchnorm as _batchnorm
+from . import norm_decomposed as _norm_decomposed
 from .embedding import PerMemberEmbedding, embedding_per_member, needs_embedding_rule
 
 _POOLS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
@@ -91,14 +92,25 @@ class VmapRewrites(TorchFunctionMode):
     """Within this mode, the calls listed in the module docstring run batchable math."""
 
     def __init__(
-        self, batch_norm: _batchnorm.BatchNormRule | None, autocast: tuple[str, ...] = ()
+        self,
+        batch_norm: _batchnorm.BatchNormRule | None,
+        autocast: tuple[str, ...] = (),
+        *,
+        decompose_norms: bool = False,
     ) -> None:
         super().__init__()
         self.batch_norm = batch_norm
         self.autocast = autocast  # the device types torch.autocast is on for
+        self.decompose_norms = decompose_norms  # under a grad transform (_norm_decomposed)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.decompose_norms and func is F.layer_norm:
+            return _norm_decomposed.layer_norm(*args, **kwargs)
+        if self.decompose_norms and func is F.batch_norm:
+            bound = _batch_norm_arguments(*args, **kwargs)
+            if _norm_decomposed.batch_norm_uses_batch(*bound[5:6], *bound[1:3]):
+                return _norm_decomposed.batch_norm(*bound)
         if func is F.batch_norm:
             out = self.batch_norm.batch_norm(args, kwargs) if self.batch_norm else None
             if out is not None:
@@ -124,6 +136,19 @@ class VmapRewrites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _batch_norm_arguments(
+    input: Tensor,
+    running_mean: Any,
+    running_var: Any,
+    weight: Any = None,
+    bias: Any = None,
+    training: bool = False,
+    momentum: Any = 0.1,
+    eps: float = 1e-5,
+) -> tuple[Any, ...]:
+    return input, running_mean, running_var, weight, bias, training, momentum, eps
+
+
 def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
     """``VmapRewrites`` for a call of ``skeleton`` under a transform, if it needs one."""
     # A plain nullcontext otherwise, which torch.compile traces without a graph break.
@@ -140,6 +165,10 @@ def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
     rule = _batchnorm.BatchNormRule(_batchnorm.cumulative(norms))
     fold = _batchnorm.has_batch_norm(norms)
     other = embedding or any(isinstance(m, _POOL_LAYERS + _NORM_LAYERS) for m in skeleton.modules())
-    if fold or other or autocast:
-        return VmapRewrites(rule if fold else None, autocast)
+    # A grad transform inside the vmap: LayerNorm and BatchNorm as elementary ops.
+    decompose = _torch_compat.grad_innermost() and any(
+        isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)) for m in skeleton.modules()
+    )
+    if fold or other or autocast or decompose:
+        return VmapRewrites(rule if fold else None, autocast, decompose_norms=decompose)
     return contextlib.nullcontext()
