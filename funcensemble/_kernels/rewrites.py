@@ -109,7 +109,7 @@ class VmapRewrites(TorchFunctionMode):
             return _norm_decomposed.layer_norm(*args, **kwargs)
         if self.decompose_norms and func is F.batch_norm:
             bound = _batch_norm_arguments(*args, **kwargs)
-            if _norm_decomposed.batch_norm_uses_batch(*bound[5:6], *bound[1:3]):
+            if bound[1] is None and bound[2] is None:  # batch statistics, none kept
                 return _norm_decomposed.batch_norm(*bound)
         if func is F.batch_norm:
             out = self.batch_norm.batch_norm(args, kwargs) if self.batch_norm else None
