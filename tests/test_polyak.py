@@ -189,3 +189,30 @@ def test_ensembles_of_different_architectures():
     with pytest.raises(ValueError, match=r"target\['params'\]\['bias'\] is \(3, 2\)"):
         fe.optim.polyak_update_(a, b, 0.1)
     assert torch.equal(a.stacked.weight, before)
+
+
+def test_a_per_member_tau_on_a_hetero_ensemble_names_the_per_group_route_which_works():
+    def make():
+        torch.manual_seed(0)
+        return fe.HeteroEnsemble(
+            [nn.Linear(3, 1), nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)), nn.Linear(3, 1)]
+        )
+
+    target, online = make(), make()
+    with torch.no_grad():
+        for p in online.parameters():
+            p.add_(1.0)
+    tau = torch.tensor([0.1, 0.2, 0.3])
+    with pytest.raises(
+        ValueError, match=r"tau\[list\(hens.group_members\[g\]\)\] with hens.groups"
+    ):
+        fe.optim.polyak_update_(target, online, tau)
+    loop = [copy.deepcopy(target.member(i)) for i in range(3)]
+    for g, members in enumerate(target.group_members):
+        fe.optim.polyak_update_(target.groups[g], online.groups[g], tau[list(members)])
+    for i, m in enumerate(loop):
+        with torch.no_grad():
+            for pt, po in zip(m.parameters(), online.member(i).parameters(), strict=True):
+                pt.mul_(1 - tau[i]).add_(tau[i] * po)
+        for pt, pe in zip(m.parameters(), target.member(i).parameters(), strict=True):
+            torch.testing.assert_close(pe, pt)

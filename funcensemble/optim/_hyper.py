@@ -56,11 +56,19 @@ def check_members(
         size = leaf.shape[0] if leaf.dim() else None
         if size != n:
             got = f"leading size {size}" if size is not None else "no member axis (0-dim)"
+            name = leaf_name(spec, i, root)
+            hetero = (
+                " A HeteroEnsemble's groups each have their own member axis: pass each "
+                f"group its members' values, e.g. {h.name}[list(hens.group_members[g])] "
+                "with hens.groups[g] (or build the optimizer with hens.optimizer, which "
+                "routes [N] values)."
+                if ".stacked." in name and "groups." in name
+                else ""
+            )
             raise ValueError(
-                f"{where}: {h.name} has {n} per-member values but "
-                f"{leaf_name(spec, i, root)} has {got}. A per-member {h.name} needs one "
-                "value per member: a 1-D tensor as long as the leading axis of every "
-                "parameter."
+                f"{where}: {h.name} has {n} per-member values but {name} has {got}. A "
+                f"per-member {h.name} needs one value per member: a 1-D tensor as long as "
+                f"the leading axis of every parameter.{hetero}"
             )
 
 
