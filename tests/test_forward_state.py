@@ -107,7 +107,7 @@ class KeepsLast(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 2)
         if start is not None:
-            self.prev = start
+            self.prev = None if isinstance(start, str) else start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.lin(x)
@@ -116,7 +116,9 @@ class KeepsLast(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("start", [None, torch.zeros(5, 2)], ids=["new", "replaced"])
+@pytest.mark.parametrize(
+    "start", [None, torch.zeros(5, 2), "none"], ids=["new", "replaced", "was-None"]
+)
 @pytest.mark.parametrize("chunk_size", [None, 2])
 def test_a_tensor_of_member_data_kept_on_the_module_is_refused_and_put_back(start, chunk_size):
     fmodel, params, buffers = fe.stack([KeepsLast(start) for _ in range(N)])
@@ -127,7 +129,7 @@ def test_a_tensor_of_member_data_kept_on_the_module_is_refused_and_put_back(star
     if start is None:
         assert not hasattr(skeleton, "prev")
     else:
-        assert skeleton.prev is kept
+        assert skeleton.prev is kept  # the tensor it held, or None
 
 
 def test_a_shared_input_modified_in_place_is_refused_a_per_member_one_runs_as_the_loop():

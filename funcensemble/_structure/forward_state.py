@@ -35,7 +35,7 @@ def kept_tensors(skeleton: nn.Module) -> Kept:
     for sub in skeleton.modules():
         for table, values in _tables(sub):
             for name, value in values.items():
-                if isinstance(value, Tensor) or (table is not None and value is None):
+                if isinstance(value, Tensor) or value is None:  # None: a slot to fill
                     out[(id(sub), id(table), name)] = (sub, table, name, value)
     return out
 
