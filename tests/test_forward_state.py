@@ -152,3 +152,32 @@ def test_a_shared_input_modified_in_place_is_refused_a_per_member_one_runs_as_th
     expected = torch.stack([m(xs[i].clone()) for i, m in enumerate(loop)])
     torch.testing.assert_close(ens(xs, in_dims=0), expected)
     assert torch.equal(xs, torch.ones(N, 5, 4, dtype=torch.float64))  # once each, as the loop
+
+
+@pytest.mark.parametrize("act", [nn.LeakyReLU(0.1, inplace=True), nn.ReLU(inplace=True)], ids=str)
+def test_an_in_place_activation_on_the_input_of_an_mlp_runs_as_written(act):
+    # The MLP fast path never writes its input: an in-place activation applied to the
+    # input itself leaves it to the general path (refused for a shared input, as the
+    # loop's members would each change it in turn; per member, as the loop).
+    torch.manual_seed(0)
+    loop = [nn.Sequential(copy.deepcopy(act), nn.Linear(4, 2)).double() for _ in range(N)]
+    ens = fe.Ensemble(copy.deepcopy(loop))
+    with pytest.raises(ValueError, match=r"modified its positional argument 0, an input shared"):
+        ens(torch.randn(5, 4, dtype=torch.float64))
+    xs = torch.randn(N, 5, 4, dtype=torch.float64)
+    ours = xs.clone()
+    expected = torch.stack([m(xs[i]) for i, m in enumerate(loop)])  # changes xs in place
+    torch.testing.assert_close(ens(ours, in_dims=0), expected)
+    assert torch.equal(ours, xs)
+
+
+def test_in_place_dropout_on_a_shared_input_is_refused_before_it_changes():
+    torch.manual_seed(0)
+    ens = fe.Ensemble(
+        [nn.Sequential(nn.Dropout(0.5, inplace=True), nn.Linear(4, 2)) for _ in range(N)]
+    )
+    x = torch.randn(5, 4)
+    before = x.clone()
+    with pytest.raises(RuntimeError, match=r"inplace"):
+        ens(x)
+    assert torch.equal(x, before)

@@ -442,3 +442,14 @@ def test_a_member_with_every_class_masked_gives_nan_as_softmax() -> None:
     assert fe.reduce.mean_probs(logits)[0].isnan().all()
     assert fe.reduce.predictive_entropy(logits)[0].isnan()
     assert fe.reduce.mean_probs(logits)[1].isfinite().all()  # one masked class: finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mutual_information_of_identical_members_is_zero_up_to_rounding(dtype):
+    torch.manual_seed(0)
+    one = torch.randn(1, 64, 10, dtype=dtype)
+    assert torch.equal(fe.reduce.mutual_information(one), torch.zeros(64, dtype=dtype))
+    for n in (2, 3, 5, 8):
+        same = fe.reduce.mutual_information(one.expand(n, 64, 10))
+        assert (same >= 0).all()
+        assert same.max() <= 4 * torch.finfo(dtype).eps  # the entropies are ~log(10)

@@ -66,6 +66,10 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
         steps.append((module, f"{prefix}weight", bias))
         return True
     if kind in _ELEMENTWISE or kind is nn.Dropout:
+        if getattr(module, "inplace", False) and not any(w for _, w, _ in steps):
+            # In place on the input itself, which the chain never writes: the general
+            # path runs it as written (and refuses a shared input changed in place).
+            return False
         steps.append((module, None, None))
         return True
     return False
