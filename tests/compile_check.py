@@ -344,12 +344,48 @@ def nested_vmap() -> None:
         torch.testing.assert_close(got[k], g, rtol=1e-10, atol=1e-10)
 
 
+def randomness_limits() -> None:
+    """compile.md: randomness="same" with chunk_size stops under fullgraph (torch cannot
+    trace get_rng_state) and runs without it, every member drawing the same mask;
+    randomness="error" stops with torch's own wording."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)) for _ in range(4)]
+    for m in members:
+        with torch.no_grad():
+            m[2].weight.fill_(1.0)
+            m[2].bias.zero_()
+            m[0].weight.copy_(members[0][0].weight)
+            m[0].bias.copy_(members[0][0].bias)
+    fmodel, params, buffers = fe.stack(members)
+    same = fe.vmap(fmodel, randomness="same", chunk_size=2)
+    x = torch.randn(5, 4)
+    try:
+        torch.compile(same, fullgraph=True)(params, buffers, x)
+    except Exception as error:
+        assert type(error).__name__ == "Unsupported", type(error)
+    else:
+        raise AssertionError("randomness='same' with chunk_size compiled with fullgraph")
+    torch._dynamo.reset()
+    out = torch.compile(same)(params, buffers, x)
+    for i in range(1, 4):  # identical members and one mask: identical outputs
+        assert torch.equal(out[i], out[0])
+    torch._dynamo.reset()
+    error_mode = fe.vmap(fmodel, randomness="error")
+    try:
+        torch.compile(error_mode, fullgraph=True)(params, buffers, x)
+    except Exception as error:
+        assert "randomness error mode" in str(error), str(error)[-2000:]
+    else:
+        raise AssertionError("randomness='error' with Dropout compiled")
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
         "functional": functional_training_step,
         "in_place": in_place_training_step,
         "pure_refused": pure_step_refused,
+        "randomness_limits": randomness_limits,
         "module": module_face_training_step,
         "mlp": mlp_training_step,
         "functional_mlp": functional_mlp_training_step,

@@ -41,3 +41,10 @@ def test_compiled_apply_updates_on_trainable_params_is_a_clear_error():
     """apply_updates cannot return new leaves that require grad from a compiled graph:
     it says so and points to update_, and the parameters are untouched."""
     run_check("pure_refused")
+
+
+@pytest.mark.slow
+def test_compiled_randomness_limits_are_as_documented():
+    """compile.md: randomness="same" with chunk_size needs a graph break; "error" stops
+    with torch's wording (see the script)."""
+    run_check("randomness_limits")

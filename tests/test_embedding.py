@@ -156,28 +156,40 @@ def test_max_norm_inside_another_transform_is_refused_before_anything_changes():
 
 @pytest.mark.parametrize("options", [{}, {"padding_idx": 0}, {"max_norm": 1.0}], ids=str)
 @pytest.mark.parametrize("bad", [ROWS, -1], ids=["past-the-end", "negative"])
+@pytest.mark.parametrize("chunk_size", [None, 2])
 @pytest.mark.parametrize("face", ["module", "vmap", "value_and_grad"])
-def test_an_index_outside_a_members_table_is_refused_naming_the_member(options, bad, face):
+def test_an_index_outside_a_members_table_is_refused_naming_the_member(
+    options, bad, face, chunk_size
+):
     # vmap's own rule looks every member up in one flat table: member 1's index ROWS
     # would read member 2's row 0, and -1 member 0's last row. The loop raises.
     members = make_members(**options)
     idx = indices(per_member=True)
-    idx[1, 4] = bad
+    idx[2, 4] = bad  # in the second chunk of 2: named as member 2, not the chunk's 0
     with pytest.raises(IndexError):
-        members[1](idx[1])
+        members[2](idx[2])
     fmodel, params, buffers = fe.stack(members)
     before = {k: v.clone() for k, v in params.items()}
-    message = rf"index {bad} in member 1's indices is out of range for a table of {ROWS} rows"
+    message = rf"index {bad} in member 2's indices is out of range for a table of {ROWS} rows"
     with pytest.raises(IndexError, match=message):
         if face == "module":
-            fe.Ensemble(members)(idx, in_dims=0)
+            fe.Ensemble(members, chunk_size=chunk_size)(idx, in_dims=0)
         elif face == "vmap":
-            fe.vmap(fmodel, in_dims=(0,))(params, buffers, idx)
+            fe.vmap(fmodel, in_dims=(0,), chunk_size=chunk_size)(params, buffers, idx)
         else:
             loss = lambda p, b, i: fmodel(p, b, i).sum()  # noqa: E731
-            fe.value_and_grad(loss, in_dims=(0,))(params, buffers, idx)
-    # Nothing was renormalised (max_norm), in any member.
-    torch.testing.assert_close(params, before, rtol=0, atol=0)
+            vg = fe.value_and_grad(loss, in_dims=(0,), chunk_size=chunk_size)
+            vg(params, buffers, idx)
+    # Nothing was renormalised (max_norm) in the failing call: in any member, or with
+    # chunks in the failing chunk's (the chunks before it ran, as the loop's members
+    # before the failing one would have).
+    kept = slice(None) if chunk_size is None else slice(2, None)
+    torch.testing.assert_close(
+        {k: v[kept] for k, v in params.items()},
+        {k: v[kept] for k, v in before.items()},
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("options", [{}, {"max_norm": 1.0}], ids=str)

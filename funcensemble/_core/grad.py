@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .. import _torch_compat, _tree
 from . import in_dims as _in_dims
+from . import member_offset as _member_offset
 from .in_dims import InDims
 from .stack import _num_members, check_state_dicts
 from .vmap import Randomness, check_options, mapped_call
@@ -153,17 +154,18 @@ def _chunked_step(
         stop = min(start + chunk_size, n)
         if replay is not None:
             _set_rng_state(device, replay)
-        c_losses, c_grads, c_aux = _autograd_step(
-            mapped_loss,
-            has_aux,
-            {k: v[start:stop] for k, v in params.items()},
-            {k: v[start:stop] for k, v in buffers.items()},  # views: updates land in place
-            _in_dims.narrow(args, dims, start, stop),
-            kwargs,
-            dims,
-            trainable,
-            where,
-        )
+        with _member_offset.starting_at(start):
+            c_losses, c_grads, c_aux = _autograd_step(
+                mapped_loss,
+                has_aux,
+                {k: v[start:stop] for k, v in params.items()},
+                {k: v[start:stop] for k, v in buffers.items()},  # views: updates land in place
+                _in_dims.narrow(args, dims, start, stop),
+                kwargs,
+                dims,
+                trainable,
+                where,
+            )
         losses.append(c_losses)
         for k, g in c_grads.items():
             full = grads[k]

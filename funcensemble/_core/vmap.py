@@ -14,6 +14,7 @@ from .. import _torch_compat
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
 from . import in_dims as _in_dims
+from . import member_offset as _member_offset
 from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .rollback import rollback_on_error
@@ -301,11 +302,17 @@ def mapped_call(
                 )
 
         else:
+            chunks = [0]  # torch.func.vmap maps the chunks in order, one call each
 
             def flat_member(*flat: Any) -> Any:
                 p = dict(zip(names[:n_params], flat[:n_params], strict=True))
                 b = dict(zip(names[n_params:], flat[n_params:n_state], strict=True))
-                return one_member(p, b, flat[-2], flat[-1])
+                if chunk_size is None or torch.compiler.is_compiling():
+                    return one_member(p, b, flat[-2], flat[-1])
+                start = chunks[0] * chunk_size  # for messages naming a member
+                chunks[0] += 1
+                with _member_offset.starting_at(start):
+                    return one_member(p, b, flat[-2], flat[-1])
 
             vmapped = torch.func.vmap(
                 flat_member,
@@ -315,6 +322,7 @@ def mapped_call(
             )
 
             def call() -> Any:
+                chunks[0] = 0
                 return vmapped(*state, args, kwargs)
 
         shared = _shared_inputs(args, dims, kwargs)

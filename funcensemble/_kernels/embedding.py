@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
+from .._core import member_offset as _member_offset
 
 
 def needs_embedding_rule(module: nn.Module, *, compiling: bool = False) -> bool:
@@ -66,7 +67,8 @@ def _check_indices(input: Tensor, rows: int) -> None:
         where = "a shared index"
         if member_dim is not None:
             per_member = bad.movedim(member_dim, 0).reshape(raw.shape[member_dim], -1)
-            where = f"member {int(per_member.any(1).nonzero()[0, 0])}'s indices"
+            first = _member_offset.first()  # a chunked call maps a slice of the members
+            where = f"member {first + int(per_member.any(1).nonzero()[0, 0])}'s indices"
     raise IndexError(
         f"nn.Embedding: index {value} in {where} is out of range for a table of {rows} "
         f"rows (expected 0 <= index < {rows}, as each member's own F.embedding "
