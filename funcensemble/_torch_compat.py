@@ -15,6 +15,9 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   ``maybe_get_level``, ``maybe_get_bdim``, ``get_unwrapped`` (2.0): a BatchedTensor's
   plain tensor and member dim. The MLP fast path, the BatchNorm fold and the Embedding
   rule are batching rules for a whole layer; they run on the plain tensors.
+- ``torch._C._functorch.is_legacy_batchedtensor`` (2.0): is a gradient batched by
+  torch's legacy vmap (``torch.autograd.grad(..., is_grads_batched=True)``,
+  vectorized jacobians)? The MLP's kept-buffer backward then uses fresh tensors.
 - ``torch._C._functorch._add_batch_dim`` (2.0): hand such a rule's result back to
   vmap as a BatchedTensor.
 - ``torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter().lower()``
