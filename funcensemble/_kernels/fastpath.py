@@ -112,7 +112,7 @@ def _activate_fresh(kind: type, h: Tensor) -> Tensor:
     ):
         return _IN_PLACE[kind](h)
     # Without grad, no autograd.Function: its overhead is a third of a small layer's.
-    return _tanh.ExpTanh.apply(h) if torch.is_grad_enabled() else _tanh.tanh_(h)
+    return _tanh.FastTanh.apply(h) if torch.is_grad_enabled() else _tanh.tanh_(h)
 
 
 def width_error(where: str, weight: str, shape: tuple[int, ...], got: int, *, first: bool) -> str:
