@@ -30,6 +30,9 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   takes once it has flattened and checked its inputs, taken directly for inputs that
   are already flat and checked ([`vmap_flat`][]), which skips vmap's Python pytree
   walk.
+- ``torch._C._is_torch_function_mode_enabled`` and ``torch._C._len_torch_dispatch_stack``
+  (2.0): is a tracer or mode watching torch's ops ([`ops_observed`][])? The fast
+  path's NumPy ``tanh`` (``_kernels/tanh.py``) then steps aside for ``torch.tanh``.
 - ``torch._C._functorch.pop_dynamic_layer_stack``/``push_dynamic_layer_stack``
   (2.0): what a vmap interpreter's ``lower()`` does, without building the Python
   interpreter object ([`lower_vmap`][]).
@@ -128,6 +131,7 @@ _increment_nesting = _require(_functorch, "_vmap_increment_nesting", "torch._C._
 _decrement_nesting = _require(_functorch, "_vmap_decrement_nesting", "torch._C._functorch", "2.0")
 _remove_batch_dim = _require(_functorch, "_remove_batch_dim", "torch._C._functorch", "2.0")
 _function_mode_on = _require(torch._C, "_is_torch_function_mode_enabled", "torch._C", "2.0")
+_dispatch_modes = _require(torch._C, "_len_torch_dispatch_stack", "torch._C", "2.0")
 _pop_layer = _require(_functorch, "pop_dynamic_layer_stack", "torch._C._functorch", "2.0")
 _push_layer = _require(_functorch, "push_dynamic_layer_stack", "torch._C._functorch", "2.0")
 _SDP_BACKENDS = ("cudnn", "flash", "mem_efficient", "math", "overrideable")
@@ -412,6 +416,15 @@ def storage_held_elsewhere(t: Tensor) -> bool:
     if _LONE_STORAGE_COUNT is None:
         return True
     return _use_count(t.untyped_storage()._cdata) > _LONE_STORAGE_COUNT
+
+
+def ops_observed() -> bool:
+    """Whether something records or intercepts torch's ops in this thread: torch.jit's
+    tracer, a torch function mode (export's and ``make_fx``'s tracers, ``with
+    torch.device(...)``) or a torch dispatch mode (``make_fx``, ``FakeTensorMode``,
+    ``FlopCounterMode``). Work done outside torch's ops, such as NumPy's kernels on a
+    tensor's memory, would be invisible to it: a traced graph would leave it out."""
+    return _function_mode_on() or _dispatch_modes() > 0 or torch.jit.is_tracing()
 
 
 def forward_ad_active() -> bool:

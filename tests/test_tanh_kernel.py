@@ -2,6 +2,7 @@
 accuracy, its specials, its gradient, and a member's numbers on every route."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -95,6 +96,51 @@ def test_an_in_place_change_is_seen_by_autograd():
     assert z._version > version
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.sum().backward()
+
+
+def test_traced_calls_keep_torch_tanh_in_the_graph():
+    """NumPy's work is invisible to torch's tracers: under ``make_fx`` and
+    ``torch.jit.trace`` the tanh runs as ``torch.tanh``, so the traced graph computes
+    it (a one-member ensemble without grad once traced to Linear-Linear: 0.44 off)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    ens = fe.Ensemble(_heads(1)).eval()
+    x, fresh = torch.randn(256, 8), torch.randn(256, 8)
+    with _tanh.forced(True), torch.no_grad():
+        graph = make_fx(lambda x: ens(x))(x)
+        want = ens(fresh)
+    with torch.no_grad():
+        torch.testing.assert_close(graph(fresh), want, rtol=1e-5, atol=1e-6)
+    assert any("tanh" in str(node.target) for node in graph.graph.nodes)
+    # torch.jit.trace (its sizes are traced tensors, which this test run's type checks
+    # refuse, so the ensemble itself is traced in a check outside it): no NumPy there.
+    seen = []
+
+    def probe(z: torch.Tensor) -> torch.Tensor:
+        seen.append(_tanh.replaces(z))
+        return z * 2
+
+    with _tanh.forced(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch >= 2.9 deprecates torch.jit.trace
+        torch.jit.trace(probe, torch.zeros(3), check_trace=False)
+    assert seen and not any(seen)
+
+
+def test_modes_and_subclasses_keep_torch_tanh():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _tanh.forced(True):
+        assert _tanh.replaces(torch.zeros(3))
+        with Passing():
+            assert not _tanh.replaces(torch.zeros(3))
+        with torch.device("cpu"):  # a torch function mode
+            assert not _tanh.replaces(torch.zeros(3))
+        assert not _tanh.replaces(nn.Parameter(torch.zeros(3)))
 
 
 def test_fast_tanh_is_differentiated_as_autograd_differentiates_tanh():

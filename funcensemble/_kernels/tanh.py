@@ -14,8 +14,9 @@ the output, as autograd's own): in ``LinearAct``, in the compiled MLP op and in 
 eager plain-op chain (through ``FastTanh``), at every size, so a member gets the same
 numbers whichever of those runs it and however many members share its tensors.
 Float64, other devices, Intel CPUs (fast MKL ``tanh``), a NumPy without those SIMD
-kernels, and eager calls inside other ``torch.func`` transforms or under forward-mode
-AD keep ``torch.tanh``.
+kernels, tensor subclasses, calls watched by a tracer or mode (``torch.jit.trace``,
+``make_fx``, a dispatch or function mode, ``with torch.device(...)``) and eager calls
+inside other ``torch.func`` transforms or under forward-mode AD keep ``torch.tanh``.
 """
 
 import contextlib
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+
+from .. import _torch_compat
 
 
 @functools.cache
@@ -62,8 +65,15 @@ _forced: list[bool] = []  # set by `forced` (tests): the choice regardless of th
 
 
 def replaces(t: Tensor) -> bool:
-    """Whether the fast path computes ``t``'s tanh with NumPy's kernel."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    """Whether the fast path computes ``t``'s tanh with NumPy's kernel.
+
+    Never for a tensor subclass, nor while a tracer or mode watches torch's ops
+    (``torch.jit.trace``, ``make_fx``, a dispatch or function mode): NumPy's work is
+    invisible to them, and a traced graph would leave the tanh out.
+    """
+    if t.dtype != torch.float32 or t.device.type != "cpu" or type(t) is not Tensor:
+        return False
+    if _torch_compat.ops_observed():
         return False
     return _forced[-1] if _forced else (_slow_mkl_tanh() and _numpy_simd_tanh())
 
