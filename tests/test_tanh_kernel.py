@@ -230,6 +230,52 @@ def test_training_matches_the_loop_in_float32(enabled, n):
         torch.testing.assert_close(v, loop_state[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("n", [1, 64])
+def test_functional_steps_match_the_loop_gradients_and_adam_state(enabled, n):
+    """The functional face (value_and_grad + adam's update_) against the loop with
+    torch.optim.Adam: losses and gradients at every step, then the parameters and both
+    Adam moments, with NumPy's tanh on and off."""
+    members = _heads(n)
+    loop = copy.deepcopy(members)
+    x = torch.randn(256, 8)
+    y = torch.randn(n, 256, 4)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in loop]
+    fmodel, params, buffers = fe.stack(members)
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    opt = fe.optim.adam(lr=1e-2)
+    state = opt.init(params)
+    with _tanh.forced(enabled):
+        value_and_grad = fe.value_and_grad(loss_fn, in_dims=(None, 0))
+        for _ in range(3):
+            losses, grads, buffers = value_and_grad(params, buffers, x, y)
+            state = opt.update_(grads, state, params)
+            want_losses = []
+            for i, (m, o) in enumerate(zip(loop, opts, strict=True)):
+                loss = F.mse_loss(m(x), y[i])
+                want_losses.append(loss.detach())
+                o.zero_grad()
+                loss.backward()
+                for k, p in m.named_parameters():
+                    torch.testing.assert_close(grads[k][i], p.grad, rtol=1e-4, atol=1e-6)
+                o.step()
+            torch.testing.assert_close(losses, torch.stack(want_losses), rtol=1e-5, atol=1e-7)
+    moments = state[0]
+    for k, v in params.items():
+        for i, (m, o) in enumerate(zip(loop, opts, strict=True)):
+            p = m.get_parameter(k)
+            torch.testing.assert_close(v[i], p.detach(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                moments.mu[k][i], o.state[p]["exp_avg"], rtol=1e-4, atol=1e-6
+            )
+            torch.testing.assert_close(
+                moments.nu[k][i], o.state[p]["exp_avg_sq"], rtol=1e-4, atol=1e-9
+            )
+
+
 def test_float64_is_torch_tanh_bit_for_bit():
     members = _heads(64, torch.float64)
     x = torch.randn(256, 8, dtype=torch.float64)
