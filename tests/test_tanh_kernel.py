@@ -2,7 +2,12 @@
 accuracy, its specials, its gradient, and a member's numbers on every route."""
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +130,69 @@ def test_traced_calls_keep_torch_tanh_in_the_graph():
         warnings.simplefilter("ignore")  # torch >= 2.9 deprecates torch.jit.trace
         torch.jit.trace(probe, torch.zeros(3), check_trace=False)
     assert seen and not any(seen)
+
+
+_FULLGRAPH_SCRIPT = textwrap.dedent(
+    """
+    import copy, sys, warnings
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
+    import torch
+    from torch import nn
+    import funcensemble as fe
+    from funcensemble._kernels import tanh as _tanh
+
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4), nn.GELU())
+        for _ in range(2)
+    ]
+    x = torch.randn(256, 8)
+    want = torch.stack([m(x) for m in members])
+    for enabled in (True, False):
+        torch._dynamo.reset()
+        ens = fe.Ensemble(copy.deepcopy(members))
+        with _tanh.forced(enabled):
+            out = torch.compile(ens, fullgraph=True, backend="aot_eager")(x)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.slow  # compiles twice, in a fresh interpreter (no runtime type checks)
+def test_fullgraph_compile_of_a_chain_the_mlp_op_leaves_to_plain_ops():
+    """A float32 chain the compiled MLP op does not take (a GELU after the last Linear)
+    runs the plain-op chain under Dynamo: ``torch.compile(ens, fullgraph=True)``, as
+    docs/how-to/compile.md promises, traces it without a break (Dynamo once stopped at
+    the tanh route's checks: CPU vendor, modes) and computes the loop's numbers."""
+    result = subprocess.run(
+        [sys.executable, "-c", _FULLGRAPH_SCRIPT],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=Path(__file__).parent.parent,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_make_fx_with_grad_traces_the_plain_ops_at_every_size():
+    """Under ``make_fx`` with grad enabled, 64 members (whose outputs would take the
+    kept buffers) run the plain ops: the out= kernels there crashed the trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    members = _heads(64)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    x, fresh = torch.randn(256, 8), torch.randn(256, 8)
+    with _tanh.forced(True):
+        ens(x).sum().backward()  # an eager step first: the pool now holds buffers
+        graph = make_fx(lambda x: ens(x))(x)
+    with torch.no_grad():
+        want = torch.stack([m(fresh) for m in members])
+        torch.testing.assert_close(graph(fresh), want, rtol=1e-5, atol=1e-6)
 
 
 def test_modes_and_subclasses_keep_torch_tanh():

@@ -105,8 +105,8 @@ def _activate_fresh(kind: type, h: Tensor) -> Tensor:
     transforms): a member's numbers do not depend on which of the two runs it."""
     if (
         kind is not nn.Tanh
+        or torch.compiler.is_compiling()  # before replaces(): Dynamo traces this
         or not _tanh.replaces(h)
-        or torch.compiler.is_compiling()
         or _torch_compat.inside_transform()
         or _torch_compat.forward_ad_active()
     ):
@@ -282,6 +282,9 @@ def _kept_buffers(steps: Plan, params: dict[str, Tensor], h: Tensor, n: int) -> 
         and not torch.compiler.is_compiling()
         and not _torch_compat.inside_transform()
         and not _torch_compat.forward_ad_active()
+        # A tracer (make_fx, torch.jit.trace) would record the out= kernels, which
+        # autograd refuses to differentiate, or not see the buffers' reuse.
+        and not _torch_compat.ops_observed()
     )
 
 

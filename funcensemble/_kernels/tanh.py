@@ -71,6 +71,8 @@ def replaces(t: Tensor) -> bool:
     (``torch.jit.trace``, ``make_fx``, a dispatch or function mode): NumPy's work is
     invisible to them, and a traced graph would leave the tanh out.
     """
+    if torch.compiler.is_compiling():
+        return False  # first: Dynamo traces this function and cannot trace what follows
     if t.dtype != torch.float32 or t.device.type != "cpu" or type(t) is not Tensor:
         return False
     if _torch_compat.ops_observed():
