@@ -195,6 +195,38 @@ def test_make_fx_with_grad_traces_the_plain_ops_at_every_size():
         torch.testing.assert_close(graph(fresh), want, rtol=1e-5, atol=1e-6)
 
 
+def _linear_act_nodes(out: torch.Tensor) -> int:
+    """How many ``LinearAct`` backward nodes the graph of ``out`` holds."""
+    seen, stack, count = set(), [out.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += "LinearAct" in type(node).__name__
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return count
+
+
+def test_kept_buffers_step_aside_under_a_mode():
+    """Under a dispatch mode the 64-member chain runs the plain ops (what a tracer can
+    record), with the same numbers as the kept-buffer layers outside it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    ens = fe.Ensemble(_heads(64))
+    x = torch.randn(256, 8)
+    kept = ens(x)
+    with Passing():
+        plain = ens(x)
+    assert _linear_act_nodes(kept) > 0
+    assert _linear_act_nodes(plain) == 0
+    torch.testing.assert_close(plain, kept, rtol=1e-5, atol=1e-6)
+
+
 def test_modes_and_subclasses_keep_torch_tanh():
     from torch.utils._python_dispatch import TorchDispatchMode
 

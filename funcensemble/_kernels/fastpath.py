@@ -105,8 +105,7 @@ def _activate_fresh(kind: type, h: Tensor) -> Tensor:
     transforms): a member's numbers do not depend on which of the two runs it."""
     if (
         kind is not nn.Tanh
-        or torch.compiler.is_compiling()  # before replaces(): Dynamo traces this
-        or not _tanh.replaces(h)
+        or not _tanh.replaces(h)  # False under torch.compile, checked first there
         or _torch_compat.inside_transform()
         or _torch_compat.forward_ad_active()
     ):
