@@ -149,3 +149,27 @@ def test_a_refused_call_changes_no_running_statistics() -> None:
         ens(torch.randn(6, 4))
     for k, v in ens.stacked_buffers().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_tensor_inside_forward_reports_no_grad_under_the_ensemble():
+    """docs/how-to/unsupported.md: inside a member's forward under the ensemble's vmap,
+    an intermediate reports ``requires_grad=False`` (a hook registered only ``if
+    h.requires_grad`` is never registered), while the loop's reports True."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = self.fc(x)
+            seen.append(h.requires_grad)
+            return h
+
+    members = [Probe() for _ in range(2)]
+    members[0](torch.randn(4, 3))
+    assert seen == [True]
+    seen.clear()
+    fe.Ensemble(members)(torch.randn(4, 3))
+    assert seen == [False]

@@ -108,3 +108,34 @@ def test_runs_under_vmap_without_reading_values():
     want = fe.reduce.gaussian_mixture(mean, var)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_gaussian_nll_loss_cannot_be_mapped_so_the_doc_writes_the_loss_out():
+    """docs/how-to/regression-uncertainty.md writes the Gaussian NLL out because
+    ``F.gaussian_nll_loss`` checks its variances with Python control flow, which vmap
+    refuses; the written-out loss maps and gives the library function's value."""
+    torch.manual_seed(0)
+    fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 2) for _ in range(3)])
+    x, y = torch.randn(5, 3), torch.randn(5)
+
+    def library(p, b, x, y):
+        out = fmodel(p, b, x)
+        return torch.nn.functional.gaussian_nll_loss(
+            out[:, 0], y, torch.nn.functional.softplus(out[:, 1])
+        )
+
+    def written_out(p, b, x, y):
+        out = fmodel(p, b, x)
+        var = torch.nn.functional.softplus(out[:, 1])
+        return 0.5 * (var.log() + (out[:, 0] - y) ** 2 / var).mean()
+
+    with pytest.raises(RuntimeError, match="data-dependent control flow"):
+        fe.value_and_grad(library)(params, buffers, x, y)
+    losses, _, _ = fe.value_and_grad(written_out)(params, buffers, x, y)
+    for i in range(3):
+        member = {k: v[i] for k, v in params.items()}
+        out = x @ member["weight"].detach().T + member["bias"].detach()
+        want = torch.nn.functional.gaussian_nll_loss(
+            out[:, 0], y, torch.nn.functional.softplus(out[:, 1])
+        )
+        torch.testing.assert_close(losses[i], want)

@@ -581,3 +581,38 @@ def test_concat_of_two_ensembles_keeps_every_member_in_order():
 def test_bad_concats_raise(trees, error, match):
     with pytest.raises(error, match=match):
         fe.concat(trees)
+
+
+def test_select_and_concat_keep_the_ensembles_own_hooks():
+    """Forward (pre-)hooks and full backward hooks registered on the Ensemble itself
+    come along, as copies: a handle from the old ensemble removes its hook there only."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))  # noqa: E731
+    ens = fe.Ensemble([make() for _ in range(3)])
+    seen = []
+    handles = [
+        ens.register_forward_pre_hook(lambda m, args: seen.append("pre")),
+        ens.register_forward_hook(lambda m, args, out: out * 2),
+        ens.register_forward_hook(lambda m, args, kwargs, out: seen.append("kw"), with_kwargs=True),
+        ens.register_full_backward_hook(lambda m, gi, go: seen.append("backward")),
+    ]
+    x = torch.randn(5, 3, requires_grad=True)  # a full backward hook warns without
+    plain = fe.Ensemble([make() for _ in range(3)])  # no hooks: the forward hook doubles
+    for new, members in ((ens.select([2, 0]), [2, 0]), (ens.concat([make()]), [0, 1, 2])):
+        seen.clear()
+        out = new(x)
+        with torch.no_grad():
+            want = torch.stack([ens.member(i)(x) for i in members]) * 2
+        torch.testing.assert_close(out[: len(members)], want)
+        out.sum().backward()
+        assert seen == ["pre", "kw", "backward"]
+    kept = ens.select([0])
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    kept(x).sum().backward()
+    assert seen == ["pre", "kw", "backward"]  # removed from ens only
+    seen.clear()
+    ens(x).sum().backward()
+    assert seen == []
+    assert plain.select([0])._forward_hooks == {}

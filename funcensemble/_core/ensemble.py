@@ -20,6 +20,34 @@ from .stack import member_list, member_module, stack_as, stack_members
 from .tree_view import register_view
 from .vmap import Randomness, check_options, mapped_call
 
+# The hook tables of nn.Module's __call__ (and the handle-id sets flagging some of their
+# entries), which select and concat carry over. State-dict hooks are not among them:
+# torch binds some of those to the module they were registered on.
+_CALL_HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+def _copy_call_hooks(src: nn.Module, dst: nn.Module) -> None:
+    """Register ``src``'s own forward and backward hooks on ``dst`` too, in order.
+
+    ``dst`` gets copies of the tables: a handle returned for ``src`` removes the hook
+    from ``src`` only.
+    """
+    own = vars(src)
+    for table in _CALL_HOOK_TABLES:
+        hooks = own.get(table)
+        if hooks:
+            getattr(dst, table).update(hooks)
+    if own.get("_backward_hooks"):
+        dst._is_full_backward_hook = src._is_full_backward_hook
+
 
 class Ensemble(nn.Module):
     """N same-architecture modules run as one vectorized module.
@@ -256,9 +284,12 @@ class Ensemble(nn.Module):
         return [self.member(i) for i in range(self.num_members)]
 
     def _with_tensors(self, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> "Ensemble":
-        """A new ensemble of this one's architecture and options holding these tensors."""
+        """A new ensemble of this one's architecture and options holding these tensors,
+        with the forward and backward hooks registered on this ensemble itself."""
         skeleton = meta_skeleton(self.stacked)
-        return self._from_stacked(skeleton, params, buffers, self.randomness, self.chunk_size)
+        new = self._from_stacked(skeleton, params, buffers, self.randomness, self.chunk_size)
+        _copy_call_hooks(self, new)
+        return new
 
     def select(self, indices: Indices) -> "Ensemble":
         """A new ensemble of the members ``indices``, in that order.
@@ -267,7 +298,10 @@ class Ensemble(nn.Module):
         member j with ``idx = list(range(N)); idx[j] = i`` (duplicates give independent
         copies; negative indices count back). The new ensemble holds new tensors on the
         same devices and dtypes, with the same ``randomness``, ``chunk_size``,
-        train/eval flags and hooks; its parameters are fresh leaves with the
+        train/eval flags, the members' hooks and the forward and backward hooks
+        registered on this ensemble itself (copies: a handle from this ensemble's
+        registration removes the hook here only; state-dict hooks on the ensemble
+        itself are not carried over); its parameters are fresh leaves with the
         ``requires_grad`` of this one's (frozen stays frozen). This ensemble is
         unchanged. An optimizer follows with
         [`EnsembleOptimizer.select`][funcensemble.optim.EnsembleOptimizer.select].
@@ -296,8 +330,10 @@ class Ensemble(nn.Module):
         [`stack`][funcensemble.stack] checks members (same classes, names, shapes,
         dtypes, devices, ``requires_grad``, train/eval flags and non-tensor state);
         another ``Ensemble`` of that architecture adds all its members. Their tensors
-        are copied. This ensemble is unchanged. Give the new members optimizer state
-        with [`EnsembleOptimizer.concat`][funcensemble.optim.EnsembleOptimizer.concat].
+        are copied. The new ensemble keeps this one's options, flags and hooks as
+        [`select`][funcensemble.Ensemble.select] does. This ensemble is unchanged.
+        Give the new members optimizer state with
+        [`EnsembleOptimizer.concat`][funcensemble.optim.EnsembleOptimizer.concat].
 
         Raises:
             TypeError: A member that is not an ``nn.Module``, or of another class.
