@@ -379,6 +379,44 @@ def randomness_limits() -> None:
         raise AssertionError("randomness='error' with Dropout compiled")
 
 
+def second_derivatives() -> None:
+    """compile.md: a gradient of a gradient through the compiled MLP ops stops with a
+    RuntimeError naming them; torch.func.hessian stops under fullgraph (Dynamo's
+    Unsupported) and, without fullgraph, runs as eager code does."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double() for _ in range(2)
+    ]
+    fmodel, params, buffers = fe.stack(members)
+    params = {k: v.detach() for k, v in params.items()}
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 1, dtype=torch.float64)
+
+    def total(p):
+        return fe.vmap(lambda q, b: F.mse_loss(fmodel(q, b, x), y))(p, buffers).sum()
+
+    def grad_of_grad(p):
+        return torch.func.grad(lambda q: torch.func.grad(total)(q)["0.weight"].sum())(p)
+
+    def hessian(p):
+        return torch.func.hessian(total)(p)["0.weight"]["0.weight"]
+
+    try:
+        torch.compile(grad_of_grad)(params)
+    except RuntimeError as error:
+        assert "second derivatives through a plain MLP" in str(error), str(error)[-2000:]
+    else:
+        raise AssertionError("a compiled gradient of a gradient through the MLP ops ran")
+    torch._dynamo.reset()
+    try:
+        torch.compile(hessian, fullgraph=True)(params)
+    except Exception as error:
+        assert type(error).__name__ == "Unsupported", type(error)
+    else:
+        raise AssertionError("torch.func.hessian compiled with fullgraph")
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(hessian)(params), hessian(params))
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
@@ -386,6 +424,7 @@ if __name__ == "__main__":
         "in_place": in_place_training_step,
         "pure_refused": pure_step_refused,
         "randomness_limits": randomness_limits,
+        "second_derivatives": second_derivatives,
         "module": module_face_training_step,
         "mlp": mlp_training_step,
         "functional_mlp": functional_mlp_training_step,

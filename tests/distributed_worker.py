@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import funcensemble as fe
 
@@ -264,6 +265,27 @@ def disagree(rank: int, out: Path) -> None:
     same = fe.distributed.subset_min(q, shard, 2, generator=torch.Generator().manual_seed(rank))
     messages["same subset"] = same.shape
     shard.check_agreement(ens, optimizer=fe.optim.adam(1e-2), batch_size=BATCH)  # no error
+    # Data replicas (a (1, 2) mesh): average_gradients sums flat buffers, so trees of
+    # other shapes or structures with the same element count would mix parameters.
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("member", "data"))
+    replica = fe.distributed.MemberShard(NUM_MEMBERS, mesh=mesh)
+    n = replica.size
+    shapes = (n, 2, 3) if rank == 0 else (n, 3, 2)
+    expect_error(
+        "average shapes",
+        lambda: fe.distributed.average_gradients({"w": torch.ones(shapes)}, replica),
+    )
+    a, b = (6, 2) if rank == 0 else (2, 6)
+    expect_error(
+        "average leaves",
+        lambda: fe.distributed.average_gradients(
+            {"a": torch.ones(n, a), "b": torch.ones(n, b)}, replica
+        ),
+    )
+    nested = {"w": torch.ones(n, 4)} if rank == 0 else [torch.ones(n, 4)]
+    expect_error("average structure", lambda: fe.distributed.average_gradients(nested, replica))
+    averaged = fe.distributed.average_gradients({"w": torch.full((n, 2), float(rank))}, replica)
+    messages["averaged"] = averaged["w"].unique().tolist()  # alike trees: no error, the mean
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)
     messages["gathered"] = got.shape

@@ -48,3 +48,10 @@ def test_compiled_randomness_limits_are_as_documented():
     """compile.md: randomness="same" with chunk_size needs a graph break; "error" stops
     with torch's wording (see the script)."""
     run_check("randomness_limits")
+
+
+@pytest.mark.slow
+def test_compiled_second_derivatives_are_as_documented():
+    """compile.md: grad of grad through the MLP ops is refused naming them; hessian stops
+    under fullgraph and otherwise computes what eager code does (see the script)."""
+    run_check("second_derivatives")

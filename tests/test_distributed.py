@@ -986,6 +986,22 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         "dtypes or shapes (rank 0: float32 (4,); rank 1: float64 (4,))"
     )
     assert messages["gathered"] == (worker.NUM_MEMBERS, 2)
+    replicas = "average_gradients: the 2 ranks were not set up alike: they differ in "
+    assert messages["average shapes"].startswith(
+        f"{replicas}leaf `['w']` (rank 0: float32, shape (5, 2, 3); rank 1: float32, "
+        "shape (5, 3, 2))"
+    ), messages["average shapes"]
+    assert messages["average shapes"].endswith(
+        "Every data replica must pass gradients of the same members: the same pytree, leaf "
+        "dtypes and shapes (the data replicas' ranks in the messages count along the mesh's "
+        "data axis)."
+    )
+    assert (
+        "leaf `['a']` (rank 0: float32, shape (5, 6); rank 1: float32, shape (5, 2))"
+        in (messages["average leaves"])
+    )
+    assert messages["average structure"].startswith(f"{replicas}the pytree's structure")
+    assert messages["averaged"] == [0.5]
     assert (
         "the attributes of submodule `1` (rank 0: factor=0; rank 1: factor=1)"
         in (messages["attribute"])

@@ -5,9 +5,10 @@ over its equal part of the batch; the mean of those over the D replicas is the g
 of the mean over the whole batch, what one process computes
 (``DistributedDataParallel``'s semantics). Every tensor is packed into one flat buffer
 per dtype and device, so a step costs one all-reduce (two for mixed dtypes), not one
-per parameter.
+per parameter, after one small exchange that checks the replicas passed alike trees.
 """
 
+import hashlib
 from typing import Any
 
 import torch
@@ -15,8 +16,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _tree
+from ._agreement import agree
 from ._errors import failures
+from ._gather import all_gather_single
 from ._member_shard import MemberShard
+from ._mesh import _device_type
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -38,7 +42,10 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
     averages them, so every replica steps its members with the gradient of the loss on
     the whole batch, as one process does (up to rounding: the sum runs in another
     order). Floating-point tensors are packed into one buffer per dtype and device
-    and all-reduced at once, one collective per step, not one per tensor. Losses or
+    and all-reduced at once, one collective per step, not one per tensor, after one
+    small exchange (an 8-byte digest per replica) that checks every replica passed a
+    tree of the same structure, leaf dtypes and shapes: the flat sum would otherwise
+    mix values of different parameters without a word. Losses or
     any other per-replica means can be averaged the same way. Without a data axis
     (D = 1) the tensors are returned as they are (copies), with no communication.
 
@@ -55,6 +62,8 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
     Raises:
         TypeError: A tensor that is not floating-point (an average of integers is
             not an integer).
+        ValueError: The data replicas passed trees of different structures, leaf
+            dtypes or shapes (raised on every replica, naming what differs).
         DistributedError: The collective failed (another rank crashed or timed out).
 
     Example:
@@ -81,6 +90,7 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
             for i in tensors:
                 out[i] = leaves[i].detach().clone()
             return _tree.unflatten(spec, out)
+        _check_replicas_alike(where, grads, shard)
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i in tensors:
             buckets.setdefault((leaves[i].dtype, leaves[i].device), []).append(i)
@@ -100,3 +110,56 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
             ):
                 out[i] = part.view(leaves[i].shape)
     return _tree.unflatten(spec, out)
+
+
+def _layout(tree: Any) -> dict[str, str]:
+    """The pytree's structure and each leaf's dtype and shape (other leaves by type)."""
+    paths, leaves, spec = _tree.flatten_with_paths(tree)
+    out = {"the pytree's structure": str(spec)}
+    for path, leaf in zip(paths, leaves, strict=True):
+        out[f"leaf `{path or 'the tree itself'}`"] = (
+            f"{str(leaf.dtype).removeprefix('torch.')}, shape {tuple(leaf.shape)}"
+            if isinstance(leaf, Tensor)
+            else type(leaf).__name__
+        )
+    return out
+
+
+def _check_replicas_alike(where: str, grads: Any, shard: MemberShard) -> None:
+    """Refuse, on every data replica, trees that differ in structure, dtypes or shapes.
+
+    The all-reduce sums flat buffers element by element: trees of another structure or
+    leaf shapes with the same number of elements would be averaged without a word,
+    mixing values of different parameters. One 8-byte digest per replica is gathered;
+    only when they differ are the descriptions exchanged, to name what differs.
+    """
+    layout = _layout(grads)
+    digest = hashlib.blake2b(repr(sorted(layout.items())).encode(), digest_size=8).digest()
+    mine = torch.tensor(
+        [int.from_bytes(digest, "little", signed=True)],
+        dtype=torch.int64,
+        device=_device_type(shard.data_group),
+    )
+    digests = mine.new_empty(shard.data_size)
+
+    def exchange() -> list[int]:
+        all_gather_single(digests, mine, group=shard.data_group)
+        return digests.tolist()  # read inside the block: NCCL may fail only here
+
+    with failures(
+        where,
+        f"checking the trees of {shard.data_size} data replicas",
+        shard.data_rank,
+        shard.data_size,
+        group=shard.data_group,
+    ):
+        found = exchange()
+    if all(d == found[0] for d in found):
+        return
+    advice = (
+        "Every data replica must pass gradients of the same members: the same pytree, "
+        "leaf dtypes and shapes (the data replicas' ranks in the messages count along "
+        "the mesh's data axis)."
+    )
+    agree(where, layout, shard.data_rank, shard.data_size, shard.data_group, advice)
+    raise ValueError(f"{where}: the data replicas passed different pytrees. {advice}")

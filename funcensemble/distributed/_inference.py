@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import _tree
-from ._collectives import _check_shard, _collective, broadcast
+from ._collectives import _check_layout, _check_shard, _collective, broadcast
 from ._collectives import max as max_
 from ._collectives import mean as mean_
 from ._collectives import min as min_
@@ -106,6 +106,15 @@ def _gather_batch(where: str, name: str, part: Tensor, shard: MemberShard, rows:
             "first so that the replicas' parts can be joined."
         )
     part = part.contiguous()
+    _check_layout(
+        where,
+        shard.data_rank,
+        shard.data_size,
+        shard.data_group,
+        part,
+        tuple(part.shape),
+        f"reduction {name!r} results",
+    )
     out = part.new_empty((shard.data_size * rows, *part.shape[1:]))
     _collective(
         where,
