@@ -1007,3 +1007,29 @@ def test_loaded_tensors_do_not_change_when_the_file_is_rewritten_in_place(tmp_pa
         f.truncate(0)
         f.write(b"\xff" * 40_000)
     assert torch.equal(loaded["w"], saved["w"])
+
+
+def test_a_file_holds_tensors_only_and_loads_where_only_module_settings_differ(tmp_path):
+    """checkpoints.md: the file holds no activation or slope, so it loads into a model
+    that differs only there (as load_state_dict does), with the saved values."""
+    torch.manual_seed(0)
+    for saved, other in ((nn.Tanh(), nn.ReLU()), (nn.LeakyReLU(0.1), nn.LeakyReLU(0.2))):
+        source = fe.Ensemble([nn.Sequential(nn.Linear(4, 2), saved) for _ in range(3)])
+        target = fe.Ensemble([nn.Sequential(nn.Linear(4, 2), other) for _ in range(3)])
+        fe.save(tmp_path / "a.safetensors", source)
+        assert fe.load(tmp_path / "a.safetensors", target) is target
+        assert_trees_equal(dict(target.state_dict()), dict(source.state_dict()))
+        assert type(target.stacked[1]) is type(other)  # its own module kept
+
+
+def test_saving_an_optimizer_writes_the_file_of_its_state_dict(tmp_path):
+    """checkpoints.md: fe.save(path, opt) is the same file as fe.save(path, opt.state_dict())."""
+    ens = fe.Ensemble.from_factory(lambda: nn.Linear(4, 2), 4, seed=0)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    ens(torch.randn(5, 4)).pow(2).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.safetensors", opt)
+    fe.save(tmp_path / "dict.safetensors", opt.state_dict())
+    assert (tmp_path / "opt.safetensors").read_bytes() == (
+        tmp_path / "dict.safetensors"
+    ).read_bytes()
