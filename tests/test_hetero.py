@@ -259,6 +259,36 @@ def test_clip_by_global_norm_clips_each_member_alone():
         assert_trees_close(hens.member(i).state_dict(), m.state_dict(), rtol=1e-5, atol=1e-6)
 
 
+def test_per_member_work_across_groups_of_one_size_is_refused():
+    """Given the flat dict instead of the HeteroEnsemble, a clip (one norm per member)
+    or a per-member value would pair member k of one group with member k of another:
+    with groups of one size no leading size differs, so it is refused by name, before
+    anything is written."""
+    torch.manual_seed(0)
+    hens = fe.HeteroEnsemble([mlp(3), mlp(7), mlp(3), mlp(7)])
+    assert hens.group_members == ((0, 2), (1, 3))
+    params = hens.stacked_params()
+    clip = fe.optim.chain(fe.optim.clip_by_global_norm(1.0), fe.optim.sgd(lr=0.1))
+    message = r"params\['groups\.0\.stacked\..*'\] and params\['groups\.1\.stacked\..*different"
+    with pytest.raises(ValueError, match="clip_by_global_norm: .*different groups.*hens.optimizer"):
+        fe.optim.EnsembleOptimizer(params, clip)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(ValueError, match=message):
+        fe.optim.clip_by_global_norm(1.0).update(grads, fe.optim.EmptyState())
+    lr = torch.tensor([0.1, 0.2])  # as long as each group: passes the size check
+    with pytest.raises(ValueError, match=r"one per-member lr would combine unrelated members"):
+        fe.optim.sgd(lr=lr).init(params)
+    before = copy.deepcopy(hens.state_dict())
+    tau = torch.tensor([0.5, 0.5])
+    with pytest.raises(ValueError, match=r"polyak_update_: .*different groups.*hens\.groups\[g\]"):
+        fe.optim.polyak_update_(hens, fe.HeteroEnsemble([mlp(3), mlp(7), mlp(3), mlp(7)]), tau)
+    assert_trees_close(hens.state_dict(), before, rtol=0, atol=0)
+    # Each group on its own is one member axis: accepted.
+    group = {k: v for k, v in params.items() if k.startswith("groups.0.")}
+    fe.optim.EnsembleOptimizer(group, clip)
+    fe.optim.sgd(lr=lr).init(group)
+
+
 def test_schedule_values_are_routed():
     """A schedule returning [N] per-member values, against SGD with LambdaLR per member."""
     modules = members(torch.float64)

@@ -10,6 +10,7 @@ from ._protocol import (
     EmptyState,
     GradientTransformation,
     PyTree,
+    check_one_member_axis,
     check_tensors,
     flatten,
     leaf_name,
@@ -80,13 +81,16 @@ def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
 
     def init(params: PyTree) -> EmptyState:
         leaves, spec = flatten(params)
-        check_members(limit, where, spec, leaves, trainable(leaves))
+        active = trainable(leaves)
+        check_one_member_axis(where, "each member's norm", spec, active)
+        check_members(limit, where, spec, leaves, active)
         return EmptyState()
 
     def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         leaves, spec = flatten(updates)
         check_tensors(where, "the update", spec, leaves)
         active = trainable(leaves)
+        check_one_member_axis(where, "each member's norm", spec, active)
         check_members(limit, where, spec, leaves, active)
         out: list[Any] = [None] * len(leaves)
         if not active:

@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ._protocol import leaf_name
+from ._protocol import check_one_member_axis, leaf_name
 
 Number = float | int
 # One value per member; a 0-dim tensor is accepted too, as one value shared by all.
@@ -70,6 +70,18 @@ def check_members(
                 f"per-member {h.name} needs one value per member: a 1-D tensor as long as "
                 f"the leading axis of every parameter.{hetero}"
             )
+    # Groups of one size pass the check above, yet value k would reach member k of
+    # every group: different members.
+    check_one_member_axis(
+        where,
+        f"one per-member {h.name}",
+        spec,
+        indices,
+        f"Pass each group its members' values, e.g. {h.name}[list(hens.group_members[g])] "
+        "with hens.groups[g] (or build the optimizer with hens.optimizer, which routes [N] "
+        "values).",
+        root,
+    )
 
 
 def one_minus(h: Hyper) -> Hyper:

@@ -5,6 +5,7 @@ with ``none_is_leaf=True`` so a ``None`` (an unused parameter's gradient, a skip
 leaf's state) keeps its slot and nothing downstream misaligns.
 """
 
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -254,6 +255,46 @@ def state_leaves(
 def leaf_name(spec: optree.PyTreeSpec, index: int, root: str = "params") -> str:
     """A readable name for leaf ``index``, e.g. ``params['net.0.weight']``."""
     return optree.treespec_accessors(spec)[index].codify(root)
+
+
+# A HeteroEnsemble's stacked names: `groups.<g>.stacked.<name>`, one member axis per group.
+_HETERO_GROUP = re.compile(r"groups\.(\d+)\.stacked\.")
+
+
+_ONE_GROUP_AT_A_TIME = (
+    "Build the optimizer with hens.optimizer(...) or EnsembleOptimizer(hens, ...), which "
+    "run it on each group's own members."
+)
+
+
+def check_one_member_axis(
+    where: str,
+    what: str,
+    spec: optree.PyTreeSpec,
+    indices: list[int],
+    advice: str = _ONE_GROUP_AT_A_TIME,
+    root: str = "params",
+) -> None:
+    """Refuse leaves of several HeteroEnsemble groups where ``what`` pairs their members.
+
+    Each group's leaves stack that group's own members: index k of group 0 and index k
+    of group 1 are different members, so a per-member computation across the groups
+    (one norm, one per-member value) would combine unrelated members, silently where
+    the groups have the same size. Run once per call, from the leaves' paths.
+    """
+    seen: dict[str, int] = {}
+    for i in indices:
+        found = _HETERO_GROUP.search(leaf_name(spec, i))
+        if found is not None:
+            seen.setdefault(found.group(1), i)
+            if len(seen) > 1:
+                first, other = (leaf_name(spec, k, root) for k in seen.values())
+                raise ValueError(
+                    f"{where}: {first} and {other} belong to different groups of a "
+                    "HeteroEnsemble, whose member axes hold different members, so "
+                    f"{what} would combine unrelated members (expected the leaves of one "
+                    f"member axis). {advice}"
+                )
 
 
 def check_tensors(where: str, what: str, spec: optree.PyTreeSpec, xs: list[Any]) -> None:
