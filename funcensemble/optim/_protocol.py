@@ -5,6 +5,7 @@ with ``none_is_leaf=True`` so a ``None`` (an unused parameter's gradient, a skip
 leaf's state) keeps its slot and nothing downstream misaligns.
 """
 
+import functools
 import re
 import weakref
 from collections.abc import Callable
@@ -267,6 +268,16 @@ _ONE_GROUP_AT_A_TIME = (
 )
 
 
+@functools.lru_cache(maxsize=64)
+def _hetero_groups(spec: optree.PyTreeSpec) -> tuple[str | None, ...] | None:
+    """Each leaf's HeteroEnsemble group (by its path), or None when no leaf has one."""
+    found = tuple(
+        None if (m := _HETERO_GROUP.search(a.codify())) is None else m.group(1)
+        for a in optree.treespec_accessors(spec)
+    )
+    return found if any(g is not None for g in found) else None
+
+
 def check_one_member_axis(
     where: str,
     what: str,
@@ -282,11 +293,14 @@ def check_one_member_axis(
     (one norm, one per-member value) would combine unrelated members, silently where
     the groups have the same size. Run once per call, from the leaves' paths.
     """
+    groups = _hetero_groups(spec)
+    if groups is None:
+        return
     seen: dict[str, int] = {}
     for i in indices:
-        found = _HETERO_GROUP.search(leaf_name(spec, i))
+        found = groups[i]
         if found is not None:
-            seen.setdefault(found.group(1), i)
+            seen.setdefault(found, i)
             if len(seen) > 1:
                 first, other = (leaf_name(spec, k, root) for k in seen.values())
                 raise ValueError(
