@@ -10,6 +10,7 @@ import torch.distributed as dist
 from test_distributed import fake_shard
 
 import funcensemble as fe
+from funcensemble.distributed import _data_parallel
 from funcensemble.distributed._backend_errors import backend_hint
 
 WATCHDOG = (
@@ -69,14 +70,33 @@ def test_a_failed_nccl_exchange_of_layouts_is_a_distributed_error(monkeypatch):
     _check(info.value, "max", "[Rank 0] Watchdog caught collective operation timeout")
 
 
+def _replicas_agree(out, mine, group=None):
+    """The replicas' tree digests, as a replica that agrees with this one sends them."""
+    out.copy_(mine.expand(out.numel()))
+
+
 def test_a_failed_nccl_gradient_average_is_a_distributed_error(monkeypatch):
     shard = fe.distributed.MemberShard(3)
     shard.data_rank, shard.data_size = 0, 2  # replica 0 of 2
+    monkeypatch.setattr(_data_parallel, "all_gather_single", _replicas_agree)
     monkeypatch.setattr(dist, "all_reduce", _raise(ABORTED))
     with pytest.raises(fe.distributed.DistributedError) as info:
         fe.distributed.average_gradients({"w": torch.ones(3, 2)}, shard)
     assert re.match(r"average_gradients: rank 0 of 2 failed while averaging", str(info.value))
     assert "TORCH_NCCL_BLOCKING_WAIT=1" in str(info.value)
+    assert isinstance(info.value.__cause__, dist.DistBackendError)
+
+
+def test_a_failed_nccl_check_of_the_replicas_trees_is_a_distributed_error(monkeypatch):
+    shard = fe.distributed.MemberShard(3)
+    shard.data_rank, shard.data_size = 0, 2
+    monkeypatch.setattr(_data_parallel, "all_gather_single", _raise(ABORTED))
+    with pytest.raises(fe.distributed.DistributedError) as info:
+        fe.distributed.average_gradients({"w": torch.ones(3, 2)}, shard)
+    assert re.match(
+        r"average_gradients: rank 0 of 2 failed while checking the trees of 2 data replicas",
+        str(info.value),
+    )
     assert isinstance(info.value.__cause__, dist.DistBackendError)
 
 

@@ -20,7 +20,6 @@ from ._agreement import agree
 from ._errors import failures
 from ._gather import all_gather_single
 from ._member_shard import MemberShard
-from ._mesh import _device_type
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -125,6 +124,11 @@ def _layout(tree: Any) -> dict[str, str]:
     return out
 
 
+def _nccl(group: Any) -> bool:
+    """Whether the group's collectives need CUDA tensors (NCCL)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
+
+
 def _check_replicas_alike(where: str, grads: Any, shard: MemberShard) -> None:
     """Refuse, on every data replica, trees that differ in structure, dtypes or shapes.
 
@@ -138,7 +142,7 @@ def _check_replicas_alike(where: str, grads: Any, shard: MemberShard) -> None:
     mine = torch.tensor(
         [int.from_bytes(digest, "little", signed=True)],
         dtype=torch.int64,
-        device=_device_type(shard.data_group),
+        device="cuda" if _nccl(shard.data_group) else "cpu",
     )
     digests = mine.new_empty(shard.data_size)
 
