@@ -994,6 +994,58 @@ def test_a_tensor_shared_between_members_is_refused(build) -> None:
         build([nn.BatchNorm1d(3), buffer_owner, buffer_owner])
 
 
+class _Overlapping(nn.Module):
+    """Two parameters viewing one tensor: the loop's updates to one change the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(8)
+        self.a = nn.Parameter(base[:6])
+        self.b = nn.Parameter(base[2:8])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.a.sum() + self.b
+
+
+class _RowBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("row0", self.linear.weight.data[0])  # a view of the weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) + self.row0
+
+
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble, fe.HeteroEnsemble])
+def test_tensors_sharing_memory_are_refused(build) -> None:
+    """Views of one tensor train as one memory in the loop; an ensemble would copy each
+    apart (31.2 off the loop after 3 SGD steps), so they are refused, by name."""
+    with pytest.raises(
+        ValueError, match=r"member 0's parameter `b` shares memory with its parameter `a`"
+    ):
+        build([_Overlapping() for _ in range(2)])
+    with pytest.raises(
+        ValueError,
+        match=r"member 0's buffer `row0` shares memory with its parameter `linear\.weight`",
+    ):
+        build([_RowBuffer() for _ in range(2)])
+    base = torch.randn(2, 3)  # members whose weights view one tensor (disjoint rows)
+    members = [nn.Linear(3, 1) for _ in range(2)]
+    members[0].weight, members[1].weight = nn.Parameter(base[:1]), nn.Parameter(base[1:])
+    build(members)  # no memory in common: accepted
+    overlap = torch.randn(3, 3)
+    members[0].weight, members[1].weight = nn.Parameter(overlap[:1]), nn.Parameter(overlap[:1])
+    with pytest.raises(
+        ValueError,
+        match=r"member 1's parameter `weight` shares memory with member 0's parameter `weight`",
+    ):
+        build(members)
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    tied[1].weight = tied[0].weight  # one tensor under two names: the tie is kept
+    build([copy.deepcopy(tied) for _ in range(2)])
+
+
 def test_a_factory_returning_one_module_is_refused() -> None:
     one = lin()
     with pytest.raises(ValueError, match=r"member 1's parameter `weight` is the same tensor"):

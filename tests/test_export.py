@@ -219,3 +219,59 @@ def test_extra_state_round_trips_and_must_agree_between_members() -> None:
         fe.import_state_dicts(ens, [m.state_dict() for m in trained])
     assert_trees_equal(ens.stacked_params(), before)
     assert ens.stacked.temperature == 2.0
+
+
+class _HalvedWeight(nn.Module):
+    """Saves its weight halved and doubles it back on load (a legacy file format)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self._register_state_dict_hook(_HalvedWeight._save)
+        self._register_load_state_dict_pre_hook(_HalvedWeight._load)
+
+    @staticmethod
+    def _save(module, state_dict, prefix, metadata):
+        state_dict[prefix + "linear.weight"] = state_dict[prefix + "linear.weight"] / 2
+
+    @staticmethod
+    def _load(state_dict, prefix, *args):
+        state_dict[prefix + "linear.weight"] = state_dict[prefix + "linear.weight"] * 2
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+class _SavedInHalfPrecision(nn.Linear):
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = destination[prefix + "weight"].half()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_import_runs_the_members_state_dict_hooks_as_load_state_dict(dtype):
+    """A hook or override that changes what the file holds: each dict is loaded as the
+    member's own load_state_dict loads it (the hooks wrote into temporaries before, and
+    nothing was loaded: 0.81 off)."""
+    torch.manual_seed(0)
+    trained = [_HalvedWeight().to(dtype) for _ in range(3)]
+    ens = fe.Ensemble.from_factory(_HalvedWeight, 3, seed=1).to(dtype)
+    assert fe.import_state_dicts(ens, [m.state_dict() for m in trained]) is ens
+    for i, m in enumerate(trained):
+        assert_trees_equal(dict(ens.member(i).named_parameters()), dict(m.named_parameters()))
+    x = torch.randn(5, 4, dtype=dtype)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in trained]))
+    # An override saving in half precision: loaded (and rounded) as load_state_dict does.
+    halves = [_SavedInHalfPrecision(4, 3).to(dtype) for _ in range(2)]
+    ens = fe.Ensemble([_SavedInHalfPrecision(4, 3).to(dtype) for _ in range(2)])
+    fe.import_state_dicts(ens, [m.state_dict() for m in halves])
+    for i, m in enumerate(halves):
+        want = _SavedInHalfPrecision(4, 3).to(dtype)
+        want.load_state_dict(m.state_dict())
+        assert_trees_equal(dict(ens.member(i).named_parameters()), dict(want.named_parameters()))
+    # A dict that does not load is refused before any member is written.
+    before = {k: v.clone() for k, v in ens.stacked_params().items()}
+    bad = [halves[0].state_dict(), {"weight": torch.zeros(3, 4)}]
+    with pytest.raises(ValueError, match=r"member 1's state_dict does not load .*bias"):
+        fe.import_state_dicts(ens, bad)
+    assert_trees_equal(ens.stacked_params(), before)

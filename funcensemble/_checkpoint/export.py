@@ -4,7 +4,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
@@ -82,7 +82,11 @@ def import_state_dicts(
     architecture's own ``state_dict`` (tied weights under each of their names, with
     equal values), the same per-member shapes and the same dtypes. Tensors may be on
     any device. A module's non-tensor extra state (``get_extra_state``) is not stacked:
-    it must be the same in every dict, and is set once with ``set_extra_state``.
+    it must be the same in every dict, and is set once with ``set_extra_state``. Where
+    the architecture's modules have state-dict hooks, or classes of your own override
+    how they save or load, each dict is instead loaded into a copy of its member with
+    ``load_state_dict`` (the hooks run as in the loop; keys and shapes checked, dtypes
+    cast as it casts them), and the copies are written in once all have loaded.
 
     Args:
         ensemble: The ensemble to overwrite: an [`Ensemble`][funcensemble.Ensemble], or a
@@ -136,11 +140,43 @@ def import_state_dicts(
     return ensemble
 
 
+# The tables of hooks that change what a state_dict holds or how it loads.
+_STATE_DICT_HOOKS = (
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_STATE_DICT_METHODS = (
+    "state_dict",
+    "load_state_dict",
+    "_save_to_state_dict",
+    "_load_from_state_dict",
+)
+
+
+def _custom_state_dicts(module: nn.Module) -> bool:
+    """Whether a submodule's state_dict is not simply its tensors by name: state-dict
+    hooks, or a class outside torch overriding how it saves or loads."""
+    for sub in module.modules():
+        own = vars(sub)
+        if any(own.get(table) for table in _STATE_DICT_HOOKS):
+            return True
+        cls = type(sub)
+        if not cls.__module__.startswith("torch.") and any(
+            getattr(cls, name) is not getattr(nn.Module, name) for name in _STATE_DICT_METHODS
+        ):
+            return True
+    return False
+
+
 def _checked(
     where: str, ensemble: Ensemble, state_dicts: list[Any], members: list[int]
 ) -> Callable[[], None]:
     """Check ``state_dicts`` (of the ensemble's members ``members``, named so in errors)
     against ``ensemble``; return the function that copies them in."""
+    if _custom_state_dicts(ensemble.stacked):
+        return _checked_by_loading(where, ensemble, state_dicts, members)
     # The architecture's state_dict names, each mapped to its live stacked tensor, and
     # the names of its modules' non-tensor extra states (get_extra_state).
     own = ensemble.stacked.state_dict(keep_vars=True)
@@ -165,6 +201,55 @@ def _checked(
 
 
 _EXTRA_STATE = "_extra_state"
+
+
+def _checked_by_loading(
+    where: str, ensemble: Ensemble, state_dicts: list[Any], members: list[int]
+) -> Callable[[], None]:
+    """``_checked`` for architectures whose state_dicts hooks or overrides transform:
+    each dict is loaded into an independent copy of its member with
+    ``load_state_dict`` (its hooks run as the loop runs them; strict, so keys and
+    shapes are checked), and only once every member has loaded are the copies'
+    tensors written into the ensemble."""
+    copies = []
+    for k, (i, state_dict) in enumerate(zip(members, state_dicts, strict=True)):
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, not a mapping "
+                f"(expected a mapping from names to tensors, got "
+                f"{type(state_dict).__name__}). Pass each member's module.state_dict()."
+            )
+        member = ensemble.member(k)
+        try:
+            member.load_state_dict(state_dict)
+        except (RuntimeError, KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"{where}: member {i}'s state_dict does not load into the ensemble's "
+                f"architecture (its modules' state-dict hooks run as in load_state_dict): "
+                f"{' '.join(str(error).split())}"
+            ) from error
+        copies.append(member)
+    own = ensemble.stacked.state_dict(keep_vars=True)
+    extras = [k for k, v in own.items() if not isinstance(v, Tensor)]
+    loaded_extras = [
+        {key: m.get_submodule(_extra_path(key)).get_extra_state() for key in extras} for m in copies
+    ]
+    _check_extra_states(where, loaded_extras, extras, members)
+    stacked = {**ensemble.stacked_params(), **ensemble.stacked_buffers()}
+
+    def write() -> None:
+        for key in extras:
+            ensemble.stacked.get_submodule(_extra_path(key)).set_extra_state(loaded_extras[0][key])
+        for k, member in enumerate(copies):
+            put_member(
+                stacked, k, {**dict(member.named_parameters()), **dict(member.named_buffers())}
+            )
+
+    return write
+
+
+def _extra_path(key: str) -> str:
+    return key.removesuffix(_EXTRA_STATE).removesuffix(".")
 
 
 def _check_extra_states(

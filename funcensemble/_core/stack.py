@@ -120,7 +120,7 @@ def stack_members(
     first = check_is_module(where, 0, next(members))
     ref = Architecture.of(first)
     # Tensor ids are unique among live tensors only: record those that stay alive.
-    owners: Owners = {}
+    owners = Owners()
     check_unshared(where, 0, first, owners, add=True)
 
     def empty(specs: Mapping[str, Any]) -> dict[str, Tensor]:

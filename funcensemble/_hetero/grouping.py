@@ -30,7 +30,7 @@ def group_by_architecture(where: str, modules: Sequence[nn.Module]) -> list[list
     """The members' indices, grouped by architecture, groups in order of first appearance."""
     refs: list[Architecture] = []
     groups: list[list[int]] = []
-    owners: Owners = {}  # every member's tensors: the modules are all alive in `modules`
+    owners = Owners()  # every member's tensors: the modules are all alive in `modules`
     for i, module in enumerate(modules):
         check_is_module(where, i, module)
         check_unshared(where, i, module, owners, add=True)

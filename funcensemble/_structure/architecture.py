@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -97,7 +98,31 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
     return module
 
 
-Owners = dict[int, tuple[int, str, str]]  # id of a tensor -> (member, "parameter", name)
+class Owners:
+    """The tensors of the members checked so far: by id, and by the memory they span."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, tuple[int, str, str]] = {}  # id -> (member, "parameter", name)
+        # (storage address, first byte, byte past the last) -> (member, noun, name, id)
+        self.spans: list[tuple[tuple[int, int, int], tuple[int, str, str, int]]] = []
+
+
+def _span(t: Tensor) -> tuple[int, int, int] | None:
+    """The bytes of its storage that ``t`` can reach, or None where it has none."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    size = t.element_size()
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    low = t.storage_offset() * size
+    return t.untyped_storage().data_ptr(), low, low + extent * size
+
+
+def _overlapping(span: tuple[int, int, int], spans: list[tuple[tuple[int, int, int], Any]]) -> Any:
+    address, low, high = span
+    for (other_address, other_low, other_high), owner in spans:
+        if other_address == address and low < other_high and other_low < high:
+            return owner
+    return None
 
 
 def check_unshared(where: str, index: int, module: nn.Module, owners: Owners, *, add: bool) -> None:
@@ -108,12 +133,13 @@ def check_unshared(where: str, index: int, module: nn.Module, owners: Owners, *,
     apart. ``add``: record this member's tensors in ``owners`` for later members (only
     while the tensors stay alive: an id is unique among live objects only).
     """
+    own: list[tuple[tuple[int, int, int], tuple[int, str, str, int]]] = []
     for noun, named in (
         ("parameter", module.named_parameters()),
         ("buffer", module.named_buffers()),
     ):
         for name, t in named:
-            owner = owners.get(id(t))
+            owner = owners.ids.get(id(t))
             if owner is not None and owner[0] != index:
                 other, other_noun, other_name = owner
                 raise ValueError(
@@ -124,8 +150,24 @@ def check_unshared(where: str, index: int, module: nn.Module, owners: Owners, *,
                     "copy.deepcopy(module) for each member), or keep the shared part out of "
                     "the ensemble and give its output as the input."
                 )
+            span = _span(t)
+            if span is not None and (owner is None or owner[0] != index):
+                other = _overlapping(span, own) or _overlapping(span, owners.spans)
+                if other is not None and other[3] != id(t):
+                    whose = "its" if other[0] == index else f"member {other[0]}'s"
+                    raise ValueError(
+                        f"{where}: member {index}'s {noun} `{name}` shares memory with "
+                        f"{whose} {other[1]} `{other[2]}` (views of one tensor). An ensemble "
+                        "holds a separate copy of each, so they would train apart, while "
+                        "the loop writes the one memory they share. Give each its own "
+                        "tensor (e.g. nn.Parameter(t.clone())), or use one tensor under "
+                        "both names."
+                    )
+                own.append((span, (index, noun, name, id(t))))
             if add:
-                owners[id(t)] = (index, noun, name)
+                owners.ids[id(t)] = (index, noun, name)
+    if add:
+        owners.spans.extend(own)
 
 
 def _check_tensors(

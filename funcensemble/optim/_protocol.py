@@ -293,6 +293,8 @@ def check_one_member_axis(
     (one norm, one per-member value) would combine unrelated members, silently where
     the groups have the same size. Run once per call, from the leaves' paths.
     """
+    if torch.compiler.is_compiling():
+        return  # checked eagerly by init, which runs before any compiled step
     groups = _hetero_groups(spec)
     if groups is None:
         return
