@@ -50,7 +50,9 @@ class ShardedEnsemble:
     [`Ensemble`][funcensemble.Ensemble], bit for bit in the test suite on the CPU,
     except that a member alone on its device may run other kernels and differ by
     rounding (a float32 convolution: a few ulps; see "Does the split change the
-    numbers?" in the scale-out guide). Several shards may share a device (e.g.
+    numbers?" in the scale-out guide), and that a gradient which is pure rounding noise
+    (a Linear's bias right before a BatchNorm, whose true gradient is zero) may differ
+    by that noise, which Adam then scales up. Several shards may share a device (e.g.
     ``["cpu", "cpu"]``).
 
     Args:
