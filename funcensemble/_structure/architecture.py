@@ -103,8 +103,11 @@ class Owners:
 
     def __init__(self) -> None:
         self.ids: dict[int, tuple[int, str, str]] = {}  # id -> (member, "parameter", name)
-        # (storage address, first byte, byte past the last) -> (member, noun, name, id)
-        self.spans: list[tuple[tuple[int, int, int], tuple[int, str, str, int]]] = []
+        # storage address -> [((first byte, byte past the last), (member, noun, name, id))]
+        self.spans: Spans = {}
+
+
+Spans = dict[int, list[tuple[tuple[int, int], tuple[int, str, str, int]]]]
 
 
 def _span(t: Tensor) -> tuple[int, int, int] | None:
@@ -117,10 +120,12 @@ def _span(t: Tensor) -> tuple[int, int, int] | None:
     return t.untyped_storage().data_ptr(), low, low + extent * size
 
 
-def _overlapping(span: tuple[int, int, int], spans: list[tuple[tuple[int, int, int], Any]]) -> Any:
+def _overlapping(span: tuple[int, int, int], spans: Spans) -> Any:
+    """The owner of a recorded span of the same storage that ``span`` overlaps, if any
+    (looked up by storage address: members' tensors rarely share one)."""
     address, low, high = span
-    for (other_address, other_low, other_high), owner in spans:
-        if other_address == address and low < other_high and other_low < high:
+    for (other_low, other_high), owner in spans.get(address, ()):
+        if low < other_high and other_low < high:
             return owner
     return None
 
@@ -133,7 +138,7 @@ def check_unshared(where: str, index: int, module: nn.Module, owners: Owners, *,
     apart. ``add``: record this member's tensors in ``owners`` for later members (only
     while the tensors stay alive: an id is unique among live objects only).
     """
-    own: list[tuple[tuple[int, int, int], tuple[int, str, str, int]]] = []
+    own: Spans = {}
     for noun, named in (
         ("parameter", module.named_parameters()),
         ("buffer", module.named_buffers()),
@@ -163,11 +168,12 @@ def check_unshared(where: str, index: int, module: nn.Module, owners: Owners, *,
                         "tensor (e.g. nn.Parameter(t.clone())), or use one tensor under "
                         "both names."
                     )
-                own.append((span, (index, noun, name, id(t))))
+                own.setdefault(span[0], []).append((span[1:], (index, noun, name, id(t))))
             if add:
                 owners.ids[id(t)] = (index, noun, name)
     if add:
-        owners.spans.extend(own)
+        for address, entries in own.items():
+            owners.spans.setdefault(address, []).extend(entries)
 
 
 def _check_tensors(
