@@ -112,12 +112,16 @@ Spans = dict[int, list[tuple[tuple[int, int], tuple[int, str, str, int]]]]
 
 def _span(t: Tensor) -> tuple[int, int, int] | None:
     """The bytes of its storage that ``t`` can reach, or None where it has none."""
-    if t.device.type == "meta" or t.numel() == 0:
+    if t.device.type == "meta" or t.numel() == 0 or t.layout != torch.strided:
+        return None
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without plain storage
         return None
     size = t.element_size()
     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
     low = t.storage_offset() * size
-    return t.untyped_storage().data_ptr(), low, low + extent * size
+    return address, low, low + extent * size
 
 
 def _overlapping(span: tuple[int, int, int], spans: Spans) -> Any:
