@@ -213,12 +213,7 @@ def _checked_by_loading(
     tensors written into the ensemble."""
     copies = []
     for k, (i, state_dict) in enumerate(zip(members, state_dicts, strict=True)):
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, not a mapping "
-                f"(expected a mapping from names to tensors, got "
-                f"{type(state_dict).__name__}). Pass each member's module.state_dict()."
-            )
+        _check_is_mapping(where, i, state_dict)
         member = ensemble.member(k)
         try:
             member.load_state_dict(state_dict)
@@ -268,6 +263,15 @@ def _check_extra_states(
                 )
 
 
+def _check_is_mapping(where: str, i: int, state_dict: Any) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, not a mapping "
+            f"(expected a mapping from names to tensors, got {type(state_dict).__name__}). "
+            "Pass each member's module.state_dict()."
+        )
+
+
 def _check_member(
     where: str,
     i: int,
@@ -276,12 +280,7 @@ def _check_member(
     extras: list[str],
     tied_groups: list[list[str]],
 ) -> None:
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"{where}: state_dicts[{i}] is a {type(state_dict).__name__}, not a mapping "
-            f"(expected a mapping from names to tensors, got {type(state_dict).__name__}). "
-            "Pass each member's module.state_dict()."
-        )
+    _check_is_mapping(where, i, state_dict)
     expected = targets.keys() | set(extras)
     difference = key_difference(expected - state_dict.keys(), state_dict.keys() - expected)
     if difference:
