@@ -58,10 +58,8 @@ def check_members(
             got = f"leading size {size}" if size is not None else "no member axis (0-dim)"
             name = leaf_name(spec, i, root)
             hetero = (
-                " A HeteroEnsemble's groups each have their own member axis: pass each "
-                f"group its members' values, e.g. {h.name}[list(hens.group_members[g])] "
-                "with hens.groups[g] (or build the optimizer with hens.optimizer, which "
-                "routes [N] values)."
+                " A HeteroEnsemble's groups each have their own member axis: "
+                + _group_values_advice(h.name)
                 if ".stacked." in name and "groups." in name
                 else ""
             )
@@ -77,10 +75,16 @@ def check_members(
         f"one per-member {h.name}",
         spec,
         indices,
-        f"Pass each group its members' values, e.g. {h.name}[list(hens.group_members[g])] "
-        "with hens.groups[g] (or build the optimizer with hens.optimizer, which routes [N] "
-        "values).",
+        "P" + _group_values_advice(h.name)[1:],
         root,
+    )
+
+
+def _group_values_advice(name: str) -> str:
+    return (
+        f"pass each group its members' values, e.g. {name}[list(hens.group_members[g])] "
+        "with hens.groups[g] (or build the optimizer with hens.optimizer, which routes [N] "
+        "values)."
     )
 
 
