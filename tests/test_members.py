@@ -616,3 +616,11 @@ def test_select_and_concat_keep_the_ensembles_own_hooks():
     ens(x).sum().backward()
     assert seen == []
     assert plain.select([0])._forward_hooks == {}
+
+
+def test_select_does_not_carry_state_dict_hooks_on_the_ensemble_itself():
+    """surgery.md: state-dict hooks registered on the Ensemble itself stay behind."""
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(2)])
+    ens.register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+    assert ens._state_dict_pre_hooks
+    assert not ens.select([1, 0])._state_dict_pre_hooks
