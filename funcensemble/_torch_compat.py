@@ -92,6 +92,7 @@ import torch
 from torch import Tensor
 from torch._functorch import pyfunctorch as _pyfunctorch
 from torch.nn.modules import module as module_mod
+from torch.nn.utils import parametrize as _parametrize
 from torch.utils import _pytree as _torch_pytree
 
 
@@ -548,3 +549,33 @@ def dcp_save_planner_to_lowest_rank() -> Any:
     if "dedup_save_to_lowest_rank" in inspect.signature(DefaultSavePlanner).parameters:
         return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     return None
+
+
+# ---- torch.nn.utils.parametrize.cached() ---------------------------------------------------
+
+
+class _OwnParametrizeCache:
+    """A fresh ``parametrize`` cache for one call, the caller's put back after it."""
+
+    __slots__ = ("saved",)
+
+    def __enter__(self) -> None:
+        self.saved = _parametrize._cache
+        _parametrize._cache = {}
+
+    def __exit__(self, *exc: object) -> None:
+        _parametrize._cache = self.saved
+
+
+def own_parametrize_cache() -> contextlib.AbstractContextManager:
+    """Inside ``parametrize.cached()``, a cache of the call's own.
+
+    torch caches a parametrized tensor under ``(id(module), name)``: the skeleton's
+    entry would hold one member's (or one chunk's, batched) tensor and be read back for
+    the next member, chunk or ensemble built from the same members. With a cache of
+    its own, a call still computes each parametrization once, and nothing it cached
+    outlives it. Outside ``cached()`` (and under ``torch.compile``) nothing changes.
+    """
+    if not getattr(_parametrize, "_cache_enabled", 0) or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _OwnParametrizeCache()

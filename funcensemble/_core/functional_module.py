@@ -89,7 +89,13 @@ class FunctionalModule:
             # Under vmap, BatchNorm of all members runs as one call, and a few calls that
             # vmap cannot batch, or batches wrongly, run as the loop's math (see _rewrites).
             # A submodule under two names: put back what functional_call leaks (see _aliases).
-            with vmap_rewrites(self.skeleton), _aliases.kept(self.skeleton):
+            # Inside parametrize.cached(), the skeleton's parametrized tensors are cached
+            # for this call only: they are one member's, or batched.
+            with (
+                vmap_rewrites(self.skeleton),
+                _aliases.kept(self.skeleton),
+                _torch_compat.own_parametrize_cache(),
+            ):
                 out = functional_call(
                     self.skeleton, given, args, kwargs, tie_weights=True, strict=False
                 )
