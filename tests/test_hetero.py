@@ -215,6 +215,61 @@ def test_functional_face_matches_loop(dtype, in_place):
     assert_members_match(hens, modules, (opts, state), tol)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_wholly_frozen_member_gets_no_gradients_and_stays(in_place):
+    """A member with every parameter frozen (a pretrained member kept fixed) forms a
+    group of its own. Which leaves are trainable is decided over the whole ensemble,
+    as the loop's torch.autograd.grad over its trainable parameters: that group gets
+    None gradients and no step, and the other members train as in the loop."""
+    torch.manual_seed(0)
+    modules = [
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double() for _ in range(3)
+    ]
+    modules[2].requires_grad_(False)
+    hens = fe.HeteroEnsemble(copy.deepcopy(modules))
+    assert len(hens.groups) == 2
+    params = {
+        k: v.detach().clone().requires_grad_(v.requires_grad)
+        for k, v in hens.stacked_params().items()
+    }
+    frozen = {k: v.clone() for k, v in params.items() if not v.requires_grad}
+    opt = hens.optimizer(fe.optim.adam, lr=0.1)
+    state = opt.init(params)
+    ref_opt = torch.optim.Adam(
+        [p for m in modules for p in m.parameters() if p.requires_grad], lr=0.1
+    )
+
+    def loss_fn(fmodel, p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    step_fn = hens.value_and_grad(loss_fn, in_dims=(None, 0))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(16, 4, generator=g, dtype=torch.float64)
+        y = torch.randn(3, 16, 2, generator=g, dtype=torch.float64)
+        losses, grads, _ = step_fn(params, hens.stacked_buffers(), x, y)
+        for k in frozen:
+            assert grads[k] is None, k
+        if in_place:
+            state = opt.update_(grads, state, params)
+        else:
+            updates, state = opt.update(grads, state, params)
+            params = fe.optim.apply_updates(params, updates)
+        ref_opt.zero_grad()
+        ref = torch.stack([F.mse_loss(m(x), y[i]) for i, m in enumerate(modules)])
+        ref.sum().backward()
+        ref_opt.step()
+        torch.testing.assert_close(losses, ref.detach(), rtol=1e-12, atol=1e-14)
+    for k, v in frozen.items():
+        assert torch.equal(params[k], v), k
+    with torch.no_grad():
+        for k, v in hens.stacked_params().items():
+            v.copy_(params[k])
+    for i, m in enumerate(modules):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        torch.testing.assert_close(hens.member(i)(x), m(x), rtol=1e-12, atol=1e-14)
+
+
 def test_shared_input_eval_and_reduce():
     modules = [m.eval() for m in members(torch.float64)]
     hens = fe.HeteroEnsemble(modules)

@@ -32,11 +32,22 @@ def _requires_grad(t: Tensor) -> bool:
     return inner is not None and _requires_grad(inner)
 
 
-def _trainable(params: dict[str, Tensor]) -> set[str]:
-    """The names of the leaves to differentiate: see value_and_grad's docstring."""
+def _trainable(params: dict[str, Tensor], *, any_marked: bool | None = None) -> set[str]:
+    """The names of the leaves to differentiate: see value_and_grad's docstring.
+
+    ``any_marked``: whether any leaf of the whole ensemble requires grad, where
+    ``params`` are one part of it (a ``HeteroEnsemble`` group); by default, of ``params``.
+    """
     floating = {k for k, v in params.items() if _differentiable(v)}
     marked = {k for k in floating if _requires_grad(params[k])}
-    return marked or floating
+    if any_marked is None:
+        any_marked = bool(marked)
+    return marked if any_marked else floating
+
+
+def any_marked(params: dict[str, Tensor]) -> bool:
+    """Whether a floating-point leaf of ``params`` requires grad (see ``_trainable``)."""
+    return any(_differentiable(v) and _requires_grad(v) for v in params.values())
 
 
 def _check_losses(losses: Any) -> Tensor:
@@ -113,9 +124,19 @@ def _autograd_step(
                 "torch.autograd.grad would also refuse). Check loss_fn for a .detach(), "
                 ".item(), an integer result (argmax, a count) or a torch.no_grad() block."
             )
-        found = torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
+        found = (
+            torch.autograd.grad(losses.sum(), [leaves[k] for k in wrt], allow_unused=True)
+            if wrt
+            else ()  # nothing to differentiate (a frozen HeteroEnsemble group)
+        )
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     grads.update(zip(wrt, found, strict=True))
+    for k in wrt:
+        g = grads[k]
+        if g is not None and not g.is_contiguous() and leaves[k].is_contiguous():
+            # In the parameter's layout, as .grad gets it (autograd's layout contract):
+            # a folded first layer's gradients are views of one product (_bias_fold).
+            grads[k] = g.contiguous()
     return losses.detach(), grads, _detach(aux) if has_aux else None
 
 
@@ -296,7 +317,11 @@ def _value_and_grad(
 
     def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         check_state_dicts(where, params, buffers)
-        trainable = _trainable(params)
+        return run(params, buffers, _trainable(params), args, kwargs)
+
+    def run(
+        params: Any, buffers: Any, trainable: set[str], args: tuple[Any, ...], kwargs: Any
+    ) -> tuple[Any, ...]:
         n = _num_members("vmap", params, buffers, checked=True)
         dims = _in_dims.per_argument(in_dims, args, n)
         buffers = {k: v.clone() for k, v in buffers.items()}
@@ -339,6 +364,7 @@ def _value_and_grad(
             )
         return (losses, grads, buffers, aux) if has_aux else (losses, grads, buffers)
 
+    with_grads.run = run  # type: ignore[attr-defined]  # for HeteroEnsemble's groups
     return with_grads
 
 

@@ -4,7 +4,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core import in_dims as _in_dims
-from .._core.grad import value_and_grad
+from .._core.grad import _trainable, _value_and_grad, any_marked
+from .._core.stack import check_state_dicts
 from .._core.in_dims import InDims
 from .grouping import regroup
 
@@ -32,13 +33,14 @@ def grouped_value_and_grad(
         def group_loss(p: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
             return loss_fn(fmodel, p, b, *args, **kwargs)
 
-        return value_and_grad(
+        return _value_and_grad(
+            where,
             group_loss,
             in_dims,
-            has_aux=has_aux,
-            randomness=ens.randomness,
-            chunk_size=ens.chunk_size,
-        )
+            has_aux,
+            ens.randomness,
+            ens.chunk_size,
+        ).run
 
     per_group = [for_group(ens) for ens in hens.groups]
 
@@ -46,10 +48,15 @@ def grouped_value_and_grad(
         p_parts = hens._split(where, "params", params, "params")
         b_parts = hens._split(where, "buffers", buffers, "buffers")
         dims = hens._dims(where, in_dims, args)
-        results = [
-            fn(p, b, *hens._inputs(g, args, dims), **kwargs)
-            for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True))
-        ]
+        # Which leaves are trainable is decided over the whole ensemble, as the loop's
+        # torch.autograd.grad over its trainable parameters: a group of frozen members
+        # gets None gradients, not the "no leaf marked: every leaf" of a lone ensemble.
+        marked = any_marked(params)
+        results = []
+        for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True)):
+            check_state_dicts(where, p, b)
+            trainable = _trainable(p, any_marked=marked)
+            results.append(fn(p, b, trainable, hens._inputs(g, args, dims), kwargs))
         members = hens.group_members
         losses = regroup(where, "loss", [r[0] for r in results], members, _LOSS_FIX)
         grads = hens._join([r[1] for r in results])
