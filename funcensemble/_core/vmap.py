@@ -215,20 +215,31 @@ def check_options(
 def _shared_inputs(
     args: tuple[Any, ...], dims: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[str, Tensor, int]]:
-    """The tensor arguments every member shares, with their version counters now."""
+    """The tensors every member shares, with their version counters now: the tensor
+    arguments not mapped, and the tensors inside other arguments (dicts, tuples,
+    lists) on which the argument's in_dims puts ``None``."""
     if torch.compiler.is_compiling():
         return []
-    # An inference tensor (made under torch.inference_mode) keeps no version counter.
-    out = [
-        (f"positional argument {i}", a, a._version)
-        for i, (a, d) in enumerate(zip(args, dims, strict=True))
-        if d is None and isinstance(a, Tensor) and not a.is_inference()
-    ]
-    out += [
-        (f"keyword argument {k!r}", a, a._version)
-        for k, a in kwargs.items()
-        if isinstance(a, Tensor) and not a.is_inference()
-    ]
+    out: list[tuple[str, Tensor, int]] = []
+
+    def add(what: str, a: Any, dim: Any, index: int) -> None:
+        if isinstance(a, Tensor):
+            if dim is None and not a.is_inference():
+                out.append((what, a, a._version))
+            return
+        if isinstance(dim, int) or isinstance(a, (str, int, float, bool)) or a is None:
+            return  # mapped as a whole, or no tensor in it
+        leaves, flat = _in_dims.leaf_dims(index, a, dim)
+        for leaf, d in zip(leaves, flat, strict=True):
+            # An inference tensor (made under torch.inference_mode) keeps no version
+            # counter: it cannot be checked (documented in inputs.md).
+            if d is None and isinstance(leaf, Tensor) and not leaf.is_inference():
+                out.append((f"a tensor inside {what}", leaf, leaf._version))
+
+    for i, (a, d) in enumerate(zip(args, dims, strict=True)):
+        add(f"its positional argument {i}", a, d, i)
+    for k, a in kwargs.items():
+        add(f"its keyword argument {k!r}", a, None, 0)
     return out
 
 
@@ -241,7 +252,7 @@ def _check_unchanged(shared: list[tuple[str, Tensor, int]]) -> None:
     for what, tensor, version in shared:
         if tensor._version != version:
             raise ValueError(
-                f"vmap: the function modified its {what}, an input shared by all members, "
+                f"vmap: the function modified {what}, an input shared by all members, "
                 "in place (expected inputs left as they are: the loop's members would "
                 "each modify it in turn, every member seeing the changes of those before "
                 "it, where one vectorized call modifies it once). The input has been "
