@@ -214,3 +214,73 @@ def test_in_place_dropout_on_a_shared_input_is_refused_before_it_changes():
     with pytest.raises(RuntimeError, match=r"inplace"):
         ens(x)
     assert torch.equal(x, before)
+
+
+class _Warmup(nn.Module):
+    """A forward that keeps Python state: a call counter and a log of its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.calls = 0
+        self.log: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.log.append("call")
+        return self.lin(x) * min(1.0, self.calls / 10)
+
+
+@pytest.mark.parametrize("face", ["Ensemble", "vmap", "value_and_grad"])
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+def test_python_attributes_changed_by_forward_end_as_each_loop_member(face, chunk_size):
+    """Every chunk starts from the attributes the call started from (a warm-up counter
+    that grew per chunk gave later chunks another factor: 0.36 off the loop)."""
+    torch.manual_seed(0)
+    loop = [_Warmup().double() for _ in range(N)]
+    members = copy.deepcopy(loop)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for call in range(2):
+        want = torch.stack([m(x) for m in loop])
+        if face == "Ensemble":
+            ens = members if call else fe.Ensemble(members, chunk_size=chunk_size)
+            members, skeleton, got = ens, ens.stacked, ens(x)
+        else:
+            if not call:
+                fmodel, params, buffers = fe.stack(members)
+            skeleton = fmodel.skeleton
+            if face == "vmap":
+                got = fe.vmap(fmodel, chunk_size=chunk_size)(params, buffers, x)
+            else:
+                loss = fe.value_and_grad(
+                    lambda p, b, x: (fmodel(p, b, x) ** 2).sum(), chunk_size=chunk_size
+                )
+                got = loss(params, buffers, x)[0]
+                want = (want**2).sum(dim=(1, 2))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        assert skeleton.calls == loop[0].calls == call + 1
+        assert skeleton.log == loop[0].log == ["call"] * (call + 1)
+
+
+def test_attributes_that_end_differently_in_two_chunks_are_refused_and_put_back():
+    class Stamps(nn.Module):
+        clock = [0]  # shared by every instance: each chunk reads another time
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.stamp = -1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            Stamps.clock[0] += 1
+            self.stamp = Stamps.clock[0]
+            return self.lin(x)
+
+    ens = fe.Ensemble([Stamps().double() for _ in range(N)], chunk_size=1)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"changed the attribute `stamp` of a Stamps differently"):
+        ens(x)
+    assert ens.stacked.stamp == -1
+    ens_whole = fe.Ensemble([Stamps().double() for _ in range(N)])
+    ens_whole(x)  # one call for all members: each member's own forward ran once
+    assert ens_whole.stacked.stamp == Stamps.clock[0]

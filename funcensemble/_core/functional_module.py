@@ -13,6 +13,7 @@ from .._kernels.fastpath import fast_call
 from .._kernels.rewrites import vmap_rewrites
 from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
+from .._structure import chunk_state as _chunk_state
 from .._structure import forward_state as _forward_state
 from .diagnose import linear_width_error
 from .rollback import save_before_update
@@ -73,6 +74,8 @@ class FunctionalModule:
                 return fast
         _check_complete(self.skeleton, params, buffers)
         compiling = torch.compiler.is_compiling()
+        if not compiling:
+            _chunk_state.seen(self.skeleton)  # a chunked call replays each chunk alike
         inside = not compiling and _torch_compat.inside_transform()
         if inside:
             # Backward hooks would not run here: refused (see _structure.backward_hooks).

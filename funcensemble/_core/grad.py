@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch_compat, _tree
+from .._structure import chunk_state as _chunk_state
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
 from .in_dims import InDims
@@ -171,42 +172,45 @@ def _chunked_step(
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     aux_leaves: list[Tensor] = []
     aux_spec = None
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        if replay is not None:
-            _set_rng_state(device, replay)
-        with _member_offset.starting_at(start):
-            c_losses, c_grads, c_aux = _autograd_step(
-                mapped_loss,
-                has_aux,
-                {k: v[start:stop] for k, v in params.items()},
-                {k: v[start:stop] for k, v in buffers.items()},  # views: updates land in place
-                _in_dims.narrow(args, dims, start, stop),
-                kwargs,
-                dims,
-                trainable,
-                where,
-            )
-        losses.append(c_losses)
-        for k, g in c_grads.items():
-            full = grads[k]
-            if g is None:
-                if full is not None:
-                    full[start:stop].zero_()
-                continue
-            if full is None:
-                # A parameter one chunk leaves unused cannot be used by another (the
-                # same function runs for all); if it were, its unused rows get zeros.
-                full = grads[k] = torch.empty_like(params[k])
-                full[:start].zero_()
-            full[start:stop].copy_(g)
-        if has_aux:
-            leaves, aux_spec = _tree.flatten(c_aux)
-            if not aux_leaves:
-                aux_leaves = [x.new_empty((n, *x.shape[1:])) for x in leaves]
-            for full_aux, x in zip(aux_leaves, leaves, strict=True):
-                full_aux[start:stop].copy_(x)
-        del c_losses, c_grads, c_aux
+    with _chunk_state.chunked(where) as attributes:
+        for start in range(0, n, chunk_size):
+            if start:  # every chunk starts from the call's attributes
+                attributes.next_chunk()
+            stop = min(start + chunk_size, n)
+            if replay is not None:
+                _set_rng_state(device, replay)
+            with _member_offset.starting_at(start):
+                c_losses, c_grads, c_aux = _autograd_step(
+                    mapped_loss,
+                    has_aux,
+                    {k: v[start:stop] for k, v in params.items()},
+                    {k: v[start:stop] for k, v in buffers.items()},  # views: updates land in place
+                    _in_dims.narrow(args, dims, start, stop),
+                    kwargs,
+                    dims,
+                    trainable,
+                    where,
+                )
+            losses.append(c_losses)
+            for k, g in c_grads.items():
+                full = grads[k]
+                if g is None:
+                    if full is not None:
+                        full[start:stop].zero_()
+                    continue
+                if full is None:
+                    # A parameter one chunk leaves unused cannot be used by another (the
+                    # same function runs for all); if it were, its unused rows get zeros.
+                    full = grads[k] = torch.empty_like(params[k])
+                    full[:start].zero_()
+                full[start:stop].copy_(g)
+            if has_aux:
+                leaves, aux_spec = _tree.flatten(c_aux)
+                if not aux_leaves:
+                    aux_leaves = [x.new_empty((n, *x.shape[1:])) for x in leaves]
+                for full_aux, x in zip(aux_leaves, leaves, strict=True):
+                    full_aux[start:stop].copy_(x)
+            del c_losses, c_grads, c_aux
     aux = _tree.unflatten(aux_spec, aux_leaves) if aux_spec is not None else None
     return torch.cat(losses), grads, aux
 

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import _torch_compat
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
+from .._structure import chunk_state as _chunk_state
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
 from .functional_module import FunctionalModule
@@ -321,6 +322,8 @@ def mapped_call(
                 if chunk_size is None or torch.compiler.is_compiling():
                     return one_member(p, b, flat[-2], flat[-1])
                 start = chunks[0] * chunk_size  # for messages naming a member
+                if chunks[0]:  # every chunk starts from the call's attributes
+                    replay.next_chunk()
                 chunks[0] += 1
                 with _member_offset.starting_at(start):
                     return one_member(p, b, flat[-2], flat[-1])
@@ -332,9 +335,15 @@ def mapped_call(
                 chunk_size=chunk_size,
             )
 
+            replay: Any = None
+
             def call() -> Any:
+                nonlocal replay
                 chunks[0] = 0
-                return vmapped(*state, args, kwargs)
+                if chunk_size is None or torch.compiler.is_compiling():
+                    return vmapped(*state, args, kwargs)
+                with _chunk_state.chunked("vmap") as replay:
+                    return vmapped(*state, args, kwargs)
 
         shared = _shared_inputs(args, dims, kwargs)
         try:
