@@ -5,8 +5,8 @@ from typing import Any
 
 from .._core import in_dims as _in_dims
 from .._core.grad import _trainable, _value_and_grad, any_marked
-from .._core.stack import check_state_dicts
 from .._core.in_dims import InDims
+from .._core.stack import check_state_dicts
 from .grouping import regroup
 
 _LOSS_FIX = (
