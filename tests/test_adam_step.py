@@ -345,15 +345,21 @@ def test_in_place_step_equals_update_then_apply_updates(make, exact):
     assert all(a is b for a, b in zip(tensors, optree.tree_leaves(state), strict=True))
 
 
-def test_chain_runs_each_transforms_in_place_form():
+def test_chain_in_place_runs_the_last_in_place_form_after_the_others_out_of_place():
+    """The transforms before the last run out of place, their states are written in
+    once the last one (in place) has run: one that raises leaves every state alone."""
     calls = []
 
     def spy(t, name):
+        def update(updates, state, params=None):
+            calls.append(f"{name}.update")
+            return t.update(updates, state, params)
+
         def update_inplace(updates, state, params=None):
-            calls.append(name)
+            calls.append(f"{name}.update_")
             return t.update_inplace(updates, state, params)
 
-        return t._replace(update_inplace=update_inplace)
+        return t._replace(update=update, update_inplace=update_inplace)
 
     opt = fe.optim.chain(
         spy(fe.optim.scale_by_adam(), "adam"),
@@ -361,8 +367,14 @@ def test_chain_runs_each_transforms_in_place_form():
         spy(fe.optim.scale_by_learning_rate(LR), "lr"),
     )
     params = int_tree()
-    opt.update_(grads_at(0), opt.init(params), params)
-    assert calls == ["adam", "decay", "lr"]
+    state = opt.init(params)
+    tensors = optree.tree_leaves(state)
+    before = [t.clone() for t in tensors]
+    opt.update_(grads_at(0), state, params)
+    assert calls == ["adam.update", "decay.update", "lr.update_"]
+    after = optree.tree_leaves(state)
+    assert all(a is b for a, b in zip(tensors, after, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -547,8 +559,9 @@ def test_ensemble_optimizer_state_dict_is_live_and_round_trips():
     torch.testing.assert_close(resumed_opt.state_dict(), opt.state_dict())
 
 
-def test_a_chain_that_raises_leaves_params_and_later_states_as_they_were():
-    # Each transform checks before it writes; the ones before it have stepped their state.
+def test_a_chain_that_raises_leaves_params_and_every_state_as_they_were():
+    # Each transform checks before it writes; the ones before the last run out of
+    # place, their states written in only once the last one has run.
     opt = fe.optim.chain(
         fe.optim.scale_by_adam(),
         fe.optim.add_decayed_weights(0.1),
@@ -556,11 +569,11 @@ def test_a_chain_that_raises_leaves_params_and_later_states_as_they_were():
     )
     params = small_tree()
     state = opt.init(params)
-    before = snapshot((params, state[2]))
+    before = snapshot((params, state))
     with pytest.raises(ValueError, match=r"lr has 4 per-member values"):
         opt.update_(small_tree(), state, params)
-    torch.testing.assert_close((params, state[2]), before, rtol=0, atol=0)
-    assert state[0].count["w"].item() == 1  # scale_by_adam stepped its own state
+    torch.testing.assert_close((params, state), before, rtol=0, atol=0)
+    assert state[0].count["w"].item() == 0  # scale_by_adam's state untouched too
 
 
 def test_a_folded_learning_rate_keeps_its_own_name_in_errors():

@@ -2,6 +2,7 @@
 
 import copy
 
+import optree
 import pytest
 import torch
 from helpers import runtime_typecheck_off
@@ -359,3 +360,51 @@ def test_switching_on_a_buffer_torch_optim_cannot_switch_on_is_refused_before_a_
     torch.testing.assert_close(
         {k: v.detach() for k, v in ens.stacked_params().items()}, before, rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("make", ["sgd", "rmsprop", "chain"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_refused_schedule_value_leaves_every_state_as_it_was(make, in_place):
+    """sgd and rmsprop are chains of a direction and a learning rate: the schedule's
+    value is checked by the last step, after the direction ran. In place, the
+    direction's new state is copied in only once the last step has run, so a refused
+    value (4 rates for 3 members here) changes nothing (the momentum buffers moved by
+    0.16 before)."""
+    n = 3
+
+    def schedule(count):
+        return torch.full((n if int(count) < 2 else n + 1,), 0.1, dtype=torch.float64)
+
+    if make == "sgd":
+        opt = fe.optim.sgd(lr=schedule, momentum=0.9)
+    elif make == "rmsprop":
+        opt = fe.optim.rmsprop(lr=schedule, momentum=0.9)
+    else:
+        opt = fe.optim.chain(
+            fe.optim.scale_by_adam(),
+            fe.optim.clip_by_global_norm(1.0),
+            fe.optim.scale_by_learning_rate(schedule),
+        )
+    torch.manual_seed(0)
+    params = {"w": torch.randn(n, 4, 2, dtype=torch.float64)}
+    state = opt.init(params)
+    for _ in range(2):
+        grads = {"w": torch.randn(n, 4, 2, dtype=torch.float64)}
+        if in_place:
+            state = opt.update_(grads, state, params)
+        else:
+            updates, state = opt.update(grads, state, params)
+            params = fe.optim.apply_updates(params, updates)
+    before = [t.clone() for t in optree.tree_leaves(state)]
+    ids = [id(t) for t in optree.tree_leaves(state)]
+    kept = params["w"].clone()
+    with pytest.raises(ValueError, match="lr has 4 per-member values"):
+        if in_place:
+            opt.update_({"w": torch.ones(n, 4, 2, dtype=torch.float64)}, state, params)
+        else:
+            opt.update({"w": torch.ones(n, 4, 2, dtype=torch.float64)}, state, params)
+    after = optree.tree_leaves(state)
+    assert [id(t) for t in after] == ids
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(params["w"], kept)

@@ -397,10 +397,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Run transforms one after the other, each on the previous one's updates.
 
     The state is a tuple with one entry per transform. The chain's
-    [`update_`][funcensemble.optim.GradientTransformation.update_] runs each
-    transform's in-place form in turn (its own, or one derived from its ``update``),
-    so it writes every state in place and agrees exactly with ``update`` followed by
-    [`apply_updates`][funcensemble.optim.apply_updates]. One exception:
+    [`update_`][funcensemble.optim.GradientTransformation.update_] runs every transform
+    but the last out of place, then the last one's in-place form, and then copies the
+    others' new states into their tensors: it writes every state in place, agrees
+    exactly with ``update`` followed by
+    [`apply_updates`][funcensemble.optim.apply_updates], and a transform that raises
+    leaves every state as it was. One exception:
     [`scale_by_adam`][funcensemble.optim.scale_by_adam] directly followed by
     [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate] fold into
     one step, [`adam`][funcensemble.optim.adam]'s, which computes torch.optim's
@@ -436,13 +438,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         folded = fold(transforms[k + 1]) if fold is not None and k + 1 < len(transforms) else None
         steps.append((folded, 2) if folded is not None else (transforms[k], 1))
         k += 2 if folded is not None else 1
-    # Each step's in-place form; one that adds its updates to the parameters itself
-    # may do so only last (what follows it could not change them any more).
+    # In place, the steps before the last run out of place, and their new states are
+    # copied into the old ones only once the last step (in place: one that adds its
+    # updates to the parameters may do so only last) has run: a step that refuses its
+    # input (a schedule's value of the wrong length) leaves every state as it was.
     last = len(steps) - 1
-    forms = [
-        inplace_form(t) if j == last or not traits(t).applies else derived_inplace(t.update)
-        for j, (t, _) in enumerate(steps)
-    ]
+    forms = [inplace_form(t) if j == last else t.update for j, (t, _) in enumerate(steps)]
     sizes = [size for _, size in steps]
 
     def check(state: Any) -> None:
@@ -478,7 +479,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def update_inplace(
         updates: PyTree, state: tuple[Any, ...], params: PyTree = None
     ) -> tuple[PyTree, tuple[Any, ...]]:
-        return run(forms, updates, state, params)
+        updates, new_state = run(forms, updates, state, params)
+        kept = len(state) - sizes[-1] if steps else 0  # the entries of the steps before last
+        return updates, tuple(
+            refill(old, new) if k < kept else new
+            for k, (old, new) in enumerate(zip(state, new_state, strict=True))
+        )
 
     if len(steps) == 1 and sizes[0] == len(transforms) > 1:
         # One folded step (adam): its own functions take the whole tuple and check it.
