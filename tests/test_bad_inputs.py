@@ -432,6 +432,34 @@ CASES += [
 ]
 
 
+def _in_both(face: str) -> Callable[[Path], Setup]:
+    """A name in both params and buffers: the fast path would read one, the general
+    path the other (their outputs differed, with no error)."""
+
+    def build(tmp: Path) -> Setup:
+        fmodel, params, buffers = stacked(3)
+        buffers = {**buffers, "0.weight": params["0.weight"].detach() + 1}
+        if face == "vmap":
+            call = lambda: fe.vmap(fmodel)(params, buffers, x(5, 3))  # noqa: E731
+        else:
+            loss = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())
+            call = lambda: loss(params, buffers, x(5, 3))  # noqa: E731
+        return Setup(call, [params, buffers])
+
+    return build
+
+
+for _face in ("vmap", "value_and_grad"):
+    CASES.append(
+        Bad(
+            f"{_face}-name-in-params-and-buffers",
+            _in_both(_face),
+            ValueError,
+            "'0.weight' is in both params and buffers \\(expected each name in one of them",
+        )
+    )
+
+
 def _inconsistent(tmp: Path) -> Setup:
     fmodel, params, buffers = stacked(3)
     params["2.bias"] = params["2.bias"][:2]

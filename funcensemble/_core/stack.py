@@ -162,6 +162,13 @@ def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
                     f"(expected a tensor with the member axis first, got {type(t).__name__}). "
                     "Pass the dicts from fe.stack."
                 )
+    if params.keys() & buffers.keys():
+        name = sorted(params.keys() & buffers.keys())[0]
+        raise ValueError(
+            f"{where}: {name!r} is in both params and buffers (expected each name in one "
+            "of them: parameters in params, buffers in buffers, as fe.stack returns "
+            "them). Remove it from the one it does not belong to."
+        )
 
 
 def _num_members(where: str, params: Any, buffers: Any, *, checked: bool = False) -> int:
