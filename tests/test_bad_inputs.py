@@ -193,6 +193,20 @@ def register_simple(id: str, exc: type[BaseException], match: str, call: Callabl
     CASES.append(Bad(id, lambda tmp: Setup(call, []), exc, match))
 
 
+def _redefined() -> type[nn.Module]:
+    """A class made anew on every call, as a notebook cell run twice makes it."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    return Head
+
+
 # --- fe.stack / fe.Ensemble: the members ---------------------------------------------------
 
 for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
@@ -231,6 +245,12 @@ for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
         TypeError,
         "member 1 is a Linear; member 0 is a Sequential",
         lambda m=_make: m([mlp(0), nn.Linear(3, 2)]),
+    )
+    register_simple(
+        f"{_where}-class-defined-twice",
+        TypeError,
+        "member 1 is a .*; member 0 is a .* They are two class objects of the same name",
+        lambda m=_make: m([_redefined()(), _redefined()()]),
     )
     register_simple(
         f"{_where}-mode",

@@ -13,7 +13,13 @@ from torch.nn.parameter import UninitializedTensorMixin
 from .._core.skeleton import modes, named_tensors
 from .._messages import a, key_difference, submodule
 from . import backward_hooks as _backward_hooks
-from .attributes import check_same_state, check_same_tree, class_names, original_class
+from .attributes import (
+    check_same_state,
+    check_same_tree,
+    class_names,
+    original_class,
+    twin_classes,
+)
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
 # an obscure "Batching rule not implemented" error or fall back to a per-member loop.
@@ -233,7 +239,7 @@ def check_same_architecture(
         raise TypeError(
             f"{where}: member {index} is a {got_name}; member 0 is a {ref_name} (expected "
             f"{a(ref_name)} as member 0, got {a(got_name)}). All members must share one "
-            "architecture."
+            "architecture." + twin_classes(ref.module, got.module)
         )
     pairs = check_same_tree(where, index, ref.module, module)
     _check_tensors(where, index, "parameters", ref.params, got.params)

@@ -86,6 +86,18 @@ def class_names(a: nn.Module, b: nn.Module) -> tuple[str, str]:
     return f"{cls_a.__module__}.{cls_a.__qualname__}", f"{cls_b.__module__}.{cls_b.__qualname__}"
 
 
+def twin_classes(a: nn.Module, b: nn.Module) -> str:
+    """A note for two modules of different classes with one qualified name, else ``""``."""
+    names = class_names(a, b)
+    if names[0] != names[1]:
+        return ""
+    return (
+        " They are two class objects of the same name: the class was defined again (a "
+        "notebook cell run twice, a class made inside a function); build every member "
+        "from one class object."
+    )
+
+
 def _walk(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Every (path, submodule), shared submodules under each of their paths."""
     stack = [("", module)]
@@ -171,7 +183,7 @@ def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -
         raise TypeError(
             f"{where}: member {index} has {submodule(path)} of class {cls_b}; member 0 has "
             f"{cls_a} (expected {cls_a} as member 0, got {cls_b}). {_SAME_ARCHITECTURE}: "
-            "build every member with the same classes."
+            "build every member with the same classes." + twin_classes(a, b)
         )
     if _parametrized(a) != _parametrized(b):
         has, hasnt = (index, 0) if _parametrized(b) else (0, index)
