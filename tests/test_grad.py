@@ -449,3 +449,38 @@ def test_wrong_input_width_inside_value_and_grad_names_the_layer():
         match=r"layer `body.0` .*expected an input of shape \(\.\.\., 4\), got \(\.\.\., 3\)",
     ):
         step(params, buffers, torch.randn(8, 3, dtype=torch.float64))
+
+
+def test_gradients_come_in_the_parameters_layout_and_update_in_place_as_the_module_face():
+    """A parameter concatenated along a later dim gets a strided gradient from autograd;
+    value_and_grad hands it over contiguous, as ``.grad`` is (autograd's layout
+    contract), so ``update_`` runs the fused kernel as ``EnsembleOptimizer`` does."""
+
+    class Halves(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.left = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+            self.right = torch.nn.Parameter(torch.randn(4, 2, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x @ torch.cat([self.left, self.right], dim=1))
+
+    torch.manual_seed(0)
+    members = [Halves() for _ in range(3)]
+    ens = fe.Ensemble(copy.deepcopy(members))
+    ens_opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    fmodel, params, buffers = fe.stack(members)
+    params = {k: v.detach() for k, v in params.items()}
+    opt = fe.optim.adam(1e-2)
+    state = opt.init(params)
+    step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for _ in range(3):
+        _, grads, _ = step(params, buffers, x)
+        assert all(g.is_contiguous() for g in grads.values())
+        state = opt.update_(grads, state, params)
+        ens_opt.zero_grad()
+        ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+        ens_opt.step()
+    for k, v in ens.stacked.named_parameters():
+        assert torch.equal(v.detach(), params[k]), k

@@ -136,7 +136,8 @@ def _autograd_step(
         g = grads[k]
         if g is not None and not g.is_contiguous() and leaves[k].is_contiguous():
             # In the parameter's layout, as .grad gets it (autograd's layout contract):
-            # a folded first layer's gradients are views of one product (_bias_fold).
+            # a parameter concatenated along a later dim gets a strided view, which
+            # update_'s fused Adam kernel would leave to the multi-tensor ops.
             grads[k] = g.contiguous()
     return losses.detach(), grads, _detach(aux) if has_aux else None
 
