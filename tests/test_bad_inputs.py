@@ -480,6 +480,24 @@ for _face in ("vmap", "value_and_grad"):
     )
 
 
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y if (y > 0).any() else -y  # a branch on the members' values
+
+
+register_simple(
+    "vmap-data-dependent-branch",
+    RuntimeError,
+    "vmap: the function branches on a tensor's value .* pick with torch.where",
+    lambda: fe.Ensemble([_Branches(), _Branches()])(torch.randn(4, 3)),
+)
+
+
 def _inconsistent(tmp: Path) -> Setup:
     fmodel, params, buffers = stacked(3)
     params["2.bias"] = params["2.bias"][:2]

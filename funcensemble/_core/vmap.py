@@ -120,6 +120,16 @@ def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | N
             "None): keep [0] of it in the member's forward (or in a small wrapper module); "
             "with value_and_grad, return the loss, and any aux, as tensors."
         )
+    if "data-dependent control flow" in message:
+        return RuntimeError(
+            "vmap: the function branches on a tensor's value (an `if` on a tensor, "
+            "torch.any(...), .item(), a data-dependent shape), which one vectorized call "
+            "cannot do for every member at once (loss modules such as nn.GaussianNLLLoss "
+            "check their inputs this way). Compute both branches and pick with "
+            "torch.where, or move the check out of the member's forward or loss (for "
+            "F.gaussian_nll_loss, write the loss out as the how-to page 'Regression with "
+            "uncertainty' does). Torch's message: " + message.splitlines()[0]
+        )
     if "randomness" in message and randomness == "error":
         return RuntimeError(
             "vmap: the model draws random numbers (e.g. Dropout in train mode) but "
