@@ -287,9 +287,12 @@ def _check_attributes(
                 "or pass the random numbers in as an input."
             )
         if not same(va, vb):
+            shown_b, shown_a = show(vb), show(va)
+            if shown_a == shown_b:  # two large tensors alike in shape and dtype
+                shown_b, shown_a = f"{shown_b} (other values)", f"{shown_a} (its own values)"
             raise ValueError(
                 f"{where}: member {index} has {submodule(path)} ({_class_name(b)}) with "
-                f"`{name}` = {show(vb)}; member 0 has `{name}` = {show(va)}. Every member "
+                f"`{name}` = {shown_b}; member 0 has `{name}` = {shown_a}. Every member "
                 "runs with member 0's non-tensor state, so it must be the same in all "
                 f"members: give `{name}` one value in every member, or build one ensemble "
                 f"per value.{_tensor_hint(va, vb)}"
