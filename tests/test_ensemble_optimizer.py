@@ -233,3 +233,16 @@ def test_state_dict_loads_into_an_optimizer_with_another_weight_decay():
     resumed = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, weight_decay=0.0, maximize=True))
     resumed.load_state_dict(opt.state_dict())
     torch.testing.assert_close(resumed.state, opt.state, rtol=0, atol=0)
+
+
+def test_a_torch_optim_state_dict_is_refused_as_such_before_anything_changes():
+    members = [torch.nn.Linear(3, 2) for _ in range(2)]
+    plain = torch.optim.Adam(members[0].parameters())
+    members[0](torch.randn(4, 3)).sum().backward()
+    plain.step()
+    ens = fe.Ensemble(members)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-3))
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(TypeError, match=r"this is a torch\.optim optimizer's state_dict"):
+        opt.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(opt.state_dict(), before, rtol=0, atol=0)

@@ -6,6 +6,7 @@ another shape, and an in-place change to an input all members share are refused.
 """
 
 import copy
+from typing import ClassVar
 
 import pytest
 import torch
@@ -253,7 +254,7 @@ def test_python_attributes_changed_by_forward_end_as_each_loop_member(face, chun
                 got = fe.vmap(fmodel, chunk_size=chunk_size)(params, buffers, x)
             else:
                 loss = fe.value_and_grad(
-                    lambda p, b, x: (fmodel(p, b, x) ** 2).sum(), chunk_size=chunk_size
+                    lambda p, b, x, f=fmodel: (f(p, b, x) ** 2).sum(), chunk_size=chunk_size
                 )
                 got = loss(params, buffers, x)[0]
                 want = (want**2).sum(dim=(1, 2))
@@ -264,7 +265,7 @@ def test_python_attributes_changed_by_forward_end_as_each_loop_member(face, chun
 
 def test_attributes_that_end_differently_in_two_chunks_are_refused_and_put_back():
     class Stamps(nn.Module):
-        clock = [0]  # shared by every instance: each chunk reads another time
+        clock: ClassVar[list[int]] = [0]  # shared by every instance: each chunk reads anew
 
         def __init__(self) -> None:
             super().__init__()

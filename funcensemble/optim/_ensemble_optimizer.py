@@ -173,6 +173,14 @@ class EnsembleOptimizer:
                 "EnsembleOptimizer.state_dict() returned."
             )
         loaded = state_dict["state"]
+        if "param_groups" in state_dict or any(isinstance(k, int) for k in loaded):
+            raise TypeError(
+                f"{where}: this is a torch.optim optimizer's state_dict (it has "
+                "'param_groups' or integer parameter ids), which does not map onto stacked "
+                "parameters (expected what EnsembleOptimizer.state_dict() returned). "
+                "Stack the members' optimizer states yourself, or start the ensemble's "
+                "optimizer fresh."
+            )
         leaves, spec = flatten(self.state)
         keys = _state_keys(spec)
         difference = key_difference(set(keys) - set(loaded), set(loaded) - set(keys))
