@@ -29,6 +29,14 @@ def check_type(where: str, in_dims: Any) -> None:
             f"{type(in_dims).__name__}). Give one entry per positional argument, or one int "
             "for all."
         )
+    if isinstance(in_dims, tuple):
+        for entry in _tree.flatten(in_dims)[0]:
+            if isinstance(entry, bool) or not (entry is None or isinstance(entry, int)):
+                raise TypeError(
+                    f"{where}: in_dims holds {entry!r}, a {type(entry).__name__} (expected "
+                    "None or an int for every entry, nested ones included). Give the member "
+                    "dim as an int, or None for what all members share."
+                )
 
 
 def arg_dims(in_dims: InDims, num_args: int, where: str = "vmap") -> tuple[Any, ...]:
