@@ -332,7 +332,7 @@ def mapped_call(
                 if chunk_size is None or torch.compiler.is_compiling():
                     return one_member(p, b, flat[-2], flat[-1])
                 start = chunks[0] * chunk_size  # for messages naming a member
-                if chunks[0]:  # every chunk starts from the call's attributes
+                if chunks[0] and replay is not None:  # each chunk from the call's attributes
                     replay.next_chunk()
                 chunks[0] += 1
                 with _member_offset.starting_at(start):
