@@ -533,3 +533,42 @@ def test_models_with_unused_parameters_train_on_shards():
     x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
     sharded.step_(_mse(sharded.fmodel), opt, sharded.init_optimizer(opt), x, y)
     assert torch.equal(sharded.to_ensemble().stacked.unused.weight, before)
+
+
+@pytest.mark.parametrize("face", ["forward", "step_"])
+def test_randomness_same_gives_every_shard_one_draw(face):
+    """randomness="same": every member draws the same dropout mask, on shards of one
+    device as in one Ensemble (each shard drew anew before: a mask per shard)."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(6, 64), nn.Dropout(0.5)) for _ in range(5)]
+    for m in members:
+        nn.init.zeros_(m[0].weight)
+        nn.init.ones_(m[0].bias)  # every output 1 before dropout: the mask shows
+    sharded = ShardedEnsemble(members, CPU3, randomness="same")
+    x = torch.randn(8, 6)
+    start = torch.get_rng_state()
+    if face == "forward":
+        out = sharded(x)
+    else:
+
+        def loss_fn(p, b, x):
+            out = sharded.fmodel(p, b, x)
+            return out.sum(), out
+
+        opt = fe.optim.sgd(0.0)
+        _, _, outs = sharded.step_(loss_fn, opt, sharded.init_optimizer(opt), x, has_aux=True)
+        out = sharded.gather(outs)
+    assert out.shape[0] == 5
+    for member in out[1:]:
+        assert torch.equal(member != 0, out[0] != 0)
+    assert 0 < (out[0] != 0).float().mean() < 1
+    torch.set_rng_state(start)  # the shards replay the first one's draw: one device's
+    whole = fe.Ensemble(members, randomness="same")(x)
+    assert torch.equal(out.detach(), whole.detach())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_randomness_same_on_several_devices_is_refused():
+    members = [nn.Linear(3, 2) for _ in range(2)]
+    with pytest.raises(ValueError, match="randomness='same' shares one draw among all members"):
+        ShardedEnsemble(members, ["cpu", "cuda:0"], randomness="same")

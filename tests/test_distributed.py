@@ -112,6 +112,17 @@ def test_select_copies_and_checks_the_member_axis():
         ),
     ):
         shard.from_factory(3)
+    # Each rank would draw its own entropy: refused, as are seeds that are no int >= 0.
+    for seed, kind, words in (
+        (None, TypeError, "seed must be an int >= 0 .*got None\\): every rank builds its"),
+        (1.5, TypeError, "seed must be an int >= 0"),
+        (-1, ValueError, "seed must be an int >= 0"),
+    ):
+        with (
+            runtime_typecheck_off(),
+            pytest.raises(kind, match=f"MemberShard.from_factory: {words}"),
+        ):
+            shard.from_factory(worker.make_member, seed=seed)
 
 
 # --- ranks that must agree, compared in one process ---------------------------------------

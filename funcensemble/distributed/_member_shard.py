@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .. import _tree
 from .._core.ensemble import Ensemble
-from .._core.seeding import member_seed, seeded_cpu_rng
+from .._core.seeding import check_seed, member_seed, seeded_cpu_rng
 from .._core.vmap import Randomness
 from .._types import StackedTree
 from ._agreement import agree, describe_ensemble, describe_optimizer, describe_state
@@ -405,6 +405,14 @@ class MemberShard:
                 f"building one member, got {type(factory).__name__}). Pass e.g. "
                 "lambda: nn.Linear(3, 1)."
             )
+        if seed is None:
+            raise TypeError(
+                "MemberShard.from_factory: seed must be an int >= 0 (expected an int, got "
+                "None): every rank builds its own members, and member i must be the same "
+                "whichever rank builds it, which a draw from each rank's own entropy is "
+                "not. Pass the same whole number on every rank, e.g. seed=0."
+            )
+        seed = check_seed("MemberShard.from_factory", seed)
         indices = iter(range(self.members.start, self.members.stop))
 
         def seeded() -> nn.Module:

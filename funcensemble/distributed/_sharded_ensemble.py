@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
-from .._core.grad import value_and_grad
+from .._core.grad import _rng_state, _set_rng_state, value_and_grad
 from .._core.in_dims import InDims, arg_dims, check_member_sizes
 from .._core.skeleton import meta_skeleton
 from .._core.stack import _num_members, stack
@@ -61,6 +61,8 @@ class ShardedEnsemble:
         devices: One device per shard, e.g. ``["cuda:0", "cuda:1"]``.
         randomness: As in [`vmap`][funcensemble.vmap]. Random draws (dropout) come
             from each device's generator, so they differ from a single-device run.
+            With ``"same"`` every shard replays the first one's draw, so all members
+            share one, as on one device; it needs every shard on one device.
         chunk_size: As in [`vmap`][funcensemble.vmap], within each shard.
 
     Raises:
@@ -99,6 +101,14 @@ class ShardedEnsemble:
             skeleton = fmodel.skeleton
         randomness = "different" if randomness is None else randomness
         vmap(lambda p, b: None, randomness=randomness, chunk_size=chunk_size)  # validates
+        generators = dict.fromkeys("cpu" if d.type == "cpu" else str(d) for d in found)
+        if randomness == "same" and len(generators) > 1:
+            raise ValueError(
+                f"{where}: randomness='same' shares one draw among all members, which "
+                f"shards on different devices ({', '.join(generators)}) cannot: each "
+                "draws from its own device's generator (expected one device for every "
+                "shard). Put every shard on one device, or pass randomness='different'."
+            )
         n = _num_members(where, params, buffers)
         self.fmodel = FunctionalModule(skeleton)
         self.randomness: Randomness = randomness
@@ -224,6 +234,20 @@ class ShardedEnsemble:
             >>> [tuple(o.shape) for o in outs]
             [(3, 8, 2), (2, 8, 2)]
         """
+        return self._map(fn, args, in_dims, kwargs, same_draw=False)
+
+    def _map(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        in_dims: InDims,
+        kwargs: dict[str, Any],
+        *,
+        same_draw: bool,
+    ) -> PerShard:
+        """[`map`][funcensemble.distributed.ShardedEnsemble.map]; ``same_draw``: every
+        shard replays the random state the first one started from (``randomness="same"``:
+        one draw for all members, as the chunks of one call replay it)."""
         where = "ShardedEnsemble.map"
         if not callable(fn):
             raise TypeError(
@@ -268,9 +292,14 @@ class ShardedEnsemble:
             )
             for k in range(shards)
         ]
-        return PerShard(
-            fn(self._params[k], self._buffers[k], *a, **kw) for k, (a, kw) in enumerate(calls)
-        )
+        replay = _rng_state(self.devices[0]) if same_draw and shards > 1 else None
+
+        def run(k: int, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+            if replay is not None and k:
+                _set_rng_state(self.devices[0], replay)
+            return fn(self._params[k], self._buffers[k], *a, **kw)
+
+        return PerShard(run(k, a, kw) for k, (a, kw) in enumerate(calls))
 
     def __call__(
         self,
@@ -290,7 +319,8 @@ class ShardedEnsemble:
             **kwargs: Keyword inputs, shared by all members.
         """
         mapped = vmap(self.fmodel, in_dims, randomness=self.randomness, chunk_size=self.chunk_size)
-        outputs = self.map(mapped, *args, in_dims=in_dims, **kwargs)
+        same = self.randomness == "same"
+        outputs = self._map(mapped, args, in_dims, kwargs, same_draw=same)
         if gather is False:
             return outputs
         return self.gather(outputs, device=None if gather is True else gather)
@@ -464,7 +494,13 @@ class ShardedEnsemble:
             updates, opt_state = opt.update(grads, opt_state, params)
             return (losses, apply_updates(params, updates), buffers, opt_state, *aux)
 
-        results = self.map(one_shard, opts, state, *batch, in_dims=(None, None, *dims), **kwargs)
+        results = self._map(
+            one_shard,
+            (opts, state, *batch),
+            (None, None, *dims),
+            kwargs,
+            same_draw=self.randomness == "same",
+        )
         losses, params, buffers, state, *aux = results.unzip()
         self._params, self._buffers = params, buffers
         return (losses, state, *aux)
