@@ -2,6 +2,7 @@
 
 import math
 
+import optree
 import pytest
 import torch
 from helpers import runtime_typecheck_off
@@ -285,3 +286,18 @@ def test_a_lambda_schedule_of_the_count_in_double_is_lambdalr():
     torch.testing.assert_close(
         params["w"], torch.stack([p.detach() for p in members]), rtol=1e-15, atol=1e-15
     )
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_refused_update_in_place_leaves_the_schedule_count(chained):
+    """scale_by_learning_rate never reads the parameters: update_ checks the gradients
+    against them before any state moves (the count advanced, then the add refused)."""
+    lr = fe.optim.scale_by_learning_rate(lambda c: 0.1)
+    opt = fe.optim.chain(fe.optim.clip_by_global_norm(1.0), lr) if chained else lr
+    params = {"w": torch.zeros(3, 4)}
+    state = opt.init(params)
+    before = optree.tree_map(torch.clone, state)
+    with pytest.raises(ValueError, match=r"update_: the gradient for params\['w'\] has shape"):
+        opt.update_({"w": torch.ones(3, 5)}, state, params)
+    torch.testing.assert_close(state, before, rtol=0, atol=0)
+    assert torch.equal(params["w"], torch.zeros(3, 4))

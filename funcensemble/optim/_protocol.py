@@ -43,8 +43,8 @@ class GradientTransformation(NamedTuple):
     adds its step to ``params`` with ``torch.optim.Adam``'s fused kernel and returns
     None for the updates, so a chain runs it only last. Leave it None and the
     in-place form is derived from ``update``; [`chain`][funcensemble.optim.chain]
-    runs its transforms' in-place forms one after the other. Call ``update_``, not
-    this field.
+    runs its last transform's in-place form after the others' ``update``. Call
+    ``update_``, not this field.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -76,10 +76,10 @@ class GradientTransformation(NamedTuple):
 
         The returned state holds the same tensors as ``state`` wherever their shapes
         allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need the
-        old values. A transform checks everything before it writes anything: a call
-        that raises leaves ``params`` and ``state`` as they were, except that in a
-        [`chain`][funcensemble.optim.chain] the transforms before the one that
-        raised have stepped their own state.
+        old values. A transform checks everything before it writes anything, and
+        ``update_`` checks ``grads`` against ``params`` first: a call that raises
+        leaves ``params`` and ``state`` as they were, in a
+        [`chain`][funcensemble.optim.chain] too.
 
         Args:
             grads: Gradients shaped like ``params``; None for a leaf without one.
@@ -106,8 +106,14 @@ class GradientTransformation(NamedTuple):
         grad_was_enabled = torch.is_grad_enabled()
         set_grad_enabled_fast(False)
         try:
+            applies = traits(self).applies
+            if not applies:
+                # The gradients against the parameters before any state is written: a
+                # transform that never reads the parameters (a learning rate) would
+                # step its count and leave the refusal to the add below.
+                _checked_updates("update_", params, grads, ("grads", "the gradient"))
             updates, state = inplace_form(self)(grads, state, params)
-            if not traits(self).applies:
+            if not applies:
                 add_updates_("update_", params, updates)
         finally:
             set_grad_enabled_fast(grad_was_enabled)
@@ -494,15 +500,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def _checked_updates(
-    where: str, params: PyTree, updates: PyTree
+    where: str, params: PyTree, updates: PyTree, words: tuple[str, str] = ("updates", "the update")
 ) -> tuple[list[Any], optree.PyTreeSpec, list[Any], list[int]]:
     """Params' leaves and spec, the updates' leaves, and which leaves have an update.
 
     Every updated leaf must be a tensor shaped like its update; checked before anything
     is applied.
     """
+    tree, leaf = words
     leaves, spec = flatten(params)
-    ups = leaves_like(where, "updates", spec, updates)
+    ups = leaves_like(where, tree, spec, updates)
     active = [i for i, u in enumerate(ups) if u is not None]
     for i in active:
         if not isinstance(leaves[i], Tensor):
@@ -510,7 +517,7 @@ def _checked_updates(
                 f"{where}: {leaf_name(spec, i)} is a {type(leaves[i]).__name__} but has an "
                 "update; only tensor leaves can be updated."
             )
-    check_like(where, "the update", spec, active, ups, leaves)
+    check_like(where, leaf, spec, active, ups, leaves)
     return leaves, spec, ups, active
 
 
