@@ -392,9 +392,10 @@ def disagreement(
     Member i predicts ``argmax_c logits_i``; the ensemble predicts ``argmax_c`` of
     [`mean_probs`][funcensemble.reduce.mean_probs] (the averaged probabilities, not a
     majority vote). Ties go to the lowest class index. The result lies in
-    ``[0, (N-1)/N]``, has the dtype of ``logits`` and, being piecewise constant,
-    carries no gradient. For a regression ensemble, measure disagreement with
-    [`std`][funcensemble.reduce.std].
+    ``[0, 1]``: 1 where the averaged probabilities pick a class no member votes for
+    (member votes 0 and 2, ensemble class 1). It has the dtype of ``logits`` and,
+    being piecewise constant, carries no gradient. For a regression ensemble,
+    measure disagreement with [`std`][funcensemble.reduce.std].
 
     Args:
         logits: Stacked classifier outputs ``[N, ..., C]``, classes last.
@@ -407,4 +408,7 @@ def disagreement(
     """
     log_probs = _log_probs("disagreement", logits)
     ensemble = _average(log_probs).argmax(dim=-1)
-    return (log_probs.argmax(dim=-1) != ensemble).to(log_probs.dtype).mean(dim=0)
+    # Each member's vote from its logits themselves: log_softmax may round two logits
+    # a few ulps apart into a tie, which would go to the lower class.
+    votes = logits.argmax(dim=-1)  # type: ignore[union-attr]
+    return (votes != ensemble).to(log_probs.dtype).mean(dim=0)

@@ -345,6 +345,22 @@ def test_disagreement_fractions() -> None:
     assert fe.reduce.disagreement(logits).tolist() == [0.5, 0.0]
 
 
+def test_disagreement_reaches_1_where_no_member_votes_the_averaged_class() -> None:
+    # Votes 0 and 2; the averaged probabilities pick class 1, which neither votes for.
+    logits = torch.tensor([[[3.0, 2.9, -5.0]], [[-5.0, 2.9, 3.0]]])
+    assert fe.reduce.mean_probs(logits).argmax(-1).tolist() == [1]
+    assert fe.reduce.disagreement(logits).tolist() == [1.0]
+
+
+def test_disagreement_votes_are_each_members_argmax_of_its_logits() -> None:
+    # Two logits one ulp apart: log_softmax rounds them into a tie, the logits do not.
+    low = torch.tensor(1e-3)
+    high = torch.nextafter(low, torch.tensor(1.0))
+    logits = torch.stack([torch.stack([low, high]), torch.tensor([0.0, 1.0])]).unsqueeze(1)
+    assert logits.argmax(-1).flatten().tolist() == [1, 1]
+    assert fe.reduce.disagreement(logits).tolist() == [0.0]
+
+
 # --- bad input ------------------------------------------------------------------------
 
 ALL_FNS = [
