@@ -246,6 +246,13 @@ for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
         "member 1 is a Linear; member 0 is a Sequential",
         lambda m=_make: m([mlp(0), nn.Linear(3, 2)]),
     )
+    if _where == "Ensemble":
+        register_simple(
+            "Ensemble-stateless-members",
+            ValueError,
+            "Ensemble: the members have no parameters or buffers \\(expected at least one",
+            lambda m=_make: m([nn.Sequential(nn.Identity(), nn.Dropout()) for _ in range(2)]),
+        )
     register_simple(
         f"{_where}-class-defined-twice",
         TypeError,

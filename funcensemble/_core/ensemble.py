@@ -116,6 +116,14 @@ class Ensemble(nn.Module):
     ) -> None:
         # Validate the vmap options once, here, rather than on the first call.
         check_options("vmap", lambda p, b: None, randomness, chunk_size)
+        if not params and not buffers:
+            raise ValueError(
+                f"Ensemble: the members have no parameters or buffers (expected at least "
+                f"one tensor to stack, got a {type(skeleton).__name__} without any), so "
+                "there is no member axis to map over: every member computes the same "
+                "function. Call one member directly (with torch.func.vmap over inputs "
+                "for independent random draws)."
+            )
         self.stacked = replace_tensors(
             skeleton,
             lambda name, t: nn.Parameter(params[name], requires_grad=t.requires_grad),
