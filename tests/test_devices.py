@@ -572,3 +572,18 @@ def test_randomness_same_on_several_devices_is_refused():
     members = [nn.Linear(3, 2) for _ in range(2)]
     with pytest.raises(ValueError, match="randomness='same' shares one draw among all members"):
         ShardedEnsemble(members, ["cpu", "cuda:0"], randomness="same")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_a_narrow_linear_member_agrees_with_the_whole_to_rounding(dtype):
+    """scale-out.md's third exception: members that are one narrow Linear run as one
+    product of N * out rows, whose BLAS kernel may depend on N; split, they agree with
+    the one-device ensemble to rounding (documented: 2.2e-16 in float64, 9e-8 in
+    float32 outputs)."""
+    ens = fe.Ensemble.from_factory(lambda: nn.Linear(9, 1).to(dtype), num_members=7, seed=0)
+    x = torch.randn(33, 9, dtype=dtype)
+    whole = ens(x)
+    tol = {"rtol": 0, "atol": 1e-15} if dtype == torch.float64 else {"rtol": 0, "atol": 1e-6}
+    for devices in (["cpu"] * 2, CPU3, ["cpu"] * 7):
+        torch.testing.assert_close(ShardedEnsemble(ens, devices)(x), whole, **tol)
+    torch.testing.assert_close(ens.select([0, 1])(x), whole[:2], **tol)

@@ -48,9 +48,10 @@ class ShardedEnsemble:
     left sharded as a [`PerShard`][funcensemble.distributed.PerShard] value. Each
     member computes what it computes in the single-device
     [`Ensemble`][funcensemble.Ensemble], bit for bit in the test suite on the CPU,
-    except that a member alone on its device may run other kernels and differ by
-    rounding (a float32 convolution: a few ulps; see "Does the split change the
-    numbers?" in the scale-out guide), and that a gradient which is pure rounding noise
+    except that a member alone on its device, or a small product (a member that is
+    one narrow Linear), may run other kernels and differ by rounding (a float32
+    convolution: a few ulps; see "Does the split change the numbers?" in the
+    scale-out guide), and that a gradient which is pure rounding noise
     (a Linear's bias right before a BatchNorm, whose true gradient is zero) may differ
     by that noise, which Adam then scales up. Several shards may share a device (e.g.
     ``["cpu", "cpu"]``).
