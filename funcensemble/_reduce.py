@@ -291,8 +291,11 @@ def mean_log_probs(
 
     This averages probabilities, not logits, and is computed in log space
     (``logsumexp(log_softmax(logits), dim=0) - log N``), so it stays finite and exact
-    for logits of any size. A logit of ``-inf`` masks its class; a member whose every
-    class is masked gives NaN, as ``softmax`` does (here and in the entropies).
+    for logits of any size. A logit of ``-inf`` masks its class: its probability is
+    exactly 0, and its log here is the dtype's most negative finite value (where
+    ``softmax(...).mean(0).log()`` gives ``-inf``), so no ``0 * inf`` turns a value or
+    a gradient into NaN. A member whose every class is masked gives NaN, as
+    ``softmax`` does (here and in the entropies).
 
     Args:
         logits: Stacked classifier outputs ``[N, ..., C]``, classes last.

@@ -322,6 +322,9 @@ def test_masked_classes() -> None:
     masked.requires_grad_(True)
     probs = fe.reduce.mean_probs(masked)
     assert torch.equal(probs[..., 5], torch.zeros(4, dtype=torch.float64))
+    # Documented: the masked class's log is the most negative finite value, not -inf.
+    low = torch.finfo(torch.float64).min
+    assert (fe.reduce.mean_log_probs(masked)[..., 5] == low).all()
     torch.testing.assert_close(probs[..., :5], loop_probs(kept))
     for fn in CLASSIFIER_FNS[2:]:
         out = fn(masked)
