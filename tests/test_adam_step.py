@@ -454,7 +454,7 @@ BAD_CALLS = [
         lambda opt, s: (s[0],),
         GOOD,
         ValueError,
-        r"chain: the state is not this chain's \(expected .*, got a tuple of 1\)",
+        r"chain: the state is not this chain's \(expected .*, got a tuple of 1;",
         id="length",
     ),
     pytest.param(

@@ -509,6 +509,20 @@ for _id, _dims in (("bool", ({"x": True},)), ("float", ((0.5,),))):
     )
 
 
+def _item_in_loss() -> None:
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 1) for _ in range(2)])
+    loss = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).mean() * fmodel(p, b, x).max().item())
+    loss(params, buffers, torch.randn(4, 3))
+
+
+register_simple(
+    "value_and_grad-item-in-loss",
+    RuntimeError,
+    r"vmap: the function calls \.item\(\) .* Keep the value a tensor",
+    _item_in_loss,
+)
+
+
 register_simple(
     "vmap-data-dependent-branch",
     RuntimeError,

@@ -637,6 +637,13 @@ def test_update_rejects_a_foreign_state():
         match=r"chain: the state is not this chain's \(expected the state returned by this chain",
     ):
         opt.update(params, (), params)
+    state = opt.init(params)
+    for make in (fe.optim.adam, fe.optim.sgd, fe.optim.rmsprop):  # params and state swapped
+        with (
+            runtime_typecheck_off(),
+            pytest.raises(ValueError, match=r"often the parameters: update and update_ take"),
+        ):
+            make(0.1).update(params, params, state)
     with runtime_typecheck_off(), pytest.raises(TypeError, match=r"expected an AdamState"):
         fe.optim.scale_by_adam().update(params, fe.optim.EmptyState(), params)
     with runtime_typecheck_off(), pytest.raises(TypeError, match=r"expected a ScheduleState"):

@@ -120,6 +120,13 @@ def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | N
             "None): keep [0] of it in the member's forward (or in a small wrapper module); "
             "with value_and_grad, return the loss, and any aux, as tensors."
         )
+    if "calling .item() on a Tensor" in message:
+        return RuntimeError(
+            "vmap: the function calls .item() (or float(), int(), bool()) on a tensor, "
+            "which holds one value per member here, not one Python number. Keep the value "
+            "a tensor (compute with it, or return it as aux with has_aux=True and read it "
+            "after the call). Torch's message: " + message.splitlines()[0]
+        )
     if "data-dependent control flow" in message:
         return RuntimeError(
             "vmap: the function branches on a tensor's value (an `if` on a tensor, "

@@ -27,6 +27,7 @@ from ._protocol import (
     flatten,
     leaf_name,
     leaves_like,
+    not_the_chains_state,
     scatter,
     state_leaves,
     trainable,
@@ -339,12 +340,7 @@ def _steps(
     def check(grads: PyTree, state: Any, params: PyTree, words: tuple[str, str]) -> _Step:
         """Everything, with one wording per entry point, before anything is written."""
         if not isinstance(state, tuple) or len(state) != size:
-            got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
-            raise ValueError(
-                f"chain: the state is not this chain's (expected the state returned by this "
-                f"chain's init, a tuple of {size} states, got {got}). Pass the state "
-                "that init returned, or the one update returned last."
-            )
+            raise ValueError(not_the_chains_state(state, size))
         moments = state[at]
         check_state_type(where, moments, AdamState)
         if not constant:

@@ -8,7 +8,7 @@ leaf's state) keeps its slot and nothing downstream misaligns.
 import functools
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import optree
@@ -398,6 +398,23 @@ def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, 
     return out
 
 
+def not_the_chains_state(state: Any, size: int) -> str:
+    """The message for a state that is not a chain's tuple of ``size`` states."""
+    got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
+    swapped = (
+        " A dict here is often the parameters: update and update_ take (grads, state, "
+        "params), in that order."
+        if isinstance(state, Mapping)
+        else ""
+    )
+    return (
+        f"chain: the state is not this chain's (expected the state returned by this "
+        f"chain's init, a tuple of {size} states, got {got}; adam, adamw, sgd and rmsprop "
+        "are chains too). Pass the state that init returned, or the one update returned "
+        f"last.{swapped}"
+    )
+
+
 @rebuildable
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Run transforms one after the other, each on the previous one's updates.
@@ -454,12 +471,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def check(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
-            got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
-            raise ValueError(
-                f"chain: the state is not this chain's (expected the state returned by this "
-                f"chain's init, a tuple of {len(transforms)} states, got {got}). Pass the state "
-                "that init returned, or the one update returned last."
-            )
+            raise ValueError(not_the_chains_state(state, len(transforms)))
 
     def run(
         fns: list[Callable[..., tuple[PyTree, Any]]], updates: PyTree, state: Any, params: PyTree
