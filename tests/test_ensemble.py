@@ -728,3 +728,15 @@ def test_from_factory_peak_memory_is_about_the_stacked_tensors() -> None:
     # more of it on a loaded machine; from_factory measured 0.1x-0.3x.)
     baseline = _peak_memory_ratio("stack_prebuilt")
     assert baseline >= max(1.1, ratio + 0.5), f"stacking prebuilt modules peaked at {baseline:.2f}x"
+
+
+def test_averaging_the_members_losses_divides_each_gradient_by_n():
+    """training.md: summing the members' losses gives each member its own loss's
+    gradient; averaging them divides every member's gradient by N."""
+    ens = fe.Ensemble.from_factory(lambda: torch.nn.Linear(3, 1).double(), num_members=4, seed=0)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(4, 8, 1, dtype=torch.float64)
+    per_member = ((ens(x) - y) ** 2).mean(dim=(1, 2))
+    summed = torch.autograd.grad(per_member.sum(), list(ens.parameters()), retain_graph=True)
+    averaged = torch.autograd.grad(per_member.mean(), list(ens.parameters()))
+    for s, a in zip(summed, averaged, strict=True):
+        torch.testing.assert_close(a * 4, s, rtol=1e-14, atol=0)
