@@ -6,7 +6,8 @@ default) are held out of training; the rest is split into a training and a test 
 N MLPs ``64 -> 128 -> 128 -> 10`` (ReLU), each from its own initialization and with its
 own shuffling of the training set, train as one ``fe.Ensemble`` with one
 ``torch.optim.Adam``: its parameters are the members' stacked, and Adam is per element,
-so every member is stepped exactly as it would be alone.
+so every member is stepped as it would be alone (the same arithmetic; the stacked
+products may round the last bit of a gradient differently).
 
 On the test set the script compares one model (each member alone) with the ensemble
 (the mean of the members' predicted probabilities) in accuracy, negative
@@ -113,7 +114,7 @@ def train(
             idx = order[:, start : start + batch]  # [members, batch]
             logits = ens(data.x[idx], in_dims=0)  # one batch per member: [members, batch, 10]
             # Each member's mean cross-entropy on its own batch, summed over members:
-            # the members share no parameter, so each gets exactly its own gradient.
+            # the members share no parameter, so each gets its own loss's gradient.
             losses = F.cross_entropy(logits.transpose(1, 2), data.y[idx], reduction="none")
             loss = losses.mean(dim=1).sum()
             opt.zero_grad()

@@ -217,6 +217,26 @@ def test_in_place_dropout_on_a_shared_input_is_refused_before_it_changes():
     assert torch.equal(x, before)
 
 
+def test_an_inference_tensor_changed_in_place_is_not_seen_as_documented():
+    """inputs.md: the check reads version counters, which tensors made under
+    torch.inference_mode() do not keep; such a change passes unseen."""
+
+    class AddsOne(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.add_(1.0)
+            return self.lin(x)
+
+    ens = fe.Ensemble([AddsOne() for _ in range(N)])
+    with torch.inference_mode():
+        x = torch.zeros(5, 4)
+        ens(x)  # no error: nothing to compare against
+    assert torch.equal(x, torch.ones(5, 4))  # changed once, not once per member
+
+
 class _Warmup(nn.Module):
     """A forward that keeps Python state: a call counter and a log of its calls."""
 
