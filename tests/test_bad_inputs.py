@@ -523,6 +523,20 @@ register_simple(
 )
 
 
+def _stacked_params_to_one_member() -> None:
+    fmodel, params, buffers = fe.stack([mlp(i) for i in range(3)])
+    fmodel(params, buffers, x(5, 3))  # one member's function, all members' tensors
+
+
+register_simple(
+    "FunctionalModule-stacked-params-outside-vmap",
+    ValueError,
+    r"params\['0.weight'\] has shape \(3, 4, 3\), all members stacked \(expected one "
+    r"member's \(4, 3\)\): fmodel computes ONE member",
+    _stacked_params_to_one_member,
+)
+
+
 register_simple(
     "vmap-data-dependent-branch",
     RuntimeError,

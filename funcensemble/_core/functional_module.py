@@ -44,6 +44,21 @@ def _check_complete(skeleton: nn.Module, params: Any, buffers: Any) -> None:
                 )
 
 
+def _stacked_given(skeleton: nn.Module, params: Any) -> Exception | None:
+    """The error for stacked ``[N, ...]`` parameters given to one member's function
+    outside ``vmap`` (a call that failed), or ``None`` if they are not that."""
+    for name, p in skeleton.named_parameters():
+        given = params.get(name) if isinstance(params, Mapping) else None
+        if isinstance(given, Tensor) and given.dim() == p.dim() + 1 and given.shape[1:] == p.shape:
+            return ValueError(
+                f"FunctionalModule: params[{name!r}] has shape {tuple(given.shape)}, all "
+                f"members stacked (expected one member's {tuple(p.shape)}): fmodel computes "
+                "ONE member. Map it over the members with fe.vmap(fmodel)(params, buffers, "
+                "x), or pass one member's slice ({k: v[i] for k, v in params.items()})."
+            )
+    return None
+
+
 class FunctionalModule:
     """A module turned into a pure function of ``(params, buffers, *args, **kwargs)``.
 
@@ -105,7 +120,9 @@ class FunctionalModule:
         except RuntimeError:
             if torch.compiler.is_compiling():
                 raise
-            clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
+            clear = (None if inside else _stacked_given(self.skeleton, params)) or (
+                linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
+            )
             if clear is None:
                 raise
             raise clear from None
