@@ -126,7 +126,7 @@ def _autograd_step(
                 ".item(), an integer result (argmax, a count) or a torch.no_grad() block."
             )
         found = (
-            _torch_compat.grads_of(losses.sum(), [leaves[k] for k in wrt])
+            _torch_compat.grads_of(losses, [leaves[k] for k in wrt])
             if wrt
             else ()  # nothing to differentiate (a frozen HeteroEnsemble group)
         )
