@@ -29,6 +29,7 @@ def run_check(face: str) -> None:
         "functional_mlp",
         "functional_mlp_vmap",
         "nested_vmap",
+        "polyak",
     ],
 )
 def test_compiled_training_step_matches_eager(face):

@@ -41,8 +41,15 @@ def register_view(
         _ADAPTERS[cls] = adapt
 
 
+# Containers no view is registered for: looked up by their exact type first, which
+# torch.compile traces (it cannot iterate a builtin type's __mro__ under fullgraph).
+_PLAIN = (dict, list, tuple)
+
+
 def adapted(x: object, transform: Any) -> Any:
     """The optimizer to run over ``x``'s view: ``transform`` as ``x``'s class adapts it."""
+    if type(x) in _PLAIN:
+        return transform
     for cls in type(x).__mro__:
         adapt = _ADAPTERS.get(cls)
         if adapt is not None:
@@ -52,6 +59,8 @@ def adapted(x: object, transform: Any) -> Any:
 
 def state_view(x: object) -> View | None:
     """``x``'s registered view (its stacked parameters and buffers), or None."""
+    if type(x) in _PLAIN:
+        return None
     for cls in type(x).__mro__:
         view = _VIEWS.get(cls)
         if view is not None:
