@@ -11,6 +11,7 @@ from .._structure import chunk_state as _chunk_state
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
 from .in_dims import InDims
+from .seeding import rng_state, set_rng_state
 from .stack import _num_members, check_state_dicts
 from .vmap import Randomness, check_options, mapped_call
 
@@ -84,19 +85,6 @@ def _detach(tree: Any) -> Any:
     return _tree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
 
 
-def _rng_state(device: torch.device) -> list[Tensor]:
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def _set_rng_state(device: torch.device, states: list[Tensor]) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
-
-
 def _autograd_step(
     mapped_loss: Callable[..., Any],
     has_aux: bool,
@@ -168,7 +156,7 @@ def _chunked_step(
     # replays one draw, so all members share it; with "different" the chunks draw in
     # turn, exactly the numbers vmap(..., chunk_size=k) draws.
     device = next(iter({**params, **buffers}.values())).device
-    replay = _rng_state(device) if randomness == "same" else None
+    replay = rng_state(device) if randomness == "same" else None
     losses: list[Tensor] = []
     grads: dict[str, Tensor | None] = dict.fromkeys(params)
     aux_leaves: list[Tensor] = []
@@ -179,7 +167,7 @@ def _chunked_step(
                 attributes.next_chunk()
             stop = min(start + chunk_size, n)
             if replay is not None:
-                _set_rng_state(device, replay)
+                set_rng_state(device, replay)
             with _member_offset.starting_at(start):
                 c_losses, c_grads, c_aux = _autograd_step(
                     mapped_loss,

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch import Tensor
 
 
 def check_seed(where: str, seed: object, *, none_ok: bool = False) -> int:
@@ -59,3 +60,19 @@ def global_rng_restored_on_error() -> Iterator[None]:
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
         raise
+
+
+def rng_state(device: torch.device) -> list[Tensor]:
+    """The CPU generator's state, and ``device``'s if it is a CUDA device: what one
+    random draw there reads, to replay it (chunks, shards with randomness="same")."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def set_rng_state(device: torch.device, states: list[Tensor]) -> None:
+    """Put back what [`rng_state`][] read."""
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)

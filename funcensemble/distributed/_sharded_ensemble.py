@@ -17,8 +17,9 @@ from torch import Tensor, nn
 
 from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
-from .._core.grad import _rng_state, _set_rng_state, value_and_grad
+from .._core.grad import value_and_grad
 from .._core.in_dims import InDims, arg_dims, check_member_sizes
+from .._core.seeding import rng_state, set_rng_state
 from .._core.skeleton import meta_skeleton
 from .._core.stack import _num_members, stack
 from .._core.vmap import Randomness, vmap
@@ -293,11 +294,11 @@ class ShardedEnsemble:
             )
             for k in range(shards)
         ]
-        replay = _rng_state(self.devices[0]) if same_draw and shards > 1 else None
+        replay = rng_state(self.devices[0]) if same_draw and shards > 1 else None
 
         def run(k: int, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
             if replay is not None and k:
-                _set_rng_state(self.devices[0], replay)
+                set_rng_state(self.devices[0], replay)
             return fn(self._params[k], self._buffers[k], *a, **kw)
 
         return PerShard(run(k, a, kw) for k, (a, kw) in enumerate(calls))
