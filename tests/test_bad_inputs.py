@@ -286,6 +286,30 @@ for _where, _make in (("stack", fe.stack), ("Ensemble", fe.Ensemble)):
         ),
     )
     register_simple(
+        f"{_where}-buffer-requires-grad",
+        ValueError,
+        "member 1's buffer `scale` requires grad \\(expected buffers with requires_grad=False",
+        lambda m=_make: m(
+            [
+                mlp(0),
+                (lambda n: (n.register_buffer("scale", torch.ones(2).requires_grad_()), n)[1])(
+                    mlp(1)
+                ),
+            ]
+        ),
+    )
+    register_simple(
+        f"{_where}-buffer-computed-from-a-parameter",
+        ValueError,
+        "member 0's buffer `start` requires grad \\(it was computed from a parameter",
+        lambda m=_make: m(
+            [
+                (lambda n: (n.register_buffer("start", n[0].weight * 1), n)[1])(mlp(i))
+                for i in range(2)
+            ]
+        ),
+    )
+    register_simple(
         f"{_where}-untied",
         ValueError,
         "member 1 has extra parameters `t2.weight`",

@@ -92,6 +92,9 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
         kind = _backward_hooks.kind_on(sub)
         if kind is not None:
             raise _backward_hooks.member_error(where, index, kind, name)
+        for slot, t in sub._buffers.items():
+            if isinstance(t, Tensor) and t.requires_grad:
+                _buffer_requires_grad(where, index, f"{name}.{slot}" if name else slot, t)
         for slot, t in (*sub._parameters.items(), *sub._buffers.items()):
             if isinstance(t, UninitializedTensorMixin):
                 full = f"{name}.{slot}" if name else slot
@@ -102,6 +105,20 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                     "(e.g. module(example_input)), then build the ensemble."
                 )
     return module
+
+
+def _buffer_requires_grad(where: str, index: int, name: str, t: Tensor) -> None:
+    """Refuse a buffer that requires grad: the loop's backward reaches it (or, through
+    its history, the parameter it was computed from); an ensemble's stacked buffers are
+    plain state, so that gradient would be lost without a word."""
+    made = " (it was computed from a parameter: it has a grad_fn)" if t.grad_fn else ""
+    raise ValueError(
+        f"{where}: member {index}'s buffer `{name}` requires grad{made} (expected buffers "
+        "with requires_grad=False). An ensemble stacks buffers without autograd, so the "
+        "gradient the loop's backward gives it would be lost. Make it a parameter "
+        "(nn.Parameter) if it is to be trained, or register it detached "
+        "(register_buffer(name, tensor.detach())) if not."
+    )
 
 
 class Owners:
