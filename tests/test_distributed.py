@@ -179,6 +179,29 @@ def test_what_is_compared_across_ranks():
     lr_a = describe_optimizer("f", fe.optim.adam(torch.tensor([1e-3, 2e-3])))
     lr_b = describe_optimizer("f", fe.optim.adam(torch.tensor([5e-3])))
     assert lr_a == lr_b  # per-member values: each rank holds its own members'
+
+    # A schedule: by what its closure and defaults hold; not by a global it reads
+    # (scale-out.md says so, and asks for such a value as a setting).
+    def warmup(steps):
+        return lambda count: 1e-3 * torch.clamp((count + 1) / steps, max=1.0)
+
+    def with_default(count, steps=10):
+        return 1e-3 * torch.clamp((count + 1) / steps, max=1.0)
+
+    def with_default_20(count, steps=20):
+        return 1e-3 * torch.clamp((count + 1) / steps, max=1.0)
+
+    def lr_of(schedule):
+        return describe_optimizer("f", fe.optim.adam(schedule))
+
+    assert lr_of(warmup(10)) == lr_of(warmup(10))
+    assert lr_of(warmup(10)) != lr_of(warmup(20))
+    assert lr_of(with_default) != lr_of(with_default_20)
+    global _WARMUP
+    _WARMUP = 10
+    read_global = lr_of(lambda count: 1e-3 * torch.clamp((count + 1) / _WARMUP, max=1.0))
+    _WARMUP = 20
+    assert lr_of(lambda count: 1e-3 * torch.clamp((count + 1) / _WARMUP, max=1.0)) == read_global
     tree = describe_tree({"p": torch.zeros(3, 2), "step": 4, "none": None})
     assert tree == {
         "leaf `['none']`": "None",
