@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -740,3 +741,27 @@ def test_averaging_the_members_losses_divides_each_gradient_by_n():
     averaged = torch.autograd.grad(per_member.mean(), list(ens.parameters()))
     for s, a in zip(summed, averaged, strict=True):
         torch.testing.assert_close(a * 4, s, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("shape", ["linear", "mlp"])
+def test_jit_trace_passes_its_own_check_and_computes_the_ensemble(shape):
+    """torch.jit.trace traces twice (the second time without grad) and compares the
+    graphs: the shared input's layout once depended on grad mode, which failed that
+    check with "Graphs differed across invocations"."""
+    torch.manual_seed(0)
+
+    def make():
+        if shape == "linear":
+            return nn.Linear(8, 4)
+        return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    ens = fe.Ensemble([make() for _ in range(3)])
+    x, fresh = torch.randn(256, 8), torch.randn(100, 8)
+    with runtime_typecheck_off(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings; torch >= 2.9 deprecates trace
+        traced = torch.jit.trace(ens, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(traced(fresh), ens(fresh), rtol=0, atol=0)
+        for p in ens.parameters():
+            p.mul_(2.0)  # the trace holds the ensemble's own tensors
+        torch.testing.assert_close(traced(fresh), ens(fresh), rtol=0, atol=0)
