@@ -6,7 +6,11 @@ Tests of wrong *types* therefore check both: a ``TypeError`` in the test run, an
 funcensemble's own message with the runtime checker off (what users see).
 """
 
+import cmath
+import collections
 import copy
+import functools
+import math
 import re
 import traceback
 
@@ -912,13 +916,21 @@ def _legacy_weight_norm(module: nn.Module) -> nn.Module:
 def test_legacy_hook_based_reparametrizations_are_refused_with_what_to_use(legacy) -> None:
     torch.manual_seed(0)
     members = [legacy(lin(3, 3)) for _ in range(2)]
-    with pytest.raises(
-        ValueError,
-        match=r"member 1 has the root module \(Linear\) with `weight` = a tensor of shape "
-        r"\(3, 3\).*use torch\.nn\.utils\.parametrizations\.weight_norm / spectral_norm "
-        r"instead, or call prune\.remove",
-    ):
-        fe.stack(members)
+    # weight_norm and prune keep `weight` computed from parameters (requires grad): found
+    # on member 0 already, so a one-member ensemble is refused as well.
+    first = r"member 0 \(Linear\) holds a tensor that requires grad in `weight`"
+    later = r"member 1 has the root module \(Linear\) with `weight` = a tensor of shape \(3, 3\)"
+    hint = (
+        r".*use torch\.nn\.utils\.parametrizations\.weight_norm / spectral_norm instead, or "
+        r"call prune\.remove"
+    )
+    for stacked in (members, members[:1]):
+        if legacy is nn.utils.spectral_norm and len(stacked) == 1:
+            continue  # its `weight` attribute is a detached copy: a value like any other
+        with pytest.raises(
+            ValueError, match=(later if legacy is nn.utils.spectral_norm else first) + hint
+        ):
+            fe.stack(stacked)
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -1091,3 +1103,187 @@ def test_an_uninitialized_lazy_module_is_refused_with_what_to_do(build) -> None:
     for m in members:
         m(torch.randn(1, 3))
     build(members)  # initialized by a forward pass: stacks
+
+
+# --- values forward reads that the comparison once let through (each gave a member
+# member 0's value, or another member's tensors, without a word) ----------------------
+
+
+class _Holder(nn.Module):
+    """A Linear and one extra attribute ``value`` that forward multiplies by ``read``."""
+
+    def __init__(self, value: object, read) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = lin(3, 2)
+        self.value = value
+        self.read = read
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l(x) * self.read(self)
+
+
+class _Tagged(list):
+    pass
+
+
+def _tagged(scale: float) -> _Tagged:
+    t = _Tagged([0])
+    t.scale = scale
+    return t
+
+
+def _partial_with(extra: float):
+    f = functools.partial(torch.mul, other=2.0)
+    f.extra = extra
+    return f
+
+
+def _function_with(alpha: float):
+    def act(x):
+        return x * act.alpha
+
+    act.alpha = alpha
+    return act
+
+
+_DIFFERING_VALUES = {
+    # name: (member 0's value, member 1's value, how forward reads a factor from it)
+    "dict-key-bool-vs-int": (
+        {True: 2.0},
+        {1: 2.0},
+        lambda m: float(type(next(iter(m.value))) is bool),
+    ),
+    "set-zero-sign": ({0.0}, {-0.0}, lambda m: math.atan2(next(iter(m.value)), -1.0)),
+    "tensor-zero-sign": (
+        torch.tensor(0.0),
+        torch.tensor(-0.0),
+        lambda m: math.atan2(m.value, -1.0),
+    ),
+    "ndarray-zero-sign": (np.zeros(1), -np.zeros(1), lambda m: math.atan2(m.value[0], -1.0)),
+    "complex-zero-sign": (complex(-1, 0.0), complex(-1, -0.0), lambda m: cmath.phase(m.value)),
+    "defaultdict-factory": (
+        collections.defaultdict(functools.partial(float, 1.0)),
+        collections.defaultdict(functools.partial(float, 2.0)),
+        lambda m: m.value["unseen"],
+    ),
+    "list-subclass-attribute": (_tagged(1.0), _tagged(2.0), lambda m: m.value.scale),
+    "partial-attribute": (_partial_with(1.0), _partial_with(2.0), lambda m: m.value.extra),
+    "function-attribute": (_function_with(1.0), _function_with(3.0), lambda m: m.value(1.0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DIFFERING_VALUES))
+def test_values_that_differ_only_strictly_are_refused(case: str) -> None:
+    a, b, read = _DIFFERING_VALUES[case]
+    members = [_Holder(a, read), _Holder(b, read)]
+    x = torch.randn(4, 3)
+    assert not torch.equal(members[0](x), members[1](x))  # forward tells them apart
+    with pytest.raises(ValueError, match="member 1 has the root module \\(_Holder\\) with `value`"):
+        fe.Ensemble(members)
+
+
+def test_equal_numpy_scalars_are_the_same_value() -> None:
+    read = lambda m: float(m.value)  # noqa: E731
+    members = [_Holder(np.float32(0.5), read), _Holder(np.float32(0.5), read)]
+    fe.Ensemble(members)
+    with pytest.raises(ValueError, match=r"member 1 has the root module \(_Holder\) with `value`"):
+        fe.Ensemble([_Holder(np.float32(0.5), read), _Holder(np.float64(0.5), read)])
+
+
+def test_parameter_order_is_part_of_the_architecture() -> None:
+    class Flat(nn.Module):
+        def __init__(self, first: str) -> None:
+            super().__init__()
+            for name in (first, "b" if first == "a" else "a"):
+                self.register_parameter(name, nn.Parameter(torch.randn(2)))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x * torch.cat(list(self.parameters()))[:2]  # flat-parameter style
+
+    with pytest.raises(
+        ValueError,
+        match=r"member 1 has the root module with parameters \['b', 'a'\]; "
+        r"member 0 has \['a', 'b'\]",
+    ):
+        fe.Ensemble([Flat("a"), Flat("b")])
+
+
+class _Watching(nn.Module):
+    """Keeps its own weight in a list (for a penalty, a log): forward reads it there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = lin(3, 2)
+        self.watch = [self.l.weight]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l(x) * self.watch[0].sum()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("make", [fe.Ensemble, fe.stack, fe.HeteroEnsemble])
+def test_a_reference_to_the_members_own_tensor_outside_its_slots_is_refused(make, n) -> None:
+    """In the one copy every member runs through, `watch[0]` reached the stacked
+    [N, ...] weight: every member multiplied by the sum of all members' weights."""
+    with pytest.raises(
+        ValueError,
+        match=r"member 0 \(_Watching\) holds its parameter `l.weight` in `watch\[0\]`, outside "
+        r"the registered parameters and buffers",
+    ):
+        make([_Watching() for _ in range(n)])
+
+
+def test_a_hook_capturing_the_members_own_tensor_is_refused() -> None:
+    def member() -> nn.Module:
+        m = lin(3, 2)
+        weight = m.weight
+        m.register_forward_hook(lambda mod, args, out: out * weight.sum())
+        return m
+
+    with pytest.raises(
+        ValueError, match=r"holds its parameter `weight` in `forward hook 0 \(its captured values\)"
+    ):
+        fe.Ensemble([member() for _ in range(2)])
+
+
+def test_a_hidden_trainable_module_or_tensor_is_refused() -> None:
+    """A shared encoder kept in a list (out of parameters()): the loop trains it through
+    every member; the ensemble ran a copy, and its gradient was lost."""
+    encoder = lin(3, 3)
+
+    class Head(nn.Module):
+        def __init__(self, hidden: object) -> None:
+            super().__init__()
+            self.l = lin(3, 2)
+            self.hidden = hidden
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.l(x)
+
+    with pytest.raises(
+        ValueError,
+        match=r"member 0 \(Head\) holds a Linear module with trainable tensors in `hidden\[0\]`",
+    ):
+        fe.Ensemble([Head([encoder]) for _ in range(2)])
+    scale = torch.ones(2, requires_grad=True)
+    with pytest.raises(
+        ValueError, match=r"holds a tensor that requires grad in `hidden\['scale'\]`"
+    ):
+        fe.stack([Head({"scale": scale}) for _ in range(2)])
+    frozen = lin(3, 3).requires_grad_(False)  # a frozen one is a value: compared, copied
+    fe.Ensemble([Head([frozen]) for _ in range(2)])
+
+
+def test_a_member_holding_member_0s_submodule_is_refused() -> None:
+    """Member 0 reads its layer through `peer`; so does member 1, but it holds member 0's
+    layer there: the loop runs it through member 0's weights, the ensemble did through
+    its own."""
+    read = lambda m: m.peer[0].weight.sum()  # noqa: E731
+    first, other = _Holder(1.0, read), _Holder(1.0, read)
+    for m in (first, other):
+        m.l.requires_grad_(False)  # frozen: a module a member may hold as a value
+        m.l.weight.data.normal_()
+    first.peer, other.peer = [first.l], [first.l]
+    with pytest.raises(ValueError, match="member 1 has the root module \\(_Holder\\) with `peer`"):
+        fe.Ensemble([first, other])

@@ -14,12 +14,16 @@ from .._core.skeleton import modes, named_tensors
 from .._messages import a, key_difference, submodule
 from . import backward_hooks as _backward_hooks
 from .attributes import (
+    BOOKKEEPING,
+    HOOKS,
+    LEGACY_HINT,
     check_same_state,
     check_same_tree,
     class_names,
     original_class,
     twin_classes,
 )
+from .hidden_tensors import check_no_hidden_tensors
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
 # an obscure "Batching rule not implemented" error or fall back to a per-member loop.
@@ -104,6 +108,7 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                     "until its first forward. Run one forward pass on each member first "
                     "(e.g. module(example_input)), then build the ensemble."
                 )
+    check_no_hidden_tensors(where, index, module, BOOKKEEPING, HOOKS, LEGACY_HINT)
     return module
 
 

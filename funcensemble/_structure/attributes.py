@@ -34,7 +34,7 @@ from .same_value import SameValue, show
 # nn.Module's own bookkeeping: tensors and children (compared as the tree and by the
 # architecture's tensor specs), the train/eval flag (compared as modes), hook tables
 # (compared below, by hook rather than by handle id).
-_HOOKS = {
+HOOKS = {
     "_forward_pre_hooks": "forward pre-hook",
     "_forward_hooks": "forward hook",
     "_backward_pre_hooks": "backward pre-hook",
@@ -50,7 +50,7 @@ _HOOK_FLAGS = {
     "_forward_hooks_always_called": "_forward_hooks",
     "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
 }
-BOOKKEEPING = frozenset({"training", "_parameters", "_buffers", "_modules", *_HOOKS, *_HOOK_FLAGS})
+BOOKKEEPING = frozenset({"training", "_parameters", "_buffers", "_modules", *HOOKS, *_HOOK_FLAGS})
 
 _SAME_ARCHITECTURE = "All members must share one architecture"
 _SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"))
@@ -150,7 +150,7 @@ def check_same_state(where: str, index: int, pairs: Pairs) -> None:
         dict_a, dict_b = vars(a), vars(b)
         for kind, noun in _SLOTS:
             table_a, table_b = dict_a[kind], dict_b[kind]
-            if table_a.keys() != table_b.keys() or any(
+            if list(table_a) != list(table_b) or any(
                 (t is None) is not (table_b[k] is None) for k, t in table_a.items()
             ):
                 raise ValueError(
@@ -212,7 +212,7 @@ def _check_hooks(
     where: str, index: int, path: str, a: nn.Module, b: nn.Module, same: SameValue
 ) -> None:
     dict_a, dict_b = vars(a), vars(b)
-    for table, noun in _HOOKS.items():
+    for table, noun in HOOKS.items():
         hooks_a, hooks_b = dict_a.get(table), dict_b.get(table)
         if not hooks_a and not hooks_b:
             continue
@@ -241,7 +241,7 @@ def _check_hooks(
         positions_b = _flagged(dict_b, flags, table)
         if positions_a != positions_b:
             raise ValueError(
-                f"{where}: member {index} has {_HOOKS[table]}s on {submodule(path)} at "
+                f"{where}: member {index} has {HOOKS[table]}s on {submodule(path)} at "
                 f"positions {positions_b} registered with {flags.split('_hooks_')[1]}; "
                 f"member 0 at {positions_a} (expected positions {positions_a} as member 0, got "
                 f"{positions_b}). Register the same hooks with the same options on every "
@@ -274,7 +274,9 @@ def _check_attributes(
         if name in BOOKKEEPING:
             continue
         vb = dict_b[name]
-        if va is vb or (type(va) is type(vb) and type(va) in _PLAIN and va == vb):
+        if (va is vb and id(va) not in same.own) or (
+            type(va) is type(vb) and type(va) in _PLAIN and va == vb
+        ):
             continue
         if isinstance(va, torch.Generator) and isinstance(vb, torch.Generator):
             raise ValueError(
@@ -305,8 +307,12 @@ def _tensor_hint(va: object, vb: object) -> str:
     return (
         " A tensor stored as a plain attribute is neither stacked nor trained: register "
         "it with register_buffer (or as an nn.Parameter) so that each member keeps its "
-        "own. torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm and "
-        "torch.nn.utils.prune store such attributes: use "
-        "torch.nn.utils.parametrizations.weight_norm / spectral_norm instead, or call "
-        "prune.remove before stacking."
+        f"own. {LEGACY_HINT}"
     )
+
+
+LEGACY_HINT = (
+    "torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm and torch.nn.utils.prune "
+    "store such attributes: use torch.nn.utils.parametrizations.weight_norm / "
+    "spectral_norm instead, or call prune.remove before stacking."
+)

@@ -4,13 +4,17 @@ Used to compare the non-tensor state of ensemble members (attributes, hooks, cap
 values). The rule is strict on purpose: two values are the same only if they have the
 same type and the same contents, so a difference can never slip through unseen:
 
-- numbers, strings, ``None`` and other builtins compare with ``==``; floats are equal
-  when ``==`` holds with the same sign of zero, or when both are NaN;
-- tuples, lists, dicts (keys in order), sets compare element by element;
-- tensors compare by shape, dtype, device and values (NaN equal to NaN);
+- numbers, strings, ``None`` and other builtins compare with ``==``; floats (and the
+  parts of complex numbers) are equal when ``==`` holds with the same sign of zero, or
+  when both are NaN;
+- tuples, lists, dicts (keys in order), sets compare element by element, keys and set
+  elements as strictly as values; a subclass's attributes (and a ``defaultdict``'s
+  factory) are compared too;
+- tensors and NumPy arrays and scalars compare by shape, dtype, device and values (NaN
+  equal to NaN, zeros by sign);
 - functions are the same if they are the same object, or have the same code, defaults,
-  globals and equal captured (closure) values; bound methods, ``functools.partial``
-  and weak references compare what they wrap;
+  globals, attributes and equal captured (closure) values; bound methods,
+  ``functools.partial`` and weak references compare what they wrap;
 - an object with its own ``__eq__`` compares with it; one with its own
   ``__getstate__`` compares the state that copying and pickling see; any other object
   compares its attributes (``__dict__`` and ``__slots__``); an opaque object only
@@ -21,6 +25,7 @@ its counterpart in member 0, so an attribute referring to a member's own submodu
 equals the one referring to member 0's submodule at the same path.
 """
 
+import collections
 import enum
 import functools
 import math
@@ -32,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_BUILTIN_SCALARS = (bool, int, str, bytes, complex, type(None), range, slice, type)
+_BUILTIN_SCALARS = (bool, int, str, bytes, type(None), range, slice, type)
+_BUILTIN_CONTAINERS = frozenset({tuple, list, dict, set, frozenset, collections.OrderedDict})
 _BUILTIN_CALLABLES = (
     types.BuiltinFunctionType,
     types.BuiltinMethodType,
@@ -59,8 +65,8 @@ class SameValue:
         self._visiting: set[tuple[int, int]] = set()
 
     def __call__(self, a: Any, b: Any) -> bool:
-        if a is b:
-            return True
+        if a is b:  # unless member k holds member 0's own submodule or tensor
+            return id(a) not in self.own
         counterpart = self.pairs.get(id(b), b)
         if counterpart is not b or id(a) in self.own:
             return counterpart is a
@@ -81,36 +87,44 @@ class SameValue:
 
     def _compare(self, a: Any, b: Any) -> bool:
         if isinstance(a, float):
-            if math.isnan(a) or math.isnan(b):
-                return math.isnan(a) and math.isnan(b)
-            return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+            return _same_float(a, b)
+        if isinstance(a, complex):
+            return _same_float(a.real, b.real) and _same_float(a.imag, b.imag)
         if isinstance(a, (*_BUILTIN_SCALARS, enum.Enum)):
             return a == b
         if isinstance(a, Tensor):
             return same_tensor(a, b)
         if isinstance(a, (tuple, list)):
-            return self._all(a, b)
+            return self._all(a, b) and self._same_extras(a, b)
         if isinstance(a, dict):
-            return list(a.keys()) == list(b.keys()) and self._all(a.values(), b.values())
+            return (
+                self._all(a.keys(), b.keys())
+                and self._all(a.values(), b.values())
+                and self._same_extras(a, b)
+            )
         if isinstance(a, (set, frozenset)):
-            return a == b
+            # Equal sets whose elements also match strictly ({0.0} is not {-0.0}).
+            return a == b and all(any(self(x, y) for y in b) for x in a) and self._same_extras(a, b)
         if isinstance(a, types.FunctionType):
             return self._same_function(a, b)
         if isinstance(a, types.MethodType):
             return self(a.__func__, b.__func__) and self(a.__self__, b.__self__)
         if isinstance(a, functools.partial):
-            return self(a.func, b.func) and self(a.args, b.args) and self(a.keywords, b.keywords)
+            return (
+                self(a.func, b.func)
+                and self(a.args, b.args)
+                and self(a.keywords, b.keywords)
+                and self._same_extras(a, b)
+            )
         if isinstance(a, weakref.ref):
             return self(a(), b())
         if isinstance(a, _BUILTIN_CALLABLES):
             return a == b
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(a, numpy.ndarray):
-            return (
-                a.dtype == b.dtype
-                and a.shape == b.shape
-                and bool(numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-            )
+            return a.dtype == b.dtype and a.shape == b.shape and _same_array(numpy, a, b)
+        if numpy is not None and isinstance(a, numpy.generic):  # a NumPy scalar
+            return a.dtype == b.dtype and _same_array(numpy, numpy.asarray(a), numpy.asarray(b))
         if type(a).__eq__ is not object.__eq__ and not isinstance(a, torch.nn.Module):
             try:
                 result = a == b
@@ -136,8 +150,20 @@ class SameValue:
         return (
             self(a.__defaults__, b.__defaults__)
             and self(a.__kwdefaults__, b.__kwdefaults__)
+            and self(dict(vars(a)), dict(vars(b)))  # attributes set on the function
             and self._all(cells_a, cells_b)
         )
+
+    def _same_extras(self, a: Any, b: Any) -> bool:
+        """What a container's subclass holds besides its elements: its attributes, and
+        a ``defaultdict``'s factory."""
+        if isinstance(a, collections.defaultdict) and not self(
+            a.default_factory, b.default_factory
+        ):
+            return False
+        if type(a) in _BUILTIN_CONTAINERS:
+            return True
+        return self._same_attributes(a, b) if hasattr(a, "__dict__") else True
 
     def _same_attributes(self, a: Any, b: Any) -> bool:
         slots = [s for c in type(a).__mro__ for s in getattr(c, "__slots__", ())]
@@ -151,6 +177,26 @@ class SameValue:
         return self._all(
             (getattr(a, s, missing) for s in slots), (getattr(b, s, missing) for s in slots)
         )
+
+
+def _same_float(a: float, b: float) -> bool:
+    """Equal with the same sign of zero, or both NaN."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def _same_array(numpy: Any, a: Any, b: Any) -> bool:
+    """Equal NumPy arrays of one dtype and shape: NaN equal to NaN, and the same sign of
+    every zero (``atan2`` and division tell ``-0.0`` from ``0.0``)."""
+    floating = a.dtype.kind in "fc"
+    if not numpy.array_equal(a, b, equal_nan=floating):
+        return False
+    if a.dtype.kind == "f":
+        return bool(numpy.array_equal(numpy.signbit(a), numpy.signbit(b)))
+    if a.dtype.kind == "c":
+        return _same_array(numpy, a.real, b.real) and _same_array(numpy, a.imag, b.imag)
+    return True
 
 
 def _cell(cell: types.CellType) -> Any:
@@ -169,11 +215,15 @@ def same_tensor(a: Tensor, b: Tensor) -> bool:
     a, b = a.detach(), b.detach()
     if a.layout != torch.strided:
         a, b = a.to_dense(), b.to_dense()
-    if torch.equal(a, b):
-        return True
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
-    return False
+    if a.is_complex():
+        return same_tensor(torch.view_as_real(a), torch.view_as_real(b))
+    if not torch.equal(a, b) and not (
+        a.is_floating_point()
+        and bool(torch.isclose(a, b, rtol=0.0, atol=0.0, equal_nan=True).all())
+    ):
+        return False
+    # The same sign of every zero (atan2 and division tell -0.0 from 0.0).
+    return not a.is_floating_point() or torch.equal(torch.signbit(a), torch.signbit(b))
 
 
 def show(value: Any, limit: int = 80) -> str:
