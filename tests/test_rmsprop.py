@@ -182,3 +182,32 @@ def test_float32_matches_torch_rmsprop(in_place):
     assert params["w"].dtype == torch.float32
     expected = torch.stack([p.detach() for p in ref])
     torch.testing.assert_close(params["w"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_members_momentum_set_to_zero_and_back_resumes_its_buffer():
+    """Population-based training sets one member's momentum to 0 for a while:
+    torch.optim.RMSprop leaves that member's buffer as it was and resumes from it. The
+    buffer once took g / avg on those steps (member 0 ended 0.26 off the loop)."""
+    n = 2
+    torch.manual_seed(0)
+    params = {"w": torch.randn(n, 3, dtype=torch.float64)}
+    loop = [torch.nn.Parameter(params["w"][i].clone()) for i in range(n)]
+    opts = [torch.optim.RMSprop([p], lr=0.01, momentum=0.9, foreach=False) for p in loop]
+    per_member = lambda ms: torch.tensor(ms, dtype=torch.float64)  # noqa: E731
+    eo = fe.optim.EnsembleOptimizer(params, fe.optim.rmsprop(0.01, momentum=per_member([0.9] * 2)))
+    g = torch.Generator().manual_seed(1)
+    for momenta in [[0.9, 0.9]] * 3 + [[0.0, 0.9]] * 2 + [[0.9, 0.9]] * 3:
+        eo.transform = fe.optim.rmsprop(0.01, momentum=per_member(momenta))
+        grads = torch.randn(n, 3, dtype=torch.float64, generator=g)
+        for i in range(n):
+            opts[i].param_groups[0]["momentum"] = momenta[i]
+            loop[i].grad = grads[i].clone()
+            opts[i].step()
+        params["w"].grad = grads.clone()
+        eo.step()
+    tol = {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(params["w"], torch.stack([p.detach() for p in loop]), **tol)
+    for i in range(n):
+        torch.testing.assert_close(
+            eo.state[0].momentum_buffer["w"][i], opts[i].state[loop[i]]["momentum_buffer"], **tol
+        )

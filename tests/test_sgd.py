@@ -127,7 +127,7 @@ def test_matches_torch_sgd_per_member(case, in_place):
         momenta = [kw.get("momentum", 0.0) for kw in CASES[case]]
         if count.dim() == 0:
             assert len(set(momenta)) == 1 or 0.0 not in momenta
-            assert count.item() == STEPS
+            assert count.item() == (STEPS if momenta[0] else 0)  # momentum updates taken
         else:
             assert count.tolist() == [STEPS if m else 0 for m in momenta]
         for i, (m, o) in enumerate(zip(ref, ref_opts, strict=True)):
@@ -408,3 +408,35 @@ def test_a_refused_schedule_value_leaves_every_state_as_it_was(make, in_place):
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(params["w"], kept)
+
+
+def test_a_float_zero_momentum_phase_leaves_unstarted_buffers_unstarted():
+    """sgd(momentum=[0, 0.9]), then the float 0, then [0.9, 0.9]: member 0 has never
+    taken a momentum update, so torch.optim.SGD starts its buffer at the gradient
+    itself. The float-0 phase once advanced its count, and it blended 0.9 * 0 + 0.5 * g
+    instead (0.13 off the loop)."""
+    n = 2
+    torch.manual_seed(0)
+    params = {"w": torch.randn(n, 3, dtype=torch.float64)}
+    loop = [torch.nn.Parameter(params["w"][i].clone()) for i in range(n)]
+    opts = [
+        torch.optim.SGD([p], lr=0.1, momentum=m, dampening=0.5)
+        for p, m in zip(loop, [0.0, 0.9], strict=True)
+    ]
+    per_member = lambda ms: torch.tensor(ms, dtype=torch.float64)  # noqa: E731
+    phases = [(per_member([0.0, 0.9]), 2), (0.0, 2), (per_member([0.9, 0.9]), 2)]
+    state = fe.optim.sgd(0.1, momentum=phases[0][0], dampening=0.5).init(params)
+    g = torch.Generator().manual_seed(1)
+    for momentum, steps in phases:
+        opt = fe.optim.sgd(0.1, momentum=momentum, dampening=0.5)
+        for _ in range(steps):
+            grads = torch.randn(n, 3, dtype=torch.float64, generator=g)
+            for i in range(n):
+                m = float(momentum[i]) if isinstance(momentum, torch.Tensor) else momentum
+                opts[i].param_groups[0]["momentum"] = m
+                loop[i].grad = grads[i].clone()
+                opts[i].step()
+            state = opt.update_({"w": grads}, state, params)
+    want = torch.stack([p.detach() for p in loop])
+    torch.testing.assert_close(params["w"], want, rtol=1e-12, atol=1e-14)
+    assert state[0].count["w"].tolist() == [2.0, 4.0]  # momentum updates each member took

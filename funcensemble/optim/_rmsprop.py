@@ -140,11 +140,14 @@ def _rmsprop_direction(
                 if buffered:
                     m = _view(momentum, g)
                     b = bufs[i].mul(m).addcdiv_(g, avg)
-                    if isinstance(m, Tensor):
-                        # A member with momentum 0 keeps no buffer in torch.optim.
-                        b = torch.where(m == 0, g / avg, b)
-                    new_bufs[i] = b
                     out[i] = b
+                    if isinstance(m, Tensor):
+                        # A member with momentum 0 steps along g / avg, and torch.optim
+                        # leaves its buffer as it was (its momentum may come back).
+                        still = m == 0
+                        out[i] = torch.where(still, g / avg, b)
+                        b = torch.where(still, bufs[i], b)
+                    new_bufs[i] = b
                 else:
                     out[i] = g / avg
                 new_steps[i] = steps[i] + 1

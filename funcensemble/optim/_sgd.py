@@ -133,9 +133,10 @@ def _sgd_direction(
             else:
                 new_counts = [counts[i] + 1 for i in active]
             if not buffered:
+                # No momentum update: every count stays, so a member whose buffer never
+                # started still starts it afresh under a transform with momentum later.
                 out = spec.unflatten(scatter([None] * len(counts), active, d))
-                new_count = spec.unflatten(scatter(counts, active, new_counts))
-                return out, SGDState(new_count, state.momentum_buffer)
+                return out, SGDState(state.count, state.momentum_buffer)
             old = [bufs[i] for i in active]
             m = per_leaf(momentum, gs)
             od = per_leaf(one_minus_d, gs)
