@@ -7,6 +7,7 @@ from jaxtyping import Int
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from ._messages import boolean
 from ._messages import positive_int as _positive_int
 
 
@@ -49,6 +50,7 @@ def bootstrap_indices(
         (torch.Size([5, 100]), True)
     """
     where = "bootstrap_indices"
+    boolean(where, "replace", replace)
     _positive_int(where, "num_members", num_members)
     _positive_int(where, "num_samples", num_samples)
     size = num_samples if sample_size is None else sample_size
@@ -104,6 +106,8 @@ class BaggingSampler(Sampler[list[int]]):
         generator: torch.Generator | None = None,
     ) -> None:
         self.batch_size = _positive_int("BaggingSampler", "batch_size", batch_size)
+        boolean("BaggingSampler", "drop_last", drop_last)
+        boolean("BaggingSampler", "replace", replace)
         self.generator = generator
         self.drop_last = drop_last
         self.indices = bootstrap_indices(

@@ -265,14 +265,16 @@ def subset_min(
 
 def _log_probs(where: str, logits: object) -> Tensor:
     logits = _check(where, logits, floating=True, min_dims=2)
-    # A masked class (-inf logit) becomes the most negative finite value: its
-    # probability still underflows to exactly 0, but every log stays finite, so no
-    # 0 * inf = NaN reaches the values or the gradients.
+    # A masked class (-inf logit) gets the most negative finite log-probability: its
+    # probability is still exactly 0, but every log stays finite, so no 0 * inf = NaN
+    # reaches the values or the gradients. The floor goes on the log-probabilities: on
+    # the logits, log_softmax's subtraction of the row's maximum would overflow it back
+    # to -inf (float16 logits of 16 and more did).
     # A row with every class masked has no distribution: NaN, as softmax gives it
-    # (clamped, it would pass for a uniform one).
+    # (floored, it would pass for a uniform one).
     empty = torch.isneginf(logits).all(dim=-1, keepdim=True)
-    logits = logits.clamp(min=torch.finfo(logits.dtype).min)
-    return torch.log_softmax(logits, dim=-1).masked_fill(empty, math.nan)
+    log_probs = torch.log_softmax(logits, dim=-1).clamp(min=torch.finfo(logits.dtype).min)
+    return log_probs.masked_fill(empty, math.nan)
 
 
 def _average(log_probs: Tensor) -> Tensor:
@@ -394,7 +396,9 @@ def disagreement(
 
     Member i predicts ``argmax_c logits_i``; the ensemble predicts ``argmax_c`` of
     [`mean_probs`][funcensemble.reduce.mean_probs] (the averaged probabilities, not a
-    majority vote). Ties go to the lowest class index. The result lies in
+    majority vote). Ties between the computed values go to the lowest class index; the
+    averaged probabilities are computed in log space and rounded, so classes that tie
+    exactly in real numbers may come out an ulp apart there. The result lies in
     ``[0, 1]``: 1 where the averaged probabilities pick a class no member votes for
     (member votes 0 and 2, ensemble class 1). It has the dtype of ``logits`` and,
     being piecewise constant, carries no gradient. For a regression ensemble,

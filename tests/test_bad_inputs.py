@@ -1758,6 +1758,20 @@ register_simple(
 register_simple(
     "BaggingSampler-zero-batch", ValueError, "batch_size", lambda: fe.BaggingSampler(3, 10, 0)
 )
+# Flags given as strings once went by their truth value: "no" drew with replacement.
+register_simple(
+    "bootstrap_indices-replace-str",
+    TypeError,
+    "bootstrap_indices: replace must be a bool",
+    lambda: fe.bootstrap_indices(3, 10, replace="no"),
+)
+for _flag in ("drop_last", "replace"):
+    register_simple(
+        f"BaggingSampler-{_flag}-str",
+        TypeError,
+        f"BaggingSampler: {_flag} must be a bool",
+        lambda f=_flag: fe.BaggingSampler(3, 10, 2, **{f: "no"}),
+    )
 
 # --- fe.distributed (one process, no process group) -----------------------------------------
 

@@ -335,6 +335,26 @@ def test_masked_classes() -> None:
             assert (grad[..., 5] == 0).all() and grad[1, 0, 2] == 0
 
 
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float16, 16.0), (torch.float32, 1e33)])
+def test_masked_classes_beside_large_logits_stay_finite(dtype, scale) -> None:
+    """The floor once went on the logits: log_softmax's subtraction of the row maximum
+    then overflowed it back to -inf, and the entropies were NaN (float16 logits of 16)."""
+    logits = torch.tensor(
+        [[-math.inf, scale, 0.0], [-math.inf, 0.0, scale]], dtype=dtype, requires_grad=True
+    )
+    kept = logits.detach()[..., 1:].double()
+    assert (fe.reduce.mean_log_probs(logits)[..., 0] == torch.finfo(dtype).min).all()
+    for fn in CLASSIFIER_FNS[2:]:
+        out = fn(logits)
+        assert torch.isfinite(out).all(), fn.__name__
+        want = fn(kept).to(dtype)
+        got = out[..., 1:] if out.shape[-1:] == (3,) else out
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        if out.requires_grad:
+            (grad,) = torch.autograd.grad(out.sum(), logits)
+            assert torch.isfinite(grad).all() and (grad[..., 0] == 0).all(), fn.__name__
+
+
 def test_disagreement_fractions() -> None:
     # Members vote 0, 0, 1, 2 on input 0 and all vote 1 on input 1.
     logits = torch.tensor(

@@ -205,8 +205,8 @@ def run(
         h = x.reshape(-1, x.shape[-1]).t()  # shared by all members: [in, rows]
         if torch.is_grad_enabled() or torch.jit.is_tracing():
             # (torch.jit.trace checks its trace by tracing again without grad: one
-            # graph either way.) Row-major [in, rows] (a copy of x, small next to the layer): autograd
-            # then computes the first layer's dW = g @ h^T and dx = W^T @ g in the
+            # graph either way.) Row-major [in, rows] (a copy of x, small next to the
+            # layer): autograd then computes the first layer's dW = g @ h^T and dx = W^T @ g in the
             # orientation BLAS runs fast. On the transposed view of x both are thin
             # GEMMs several times slower (measured at [1280 x 4] weights and 256 rows,
             # one thread: 388 us vs 88 us for dW, 426 us vs 63 us for dx); the
