@@ -8,6 +8,7 @@ buffers and optimizer state, over several steps.
 
 import copy
 
+import optree
 import pytest
 import torch
 from helpers import assert_trees_close, runtime_typecheck_off
@@ -598,3 +599,21 @@ def test_member_surgery_on_a_hetero_layout_is_refused_not_done_within_each_group
     with pytest.raises(ValueError, match=groups):
         fe.optim.select(opt.transform, opt.state, [1, 0])
     assert_trees_close(opt.state, before, rtol=0, atol=0)
+
+
+def test_a_later_groups_refusal_leaves_every_group_unchanged():
+    """The groups step one after another: group 1's refusal (its state no longer
+    matches its parameters' dtype) once came after group 0 had stepped."""
+    torch.manual_seed(0)
+    hens = fe.HeteroEnsemble([nn.Linear(3, 2), nn.Linear(3, 4), nn.Linear(3, 2), nn.Linear(3, 4)])
+    opt = fe.optim.EnsembleOptimizer(hens, fe.optim.adam(lr=0.1))
+    hens.groups[1].double()  # after the optimizer was built: its state is float32
+    x = torch.randn(8, 3)
+    sum(g(x.to(next(g.parameters()).dtype)).pow(2).mean() for g in hens.groups).backward()
+    params = {k: v.detach().clone() for k, v in hens.stacked_params().items()}
+    state = optree.tree_map(torch.clone, opt.state)
+    with pytest.raises(ValueError, match=r"adam: state.mu for params\['groups.1.stacked.bias'\]"):
+        opt.step()
+    for k, v in hens.stacked_params().items():
+        assert torch.equal(v, params[k]), k
+    assert optree.tree_all(optree.tree_map(torch.equal, opt.state, state))

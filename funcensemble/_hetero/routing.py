@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 
@@ -181,10 +182,22 @@ def grouped(
         g_parts = _split(where, "grads", grads, keys)
         p_parts = _split(where, "params", params, keys)
         _check_grads(where, g_parts, p_parts)
-        states = [
-            t.update_(g, s, p)
-            for t, g, s, p in zip(per_group, g_parts, state, p_parts, strict=True)
-        ]
+        # Each group's update_ checks before it writes; so that a later group's refusal
+        # leaves the earlier groups as they were too, their parameters and state are
+        # copied before they step (the last group's never need to be) and put back.
+        saved: list[tuple[Tensor, Tensor]] = []
+        states = []
+        try:
+            for k, (t, g, s, p) in enumerate(zip(per_group, g_parts, state, p_parts, strict=True)):
+                if k < len(per_group) - 1:
+                    leaves = optree.tree_leaves((p, s), none_is_leaf=False)
+                    saved += [(x, x.clone()) for x in leaves if isinstance(x, Tensor)]
+                states.append(t.update_(g, s, p))
+        except BaseException:
+            with torch.no_grad():
+                for x, copy in saved:
+                    x.copy_(copy)
+            raise
         return dict.fromkeys(grads), tuple(states)
 
     out = GradientTransformation(init, update, update_inplace)
