@@ -617,3 +617,42 @@ def test_a_later_groups_refusal_leaves_every_group_unchanged():
     for k, v in hens.stacked_params().items():
         assert torch.equal(v, params[k]), k
     assert optree.tree_all(optree.tree_map(torch.equal, opt.state, state))
+
+
+@pytest.mark.parametrize("route", ["state_dict", "fe.save"])
+def test_per_member_counts_of_groups_of_different_sizes_resume(route, tmp_path):
+    """A per-member momentum holding 0 gives each group one count per member ([3] and
+    [2]); loading into a fresh optimizer once took group 0's size for every group and
+    refused group 1's counts as "saved with a different member count"."""
+    torch.manual_seed(0)
+    members = [nn.Linear(3, 2), nn.Linear(3, 4), nn.Linear(3, 2), nn.Linear(3, 4), nn.Linear(3, 2)]
+    hens, twin = fe.HeteroEnsemble(members), fe.HeteroEnsemble(copy.deepcopy(members))
+    momentum = torch.tensor([0.0, 0.0, 0.9, 0.5, 0.0])
+
+    def optimizer(ens):
+        return fe.optim.EnsembleOptimizer(
+            ens, ens.optimizer(fe.optim.sgd, lr=0.1, momentum=momentum)
+        )
+
+    x = torch.randn(8, 3)
+
+    def step(ens, opt):
+        opt.zero_grad()
+        sum(o.pow(2).mean() for o in ens(x, stack=False)).backward()
+        opt.step()
+
+    opt, twin_opt = optimizer(hens), optimizer(twin)
+    for ens, o in ((hens, opt), (twin, twin_opt)):
+        step(ens, o)
+    assert opt.state[1][0].count["groups.1.stacked.bias"].shape == (2,)
+    resumed = optimizer(twin)
+    if route == "state_dict":
+        resumed.load_state_dict(opt.state_dict())
+    else:
+        fe.save(tmp_path / "opt.safetensors", opt)
+        fe.load(tmp_path / "opt.safetensors", resumed)
+    for _ in range(3):
+        step(hens, opt)
+        step(twin, resumed)
+    for k, v in hens.stacked_params().items():
+        assert torch.equal(v, twin.stacked_params()[k]), k

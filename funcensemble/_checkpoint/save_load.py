@@ -75,18 +75,27 @@ def _contents(where: str, obj: Any) -> _Contents:
     return _Contents("pytree", leaves, treedef, "the template")
 
 
-def _count_paths(where: str, obj: Any) -> tuple[set[str], int | None]:
-    """The paths of ``obj``'s optimizer step counts, and the member count.
+def _count_paths(where: str, obj: Any) -> tuple[dict[str, int | None], int | None]:
+    """The paths of ``obj``'s optimizer step counts (each with its member count where
+    it has its own), and the member count.
 
     A step count is one tensor shared by the members (0-dim) while they have all
     stepped together, and one per member (``[N]``) once members joined later
     (``concat``); a checkpoint of either loads into an optimizer state of either.
     """
+    own: dict[str, int | None] = {}
     if isinstance(obj, EnsembleOptimizer):
         # state_dict() lists the state's leaves in their flattening order.
         keys = obj.state_dict()["state"]
-        marked = {"state": dict(zip(keys, count_mask(obj.state), strict=True))}
+        mask = count_mask(obj.state)
+        marked = {"state": dict(zip(keys, mask, strict=True))}
         n: int | None = obj._num_members() if obj.params else None
+        # A count's member count is its parameter's (a HeteroEnsemble's groups differ).
+        _, spec = optree.tree_flatten(obj.state, none_is_leaf=True)
+        for key, path, is_count in zip(keys, spec.paths(), mask, strict=True):
+            named = obj.params.get(path[-1]) if path and isinstance(path[-1], str) else None
+            if is_count and isinstance(named, Tensor) and named.dim():
+                own[key] = named.shape[0]
     else:
         leaves, spec = optree.tree_flatten(obj, none_is_leaf=True)
         mask = count_mask(obj)
@@ -98,15 +107,23 @@ def _count_paths(where: str, obj: Any) -> tuple[set[str], int | None]:
         }
         n = sizes.pop() if len(sizes) == 1 else None
     flags, _ = flatten_by_key(where, marked, (bool,), "a flag")
-    return {path for path, is_count in flags.items() if is_count}, n
+    sizes = {}
+    if own:  # the same paths as the flags', with each count's own member count
+        by_key = {"state": {k: own.get(k, -1) for k in marked["state"]}}
+        sizes, _ = flatten_by_key(where, by_key, (int,), "a member count")
+    return {
+        path: (sizes[path] if sizes.get(path, -1) >= 0 else n)
+        for path, is_count in flags.items()
+        if is_count
+    }, n
 
 
 def _counts_as_saved(
-    contents: _Contents, counts: set[str], n: int | None, tensors: dict[str, Tensor]
+    contents: _Contents, counts: dict[str, int | None], n: int | None, tensors: dict[str, Tensor]
 ) -> _Contents:
     """``contents`` with each step count in the layout the file has (see ``_count_paths``)."""
     leaves = dict(contents.leaves)
-    for path in counts:
+    for path, n in counts.items():
         mine, saved = leaves.get(path), tensors.get(path)
         if (
             isinstance(mine, Tensor)

@@ -189,10 +189,10 @@ class EnsembleOptimizer:
                 f"{where}: the state does not match this optimizer: it {difference}. It was "
                 "saved from a different transform or set of parameters."
             )
-        n = self._num_members() if self.params else None
+        n_all = self._num_members() if self.params else None
         counts = count_mask(self.state)
         new = []
-        for key, mine, is_count in zip(keys, leaves, counts, strict=True):
+        for key, path, mine, is_count in zip(keys, spec.paths(), leaves, counts, strict=True):
             value = loaded[key]
             if mine is None or value is None:
                 if mine is not value:
@@ -203,6 +203,9 @@ class EnsembleOptimizer:
                     )
                 new.append(None)
                 continue
+            # A count's member count: its parameter's (a HeteroEnsemble's groups differ).
+            named = self.params.get(path[-1]) if path and isinstance(path[-1], str) else None
+            n = named.shape[0] if isinstance(named, Tensor) and named.dim() else n_all
             if (
                 is_count
                 and isinstance(value, Tensor)
