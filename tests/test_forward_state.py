@@ -6,6 +6,7 @@ another shape, and an in-place change to an input all members share are refused.
 """
 
 import copy
+import random
 from typing import ClassVar
 
 import pytest
@@ -281,6 +282,58 @@ def test_python_attributes_changed_by_forward_end_as_each_loop_member(face, chun
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
         assert skeleton.calls == loop[0].calls == call + 1
         assert skeleton.log == loop[0].log == ["call"] * (call + 1)
+
+
+class _Schedule:
+    def __init__(self) -> None:
+        self.step = 0
+
+
+class _NestedState(nn.Module):
+    """Python state changed inside what attributes hold: an object's field, a list in a
+    dict, a random.Random. Chunks once saw only the attributes themselves, so later
+    chunks started from what earlier ones left (0.18 off the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.schedule = _Schedule()
+        self.history = {"calls": [0]}
+        self.rng = random.Random(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.schedule.step += 1
+        self.history["calls"][0] += 1
+        scale = min(1.0, self.schedule.step / 10) * self.rng.random()
+        return self.lin(x) * scale * self.history["calls"][0]
+
+
+@pytest.mark.parametrize("face", ["Ensemble", "vmap", "value_and_grad"])
+def test_state_changed_inside_attributes_is_replayed_per_chunk(face):
+    torch.manual_seed(0)
+    loop = [_NestedState().double() for _ in range(N)]
+    members = copy.deepcopy(loop)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    if face == "Ensemble":
+        ens = fe.Ensemble(members, chunk_size=2)
+        skeleton = ens.stacked
+    else:
+        fmodel, params, buffers = fe.stack(members)
+        skeleton = fmodel.skeleton
+    for _ in range(2):
+        want = torch.stack([m(x) for m in loop])
+        if face == "Ensemble":
+            got = ens(x)
+        elif face == "vmap":
+            got = fe.vmap(fmodel, chunk_size=2)(params, buffers, x)
+        else:
+            loss = fe.value_and_grad(lambda p, b, x: (fmodel(p, b, x) ** 2).sum(), chunk_size=2)
+            got = loss(params, buffers, x)[0]
+            want = (want**2).sum(dim=(1, 2))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert skeleton.schedule.step == loop[0].schedule.step == 2
+    assert skeleton.history == loop[0].history == {"calls": [2]}
+    assert skeleton.rng.getstate() == loop[0].rng.getstate()
 
 
 def test_attributes_that_end_differently_in_two_chunks_are_refused_and_put_back():

@@ -12,39 +12,68 @@ must end where the first chunk ended: then the skeleton ends as each loop member
 A chunk that ends otherwise would give members states one skeleton cannot hold; the
 call is refused with the attributes put back. Only non-tensor attributes are tracked
 here (torch's own tables aside): tensors are the buffers' and ``forward_state``'s.
-Containers (lists, dicts, sets) are compared and put back by their contents too.
+What an attribute holds is copied deeply (a counter inside a schedule object, a nested
+list, a ``random.Random``'s state) and compared strictly; lists, dicts and sets are put
+back in place, other objects as fresh copies. An object ``deepcopy`` refuses (a lock) is
+compared and put back by identity only.
 """
 
 import contextlib
 import contextvars
+import copy
+import enum
+import types
 from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
 
+from .same_value import SameValue
+
 # nn.Module's own tables (parameters, buffers, submodules, hooks) and its train flag.
 _TORCH_OWN = frozenset(vars(nn.Module()))
-_NO_CONTENTS = object()
+# Values that cannot change in place, or that are kept by reference (tensors are the
+# buffers' and forward_state's; modules are tracked as such).
+_BY_REFERENCE = (
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+    type,
+    enum.Enum,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.ModuleType,
+    Tensor,
+    nn.Module,
+)
+_SAME = object()  # held by reference: nothing inside it to put back
+_UNCOPYABLE = object()  # deepcopy refused it: kept by reference, as a last resort
 
-Snapshot = dict[str, tuple[Any, Any]]  # name -> (value, its contents if a container)
+# name -> (the value, a copy of what it holds then, or _SAME / _UNCOPYABLE)
+Snapshot = dict[str, tuple[Any, Any]]
 
 
-def _contents(value: Any) -> Any:
-    if type(value) is list:
-        return list(value)
-    if type(value) is dict:
-        return dict(value)
-    if type(value) is set:
-        return set(value)
-    return _NO_CONTENTS
+def _held(value: Any, memo: dict[int, Any]) -> Any:
+    """A deep copy of what ``value`` holds (nested lists, dicts, objects: a counter in a
+    schedule object, a ``random.Random``), sharing its tensors and modules."""
+    if isinstance(value, _BY_REFERENCE):
+        return _SAME
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # a lock, a file: what can be compared is its identity
+        return _UNCOPYABLE
 
 
 def _tracked(name: str, value: Any) -> bool:
     return name not in _TORCH_OWN and not isinstance(value, Tensor)
 
 
-def _snapshot(module: nn.Module) -> Snapshot:
-    return {k: (v, _contents(v)) for k, v in vars(module).items() if _tracked(k, v)}
+def _snapshot(module: nn.Module, memo: dict[int, Any]) -> Snapshot:
+    return {k: (v, _held(v, memo)) for k, v in vars(module).items() if _tracked(k, v)}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -57,28 +86,50 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _differs(a: Snapshot, b: Snapshot) -> str | None:
-    """The first attribute whose value (or contents) differs between ``a`` and ``b``."""
+    """The first attribute whose value (or what it holds) differs between ``a`` and ``b``."""
+    strict = SameValue({}, set())
     for name in sorted(a.keys() | b.keys()):
         if name not in a or name not in b:
             return name
-        (va, ca), (vb, cb) = a[name], b[name]
-        if not _same(va, vb) or not _same(ca, cb):
+        (va, ha), (vb, hb) = a[name], b[name]
+        if ha is _SAME or hb is _SAME or ha is _UNCOPYABLE or hb is _UNCOPYABLE:
+            if not _same(va, vb):
+                return name
+        elif not strict(ha, hb):
             return name
     return None
 
 
-def _restore(module: nn.Module, snap: Snapshot) -> None:
+def _restore(module: nn.Module, snap: Snapshot, memo: dict[int, Any]) -> None:
+    """Put back the attributes as ``snap`` holds them (from fresh copies, so that the
+    snapshot serves every chunk)."""
     current = vars(module)
     for name in [k for k, v in current.items() if _tracked(k, v) and k not in snap]:
         del current[name]
-    for name, (value, contents) in snap.items():
-        if contents is not _NO_CONTENTS:  # the same container, its old contents
+    for name, (value, held) in snap.items():
+        if held is _SAME or held is _UNCOPYABLE:
+            current[name] = value
+            continue
+        fresh = copy.deepcopy(held, memo)
+        if type(value) is list:  # the same container (others may hold it), old contents
+            value[:] = fresh
+        elif type(value) in (dict, set):
             value.clear()
-            if type(value) is list:
-                value.extend(contents)
-            else:
-                value.update(contents)
+            value.update(fresh)
+        else:
+            value = fresh
         current[name] = value
+
+
+def _shared(modules: list[nn.Module]) -> dict[int, Any]:
+    """A deepcopy memo that keeps the skeleton's modules and tensors themselves."""
+    memo: dict[int, Any] = {}
+    for m in modules:
+        memo[id(m)] = m
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                memo[id(t)] = t
+    return memo
 
 
 class _Call:
@@ -91,16 +142,24 @@ class _Call:
         self.first_end: dict[int, Snapshot] | None = None
 
     def seen(self, skeleton: nn.Module) -> None:
-        for sub in skeleton.modules():
-            if id(sub) not in self.before:
-                self.before[id(sub)] = (sub, _snapshot(sub))
+        subs = [sub for sub in skeleton.modules() if id(sub) not in self.before]
+        if not subs:
+            return
+        memo = _shared(list(skeleton.modules()))
+        for sub in subs:
+            self.before[id(sub)] = (sub, _snapshot(sub, memo))
+
+    def _memo(self) -> dict[int, Any]:
+        return _shared([sub for sub, _ in self.before.values()])
 
     def _now(self) -> dict[int, Snapshot]:
-        return {key: _snapshot(sub) for key, (sub, _) in self.before.items()}
+        memo = self._memo()
+        return {key: _snapshot(sub, memo) for key, (sub, _) in self.before.items()}
 
     def put_back(self) -> None:
+        memo = self._memo()
         for sub, snap in self.before.values():
-            _restore(sub, snap)
+            _restore(sub, snap, memo)
 
     def next_chunk(self) -> None:
         """Before every chunk after the first: check the chunk before, then start anew."""
