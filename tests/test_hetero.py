@@ -656,3 +656,23 @@ def test_per_member_counts_of_groups_of_different_sizes_resume(route, tmp_path):
         step(twin, resumed)
     for k, v in hens.stacked_params().items():
         assert torch.equal(v, twin.stacked_params()[k]), k
+
+
+def test_a_functional_group_state_with_per_member_counts_loads_into_its_template(tmp_path):
+    """The functional face's state (a pytree): fe.load once took one member count for
+    every group's counts, and refused group 0's [3] counts."""
+    torch.manual_seed(0)
+    members = [nn.Linear(3, 2), nn.Linear(3, 4), nn.Linear(3, 2), nn.Linear(3, 4), nn.Linear(3, 2)]
+    hens = fe.HeteroEnsemble(members)
+    opt = hens.optimizer(fe.optim.sgd, lr=0.1, momentum=torch.tensor([0.0, 0.0, 0.9, 0.5, 0.0]))
+    params = {k: v.detach() for k, v in hens.stacked_params().items()}
+    state = opt.update_(
+        {k: torch.randn_like(v) for k, v in params.items()}, opt.init(params), params
+    )
+    assert [s[0].count[f"groups.{g}.stacked.bias"].shape for g, s in enumerate(state)] == [
+        (3,),
+        (2,),
+    ]
+    fe.save(tmp_path / "state.safetensors", state)
+    loaded = fe.load(tmp_path / "state.safetensors", opt.init(params))
+    assert optree.tree_all(optree.tree_map(torch.equal, loaded, state))

@@ -25,7 +25,7 @@ from .._hetero.ensemble import HeteroEnsemble
 from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
 from ..optim._ensemble_optimizer import EnsembleOptimizer
-from ..optim._members import count_mask
+from ..optim._members import count_mask, count_sizes
 from .file import (
     VALUE_TYPES,
     Spec,
@@ -100,17 +100,21 @@ def _count_paths(where: str, obj: Any) -> tuple[dict[str, int | None], int | Non
         leaves, spec = optree.tree_flatten(obj, none_is_leaf=True)
         mask = count_mask(obj)
         marked = optree.tree_unflatten(spec, mask)
-        sizes = {
+        # Each count's own member count (a HeteroEnsemble's group states differ in N).
+        own_sizes = optree.tree_unflatten(spec, count_sizes(obj))
+        leading = {
             leaf.shape[0]
             for leaf, is_count in zip(leaves, mask, strict=True)
             if isinstance(leaf, Tensor) and leaf.dim() > 0 and not is_count
         }
-        n = sizes.pop() if len(sizes) == 1 else None
+        n = leading.pop() if len(leading) == 1 else None
     flags, _ = flatten_by_key(where, marked, (bool,), "a flag")
-    sizes = {}
+    sizes: dict[str, Any] = {}
     if own:  # the same paths as the flags', with each count's own member count
         by_key = {"state": {k: own.get(k, -1) for k in marked["state"]}}
         sizes, _ = flatten_by_key(where, by_key, (int,), "a member count")
+    elif not isinstance(obj, EnsembleOptimizer):
+        sizes, _ = flatten_by_key(where, own_sizes, (int,), "a member count")
     return {
         path: (sizes[path] if sizes.get(path, -1) >= 0 else n)
         for path, is_count in flags.items()

@@ -228,6 +228,34 @@ def _counts(tree: Any) -> list[Any]:
     return out
 
 
+def count_sizes(tree: Any) -> list[int]:
+    """For each leaf of ``tree`` (``None`` included): for a step count, the member count
+    of its state (the leading size of the state's other tensors), else -1; -1 too where
+    the state has no other tensor with a member axis."""
+
+    def size(node: Any) -> Any:
+        if type(node) not in _COUNTED:
+            return optree.tree_map(lambda _: -1, node, none_is_leaf=True)
+        field = _COUNTED[type(node)]
+        others = [
+            leaf
+            for f, v in zip(node._fields, node, strict=True)
+            if f != field
+            for leaf in optree.tree_leaves(v)
+            if isinstance(leaf, Tensor) and leaf.dim() > 0
+        ]
+        n = others[0].shape[0] if others else -1
+        return type(node)(
+            *(
+                optree.tree_map(lambda _, f=f: n if f == field else -1, v, none_is_leaf=True)
+                for f, v in zip(node._fields, node, strict=True)
+            )
+        )
+
+    sized = optree.tree_map(size, tree, is_leaf=_is_counted, none_is_leaf=True)
+    return optree.tree_leaves(sized, none_is_leaf=True)
+
+
 def count_mask(tree: Any) -> list[bool]:
     """For each leaf of ``tree`` (``None`` included), whether it is a step count."""
 
