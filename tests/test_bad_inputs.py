@@ -939,6 +939,17 @@ CASES += [
         "`stacked.2.bias` has dtype torch.int64",
     ),
     Bad(
+        # Sparse values passed the checks, and copy_ failed after earlier keys' writes.
+        "load_state_dict-sparse",
+        _ens_call(
+            lambda e: e.load_state_dict(
+                _state_with(e, "stacked.2.bias", torch.zeros(3, 2, dtype=torch.float64).to_sparse())
+            )
+        ),
+        ValueError,
+        r"`stacked.2.bias` is a torch.sparse_coo tensor in the state_dict \(expected a dense",
+    ),
+    Bad(
         "load_state_dict-non-tensor",
         _ens_call(lambda e: e.load_state_dict(_state_with(e, "stacked.2.bias", [[0.0, 0.0]] * 3))),
         TypeError,
@@ -1032,6 +1043,13 @@ CASES += [
         _import(_edit(2, "2.bias", torch.zeros(5, dtype=torch.float64))),
         ValueError,
         r"member 2.*`2.bias`.*\(5,\)",
+    ),
+    Bad(
+        # Sparse values passed the checks, and copy_ failed after earlier members' writes.
+        "import-sparse-member-2",
+        _import(_edit(2, "2.bias", torch.zeros(2, dtype=torch.float64).to_sparse())),
+        ValueError,
+        r"member 2 has `2.bias` as a torch.sparse_coo tensor \(expected a dense",
     ),
     Bad(
         "import-missing-key-member-1",

@@ -765,3 +765,39 @@ def test_jit_trace_passes_its_own_check_and_computes_the_ensemble(shape):
         for p in ens.parameters():
             p.mul_(2.0)  # the trace holds the ensemble's own tensors
         torch.testing.assert_close(traced(fresh), ens(fresh), rtol=0, atol=0)
+
+
+def test_torch_tools_that_see_the_stacked_tensors_do_as_faces_md_says():
+    """faces.md, "Torch tools that see the stacked tensors": what each does."""
+    torch.manual_seed(0)
+    n = 8
+    ens = fe.Ensemble([nn.Linear(100, 10) for _ in range(n)])
+    # Initialization computes its fan from the stacked [N, 10, 100] weight: 10 * 100.
+    ens.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+    weight = ens.stacked_params()["weight"]
+    assert weight.abs().max() <= 1 / math.sqrt(10 * 100)
+    assert nn.Linear(100, 10).weight.abs().max() > 1 / math.sqrt(10 * 100)  # alone: 1/10
+    # GradScaler: one member's non-finite gradient skips every member's step.
+    opt = torch.optim.SGD(ens.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(4, 100)
+    loss = ens(x).sum(dim=(1, 2))
+    scaler.scale(loss.sum()).backward()
+    ens.stacked_params()["bias"].grad[3, 0] = math.inf  # member 3 alone diverged
+    before = {k: v.detach().clone() for k, v in ens.stacked_params().items()}
+    scaler.step(opt)
+    for k, v in ens.stacked_params().items():
+        assert torch.equal(v, before[k]), k  # no member stepped
+    # A parametrization added after building takes the member axis as a weight dim.
+    torch.nn.utils.parametrizations.weight_norm(ens.stacked)
+    assert ens.stacked.parametrizations.weight.original0.shape == (n, 1, 1)
+    # A hook on a submodule of ens.stacked sees one member's tensor, no member axis.
+    mlp = fe.Ensemble([nn.Sequential(nn.Linear(3, 5), nn.ReLU()) for _ in range(n)])
+    seen = []
+    mlp.stacked[0].register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    assert mlp(torch.randn(4, 3)).shape == (n, 4, 5)
+    assert seen == [(4, 5)]
+    # channels_last for a convolutional ensemble: its stacked weights are 5-d.
+    conv = fe.Ensemble([nn.Conv2d(3, 4, 3) for _ in range(2)])
+    with pytest.raises(RuntimeError, match="channels_last"):
+        conv.to(memory_format=torch.channels_last)

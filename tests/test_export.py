@@ -275,3 +275,17 @@ def test_import_runs_the_members_state_dict_hooks_as_load_state_dict(dtype):
     with pytest.raises(ValueError, match=r"member 1's state_dict does not load .*bias"):
         fe.import_state_dicts(ens, bad)
     assert_trees_equal(ens.stacked_params(), before)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_ensemble_state_dict_with_extra_state_loads_back(strict) -> None:
+    """The checks read `.shape` of every entry: a module's non-tensor extra state raised
+    AttributeError, where a plain module round-trips its own state_dict."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([WithExtraState(2.0) for _ in range(3)])
+    saved = ens.state_dict()
+    other = fe.Ensemble([WithExtraState() for _ in range(3)])
+    other.load_state_dict(saved, strict=strict)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(other(x), ens(x), rtol=0, atol=0)
+    assert other.stacked.temperature == 2.0

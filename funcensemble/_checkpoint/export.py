@@ -297,6 +297,12 @@ def _check_member(
                 f"Tensor, got {type(value).__name__}). Every value of a state_dict must be a "
                 "tensor."
             )
+        if value.layout != torch.strided:
+            raise ValueError(
+                f"{where}: member {i} has `{key}` as a {value.layout} tensor (expected a "
+                f"dense (strided) tensor, got {value.layout}). Convert it first "
+                "(value.to_dense())."
+            )
         if value.shape != target.shape[1:]:
             raise ValueError(
                 f"{where}: member {i} has `{key}` with shape {tuple(value.shape)}; the "

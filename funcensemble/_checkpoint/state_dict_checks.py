@@ -31,11 +31,12 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def check_loadable(
-    where: str, own: Mapping[str, Tensor], state_dict: Any, n: int, *, strict: bool
+    where: str, own: Mapping[str, Any], state_dict: Any, n: int, *, strict: bool
 ) -> None:
     """Raise if loading ``state_dict`` into tensors ``own`` (N = ``n``) would fail or mislead.
 
-    ``own`` is the ensemble's ``state_dict(keep_vars=True)``: names to stacked tensors.
+    ``own`` is the ensemble's ``state_dict(keep_vars=True)``: names to stacked tensors
+    (and modules' extra states, whatever ``get_extra_state`` returns).
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(
@@ -68,12 +69,20 @@ def check_loadable(
         if key not in own:
             continue
         mine = own[key]
+        if not isinstance(mine, Tensor):
+            continue  # a module's extra state (get_extra_state): torch's own to load
         expected = f"shape {tuple(mine.shape)}, {mine.dtype}"
         if not isinstance(value, Tensor):
             raise TypeError(
                 f"{where}: `{key}` is a {type(value).__name__} in the state_dict, not a "
                 f"tensor (expected a tensor ({expected}), got {type(value).__name__}). Every "
                 "value must be a tensor."
+            )
+        if value.layout != torch.strided:
+            raise ValueError(
+                f"{where}: `{key}` is a {value.layout} tensor in the state_dict (expected a "
+                f"dense (strided) tensor, got {value.layout}). Convert it first "
+                "(value.to_dense())."
             )
         if value.is_meta:
             raise ValueError(

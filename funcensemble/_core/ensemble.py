@@ -408,7 +408,9 @@ class Ensemble(nn.Module):
 
         A state_dict that fails any check changes nothing: no parameter or buffer is
         written unless every entry is loadable. Values of another floating-point (or
-        integer) dtype are converted, as ``nn.Module.load_state_dict`` converts them.
+        integer) dtype are converted, as ``nn.Module.load_state_dict`` converts them
+        (with ``assign=True`` they are not: torch assigns the given tensors, dtype and
+        all).
 
         Raises:
             TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
