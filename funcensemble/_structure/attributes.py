@@ -150,13 +150,27 @@ def check_same_state(where: str, index: int, pairs: Pairs) -> None:
         dict_a, dict_b = vars(a), vars(b)
         for kind, noun in _SLOTS:
             table_a, table_b = dict_a[kind], dict_b[kind]
-            if list(table_a) != list(table_b) or any(
+            if table_a.keys() != table_b.keys() or any(
                 (t is None) is not (table_b[k] is None) for k, t in table_a.items()
             ):
                 raise ValueError(
                     f"{where}: member {index} has {submodule(path)} with {noun}s "
                     f"{_slots(table_b)}; member 0 has {_slots(table_a)}. "
                     f"{_SAME_ARCHITECTURE}: the same names."
+                )
+            if list(table_a) != list(table_b):
+                # self.parameters() lists them in this order: a forward that iterates
+                # them would see member 0's order.
+                raise ValueError(
+                    f"{where}: member {index} has {submodule(path)} with its {noun}s "
+                    f"registered in the order {list(table_b)}; member 0 has "
+                    f"{list(table_a)} (the same names; torch.nn.utils.prune.remove and "
+                    "parametrize.remove_parametrizations register the tensor again, "
+                    f"last). {_SAME_ARCHITECTURE}, including this order, which "
+                    f"self.{noun}s() follows. Build the members alike (remove "
+                    "pruning or parametrizations on every member, or on none), or put "
+                    f"the {noun}s in member 0's order: "
+                    f"module._{noun}s = {{k: module._{noun}s[k] for k in {list(table_a)}}}."
                 )
             for k, t in table_b.items():
                 if t is not None:

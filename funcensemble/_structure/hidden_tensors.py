@@ -22,9 +22,13 @@ import functools
 import types
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 _DEPTH = 8  # how deep containers and plain objects are followed
+# Objects that hold a member's parameters for training, not for its forward to read
+# (an RL agent keeps its optimizer on the module).
+_NOT_READ_BY_FORWARD = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
 _SKIP = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)
 
 
@@ -80,6 +84,8 @@ def _visit(
     depth: int,
 ) -> None:
     if isinstance(value, _SKIP) or depth > _DEPTH or id(value) in seen:
+        return
+    if isinstance(value, _NOT_READ_BY_FORWARD):
         return
     seen.add(id(value))
     if isinstance(value, Tensor):

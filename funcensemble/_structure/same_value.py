@@ -15,7 +15,8 @@ same type and the same contents, so a difference can never slip through unseen:
 - functions are the same if they are the same object, or have the same code, defaults,
   globals, attributes and equal captured (closure) values; bound methods,
   ``functools.partial`` and weak references compare what they wrap;
-- an object with its own ``__eq__`` compares with it; one with its own
+- a dataclass compares its fields as attributes (strictly, every field); an object
+  with its own ``__eq__`` compares with it; one with its own
   ``__getstate__`` compares the state that copying and pickling see; any other object
   compares its attributes (``__dict__`` and ``__slots__``); an opaque object only
   equals itself.
@@ -26,6 +27,7 @@ equals the one referring to member 0's submodule at the same path.
 """
 
 import collections
+import dataclasses
 import enum
 import functools
 import math
@@ -103,8 +105,13 @@ class SameValue:
                 and self._same_extras(a, b)
             )
         if isinstance(a, (set, frozenset)):
-            # Equal sets whose elements also match strictly ({0.0} is not {-0.0}).
-            return a == b and all(any(self(x, y) for y in b) for x in a) and self._same_extras(a, b)
+            # Equal sets whose elements also match strictly ({0.0} is not {-0.0}, {1}
+            # is not {True}): compared by a strict key each, in linear time.
+            return (
+                a == b
+                and {_strict_key(x) for x in a} == {_strict_key(y) for y in b}
+                and self._same_extras(a, b)
+            )
         if isinstance(a, types.FunctionType):
             return self._same_function(a, b)
         if isinstance(a, types.MethodType):
@@ -125,6 +132,10 @@ class SameValue:
             return a.dtype == b.dtype and a.shape == b.shape and _same_array(numpy, a, b)
         if numpy is not None and isinstance(a, numpy.generic):  # a NumPy scalar
             return a.dtype == b.dtype and _same_array(numpy, numpy.asarray(a), numpy.asarray(b))
+        if dataclasses.is_dataclass(a):
+            # Field by field, strictly: a dataclass's __eq__ compares tuples (NaN unlike
+            # itself, -0.0 like 0.0) and skips fields with compare=False.
+            return self._same_attributes(a, b)
         if type(a).__eq__ is not object.__eq__ and not isinstance(a, torch.nn.Module):
             try:
                 result = a == b
@@ -177,6 +188,19 @@ class SameValue:
         return self._all(
             (getattr(a, s, missing) for s in slots), (getattr(b, s, missing) for s in slots)
         )
+
+
+def _strict_key(x: Any) -> Any:
+    """A hashable key that tells apart set elements ``==`` equates: ``1``, ``1.0`` and
+    ``True``; ``0.0`` and ``-0.0`` (NaN elements are equal only to themselves in a set,
+    so ``a == b`` has already matched them)."""
+    if isinstance(x, float):
+        return (float, x, math.copysign(1.0, x))
+    if isinstance(x, complex):
+        return (complex, x, math.copysign(1.0, x.real), math.copysign(1.0, x.imag))
+    if isinstance(x, tuple):
+        return (type(x), tuple(_strict_key(e) for e in x))
+    return (type(x), x)
 
 
 def _same_float(a: float, b: float) -> bool:
