@@ -336,6 +336,68 @@ def test_state_changed_inside_attributes_is_replayed_per_chunk(face):
     assert skeleton.rng.getstate() == loop[0].rng.getstate()
 
 
+class _Config:
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+def _warmup_closure():
+    calls = 0
+
+    def factor() -> float:
+        nonlocal calls
+        calls += 1
+        return min(1.0, calls / 10)
+
+    return factor
+
+
+class _KeptReferences(nn.Module):
+    """State reached by two paths, a config object the user keeps a handle to, a
+    closure counter and a function attribute: chunks once broke the first two (fresh
+    copies per chunk) and did not replay the last two (0.12-2.3 off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.seen: list[int] = []
+        self.tracker = {"items": self.seen}
+        self.config = _Config()
+        self.factor = _warmup_closure()
+
+        def bump() -> int:
+            bump.calls += 1
+            return bump.calls
+
+        bump.calls = 0
+        self.bump = bump
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tracker["items"].append(1)
+        scale = self.config.scale * self.factor() * self.bump() * len(self.seen)
+        return self.lin(x) * scale
+
+
+def test_chunks_put_back_what_attributes_reach_in_place():
+    # Built twice from one seed: deepcopy would share the closures between the two.
+    torch.manual_seed(0)
+    loop = [_KeptReferences().double() for _ in range(N)]
+    torch.manual_seed(0)
+    ens = fe.Ensemble([_KeptReferences().double() for _ in range(N)], chunk_size=1)
+    config, seen = ens.stacked.config, ens.stacked.seen
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for call in range(3):
+        if call == 2:
+            config.scale = 3.0  # through the handle kept before the chunked calls
+            for m in loop:
+                m.config.scale = 3.0
+        want = torch.stack([m(x) for m in loop])
+        torch.testing.assert_close(ens(x), want, rtol=1e-12, atol=1e-14)
+    assert ens.stacked.config is config and ens.stacked.seen is seen
+    assert ens.stacked.tracker["items"] is ens.stacked.seen == loop[0].seen
+    assert ens.stacked.bump.calls == loop[0].bump.calls == 3
+
+
 def test_attributes_that_end_differently_in_two_chunks_are_refused_and_put_back():
     class Stamps(nn.Module):
         clock: ClassVar[list[int]] = [0]  # shared by every instance: each chunk reads anew

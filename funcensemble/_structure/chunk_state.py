@@ -12,16 +12,20 @@ must end where the first chunk ended: then the skeleton ends as each loop member
 A chunk that ends otherwise would give members states one skeleton cannot hold; the
 call is refused with the attributes put back. Only non-tensor attributes are tracked
 here (torch's own tables aside): tensors are the buffers' and ``forward_state``'s.
-What an attribute holds is copied deeply (a counter inside a schedule object, a nested
-list, a ``random.Random``'s state) and compared strictly; lists, dicts and sets are put
-back in place, other objects as fresh copies. An object ``deepcopy`` refuses (a lock) is
-compared and put back by identity only.
+What the attributes reach counts too (a counter inside a schedule object, a list in a
+dict, a closure's cell, a ``random.Random``): every mutable object reached is recorded by
+its own shallow state (a list's items, a dict's entries, an object's fields, a cell's
+value), and put back in place, so every object stays the object it was (a reference the
+user keeps still reaches the ensemble's). Modules and tensors are not followed; NumPy
+arrays of more than 65,536 elements (tables forward reads) and objects of other kinds (C
+objects such as a lock) are compared by identity only.
 """
 
 import contextlib
 import contextvars
-import copy
 import enum
+import random
+import sys
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -32,9 +36,9 @@ from .same_value import SameValue
 
 # nn.Module's own tables (parameters, buffers, submodules, hooks) and its train flag.
 _TORCH_OWN = frozenset(vars(nn.Module()))
-# Values that cannot change in place, or that are kept by reference (tensors are the
-# buffers' and forward_state's; modules are tracked as such).
-_BY_REFERENCE = (
+# Values with no state of their own to put back, or not followed: tensors are the
+# buffers' and forward_state's, modules are tracked as such.
+_NOT_FOLLOWED = (
     int,
     float,
     complex,
@@ -44,149 +48,225 @@ _BY_REFERENCE = (
     type(None),
     type,
     enum.Enum,
-    types.FunctionType,
+    range,
+    slice,
     types.BuiltinFunctionType,
     types.ModuleType,
     Tensor,
     nn.Module,
 )
-_SAME = object()  # held by reference: nothing inside it to put back
-_UNCOPYABLE = object()  # deepcopy refused it: kept by reference, as a last resort
+_EMPTY_CELL = object()
+_ARRAY_ELEMENTS = 65536  # NumPy arrays up to this size are recorded and put back
 
-# name -> (the value, a copy of what it holds then, or _SAME / _UNCOPYABLE)
-Snapshot = dict[str, tuple[Any, Any]]
-
-
-def _held(value: Any, memo: dict[int, Any]) -> Any:
-    """A deep copy of what ``value`` holds (nested lists, dicts, objects: a counter in a
-    schedule object, a ``random.Random``), sharing its tensors and modules."""
-    if isinstance(value, _BY_REFERENCE):
-        return _SAME
-    try:
-        return copy.deepcopy(value, memo)
-    except Exception:  # a lock, a file: what can be compared is its identity
-        return _UNCOPYABLE
+# id -> (the object, its kind, its shallow state)
+Record = dict[int, tuple[Any, str, Any]]
 
 
-def _tracked(name: str, value: Any) -> bool:
-    return name not in _TORCH_OWN and not isinstance(value, Tensor)
+def _cells(fn: types.FunctionType) -> list[Any]:
+    out = []
+    for cell in fn.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # a cell not yet assigned
+            out.append(_EMPTY_CELL)
+    return out
 
 
-def _snapshot(module: nn.Module, memo: dict[int, Any]) -> Snapshot:
-    return {k: (v, _held(v, memo)) for k, v in vars(module).items() if _tracked(k, v)}
+def _slots(obj: Any) -> dict[str, Any]:
+    names = [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+    return {
+        n: getattr(obj, n)
+        for n in names
+        if n not in ("__dict__", "__weakref__") and hasattr(obj, n)
+    }
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:
-        return False
-
-
-def _differs(a: Snapshot, b: Snapshot) -> str | None:
-    """The first attribute whose value (or what it holds) differs between ``a`` and ``b``."""
-    strict = SameValue({}, set())
-    for name in sorted(a.keys() | b.keys()):
-        if name not in a or name not in b:
-            return name
-        (va, ha), (vb, hb) = a[name], b[name]
-        if ha is _SAME or hb is _SAME or ha is _UNCOPYABLE or hb is _UNCOPYABLE:
-            if not _same(va, vb):
-                return name
-        elif not strict(ha, hb):
-            return name
+def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
+    """``(kind, state, what it refers to)`` for a mutable object, None for one without
+    state of its own (its parts are followed) or one that cannot be put back."""
+    if isinstance(obj, list):
+        return "list", list(obj), list(obj)
+    if isinstance(obj, dict):
+        return "dict", dict(obj), list(obj.values())
+    if isinstance(obj, set):
+        return "set", set(obj), []
+    if isinstance(obj, random.Random):
+        return "random", obj.getstate(), []
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if isinstance(obj, numpy.ndarray):
+            # A small array may be state (a counter vector); a large one is a table
+            # forward reads, which copying at every chunk would make slow.
+            small = obj.size <= _ARRAY_ELEMENTS
+            return ("array", obj.copy(), []) if obj.flags.writeable and small else None
+        if isinstance(obj, numpy.random.Generator):
+            return "generator", obj.bit_generator.state, []
+    if isinstance(obj, types.FunctionType):
+        cells, fields = _cells(obj), dict(vars(obj))
+        return "function", (cells, fields), cells + list(fields.values())
+    if hasattr(obj, "__dict__") or _slots(obj):
+        fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+        slots = _slots(obj)
+        return "object", (fields, slots), list(fields.values()) + list(slots.values())
     return None
 
 
-def _restore(module: nn.Module, snap: Snapshot, memo: dict[int, Any]) -> None:
-    """Put back the attributes as ``snap`` holds them (from fresh copies, so that the
-    snapshot serves every chunk)."""
-    current = vars(module)
-    for name in [k for k, v in current.items() if _tracked(k, v) and k not in snap]:
-        del current[name]
-    for name, (value, held) in snap.items():
-        if held is _SAME or held is _UNCOPYABLE:
-            current[name] = value
+def _parts(obj: Any) -> list[Any]:
+    """What an object without state of its own refers to (tuples, partials, methods)."""
+    if isinstance(obj, (tuple, frozenset)):
+        return list(obj)
+    if isinstance(obj, types.MethodType):
+        return [obj.__func__, obj.__self__]
+    return []
+
+
+def _record(roots: list[Any]) -> Record:
+    """The shallow state of every mutable object ``roots`` reach."""
+    out: Record = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _NOT_FOLLOWED) or id(obj) in seen:
             continue
-        fresh = copy.deepcopy(held, memo)
-        if type(value) is list:  # the same container (others may hold it), old contents
-            value[:] = fresh
-        elif type(value) in (dict, set):
-            value.clear()
-            value.update(fresh)
-        else:
-            value = fresh
-        current[name] = value
+        seen.add(id(obj))
+        found = _shallow(obj)
+        if found is None:
+            stack.extend(_parts(obj))
+            continue
+        kind, state, refers = found
+        out[id(obj)] = (obj, kind, state)
+        stack.extend(refers)
+        if isinstance(obj, dict):
+            stack.extend(_parts(tuple(obj.keys())))
+    return out
 
 
-def _shared(modules: list[nn.Module]) -> dict[int, Any]:
-    """A deepcopy memo that keeps the skeleton's modules and tensors themselves."""
-    memo: dict[int, Any] = {}
-    for m in modules:
-        memo[id(m)] = m
-        for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is not None:
-                memo[id(t)] = t
-    return memo
+def _put_back(obj: Any, kind: str, state: Any) -> None:
+    if kind == "list":
+        obj[:] = state
+    elif kind in ("dict", "set"):
+        obj.clear()
+        obj.update(state)
+    elif kind == "random":
+        obj.setstate(state)
+    elif kind == "array":
+        obj[...] = state
+    elif kind == "generator":
+        obj.bit_generator.state = state
+    elif kind == "function":
+        cells, fields = state
+        for cell, value in zip(obj.__closure__ or (), cells, strict=True):
+            if value is not _EMPTY_CELL:
+                cell.cell_contents = value
+        vars(obj).clear()
+        vars(obj).update(fields)
+    else:
+        fields, slots = state
+        if hasattr(obj, "__dict__"):
+            vars(obj).clear()
+            vars(obj).update(fields)
+        for name, value in slots.items():
+            setattr(obj, name, value)
+
+
+def _attributes(module: nn.Module) -> dict[str, Any]:
+    """A module's own attributes (torch's tables and tensors aside)."""
+    return {
+        k: v for k, v in vars(module).items() if k not in _TORCH_OWN and not isinstance(v, Tensor)
+    }
+
+
+class _State:
+    """The tracked modules' attributes and the shallow state of all they reach."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.attributes = {id(m): _attributes(m) for m in modules}
+        self.reached = _record([v for table in self.attributes.values() for v in table.values()])
+
+    def restore(self, modules: dict[int, nn.Module]) -> None:
+        for key, table in self.attributes.items():
+            current = vars(modules[key])
+            for name in [k for k in _attributes(modules[key]) if k not in table]:
+                del current[name]
+            current.update(table)
+        for obj, kind, state in self.reached.values():
+            _put_back(obj, kind, state)
+
+    def differs(
+        self, other: "_State", modules: dict[int, nn.Module]
+    ) -> tuple[nn.Module, str] | None:
+        """A module and the attribute through which ``other`` differs from this, if any."""
+        strict = SameValue({}, set())
+        for key, table in self.attributes.items():
+            theirs = other.attributes.get(key, {})
+            for name in sorted(table.keys() | theirs.keys()):
+                if name not in table or name not in theirs or not strict(table[name], theirs[name]):
+                    return modules[key], name
+        for key, (obj, _, state) in self.reached.items():
+            found = other.reached.get(key)
+            if found is None or not strict(state, found[2]):
+                return modules[next(iter(self.attributes))], _path_to(obj, self, modules)
+        return None
+
+
+def _path_to(obj: Any, state: _State, modules: dict[int, nn.Module]) -> str:
+    """The attribute through which ``obj`` was reached, for the message."""
+    for table in state.attributes.values():
+        for name, value in table.items():
+            if obj is value or id(obj) in _record([value]):
+                return name
+    return "(an object its attributes reach)"
 
 
 class _Call:
-    """One chunked call: the skeletons' submodules its chunks ran, as they were before
+    """One chunked call: the skeletons' submodules its chunks ran, their state before
     it, and the state the first chunk left."""
 
     def __init__(self, where: str) -> None:
         self.where = where
-        self.before: dict[int, tuple[nn.Module, Snapshot]] = {}
-        self.first_end: dict[int, Snapshot] | None = None
+        self.modules: dict[int, nn.Module] = {}
+        self.before: list[_State] = []  # one per skeleton, as its forward first ran
+        self.first_end: _State | None = None
 
     def seen(self, skeleton: nn.Module) -> None:
-        subs = [sub for sub in skeleton.modules() if id(sub) not in self.before]
-        if not subs:
-            return
-        memo = _shared(list(skeleton.modules()))
-        for sub in subs:
-            self.before[id(sub)] = (sub, _snapshot(sub, memo))
-
-    def _memo(self) -> dict[int, Any]:
-        return _shared([sub for sub, _ in self.before.values()])
-
-    def _now(self) -> dict[int, Snapshot]:
-        memo = self._memo()
-        return {key: _snapshot(sub, memo) for key, (sub, _) in self.before.items()}
+        new = [m for m in skeleton.modules() if id(m) not in self.modules]
+        if new:
+            self.modules.update((id(m), m) for m in new)
+            self.before.append(_State(new))
 
     def put_back(self) -> None:
-        memo = self._memo()
-        for sub, snap in self.before.values():
-            _restore(sub, snap, memo)
+        for state in self.before:
+            state.restore(self.modules)
 
     def next_chunk(self) -> None:
         """Before every chunk after the first: check the chunk before, then start anew."""
-        self._check(self._now())
+        self._check()
         self.put_back()
 
     def finish(self) -> None:
         if self.first_end is not None:
-            self._check(self._now())
+            self._check()
 
-    def _check(self, now: dict[int, Snapshot]) -> None:
+    def _check(self) -> None:
+        if not self.modules:
+            return
+        now = _State(list(self.modules.values()))
         if self.first_end is None:
             self.first_end = now
             return
-        for key, snap in now.items():
-            name = _differs(self.first_end.get(key, {}), snap)
-            if name is None:
-                continue
-            sub = self.before[key][0]
-            self.put_back()
-            raise ValueError(
-                f"{self.where}: forward changed the attribute `{name}` of a "
-                f"{type(sub).__name__} differently in two chunks of members (expected "
-                "every member to end with the same value, as the loop's members, which "
-                "start from the same one, do). The attribute is put back as it was. "
-                "Call without chunk_size, or keep per-member values in buffers."
-            )
+        found = self.first_end.differs(now, self.modules)
+        if found is None:
+            return
+        sub, name = found
+        self.put_back()
+        raise ValueError(
+            f"{self.where}: forward changed the attribute `{name}` of a "
+            f"{type(sub).__name__} differently in two chunks of members (expected "
+            "every member to end with the same value, as the loop's members, which "
+            "start from the same one, do). The attribute is put back as it was. "
+            "Call without chunk_size, or keep per-member values in buffers."
+        )
 
 
 _current: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
