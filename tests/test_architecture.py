@@ -1325,3 +1325,110 @@ def test_sets_are_compared_without_matching_every_pair_of_elements() -> None:
     assert len(calls) < 10  # not 1000 * 1000
     assert not Counting({}, set())({0.0, 1}, {-0.0, 1})
     assert not Counting({}, set())({1, 2}, {True, 2})
+
+
+class _Slotted:
+    __slots__ = ("held",)
+
+    def __init__(self, held: object) -> None:
+        self.held = held
+
+
+class _Helper:
+    def __init__(self, held: object) -> None:
+        self.held = held
+
+    def read(self) -> object:
+        return self.held
+
+
+def _nested(value: object, depth: int) -> object:
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+_HIDING_PLACES = {
+    # name: (how a member hides its own weight, the path the message names)
+    "slots": (lambda w: _Slotted(w), r"`hidden.held`"),
+    "bound-method": (lambda w: _Helper(w).read, r"`hidden.__self__.held`"),
+    "dict-key": (lambda w: {w: 1.0}, r"`hidden \(a key\)`"),
+    "nested-12-deep": (lambda w: _nested(w, 12), r"`hidden(\[0\]){12}`"),
+    "foreign-module": (lambda w: [_Stash(w)], r"`hidden\[0\].stash`"),
+}
+
+
+class _Stash(nn.Module):
+    """A module of no parameters of its own, keeping a tensor as a plain attribute."""
+
+    def __init__(self, held: object) -> None:
+        super().__init__()
+        self.stash = held
+
+
+class _Hider(nn.Module):
+    def __init__(self, hide) -> None:
+        super().__init__()
+        self.l = lin(3, 2)
+        self.hidden = hide(self.l.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l(x)
+
+
+@pytest.mark.parametrize("place", sorted(_HIDING_PLACES))
+def test_the_members_own_tensor_is_found_wherever_it_is_held(place) -> None:
+    hide, path = _HIDING_PLACES[place]
+    with pytest.raises(ValueError, match=r"holds its parameter `l.weight` in " + path):
+        fe.Ensemble([_Hider(hide) for _ in range(2)])
+
+
+def test_weak_references_to_the_members_own_modules_are_refused_and_others_kept() -> None:
+    """A copy keeps a weak reference as it is: a child's weakref.ref(root) in the one
+    copy still reached member 0's original root, and every member computed with its
+    embedding. A weak reference to something outside the members is the user's object
+    in the ensemble too, and works."""
+    import weakref
+
+    class Child(nn.Module):
+        def __init__(self, root: nn.Module) -> None:
+            super().__init__()
+            self.l = lin(3, 3)
+            self.root = weakref.ref(root)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.root().emb(self.l(x))
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = lin(3, 2)
+            self.child = Child(self)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.child(x)
+
+    with pytest.raises(
+        ValueError,
+        match=r"submodule `child` \(Child\) holds a weak reference to its own Root in `root`",
+    ):
+        fe.Ensemble([Root() for _ in range(2)])
+
+    scale = torch.ones(2, requires_grad=True)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = lin(3, 2)
+            self.scale = weakref.ref(scale)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.l(x) * self.scale()
+
+    members = [Scaled() for _ in range(2)]
+    x = torch.randn(4, 3)
+    torch.stack([m(x) for m in members]).sum().backward()
+    want = scale.grad.clone()
+    scale.grad = None
+    fe.Ensemble(members)(x).sum().backward()
+    torch.testing.assert_close(scale.grad, want)

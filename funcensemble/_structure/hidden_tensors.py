@@ -20,12 +20,14 @@ copied.
 import contextlib
 import functools
 import types
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-_DEPTH = 8  # how deep containers and plain objects are followed
+_MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's own tables and flag
+_DEPTH = 32  # how deep containers and plain objects are followed
 # Objects that hold a member's parameters for training, not for its forward to read
 # (an RL agent keeps its optimizer on the module).
 _NOT_READ_BY_FORWARD = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
@@ -54,12 +56,14 @@ def check_no_hidden_tensors(
     keep a computed tensor as a plain attribute."""
     registered: dict[int, tuple[str, str]] = {}
     for noun, named in (
-        ("parameter", module.named_parameters(remove_duplicate=False)),
-        ("buffer", module.named_buffers(remove_duplicate=False)),
+        ("parameter", module.named_parameters()),
+        ("buffer", module.named_buffers()),
     ):
         for name, t in named:
             registered.setdefault(id(t), (noun, name))
     own_modules = {id(m) for m in module.modules()}
+    # The members' modules' __dict__ ids: a weak proxy shows its target's.
+    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()})
     for path, sub in module.named_modules():
         entries = [(k, v) for k, v in vars(sub).items() if k not in bookkeeping]
         for table, noun in hooks.items():
@@ -70,55 +74,93 @@ def check_no_hidden_tensors(
             if isinstance(value, _SKIP):
                 continue
             try:
-                _visit(value, attribute, registered, own_modules, set(), 0)
+                _visit(value, attribute, own, set(), 0)
             except _Found as found:
                 raise _error(legacy_hint, where, index, path, sub, found, registered) from None
 
 
-def _visit(
-    value: Any,
-    path: str,
-    registered: dict[int, tuple[str, str]],
-    own_modules: set[int],
-    seen: set[int],
-    depth: int,
-) -> None:
+class _Own(NamedTuple):
+    """What belongs to the member being checked, by id."""
+
+    registered: dict[int, tuple[str, str]]  # its parameters and buffers: (noun, name)
+    modules: set[int]
+    dicts: set[int]  # its modules' __dict__s
+
+
+def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None:
     if isinstance(value, _SKIP) or depth > _DEPTH or id(value) in seen:
         return
     if isinstance(value, _NOT_READ_BY_FORWARD):
         return
     seen.add(id(value))
     if isinstance(value, Tensor):
-        if id(value) in registered or value.requires_grad:
+        if id(value) in own.registered or value.requires_grad:
             raise _Found(path, value)
         return
     if isinstance(value, nn.Module):
-        if id(value) not in own_modules and any(
-            t.requires_grad for t in (*value.parameters(), *value.buffers())
-        ):
+        if id(value) in own.modules:
+            return  # the member's own submodules are checked as such
+        tensors = (*value.named_parameters(), *value.named_buffers())
+        for name, t in tensors:
+            if id(t) in own.registered:
+                raise _Found(f"{path}.{name}", t)
+        if any(t.requires_grad for _, t in tensors):
             raise _Found(path, value)
-        return  # its own submodules are checked as such; a foreign frozen one is a value
+        # A foreign frozen module is a value, but what it holds may be the member's.
+        for k, v in vars(value).items():
+            if k not in _MODULE_OWN:
+                _visit(v, f"{path}.{k}", own, seen, depth + 1)
+        for k, v in value._modules.items():
+            _visit(v, f"{path}.{k}", own, seen, depth + 1)
+        return
+    if isinstance(value, weakref.ProxyTypes):
+        # A proxy passes every attribute to its target, __class__ and __dict__ too.
+        if id(getattr(value, "__dict__", None)) in own.dicts:
+            raise _Found(path, _WeakToOwn(value))
+        return  # not copied either: the ensemble reaches the user's object itself
+    if isinstance(value, weakref.ref):
+        target = value()
+        if id(target) in own.modules or id(target) in own.registered:
+            # Copying the member copies no weak reference: the ensemble's would still
+            # reach member 0's original module, and every member its tensors.
+            raise _Found(path, _WeakToOwn(target))
+        return  # not copied either: the ensemble reaches the user's object itself
     step = depth + 1
     if isinstance(value, dict):
         for k, v in value.items():
-            _visit(v, f"{path}[{k!r}]", registered, own_modules, seen, step)
+            _visit(k, f"{path} (a key)", own, seen, step)
+            _visit(v, f"{path}[{k!r}]", own, seen, step)
     elif isinstance(value, (list, tuple, set, frozenset)):
         for k, v in enumerate(value):
-            _visit(v, f"{path}[{k}]", registered, own_modules, seen, step)
+            _visit(v, f"{path}[{k}]", own, seen, step)
     elif isinstance(value, functools.partial):
-        _visit((value.func, value.args, value.keywords), path, registered, own_modules, seen, step)
+        _visit((value.func, value.args, value.keywords), path, own, seen, step)
     elif isinstance(value, types.MethodType):
-        _visit(value.__func__, path, registered, own_modules, seen, step)
+        _visit(value.__func__, path, own, seen, step)
+        _visit(value.__self__, f"{path}.__self__", own, seen, step)
     elif isinstance(value, types.FunctionType):
         cells = []
         for cell in value.__closure__ or ():
             with contextlib.suppress(ValueError):  # an empty cell
                 cells.append(cell.cell_contents)
-        extras = (cells, value.__defaults__, value.__kwdefaults__)
-        _visit(extras, f"{path} (its captured values)", registered, own_modules, seen, step)
-    if hasattr(value, "__dict__") and not isinstance(value, (type, types.FunctionType)):
+        extras = (cells, value.__defaults__, value.__kwdefaults__, dict(vars(value)))
+        _visit(extras, f"{path} (its captured values)", own, seen, step)
+        return
+    if isinstance(value, type):
+        return
+    if hasattr(value, "__dict__"):
         for k, v in vars(value).items():
-            _visit(v, f"{path}.{k}", registered, own_modules, seen, step)
+            _visit(v, f"{path}.{k}", own, seen, step)
+    for name in {n for c in type(value).__mro__ for n in getattr(c, "__slots__", ())}:
+        if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+            _visit(getattr(value, name), f"{path}.{name}", own, seen, step)
+
+
+class _WeakToOwn:
+    """What a weak reference to the member's own module or tensor was found to hold."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
 
 
 def _error(
@@ -133,6 +175,16 @@ def _error(
     holder = f"member {index}" + (f"'s submodule `{path}`" if path else "")
     holder += f" ({type(sub).__name__})"
     value = found.value
+    if isinstance(value, _WeakToOwn):
+        return ValueError(
+            f"{where}: {holder} holds a weak reference to its own "
+            f"{type(value.target).__name__} in `{found.path}` (expected references to its "
+            "own modules to be plain ones). Copying a module keeps a weak reference as it "
+            "is, so in the one copy every member runs through it would still reach member "
+            "0's original, and every member would compute with member 0's tensors. Hold a "
+            "plain reference that torch does not register "
+            "(object.__setattr__(self, name, module)), or reach the module through the tree."
+        )
     if isinstance(value, Tensor) and id(value) in registered:
         noun, name = registered[id(value)]
         return ValueError(
