@@ -1432,3 +1432,29 @@ def test_weak_references_to_the_members_own_modules_are_refused_and_others_kept(
     scale.grad = None
     fe.Ensemble(members)(x).sum().backward()
     torch.testing.assert_close(scale.grad, want)
+
+
+def test_a_hook_handle_kept_on_the_member_is_the_same_value() -> None:
+    """Feature-extraction code keeps the handle to remove its hook later: handle ids
+    count up across modules, so members' handles were refused as different values."""
+
+    def hook(module, args, out):
+        return out * 2
+
+    class Tapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = lin(3, 2)
+            self.handle = self.l.register_forward_hook(hook)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.l(x)
+
+    members = [Tapped() for _ in range(2)]
+    x = torch.randn(4, 3)
+    want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(fe.Ensemble(members)(x), want, rtol=0, atol=1e-6)
+    other = Tapped()
+    other.l.register_forward_hook(hook)  # a second hook: its handle is the first of two
+    with pytest.raises(ValueError, match=r"member 1 has the root module .* with `handle`"):
+        fe.Ensemble([Tapped(), other])

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 _BUILTIN_SCALARS = (bool, int, str, bytes, type(None), range, slice, type)
 _BUILTIN_CONTAINERS = frozenset({tuple, list, dict, set, frozenset, collections.OrderedDict})
@@ -132,6 +133,10 @@ class SameValue:
             return a.dtype == b.dtype and a.shape == b.shape and _same_array(numpy, a, b)
         if numpy is not None and isinstance(a, numpy.generic):  # a NumPy scalar
             return a.dtype == b.dtype and _same_array(numpy, numpy.asarray(a), numpy.asarray(b))
+        if isinstance(a, RemovableHandle):
+            # A hook's handle: ids count up across all modules, so compare which hook of
+            # its table it removes (the hooks themselves are compared as hooks).
+            return _handle_position(a) == _handle_position(b)
         if dataclasses.is_dataclass(a):
             # Field by field, strictly: a dataclass's __eq__ compares tuples (NaN unlike
             # itself, -0.0 like 0.0) and skips fields with compare=False.
@@ -188,6 +193,14 @@ class SameValue:
         return self._all(
             (getattr(a, s, missing) for s in slots), (getattr(b, s, missing) for s in slots)
         )
+
+
+def _handle_position(handle: RemovableHandle) -> tuple[int, int] | None:
+    """Which entry of its hook table a handle removes, and the table's size."""
+    table = handle.hooks_dict_ref()
+    if table is None or handle.id not in table:
+        return None
+    return list(table).index(handle.id), len(table)
 
 
 def _strict_key(x: Any) -> Any:
