@@ -1289,6 +1289,12 @@ def test_a_member_holding_member_0s_submodule_is_refused() -> None:
         fe.Ensemble([first, other])
 
 
+def _accepted_as_the_loop(members: list[nn.Module], x: Tensor) -> None:
+    """The members build an ensemble, which computes what the loop computes."""
+    want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(fe.Ensemble(members)(x), want, rtol=0, atol=1e-6)
+
+
 def test_an_optimizer_kept_on_the_member_is_accepted() -> None:
     """An RL agent keeps its optimizer on the module: it holds the member's parameters
     for training, not for forward to read (the own-tensor check once refused it)."""
@@ -1302,10 +1308,7 @@ def test_an_optimizer_kept_on_the_member_is_accepted() -> None:
         def forward(self, x: Tensor) -> Tensor:
             return self.pi(x)
 
-    members = [Agent() for _ in range(3)]
-    x = torch.randn(4, 8)
-    want = torch.stack([m(x) for m in members])
-    torch.testing.assert_close(fe.Ensemble(members)(x), want, rtol=0, atol=1e-6)
+    _accepted_as_the_loop([Agent() for _ in range(3)], torch.randn(4, 8))
 
 
 def test_sets_are_compared_without_matching_every_pair_of_elements() -> None:
@@ -1450,10 +1453,7 @@ def test_a_hook_handle_kept_on_the_member_is_the_same_value() -> None:
         def forward(self, x: Tensor) -> Tensor:
             return self.l(x)
 
-    members = [Tapped() for _ in range(2)]
-    x = torch.randn(4, 3)
-    want = torch.stack([m(x) for m in members])
-    torch.testing.assert_close(fe.Ensemble(members)(x), want, rtol=0, atol=1e-6)
+    _accepted_as_the_loop([Tapped() for _ in range(2)], torch.randn(4, 3))
     other = Tapped()
     other.l.register_forward_hook(hook)  # a second hook: its handle is the first of two
     with pytest.raises(ValueError, match=r"member 1 has the root module .* with `handle`"):
