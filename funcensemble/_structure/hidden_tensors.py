@@ -12,7 +12,11 @@ captured values) would then silently compute something the loop does not:
   encoder kept in a list to hide it from ``parameters()``): the copy runs on a copy of
   it, so the gradient the loop gives it would be lost.
 
-Both are refused, naming the member, the submodule and the attribute. Other unregistered
+A weak reference to the member's own module or tensor is refused too: copying keeps it
+as it is, so in the copy it would still reach member 0's original. Optimizers and
+schedulers kept on a member are not searched (they hold the parameters for training).
+
+All are refused, naming the member, the submodule and the attribute. Other unregistered
 tensors (constants) are values like any other attribute: compared across members and
 copied.
 """
@@ -178,7 +182,7 @@ def _error(
     if isinstance(value, _WeakToOwn):
         return ValueError(
             f"{where}: {holder} holds a weak reference to its own "
-            f"{type(value.target).__name__} in `{found.path}` (expected references to its "
+            f"{value.target.__class__.__name__} in `{found.path}` (expected references to its "
             "own modules to be plain ones). Copying a module keeps a weak reference as it "
             "is, so in the one copy every member runs through it would still reach member "
             "0's original, and every member would compute with member 0's tensors. Hold a "
