@@ -1416,6 +1416,10 @@ def test_weak_references_to_the_members_own_modules_are_refused_and_others_kept(
         match=r"submodule `child` \(Child\) holds a weak reference to its own Root in `root`",
     ):
         fe.Ensemble([Root() for _ in range(2)])
+    proxied = Root()
+    object.__setattr__(proxied.child, "root", weakref.proxy(proxied))  # a proxy too
+    with pytest.raises(ValueError, match=r"holds a weak reference to its own Root in `root`"):
+        fe.Ensemble([proxied, Root()])
 
     scale = torch.ones(2, requires_grad=True)
 

@@ -97,6 +97,11 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
     if isinstance(value, _NOT_READ_BY_FORWARD):
         return
     seen.add(id(value))
+    if isinstance(value, weakref.ProxyTypes):
+        # A proxy passes every attribute to its target, __class__ and __dict__ too.
+        if id(getattr(value, "__dict__", None)) in own.dicts:
+            raise _Found(path, _WeakToOwn(value))
+        return  # not copied either: the ensemble reaches the user's object itself
     if isinstance(value, Tensor):
         if id(value) in own.registered or value.requires_grad:
             raise _Found(path, value)
@@ -117,11 +122,6 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
         for k, v in value._modules.items():
             _visit(v, f"{path}.{k}", own, seen, depth + 1)
         return
-    if isinstance(value, weakref.ProxyTypes):
-        # A proxy passes every attribute to its target, __class__ and __dict__ too.
-        if id(getattr(value, "__dict__", None)) in own.dicts:
-            raise _Found(path, _WeakToOwn(value))
-        return  # not copied either: the ensemble reaches the user's object itself
     if isinstance(value, weakref.ref):
         target = value()
         if id(target) in own.modules or id(target) in own.registered:
