@@ -9,6 +9,7 @@ funcensemble's own message with the runtime checker off (what users see).
 import cmath
 import collections
 import copy
+import dataclasses
 import functools
 import math
 import re
@@ -1123,6 +1124,11 @@ class _Holder(nn.Module):
         return self.l(x) * self.read(self)
 
 
+@dataclasses.dataclass
+class _Scaled:
+    scale: float = dataclasses.field(compare=False)  # its __eq__ skips it
+
+
 class _Tagged(list):
     pass
 
@@ -1170,6 +1176,8 @@ _DIFFERING_VALUES = {
     "list-subclass-attribute": (_tagged(1.0), _tagged(2.0), lambda m: m.value.scale),
     "partial-attribute": (_partial_with(1.0), _partial_with(2.0), lambda m: m.value.extra),
     "function-attribute": (_function_with(1.0), _function_with(3.0), lambda m: m.value(1.0)),
+    "dataclass-compare-false": (_Scaled(1.0), _Scaled(2.0), lambda m: m.value.scale),
+    "dataclass-zero-sign": (_Scaled(0.0), _Scaled(-0.0), lambda m: math.atan2(m.value.scale, -1)),
 }
 
 
