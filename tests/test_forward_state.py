@@ -420,3 +420,25 @@ def test_attributes_that_end_differently_in_two_chunks_are_refused_and_put_back(
     ens_whole = fe.Ensemble([Stamps().double() for _ in range(N)])
     ens_whole(x)  # one call for all members: each member's own forward ran once
     assert ens_whole.stacked.stamp == Stamps.clock[0]
+
+
+def test_a_large_collection_is_put_back_as_a_whole():
+    """chunking.md: a collection of more than 4,096 items is put back as a whole (its
+    items are data, not followed): a forward appending to it ends as each loop member."""
+
+    class Buffered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.buffer = [(i, float(i)) for i in range(5000)]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.buffer.append((len(self.buffer), 0.0))
+            return self.lin(x) * len(self.buffer)
+
+    torch.manual_seed(0)
+    loop = [Buffered().double() for _ in range(N)]
+    ens = fe.Ensemble(copy.deepcopy(loop), chunk_size=1)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), rtol=1e-12, atol=1e-14)
+    assert len(ens.stacked.buffer) == len(loop[0].buffer) == 5001

@@ -16,14 +16,17 @@ What the attributes reach counts too (a counter inside a schedule object, a list
 dict, a closure's cell, a ``random.Random``): every mutable object reached is recorded by
 its own shallow state (a list's items, a dict's entries, an object's fields, a cell's
 value), and put back in place, so every object stays the object it was (a reference the
-user keeps still reaches the ensemble's). Modules and tensors are not followed; NumPy
-arrays of more than 65,536 elements (tables forward reads) and objects of other kinds (C
-objects such as a lock) are compared by identity only.
+user keeps still reaches the ensemble's). Modules and tensors are not followed; nor are
+the items of a collection of more than 4,096 (data such as a replay buffer: the
+collection itself is still put back); NumPy arrays of more than 65,536 elements (tables
+forward reads) and objects of other kinds (C objects such as a lock) are compared by
+identity only.
 """
 
 import contextlib
 import contextvars
 import enum
+import operator
 import random
 import sys
 import types
@@ -57,6 +60,7 @@ _NOT_FOLLOWED = (
 )
 _EMPTY_CELL = object()
 _ARRAY_ELEMENTS = 65536  # NumPy arrays up to this size are recorded and put back
+_FOLLOWED_ITEMS = 4096  # the items of larger collections are not followed
 
 # id -> (the object, its kind, its shallow state)
 Record = dict[int, tuple[Any, str, Any]]
@@ -136,10 +140,26 @@ def _record(roots: list[Any]) -> Record:
             continue
         kind, state, refers = found
         out[id(obj)] = (obj, kind, state)
-        stack.extend(refers)
-        if isinstance(obj, dict):
-            stack.extend(_parts(tuple(obj.keys())))
+        if len(refers) <= _FOLLOWED_ITEMS:  # a large collection is data, not state
+            stack.extend(refers)
+            if isinstance(obj, dict):
+                stack.extend(_parts(tuple(obj.keys())))
     return out
+
+
+def _same_state(a: Any, b: Any, strict: SameValue) -> bool:
+    """Two shallow states alike: the same objects item by item (a fast pass in C), or
+    else strictly equal values."""
+    if type(a) is type(b) and isinstance(a, (list, dict)) and len(a) == len(b):
+        if isinstance(a, list) and all(map(operator.is_, a, b)):
+            return True
+        if (
+            isinstance(a, dict)
+            and all(map(operator.is_, a.keys(), b.keys()))
+            and all(map(operator.is_, a.values(), b.values()))
+        ):
+            return True
+    return strict(a, b)
 
 
 def _put_back(obj: Any, kind: str, state: Any) -> None:
@@ -205,7 +225,7 @@ class _State:
                     return modules[key], name
         for key, (obj, _, state) in self.reached.items():
             found = other.reached.get(key)
-            if found is None or not strict(state, found[2]):
+            if found is None or not _same_state(state, found[2], strict):
                 return modules[next(iter(self.attributes))], _path_to(obj, self, modules)
         return None
 
