@@ -502,9 +502,17 @@ def test_hyperparameters_of_wrong_length():
         hens.optimizer(fe.optim.adam, lr=torch.ones(3))
     with pytest.raises(ValueError, match=r"betas\[1\] has 2 per-member values"):
         hens.optimizer(fe.optim.adam, betas=(0.9, torch.full((2,), 0.99)))
-    # A built transform with [N] values cannot be split: refused at init, with the fix.
-    with pytest.raises(ValueError, match=r"group 0 \(members \[0, 3, 6\]\).*hens.optimizer"):
+    # A built transform with per-member values cannot be split: refused, with the fix;
+    # also when the values are as many as a group's members, which once gave value k to
+    # the k-th member of every group.
+    fix = r"holds per-member values .*hens.optimizer\(fe.optim.adam, lr=lrs\)"
+    with pytest.raises(ValueError, match=fix):
         fe.optim.EnsembleOptimizer(hens, fe.optim.adam(lr=LRS))
+    sizes = {len(g) for g in hens.group_members}
+    with pytest.raises(ValueError, match=fix):
+        fe.optim.EnsembleOptimizer(hens, fe.optim.sgd(lr=torch.ones(min(sizes))))
+    with pytest.raises(ValueError, match=fix):
+        hens.optimizer(fe.optim.sgd(lr=torch.ones(min(sizes))))
     # A schedule's [N] values of the wrong length: refused on the step, nothing stepped.
     opt = fe.optim.EnsembleOptimizer(
         hens, hens.optimizer(fe.optim.sgd, lr=lambda count: torch.ones(5))

@@ -286,8 +286,9 @@ class HeteroEnsemble(nn.Module):
         group, with every ``[N]`` tensor among the arguments (also inside tuples such as
         ``betas``, and returned by a schedule ``lr(count)``) indexed to that group's
         members: per-member values are given in member order. ``hens.optimizer(t)``
-        with a built transform runs ``t`` in every group (it must hold no ``[N]``
-        values unless there is one group). Either way each group's transform sees
+        with a built transform runs ``t`` in every group (one holding per-member
+        values is refused when there are several groups: it cannot tell which group's
+        members they are for). Either way each group's transform sees
         only its own members' leaves, so
         [`clip_by_global_norm`][funcensemble.optim.clip_by_global_norm] clips each
         member by its own norm.
@@ -311,7 +312,8 @@ class HeteroEnsemble(nn.Module):
             TypeError: Not a transform nor a function building one; a built transform
                 with arguments.
             ValueError: A 1-D tensor argument whose length is not N (before anything
-                is built), and the function's own errors.
+                is built); a built transform holding per-member values, with several
+                groups; and the function's own errors.
 
         Example:
             >>> import torch, funcensemble as fe

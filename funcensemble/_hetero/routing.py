@@ -96,6 +96,27 @@ def _check_grads(where: str, grads: list[dict], params: list[dict]) -> None:
                 )
 
 
+def _holds_per_member(obj: Any, depth: int, seen: set[int]) -> bool:
+    """Whether a built transform's functions hold a tensor with a member axis (a
+    per-member hyperparameter), followed through closures, tuples and lists."""
+    if depth > 12 or id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, Tensor):
+        return obj.dim() > 0
+    if isinstance(obj, (tuple, list)):  # transforms and Hyper values are tuples too
+        return any(_holds_per_member(x, depth + 1, seen) for x in obj)
+    if callable(obj) and hasattr(obj, "__closure__"):
+        cells = []
+        for cell in obj.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        return any(_holds_per_member(x, depth + 1, seen) for x in cells)
+    return False
+
+
 def grouped(
     where: str,
     keys: Sequence[Sequence[str]],
@@ -113,6 +134,16 @@ def grouped(
                 f"{where}: got a built transform and arguments; pass either a transform "
                 "(the same for every group) or the function that builds one and its "
                 "arguments, e.g. hens.optimizer(fe.optim.adam, lr=lrs)."
+            )
+        if len(keys) > 1 and _holds_per_member(transform, 0, set()):
+            # Each group would read the same values by position: value k would reach
+            # the k-th member of every group, not member k.
+            raise ValueError(
+                f"{where}: the transform holds per-member values (a [N] tensor), which a "
+                f"built transform cannot route to this ensemble's {len(keys)} groups "
+                "(expected a transform with shared values only, or the function that "
+                "builds one). Pass the function and the values, e.g. "
+                "hens.optimizer(fe.optim.adam, lr=lrs), to give each group its members' values."
             )
         per_group = [transform] * len(keys)
     elif callable(transform):
