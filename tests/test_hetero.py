@@ -684,3 +684,18 @@ def test_a_functional_group_state_with_per_member_counts_loads_into_its_template
     fe.save(tmp_path / "state.safetensors", state)
     loaded = fe.load(tmp_path / "state.safetensors", opt.init(params))
     assert optree.tree_all(optree.tree_map(torch.equal, loaded, state))
+
+
+def test_polyak_between_ensembles_grouped_differently_is_refused():
+    """Online A B A and target A A B hold the same names and shapes group by group,
+    so target member 1 once took online member 2, and member 2 took member 1."""
+
+    def arch(kind: str) -> nn.Module:
+        return nn.Linear(3, 2) if kind == "A" else nn.Sequential(nn.Linear(3, 2))
+
+    online = fe.HeteroEnsemble([arch(k) for k in "ABA"])
+    target = fe.HeteroEnsemble([arch(k) for k in "AAB"])
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"target and online group their members differently"):
+        fe.optim.polyak_update_(target, online, 0.5)
+    assert_trees_close(target.state_dict(), before, rtol=0, atol=0)

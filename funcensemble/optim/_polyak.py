@@ -31,6 +31,16 @@ def _check(
             f"{type(online).__name__}). Pass two Ensembles, or the two pytrees."
         )
     if target_view is not None:
+        groups = [getattr(x, "group_members", None) for x in (target, online)]
+        if groups[0] != groups[1]:
+            # Two HeteroEnsembles of one structure whose members are grouped in
+            # another order: leaf by leaf, target member i would take another member.
+            raise ValueError(
+                f"{where}: target and online group their members differently (target "
+                f"{groups[0]}, online {groups[1]}; expected the same members in the same "
+                "order). Build both from members of the same architectures in the same "
+                "order, e.g. the target as a copy of the online ensemble."
+            )
         target, online = target_view, online_view
     tau_ = hyperparameter(where, "tau", tau, label="tau", upper=1.0, upper_closed=True)
     targets, spec = flatten(target)
