@@ -1750,6 +1750,22 @@ def _reduce_loop(tmp: Path) -> Setup:
     return Setup(lambda: None, [values], check)
 
 
+# --- fe.select, fe.concat -------------------------------------------------------------------
+
+# A module is one opaque leaf of a pytree: it once came back as it was, unselected.
+register_simple(
+    "select-a-module",
+    TypeError,
+    r"select: tree is a HeteroEnsemble module, not a pytree of stacked tensors",
+    lambda: fe.select(fe.HeteroEnsemble([nn.Linear(3, 2), nn.Linear(3, 1)]), [0]),
+)
+register_simple(
+    "concat-modules",
+    TypeError,
+    r"concat: trees\[0\] is an Ensemble module, not a pytree of stacked tensors",
+    lambda: fe.concat([ens(2), ens(2)]),
+)
+
 # --- bootstrap_indices, BaggingSampler ------------------------------------------------------
 
 register_simple(

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import _tree
+from .._messages import a
 
 PyTree = Any
 Indices = Sequence[int] | Tensor
@@ -93,6 +94,17 @@ def num_members(where: str, what: str, tree: PyTree) -> int | None:
     """The leading size N shared by every leaf with a member axis, or None if no leaf has one."""
     paths, leaves, _ = _tree.flatten_with_paths(tree, what)
     _refuse_groups(where, what, paths)
+    for path, leaf in zip(paths, leaves, strict=True):
+        if isinstance(leaf, nn.Module):
+            # A module is one opaque leaf: it would come back as it is, unselected.
+            at = "" if path in ("", what) else f" at {path}"
+            raise TypeError(
+                f"{where}: {what}{at} is {a(type(leaf).__name__)} module, not a pytree of "
+                "stacked tensors (expected e.g. params from fe.stack, or an optimizer "
+                "state). For an Ensemble, use its own method (ens.select / ens.concat); "
+                "for a HeteroEnsemble, build a new one from hens.member(i) for the members "
+                "to keep."
+            )
     n, first = None, None
     for path, leaf in zip(paths, leaves, strict=True):
         if isinstance(leaf, Tensor) and leaf.dim() >= 1:
