@@ -699,3 +699,39 @@ def test_polyak_between_ensembles_grouped_differently_is_refused():
     with pytest.raises(ValueError, match=r"target and online group their members differently"):
         fe.optim.polyak_update_(target, online, 0.5)
     assert_trees_close(target.state_dict(), before, rtol=0, atol=0)
+
+
+def test_randomness_same_is_shared_within_each_group():
+    """randomness.md and the docstring: "same" gives one group's members the same
+    draws; each group draws its own."""
+
+    class Dropped(nn.Module):
+        def __init__(self, extra: int) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+            self.other = nn.Parameter(torch.zeros(extra))  # only makes architectures differ
+            self.dropout = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dropout(x * self.scale)
+
+    torch.manual_seed(0)
+    hens = fe.HeteroEnsemble([Dropped(1), Dropped(2), Dropped(1)], randomness="same")
+    kept = hens(torch.ones(1, 256)) != 0
+    assert hens.group_members == ((0, 2), (1,))
+    assert torch.equal(kept[0], kept[2]) and not torch.equal(kept[0], kept[1])
+
+
+def test_load_state_dict_cannot_see_the_member_order_but_fe_load_can(tmp_path):
+    """hetero.md: a state dict names groups, not members; fe.save/fe.load check them."""
+
+    def arch(kind: str) -> nn.Module:
+        return nn.Linear(3, 2) if kind == "A" else nn.Sequential(nn.Linear(3, 2))
+
+    source = fe.HeteroEnsemble([arch(k) for k in "ABA"])
+    target = fe.HeteroEnsemble([arch(k) for k in "AAB"])
+    target.load_state_dict(source.state_dict())  # loads: the same groups' sizes and keys
+    assert torch.equal(target.member(1).weight, source.member(2).weight)  # another member
+    fe.save(tmp_path / "source.safetensors", source)
+    with pytest.raises(ValueError, match="group"):
+        fe.load(tmp_path / "source.safetensors", fe.HeteroEnsemble([arch(k) for k in "AAB"]))

@@ -48,7 +48,9 @@ class HeteroEnsemble(nn.Module):
     Args:
         modules: A non-empty sequence of modules, of one or more architectures. Their
             tensors are copied, not shared.
-        randomness: Passed to every group, as in [`Ensemble`][funcensemble.Ensemble].
+        randomness: Passed to every group, as in [`Ensemble`][funcensemble.Ensemble]:
+            ``"same"`` gives the members of one group the same draws; each group draws
+            its own.
         chunk_size: Passed to every group, as in [`Ensemble`][funcensemble.Ensemble].
 
     Raises:
@@ -377,7 +379,10 @@ class HeteroEnsemble(nn.Module):
         [`Ensemble.load_state_dict`][funcensemble.Ensemble.load_state_dict] checks them
         (keys, shapes with the group's member count, kinds of dtype), and with
         ``strict`` no key may lie outside the groups, before the first value is
-        copied: a state_dict that fails any check changes nothing.
+        copied: a state_dict that fails any check changes nothing. The keys name
+        groups, not members: a state_dict of an ensemble whose members came in another
+        order, in groups of the same sizes, loads without an error. [`fe.save`][funcensemble.save]
+        and [`fe.load`][funcensemble.load] record the grouping and check it.
 
         Raises:
             TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
