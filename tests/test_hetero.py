@@ -735,3 +735,19 @@ def test_load_state_dict_cannot_see_the_member_order_but_fe_load_can(tmp_path):
     fe.save(tmp_path / "source.safetensors", source)
     with pytest.raises(ValueError, match="group"):
         fe.load(tmp_path / "source.safetensors", fe.HeteroEnsemble([arch(k) for k in "AAB"]))
+
+
+def test_an_optimizer_built_for_another_hetero_ensemble_is_refused_clearly():
+    def arch(kind: str) -> nn.Module:
+        return nn.Linear(3, 2) if kind == "A" else nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
+
+    first = fe.HeteroEnsemble([arch(k) for k in "ABA"])
+    second = fe.HeteroEnsemble([arch(k) for k in "AAB"])
+    built = first.optimizer(fe.optim.adam, lr=torch.tensor([0.1, 0.2, 0.3]))
+    with pytest.raises(
+        ValueError,
+        match=r"built by another HeteroEnsemble's optimizer\(...\), for groups of members "
+        r"\[\[0, 2\], \[1\]\] \(expected one built for this ensemble, whose groups are "
+        r"\[\[0, 1\], \[2\]\]\)",
+    ):
+        fe.optim.EnsembleOptimizer(second, built)

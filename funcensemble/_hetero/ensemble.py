@@ -337,8 +337,17 @@ class HeteroEnsemble(nn.Module):
 
     def _adapt(self, transform: GradientTransformation) -> GradientTransformation:
         """A transform for an EnsembleOptimizer over this ensemble: grouped if it is not."""
-        if built_for(transform) == self._layout():
+        layout = built_for(transform)
+        if layout == self._layout():
             return transform
+        if layout is not None:  # grouped for another HeteroEnsemble
+            raise ValueError(
+                "EnsembleOptimizer: the transform was built by another HeteroEnsemble's "
+                f"optimizer(...), for groups of members {list(map(list, layout[0]))} "
+                f"(expected one built for this ensemble, whose groups are "
+                f"{list(map(list, self.group_members))}). Build it with this ensemble's "
+                "own: hens.optimizer(fe.optim.adam, lr=lrs)."
+            )
         return self.optimizer(transform)
 
     # -- members -----------------------------------------------------------------------
