@@ -76,8 +76,17 @@ def _cells(fn: types.FunctionType) -> list[Any]:
     return out
 
 
+def slot_names(cls: type) -> list[str]:
+    """The ``__slots__`` names of ``cls`` and its bases (a lone string is one name)."""
+    names = []
+    for c in cls.__mro__:
+        declared = c.__dict__.get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else list(declared)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
+
+
 def _slots(obj: Any) -> dict[str, Any]:
-    names = [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+    names = slot_names(type(obj))
     return {
         n: getattr(obj, n)
         for n in names
@@ -108,9 +117,10 @@ def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
     if isinstance(obj, types.FunctionType):
         cells, fields = _cells(obj), dict(vars(obj))
         return "function", (cells, fields), cells + list(fields.values())
-    if hasattr(obj, "__dict__") or _slots(obj):
-        fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
-        slots = _slots(obj)
+    own = getattr(obj, "__dict__", None)
+    slots = _slots(obj)
+    if isinstance(own, dict) or slots:  # (an object may answer __dict__ with anything)
+        fields = dict(own) if isinstance(own, dict) else {}
         return "object", (fields, slots), list(fields.values()) + list(slots.values())
     return None
 
@@ -183,9 +193,10 @@ def _put_back(obj: Any, kind: str, state: Any) -> None:
         vars(obj).update(fields)
     else:
         fields, slots = state
-        if hasattr(obj, "__dict__"):
-            vars(obj).clear()
-            vars(obj).update(fields)
+        own = getattr(obj, "__dict__", None)
+        if isinstance(own, dict):
+            own.clear()
+            own.update(fields)
         for name, value in slots.items():
             setattr(obj, name, value)
 

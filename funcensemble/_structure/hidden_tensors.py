@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .chunk_state import slot_names
+
 _MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's own tables and flag
 _DEPTH = 32  # how deep containers and plain objects are followed
 # Objects that hold a member's parameters for training, not for its forward to read
@@ -152,11 +154,12 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
         return
     if isinstance(value, type):
         return
-    if hasattr(value, "__dict__"):
-        for k, v in vars(value).items():
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):  # (an object may answer __dict__ with anything)
+        for k, v in list(fields.items()):
             _visit(v, f"{path}.{k}", own, seen, step)
-    for name in {n for c in type(value).__mro__ for n in getattr(c, "__slots__", ())}:
-        if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+    for name in slot_names(type(value)):
+        if hasattr(value, name):
             _visit(getattr(value, name), f"{path}.{name}", own, seen, step)
 
 
