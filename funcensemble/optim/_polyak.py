@@ -36,10 +36,10 @@ def _check(
             # Two HeteroEnsembles of one structure whose members are grouped in
             # another order: leaf by leaf, target member i would take another member.
             raise ValueError(
-                f"{where}: target and online group their members differently (target "
-                f"{groups[0]}, online {groups[1]}; expected the same members in the same "
-                "order). Build both from members of the same architectures in the same "
-                "order, e.g. the target as a copy of the online ensemble."
+                f"{where}: target and online group their members differently (expected "
+                f"the same groups of members, got {groups[0]} in target and {groups[1]} "
+                "in online). Build both from members of the same architectures in the "
+                "same order, e.g. the target as a copy of the online ensemble."
             )
         target, online = target_view, online_view
     tau_ = hyperparameter(where, "tau", tau, label="tau", upper=1.0, upper_closed=True)
