@@ -14,9 +14,6 @@ from .._core.skeleton import modes, named_tensors
 from .._messages import a, key_difference, submodule
 from . import backward_hooks as _backward_hooks
 from .attributes import (
-    BOOKKEEPING,
-    HOOKS,
-    LEGACY_HINT,
     check_same_state,
     check_same_tree,
     class_names,
@@ -108,7 +105,7 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                     "until its first forward. Run one forward pass on each member first "
                     "(e.g. module(example_input)), then build the ensemble."
                 )
-    check_no_hidden_tensors(where, index, module, BOOKKEEPING, HOOKS, LEGACY_HINT)
+    check_no_hidden_tensors(where, index, module)
     return module
 
 

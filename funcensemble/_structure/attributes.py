@@ -50,6 +50,8 @@ _HOOK_FLAGS = {
     "_forward_hooks_always_called": "_forward_hooks",
     "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
 }
+# Every entry nn.Module's own __init__ makes (tables, flags): none is the user's.
+TORCH_OWN = frozenset(vars(nn.Module()))
 BOOKKEEPING = frozenset({"training", "_parameters", "_buffers", "_modules", *HOOKS, *_HOOK_FLAGS})
 
 _SAME_ARCHITECTURE = "All members must share one architecture"

@@ -35,10 +35,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .same_value import SameValue
+from .attributes import TORCH_OWN
+from .same_value import EMPTY, SameValue, closure_values, slot_names
 
-# nn.Module's own tables (parameters, buffers, submodules, hooks) and its train flag.
-_TORCH_OWN = frozenset(vars(nn.Module()))
 # Values with no state of their own to put back, or not followed: tensors are the
 # buffers' and forward_state's, modules are tracked as such.
 _NOT_FOLLOWED = (
@@ -58,7 +57,6 @@ _NOT_FOLLOWED = (
     Tensor,
     nn.Module,
 )
-_EMPTY_CELL = object()
 _ARRAY_ELEMENTS = 65536  # NumPy arrays up to this size are recorded and put back
 _FOLLOWED_ITEMS = 4096  # the items of larger collections are not followed
 
@@ -66,32 +64,8 @@ _FOLLOWED_ITEMS = 4096  # the items of larger collections are not followed
 Record = dict[int, tuple[Any, str, Any]]
 
 
-def _cells(fn: types.FunctionType) -> list[Any]:
-    out = []
-    for cell in fn.__closure__ or ():
-        try:
-            out.append(cell.cell_contents)
-        except ValueError:  # a cell not yet assigned
-            out.append(_EMPTY_CELL)
-    return out
-
-
-def slot_names(cls: type) -> list[str]:
-    """The ``__slots__`` names of ``cls`` and its bases (a lone string is one name)."""
-    names = []
-    for c in cls.__mro__:
-        declared = c.__dict__.get("__slots__", ())
-        names += [declared] if isinstance(declared, str) else list(declared)
-    return [n for n in names if n not in ("__dict__", "__weakref__")]
-
-
 def _slots(obj: Any) -> dict[str, Any]:
-    names = slot_names(type(obj))
-    return {
-        n: getattr(obj, n)
-        for n in names
-        if n not in ("__dict__", "__weakref__") and hasattr(obj, n)
-    }
+    return {n: getattr(obj, n) for n in slot_names(type(obj)) if hasattr(obj, n)}
 
 
 def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
@@ -115,7 +89,7 @@ def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
         if isinstance(obj, numpy.random.Generator):
             return "generator", obj.bit_generator.state, []
     if isinstance(obj, types.FunctionType):
-        cells, fields = _cells(obj), dict(vars(obj))
+        cells, fields = closure_values(obj), dict(vars(obj))
         return "function", (cells, fields), cells + list(fields.values())
     own = getattr(obj, "__dict__", None)
     slots = _slots(obj)
@@ -187,7 +161,7 @@ def _put_back(obj: Any, kind: str, state: Any) -> None:
     elif kind == "function":
         cells, fields = state
         for cell, value in zip(obj.__closure__ or (), cells, strict=True):
-            if value is not _EMPTY_CELL:
+            if value is not EMPTY:
                 cell.cell_contents = value
         vars(obj).clear()
         vars(obj).update(fields)
@@ -204,7 +178,7 @@ def _put_back(obj: Any, kind: str, state: Any) -> None:
 def _attributes(module: nn.Module) -> dict[str, Any]:
     """A module's own attributes (torch's tables and tensors aside)."""
     return {
-        k: v for k, v in vars(module).items() if k not in _TORCH_OWN and not isinstance(v, Tensor)
+        k: v for k, v in vars(module).items() if k not in TORCH_OWN and not isinstance(v, Tensor)
     }
 
 

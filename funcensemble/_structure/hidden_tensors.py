@@ -21,7 +21,6 @@ tensors (constants) are values like any other attribute: compared across members
 copied.
 """
 
-import contextlib
 import functools
 import types
 import weakref
@@ -30,9 +29,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .chunk_state import slot_names
+from .attributes import BOOKKEEPING, HOOKS, LEGACY_HINT, TORCH_OWN
+from .same_value import EMPTY, closure_values, slot_names
 
-_MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's own tables and flag
 _DEPTH = 32  # how deep containers and plain objects are followed
 # Objects that hold a member's parameters for training, not for its forward to read
 # (an RL agent keeps its optimizer on the module).
@@ -45,21 +44,9 @@ class _Found(Exception):
         self.path, self.value = path, value
 
 
-def check_no_hidden_tensors(
-    where: str,
-    index: int,
-    module: nn.Module,
-    bookkeeping: frozenset[str],
-    hooks: dict[str, str],
-    legacy_hint: str,
-) -> None:
+def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
     """Raise if a submodule's attributes or hooks reach a registered tensor of ``module``
-    or an unregistered tensor (or foreign module) that requires grad.
-
-    ``bookkeeping``: ``nn.Module``'s own entries of ``vars(submodule)``, skipped but for
-    ``hooks`` (table name: what one hook is called), whose hooks are followed;
-    ``legacy_hint``: what to use instead of torch's hook-based reparametrizations, which
-    keep a computed tensor as a plain attribute."""
+    or an unregistered tensor (or foreign module) that requires grad."""
     registered: dict[int, tuple[str, str]] = {}
     for noun, named in (
         ("parameter", module.named_parameters()),
@@ -71,8 +58,8 @@ def check_no_hidden_tensors(
     # The members' modules' __dict__ ids: a weak proxy shows its target's.
     own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()})
     for path, sub in module.named_modules():
-        entries = [(k, v) for k, v in vars(sub).items() if k not in bookkeeping]
-        for table, noun in hooks.items():
+        entries = [(k, v) for k, v in vars(sub).items() if k not in BOOKKEEPING]
+        for table, noun in HOOKS.items():
             entries += [
                 (f"{noun} {k}", h) for k, h in enumerate((vars(sub).get(table) or {}).values())
             ]
@@ -82,7 +69,7 @@ def check_no_hidden_tensors(
             try:
                 _visit(value, attribute, own, set(), 0)
             except _Found as found:
-                raise _error(legacy_hint, where, index, path, sub, found, registered) from None
+                raise _error(where, index, path, sub, found, registered) from None
 
 
 class _Own(NamedTuple):
@@ -119,7 +106,7 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
             raise _Found(path, value)
         # A foreign frozen module is a value, but what it holds may be the member's.
         for k, v in vars(value).items():
-            if k not in _MODULE_OWN:
+            if k not in TORCH_OWN:
                 _visit(v, f"{path}.{k}", own, seen, depth + 1)
         for k, v in value._modules.items():
             _visit(v, f"{path}.{k}", own, seen, depth + 1)
@@ -145,10 +132,7 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
         _visit(value.__func__, path, own, seen, step)
         _visit(value.__self__, f"{path}.__self__", own, seen, step)
     elif isinstance(value, types.FunctionType):
-        cells = []
-        for cell in value.__closure__ or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                cells.append(cell.cell_contents)
+        cells = [c for c in closure_values(value) if c is not EMPTY]
         extras = (cells, value.__defaults__, value.__kwdefaults__, dict(vars(value)))
         _visit(extras, f"{path} (its captured values)", own, seen, step)
         return
@@ -171,7 +155,6 @@ class _WeakToOwn:
 
 
 def _error(
-    legacy_hint: str,
     where: str,
     index: int,
     path: str,
@@ -207,7 +190,7 @@ def _error(
         if isinstance(value, Tensor)
         else f"a {type(value).__name__} module with trainable tensors"
     )
-    legacy = f" {legacy_hint}" if isinstance(value, Tensor) and value.grad_fn else ""
+    legacy = f" {LEGACY_HINT}" if isinstance(value, Tensor) and value.grad_fn else ""
     return ValueError(
         f"{where}: {holder} holds {what} in `{found.path}`, not registered as its "
         "parameter, buffer or submodule (expected trainable tensors registered). An "

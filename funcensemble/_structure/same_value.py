@@ -50,7 +50,7 @@ _BUILTIN_CALLABLES = (
     types.MethodDescriptorType,
     types.ModuleType,
 )
-_EMPTY = object()
+EMPTY = object()  # a closure cell not yet assigned
 _DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
 
 
@@ -161,8 +161,7 @@ class SameValue:
     def _same_function(self, a: types.FunctionType, b: types.FunctionType) -> bool:
         if a.__code__ != b.__code__ or a.__globals__ is not b.__globals__:
             return False
-        cells_a = [_cell(c) for c in a.__closure__ or ()]
-        cells_b = [_cell(c) for c in b.__closure__ or ()]
+        cells_a, cells_b = closure_values(a), closure_values(b)
         return (
             self(a.__defaults__, b.__defaults__)
             and self(a.__kwdefaults__, b.__kwdefaults__)
@@ -182,8 +181,7 @@ class SameValue:
         return self._same_attributes(a, b) if hasattr(a, "__dict__") else True
 
     def _same_attributes(self, a: Any, b: Any) -> bool:
-        slots = [s for c in type(a).__mro__ for s in getattr(c, "__slots__", ())]
-        slots = [s for s in slots if s not in ("__dict__", "__weakref__")]
+        slots = slot_names(type(a))
         has_dict = hasattr(a, "__dict__")
         if not has_dict and not slots:
             return False  # opaque (a C object such as a Generator): only itself is equal
@@ -236,11 +234,25 @@ def _same_array(numpy: Any, a: Any, b: Any) -> bool:
     return True
 
 
+def closure_values(fn: types.FunctionType) -> list[Any]:
+    """The values a function captured, ``EMPTY`` for a cell not yet assigned."""
+    return [_cell(c) for c in fn.__closure__ or ()]
+
+
+def slot_names(cls: type) -> list[str]:
+    """The ``__slots__`` names of ``cls`` and its bases (a lone string is one name)."""
+    names = []
+    for c in cls.__mro__:
+        declared = c.__dict__.get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else list(declared)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
+
+
 def _cell(cell: types.CellType) -> Any:
     try:
         return cell.cell_contents
     except ValueError:  # an empty cell (a variable not yet assigned)
-        return _EMPTY
+        return EMPTY
 
 
 def same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -272,7 +284,7 @@ def show(value: Any, limit: int = 80) -> str:
     if isinstance(value, types.FunctionType):
         code = value.__code__
         text = f"function {value.__qualname__} ({code.co_filename}:{code.co_firstlineno})"
-        captured = [_cell(c) for c in value.__closure__ or ()]
+        captured = closure_values(value)
         extras = [("defaults", value.__defaults__), ("kwdefaults", value.__kwdefaults__)]
         extras.append(("capturing", tuple(captured) if captured else None))
         for label, values in extras:
