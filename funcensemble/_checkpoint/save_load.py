@@ -76,32 +76,24 @@ def _contents(where: str, obj: Any) -> _Contents:
 
 
 def _count_paths(where: str, obj: Any) -> tuple[dict[str, int | None], int | None]:
-    """The paths of ``obj``'s optimizer step counts (each with its member count where
-    it has its own), and the member count.
+    """The paths of ``obj``'s optimizer step counts, each with its member count (its own
+    state's: a HeteroEnsemble's groups differ in N), and the member count.
 
     A step count is one tensor shared by the members (0-dim) while they have all
     stepped together, and one per member (``[N]``) once members joined later
     (``concat``); a checkpoint of either loads into an optimizer state of either.
     """
-    own: dict[str, int | None] = {}
     if isinstance(obj, EnsembleOptimizer):
         # state_dict() lists the state's leaves in their flattening order.
         keys = obj.state_dict()["state"]
-        mask = count_mask(obj.state)
-        marked = {"state": dict(zip(keys, mask, strict=True))}
+        marked = {"state": dict(zip(keys, count_mask(obj.state), strict=True))}
+        sized = {"state": dict(zip(keys, count_sizes(obj.state), strict=True))}
         n: int | None = obj._num_members() if obj.params else None
-        # A count's member count is its parameter's (a HeteroEnsemble's groups differ).
-        _, spec = optree.tree_flatten(obj.state, none_is_leaf=True)
-        for key, path, is_count in zip(keys, spec.paths(), mask, strict=True):
-            named = obj.params.get(path[-1]) if path and isinstance(path[-1], str) else None
-            if is_count and isinstance(named, Tensor) and named.dim():
-                own[key] = named.shape[0]
     else:
         leaves, spec = optree.tree_flatten(obj, none_is_leaf=True)
         mask = count_mask(obj)
         marked = optree.tree_unflatten(spec, mask)
-        # Each count's own member count (a HeteroEnsemble's group states differ in N).
-        own_sizes = optree.tree_unflatten(spec, count_sizes(obj))
+        sized = optree.tree_unflatten(spec, count_sizes(obj))
         leading = {
             leaf.shape[0]
             for leaf, is_count in zip(leaves, mask, strict=True)
@@ -109,17 +101,9 @@ def _count_paths(where: str, obj: Any) -> tuple[dict[str, int | None], int | Non
         }
         n = leading.pop() if len(leading) == 1 else None
     flags, _ = flatten_by_key(where, marked, (bool,), "a flag")
-    sizes: dict[str, Any] = {}
-    if own:  # the same paths as the flags', with each count's own member count
-        by_key = {"state": {k: own.get(k, -1) for k in marked["state"]}}
-        sizes, _ = flatten_by_key(where, by_key, (int,), "a member count")
-    elif not isinstance(obj, EnsembleOptimizer):
-        sizes, _ = flatten_by_key(where, own_sizes, (int,), "a member count")
-    return {
-        path: (sizes[path] if sizes.get(path, -1) >= 0 else n)
-        for path, is_count in flags.items()
-        if is_count
-    }, n
+    sizes, _ = flatten_by_key(where, sized, (int,), "a member count")
+    counts = {path: (sizes[path] if sizes[path] >= 0 else n) for path in flags if flags[path]}
+    return counts, n
 
 
 def _counts_as_saved(

@@ -18,7 +18,7 @@ from .._core.members import (
 from .._core.tree_view import Stacked, adapted, state_view
 from .._messages import a, expected_got, key_difference
 from .._types import StackedTensor
-from ._members import check_state_like, count_mask, grown, selected
+from ._members import check_state_like, count_mask, count_sizes, grown, selected
 from ._protocol import GradientTransformation, PyTree, flatten
 
 
@@ -191,8 +191,10 @@ class EnsembleOptimizer:
             )
         n_all = self._num_members() if self.params else None
         counts = count_mask(self.state)
+        # Each count's member count is its own state's (a HeteroEnsemble's groups differ).
+        sizes = count_sizes(self.state)
         new = []
-        for key, path, mine, is_count in zip(keys, spec.paths(), leaves, counts, strict=True):
+        for key, size, mine, is_count in zip(keys, sizes, leaves, counts, strict=True):
             value = loaded[key]
             if mine is None or value is None:
                 if mine is not value:
@@ -203,9 +205,7 @@ class EnsembleOptimizer:
                     )
                 new.append(None)
                 continue
-            # A count's member count: its parameter's (a HeteroEnsemble's groups differ).
-            named = self.params.get(path[-1]) if path and isinstance(path[-1], str) else None
-            n = named.shape[0] if isinstance(named, Tensor) and named.dim() else n_all
+            n = size if size >= 0 else n_all
             if (
                 is_count
                 and isinstance(value, Tensor)
