@@ -8,6 +8,7 @@ member order (``[N]``) and routed: group g's transform is built with the values 
 group g's members.
 """
 
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .._structure.same_value import closure_values
 from ..optim._protocol import GradientTransformation, PyTree, with_traits
 
 # What each grouped transform was built for (its ensemble's layout), keyed by its
@@ -106,14 +108,8 @@ def _holds_per_member(obj: Any, depth: int, seen: set[int]) -> bool:
         return obj.dim() > 0
     if isinstance(obj, (tuple, list)):  # transforms and Hyper values are tuples too
         return any(_holds_per_member(x, depth + 1, seen) for x in obj)
-    if callable(obj) and hasattr(obj, "__closure__"):
-        cells = []
-        for cell in obj.__closure__ or ():
-            try:
-                cells.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        return any(_holds_per_member(x, depth + 1, seen) for x in cells)
+    if isinstance(obj, types.FunctionType):
+        return any(_holds_per_member(x, depth + 1, seen) for x in closure_values(obj))
     return False
 
 
