@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import distributed_worker as worker
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -474,6 +475,73 @@ def test_checkpoint_rows_load_for_any_rank_of_any_world_size(tmp_path, rank, wor
     fe.distributed.save(tmp_path / "small", {"params": run["params"], "step": 3})
     loaded = fe.distributed.load(tmp_path / "small", template, shard)
     assert_trees_equal(loaded["params"], {k: v[shard.members] for k, v in run["params"].items()})
+
+
+def _per_member_count_run():
+    """A functional run whose Adam counts are per member ([5]): three members that
+    stepped three times joined by two fresh ones (fe.optim.concat)."""
+    run = _run_state(3)
+    fresh = fe.Ensemble.from_factory(worker.make_member, num_members=2, seed=9)
+    params = {k: v.detach() for k, v in fresh.stacked_params().items()}
+    grown = fe.concat([run["params"], params])
+    joined = {"params": grown, "opt": fe.optim.concat(fe.optim.adam(1e-2), run["opt"], grown)}
+    assert all(c.shape == (5,) for c in joined["opt"][0].count.values())
+    return joined
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (1, 2), (2, 3)])
+def test_per_member_step_counts_load_into_a_fresh_state_on_any_rank(tmp_path, rank, world):
+    """fe.load takes either count layout; so does fe.distributed.load, each rank
+    reading its members' counts (it refused a [N] count for a 0-dim template)."""
+    joined = _per_member_count_run()
+    fe.distributed.save(tmp_path / "run", joined)
+    shard = fake_shard(5, rank, world)
+    params = {
+        k: torch.zeros(shard.size, *v.shape[1:], dtype=v.dtype) for k, v in joined["params"].items()
+    }
+    template = {"params": params, "opt": fe.optim.adam(1e-2).init(params)}
+    assert all(c.dim() == 0 for c in template["opt"][0].count.values())
+    loaded = fe.distributed.load(tmp_path / "run", template, shard)
+    rows = shard.members
+    assert_trees_equal(loaded["opt"], optree.tree_map(lambda t: t[rows], joined["opt"]))
+    for name, count in loaded["opt"][0].count.items():
+        assert count.tolist() == joined["opt"][0].count[name][rows].tolist() != []
+    if world == 1:  # the way back: a shared count into a per-member state, as saved
+        fe.distributed.save(tmp_path / "shared", template)
+        back = fe.distributed.load(tmp_path / "shared", joined)
+        assert all(c.dim() == 0 for c in back["opt"][0].count.values())
+        assert_trees_equal(back["opt"], template["opt"])
+
+
+def test_an_ensemble_optimizer_saves_and_loads_itself(tmp_path):
+    """As fe.save/fe.load take an EnsembleOptimizer, so do the sharded ones, per-member
+    counts included; the optimizer loads in place and steps on as the saved one."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=3, seed=0)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    g = torch.Generator().manual_seed(1)
+
+    def step(ens, opt, x=None):
+        x = torch.randn(len(ens), 8, 4, dtype=torch.float64, generator=g) if x is None else x
+        ens(x, in_dims=0).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(ens, opt)
+    grown = ens.concat([worker.make_member()])
+    opt = opt.concat(grown)
+    step(grown, opt)
+    fe.distributed.save(tmp_path / "opt", opt)
+    fe.distributed.save(tmp_path / "ens", grown)
+    other = fe.Ensemble.from_factory(worker.make_member, num_members=4, seed=1)
+    fe.distributed.load(tmp_path / "ens", other)
+    resumed = fe.optim.EnsembleOptimizer(other, fe.optim.adam(1e-2))
+    assert fe.distributed.load(tmp_path / "opt", resumed) is resumed
+    assert_trees_equal(resumed.state_dict(), opt.state_dict())
+    x = torch.randn(4, 8, 4, dtype=torch.float64)
+    step(grown, opt, x)
+    step(other, resumed, x)
+    assert_trees_equal(other.state_dict(), grown.state_dict())
 
 
 def test_checkpoint_errors(tmp_path):

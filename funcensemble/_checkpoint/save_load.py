@@ -25,7 +25,7 @@ from .._hetero.ensemble import HeteroEnsemble
 from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
 from ..optim._ensemble_optimizer import EnsembleOptimizer
-from ..optim._members import count_mask, count_sizes
+from .counts import count_paths, layout_as_saved
 from .file import (
     VALUE_TYPES,
     Spec,
@@ -75,52 +75,16 @@ def _contents(where: str, obj: Any) -> _Contents:
     return _Contents("pytree", leaves, treedef, "the template")
 
 
-def _count_paths(where: str, obj: Any) -> tuple[dict[str, int | None], int | None]:
-    """The paths of ``obj``'s optimizer step counts, each with its member count (its own
-    state's: a HeteroEnsemble's groups differ in N), and the member count.
-
-    A step count is one tensor shared by the members (0-dim) while they have all
-    stepped together, and one per member (``[N]``) once members joined later
-    (``concat``); a checkpoint of either loads into an optimizer state of either.
-    """
-    if isinstance(obj, EnsembleOptimizer):
-        # state_dict() lists the state's leaves in their flattening order.
-        keys = obj.state_dict()["state"]
-        marked = {"state": dict(zip(keys, count_mask(obj.state), strict=True))}
-        sized = {"state": dict(zip(keys, count_sizes(obj.state), strict=True))}
-        n: int | None = obj._num_members() if obj.params else None
-    else:
-        leaves, spec = optree.tree_flatten(obj, none_is_leaf=True)
-        mask = count_mask(obj)
-        marked = optree.tree_unflatten(spec, mask)
-        sized = optree.tree_unflatten(spec, count_sizes(obj))
-        leading = {
-            leaf.shape[0]
-            for leaf, is_count in zip(leaves, mask, strict=True)
-            if isinstance(leaf, Tensor) and leaf.dim() > 0 and not is_count
-        }
-        n = leading.pop() if len(leading) == 1 else None
-    flags, _ = flatten_by_key(where, marked, (bool,), "a flag")
-    sizes, _ = flatten_by_key(where, sized, (int,), "a member count")
-    counts = {path: (sizes[path] if sizes[path] >= 0 else n) for path in flags if flags[path]}
-    return counts, n
-
-
-def _counts_as_saved(
-    contents: _Contents, counts: dict[str, int | None], n: int | None, tensors: dict[str, Tensor]
-) -> _Contents:
-    """``contents`` with each step count in the layout the file has (see ``_count_paths``)."""
+def _counts_as_saved(contents: _Contents, obj: Any, tensors: dict[str, Tensor]) -> _Contents:
+    """``contents`` with each step count in the layout the file has (see ``counts``)."""
+    counts, _ = count_paths("load", obj)
     leaves = dict(contents.leaves)
     for path, n in counts.items():
-        mine, saved = leaves.get(path), tensors.get(path)
-        if (
-            isinstance(mine, Tensor)
-            and isinstance(saved, Tensor)
-            and n is not None
-            and saved.dtype == mine.dtype
-            and {tuple(mine.shape), tuple(saved.shape)} == {(), (n,)}
-        ):
-            leaves[path] = mine.new_zeros(saved.shape)
+        saved = tensors.get(path)
+        if isinstance(saved, Tensor) and n is not None:
+            zeros = layout_as_saved(leaves.get(path), n, tuple(saved.shape), saved.dtype, n)
+            if zeros is not None:
+                leaves[path] = zeros
     return replace(contents, leaves=leaves)
 
 
@@ -419,7 +383,7 @@ def load(path: str | os.PathLike, obj: T) -> T:
 
     header, tensors, verified = read_checkpoint(where, path, check)
     if contents.kind == "pytree":
-        contents = _counts_as_saved(contents, *_count_paths(where, obj), tensors)
+        contents = _counts_as_saved(contents, obj, tensors)
     _check_leaves(where, name, contents, tensors, header["values"])
     if not verified:
         warnings.warn(

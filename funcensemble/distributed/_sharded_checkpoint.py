@@ -23,7 +23,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import optree
@@ -33,10 +33,12 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .._checkpoint.counts import count_paths, layout_as_saved
 from .._checkpoint.paths import dotted_key, flatten_by_key
 from .._core.ensemble import Ensemble
 from .._messages import key_difference, pytree_leaf, tensor_spec
 from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING, dcp_save_planner_to_lowest_rank
+from ..optim._ensemble_optimizer import EnsembleOptimizer
 from ._agreement import agree_to_write
 from ._dcp_checksums import (
     CHECKSUM_FILE,
@@ -78,6 +80,9 @@ class _Flat:
 
 
 def _flatten(where: str, obj: Any) -> _Flat:
+    if isinstance(obj, EnsembleOptimizer):
+        # Stored as its state_dict(), as fe.save stores it.
+        return _flatten(where, obj.state_dict())
     if isinstance(obj, Ensemble):
         kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
         leaves = dict(obj.state_dict(keep_vars=True))
@@ -169,8 +174,10 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             yet).
         obj: This rank's [`Ensemble`][funcensemble.Ensemble] (e.g. from
             [`MemberShard.from_factory`][funcensemble.distributed.MemberShard.from_factory]),
-            or a pytree such as ``{"params": params, "buffers": buffers,
-            "opt": opt_state, "step": 10}``.
+            a pytree such as ``{"params": params, "buffers": buffers,
+            "opt": opt_state, "step": 10}``, or this rank's
+            [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] (stored as its
+            ``state_dict()``, as [`fe.save`][funcensemble.save] stores it).
         shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
             Optional in a single process, where ``obj`` holds all members.
 
@@ -328,6 +335,27 @@ def _saved_members(where: str, name: str, flat: _Flat, saved: dict[str, Any]) ->
     return next(iter(sizes.values()), None)
 
 
+def _counts_as_saved(
+    where: str, obj: Any, flat: _Flat, saved: dict[str, Any], shard: MemberShard
+) -> _Flat:
+    """``flat`` with each optimizer step count in the checkpoint's layout: one shared by
+    the members (0-dim) or one per member (``[N]``, after ``concat``), whichever the
+    object to load into holds (the loaded state takes the checkpoint's, as in fe.load)."""
+    if flat.ensemble:
+        return flat
+    counts, _ = count_paths(where, obj, key=dotted_key)
+    leaves = dict(flat.leaves)
+    for path, n in counts.items():
+        md = saved.get(path)
+        if isinstance(md, TensorStorageMetadata):
+            zeros = layout_as_saved(
+                leaves.get(path), n, tuple(md.size), md.properties.dtype, shard.num_members
+            )
+            if zeros is not None and (zeros.dim() == 0 or n == shard.size):
+                leaves[path] = zeros
+    return replace(flat, leaves=leaves)
+
+
 def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: MemberShard) -> None:
     difference = key_difference(
         flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys(), label=flat.label
@@ -398,12 +426,18 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             returned; or a template pytree of the saved structure (e.g. fresh
             ``params`` and ``opt.init(params)``), left untouched: a new pytree with the
             saved values is returned, each tensor on its template's device with its
-            ``requires_grad``.
+            ``requires_grad``; or this rank's
+            [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer], loaded in place
+            (through its ``load_state_dict``) and returned. Optimizer step counts load
+            whether the checkpoint holds one shared by the members (0-dim) or one per
+            member (``[N]``, after members joined by ``concat``), as in
+            [`fe.load`][funcensemble.load]: each rank reads its members' counts, and
+            the loaded state takes the checkpoint's layout.
         shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard];
             by default one for the saved member count over the default group.
 
     Returns:
-        ``obj`` itself for an ensemble; a new pytree for a template.
+        ``obj`` itself for an ensemble or an optimizer; a new pytree for a template.
 
     Raises:
         FileNotFoundError: No directory at ``path``.
@@ -439,6 +473,7 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
                 f"{where}: '{name}' holds {num_members} members; the shard describes "
                 f"{shard.num_members}. Pass MemberShard({num_members})."
             )
+    flat = _counts_as_saved(where, obj, flat, saved, shard)
     _check(where, name, flat, saved, shard)
 
     sharded = set(flat.sharded())
@@ -496,4 +531,8 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             out.append(value.requires_grad_(True) if leaf.requires_grad else value)
         else:
             out.append(type(leaf)(value.item()))
-    return flat.treedef.unflatten(out)
+    loaded = flat.treedef.unflatten(out)
+    if isinstance(obj, EnsembleOptimizer):
+        obj.load_state_dict(loaded)
+        return obj  # type: ignore[return-value]
+    return loaded
