@@ -1449,6 +1449,53 @@ def test_weak_references_to_the_members_own_modules_are_refused_and_others_kept(
     torch.testing.assert_close(scale.grad, want)
 
 
+@pytest.mark.parametrize("how", ["registered", "proxy", "plain"])
+def test_a_back_reference_registered_as_a_submodule_is_refused(how) -> None:
+    """A child registering its root (directly, or as a weakref.proxy, which nn.Module
+    registers as a module too) makes the module tree a cycle: the ensemble's call died
+    with a RecursionError. It is refused at construction, naming the submodule and the
+    fix; the fix (a plain reference torch does not register) computes as the loop."""
+    import weakref
+
+    class Child(nn.Module):
+        def __init__(self, root: nn.Module) -> None:
+            super().__init__()
+            self.l = lin(3, 3)
+            if how == "registered":
+                self.root = root
+            elif how == "proxy":
+                self.root = weakref.proxy(root)
+            else:
+                object.__setattr__(self, "root", root)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.root.out(self.l(x))
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = lin(3, 2)
+            self.child = Child(self)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.child(x)
+
+    members = [Root() for _ in range(3)]
+    x = torch.randn(4, 3)
+    if how == "plain":
+        torch.testing.assert_close(fe.Ensemble(members)(x), torch.stack([m(x) for m in members]))
+        return
+    proxy = (
+        "a weakref.proxy, which nn.Module registers as a submodule, of " if how == "proxy" else ""
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"member 0's submodule `child.root` is {proxy}the root module, its own "
+        r"ancestor, so the module tree has a cycle .* object.__setattr__\(self, 'root', module\)",
+    ):
+        fe.Ensemble(members)
+
+
 def test_a_hook_handle_kept_on_the_member_is_the_same_value() -> None:
     """Feature-extraction code keeps the handle to remove its hook later: handle ids
     count up across modules, so members' handles were refused as different values."""

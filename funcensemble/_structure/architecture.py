@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,7 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
             f"{where}: member {index} is {a(type(module).__name__)}, not a module (expected "
             f"an nn.Module, got {type(module).__name__}). Pass one nn.Module per member."
         )
+    _check_no_cycle(where, index, module)
     for name, sub in module.named_modules():
         if isinstance(sub, _UNBATCHABLE):
             raise TypeError(
@@ -107,6 +109,39 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                 )
     check_no_hidden_tensors(where, index, module)
     return module
+
+
+def _check_no_cycle(where: str, index: int, module: nn.Module) -> None:
+    """Refuse a module registered below itself (``self.child.root = self``, or a
+    ``weakref.proxy`` of an ancestor, which ``nn.Module`` registers as a submodule):
+    torch's own walks of the tree (``state_dict``, ``named_modules(remove_duplicate=False)``)
+    never end on it, and neither would the ensemble's."""
+    # A proxy shows its target's __dict__: compare those, not the objects.
+    stack = [(module, "", {id(vars(module)): ""})]
+    done: set[int] = set()
+    while stack:
+        sub, path, above = stack.pop()
+        if id(vars(sub)) in done:
+            continue  # a shared submodule: walked once
+        done.add(id(vars(sub)))
+        for name, child in vars(sub)["_modules"].items():
+            if child is None:
+                continue
+            full = f"{path}.{name}" if path else name
+            ancestor = above.get(id(vars(child)))
+            if ancestor is not None:
+                proxy = isinstance(child, weakref.ProxyTypes)
+                kind = "a weakref.proxy, which nn.Module registers as a submodule, of "
+                raise ValueError(
+                    f"{where}: member {index}'s submodule `{full}` is "
+                    f"{kind if proxy else ''}{submodule(ancestor)}, its own ancestor, so "
+                    "the module tree has a cycle (expected a tree). torch's walks of a "
+                    "module (state_dict, named_modules(remove_duplicate=False)) never end "
+                    "on it, and neither would the ensemble's. Keep the back-reference out "
+                    f"of the registered submodules: object.__setattr__(self, '{name}', "
+                    "module) holds a plain reference torch does not register."
+                )
+            stack.append((child, full, {**above, id(vars(child)): full}))
 
 
 def _buffer_requires_grad(where: str, index: int, name: str, t: Tensor) -> None:
