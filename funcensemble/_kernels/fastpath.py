@@ -310,7 +310,11 @@ def _chain_kept(
             k += act is not None
         w = params[weight]
         b = None if bias is None else params[bias]
-        h = _linear_act.LinearAct.apply(h if shared else _members_first(h, n), w, b, act)
+        h = h if shared else _members_first(h, n)
+        if _linear_act.recorded(h, w, b):
+            h = _linear_act.LinearAct.apply(h, w, b, act)
+        else:
+            h = _linear_act.layer(h, w, b, act)
         shared = False
     if shared:  # no Linear ran (plan() refuses such chains; kept for safety)
         h = h.expand(n, -1, -1)

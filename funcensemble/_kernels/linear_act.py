@@ -51,6 +51,34 @@ def _act_backward(act: str, g: Tensor, y: Tensor, out: Tensor | None) -> Tensor:
     )
 
 
+def layer(h: Tensor, w: Tensor, b: Tensor | None, act: str | None) -> Tensor:
+    """``act(W @ h + b)`` feature-major, written into a kept buffer: ``LinearAct``'s
+    forward, and the whole layer where nothing needs a gradient (no graph to record:
+    ``autograd.Function.apply`` cost more than the layer's own Python at inference)."""
+    n, d_out, d_in = w.shape
+    if h.dim() == 2:  # shared input: all members' weights as one [N * out, in] matrix
+        z = _workspace.empty((n * d_out, h.shape[1]), h)
+        w2 = w.reshape(n * d_out, d_in)
+        if b is None:
+            torch.mm(w2, h, out=z)
+        else:
+            torch.addmm(b.reshape(-1, 1), w2, h, out=z)
+    else:
+        z = _workspace.empty((n, d_out, h.shape[2]), h)
+        if b is None:
+            torch.bmm(w, h, out=z)
+        else:
+            torch.baddbmm(b.unsqueeze(2), w, h, out=z)
+    if act is not None:
+        _IN_PLACE[act](z)
+    return z
+
+
+def recorded(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a graph through a layer of these inputs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class LinearAct(torch.autograd.Function):
     """``act(W @ h + b)`` feature-major; ``act`` one of ``ACTIVATIONS`` or None.
 
@@ -61,22 +89,7 @@ class LinearAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: Tensor, w: Tensor, b: Tensor | None, act: str | None) -> Tensor:  # type: ignore[override]
-        n, d_out, d_in = w.shape
-        if h.dim() == 2:  # shared input: all members' weights as one [N * out, in] matrix
-            z = _workspace.empty((n * d_out, h.shape[1]), h)
-            w2 = w.reshape(n * d_out, d_in)
-            if b is None:
-                torch.mm(w2, h, out=z)
-            else:
-                torch.addmm(b.reshape(-1, 1), w2, h, out=z)
-        else:
-            z = _workspace.empty((n, d_out, h.shape[2]), h)
-            if b is None:
-                torch.bmm(w, h, out=z)
-            else:
-                torch.baddbmm(b.unsqueeze(2), w, h, out=z)
-        if act is not None:
-            _IN_PLACE[act](z)
+        z = layer(h, w, b, act)
         # The output only where the activation's derivative needs it: like the plain
         # baddbmm, a bare layer's output stays free for the caller's in-place ops.
         ctx.save_for_backward(h, w, z if act is not None else None)
