@@ -168,9 +168,9 @@ def hyperparameter(
                 f"{where}: {name} as a tensor must be floating point (one value per "
                 f"member), got dtype {value.dtype}."
             )
-        if value.dim() == 0:
+        if value.dim() == 0 and not torch.compiler.is_compiling():
             value = value.item()
-        elif value.dim() != 1 or value.numel() == 0:
+        elif value.dim() > 1 or (value.dim() == 1 and value.numel() == 0):
             raise ValueError(
                 f"{where}: {name} as a tensor must be 1-D with one value per member "
                 f"(shape [N]), got shape {tuple(value.shape)}."
@@ -186,6 +186,11 @@ def hyperparameter(
     ok = value >= 0
     if upper is not None:
         ok &= (value <= upper) if upper_closed else (value < upper)
+    if torch.compiler.is_compiling():
+        # Reading the values would break the graph (a data-dependent branch): the
+        # check runs inside it, raising when the compiled call runs.
+        torch._assert_async(ok.all(), f"{where}: Invalid {label}: expected {constraint}.")
+        return Hyper(name, value)
     if not bool(ok.all()):
         member = int((~ok).nonzero()[0, 0])
         raise ValueError(
