@@ -751,3 +751,18 @@ def test_an_optimizer_built_for_another_hetero_ensemble_is_refused_clearly():
         r"\[\[0, 1\], \[2\]\]\)",
     ):
         fe.optim.EnsembleOptimizer(second, built)
+
+
+def test_a_bad_per_member_value_is_named_by_its_member_in_the_ensemble():
+    """A per-member value that one group's transform refuses was named by its position
+    in that group ("member 0" for member 5 of the ensemble): the message names the
+    group and the member's index in the ensemble."""
+    hens = fe.HeteroEnsemble(members(torch.float64))
+    lrs = LRS.clone()
+    lrs[5] = -0.1  # group 1 holds members 1 and 5: its second member
+    with pytest.raises(
+        ValueError,
+        match=r"HeteroEnsemble.optimizer: building group 1 \(members \[1, 5\]\): adam: "
+        r"Invalid learning rate: -0.1 \(member 5 of the per-member lr\)",
+    ):
+        hens.optimizer(fe.optim.adam, lr=lrs)

@@ -8,6 +8,7 @@ member order (``[N]``) and routed: group g's transform is built with the values 
 group g's members.
 """
 
+import re
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -113,6 +114,17 @@ def _holds_per_member(obj: Any, depth: int, seen: set[int]) -> bool:
     return False
 
 
+def _in_group(where: str, message: str, g: int, group: Sequence[int]) -> str:
+    """``message`` from building group ``g``'s transform, naming the group and with its
+    member positions ("member 0 of the per-member lr") as the ensemble's indices."""
+    message = re.sub(
+        r"\bmember (\d+) of the per-member",
+        lambda m: f"member {group[int(m.group(1))]} of the per-member",
+        message,
+    )
+    return f"{where}: building group {g} (members {list(group)}): {message}"
+
+
 def grouped(
     where: str,
     keys: Sequence[Sequence[str]],
@@ -152,7 +164,14 @@ def grouped(
                     {name: _route(where, name, v, index, n) for name, v in kwargs.items()},
                 )
             )
-        per_group = [transform(*a, **kw) for a, kw in routed]
+        per_group = []
+        for g, (a, kw) in enumerate(routed):
+            try:
+                per_group.append(transform(*a, **kw))
+            except (ValueError, TypeError) as error:
+                if type(error) not in (ValueError, TypeError):
+                    raise
+                raise type(error)(_in_group(where, str(error), g, members[g])) from None
         for t in per_group:
             if not isinstance(t, GradientTransformation):
                 raise TypeError(
