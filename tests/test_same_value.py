@@ -52,6 +52,7 @@ SAME = [
     ([1, [2]], [1, [2]]),
     ({"a": 1, "b": [nan]}, {"a": 1, "b": [nan]}),
     ({1, 2}, {2, 1}),
+    ({float("nan"), 1.0}, {1.0, float("nan")}),  # a NaN made by each member
     (Color.RED, Color.RED),
     (torch.float32, torch.float32),
     (torch.tensor([1.0, nan]), torch.tensor([1.0, nan])),
@@ -67,6 +68,10 @@ DIFFERENT = [
     (1, 1.0),  # the type is part of the value
     (True, 1),
     (0.0, -0.0),
+    ({float("nan")}, {float("nan"), float("nan")}),
+    ({float("nan"), 1.0}, {float("nan"), 2.0}),
+    ({0.0}, {-0.0}),
+    ({1}, {True}),
     (nan, 1.0),
     ((1, 2), [1, 2]),
     ((1, 2), (1, 2, 3)),

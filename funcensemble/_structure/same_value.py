@@ -106,11 +106,13 @@ class SameValue:
                 and self._same_extras(a, b)
             )
         if isinstance(a, (set, frozenset)):
-            # Equal sets whose elements also match strictly ({0.0} is not {-0.0}, {1}
-            # is not {True}): compared by a strict key each, in linear time.
+            # Sets whose elements match strictly ({0.0} is not {-0.0}, {1} is not
+            # {True}, a NaN made by each member matches the other's): compared by a
+            # strict key each, in linear time.
             return (
-                a == b
-                and {_strict_key(x) for x in a} == {_strict_key(y) for y in b}
+                len(a) == len(b)
+                and collections.Counter(map(_strict_key, a))
+                == collections.Counter(map(_strict_key, b))
                 and self._same_extras(a, b)
             )
         if isinstance(a, types.FunctionType):
@@ -202,16 +204,20 @@ def _handle_position(handle: RemovableHandle) -> tuple[int, int] | None:
 
 
 def _strict_key(x: Any) -> Any:
-    """A hashable key that tells apart set elements ``==`` equates: ``1``, ``1.0`` and
-    ``True``; ``0.0`` and ``-0.0`` (NaN elements are equal only to themselves in a set,
-    so ``a == b`` has already matched them)."""
+    """A hashable key that tells apart set elements ``==`` equates (``1``, ``1.0`` and
+    ``True``; ``0.0`` and ``-0.0``) and matches NaNs, which ``==`` never does."""
     if isinstance(x, float):
-        return (float, x, math.copysign(1.0, x))
+        return (type(x), _float_key(x))
     if isinstance(x, complex):
-        return (complex, x, math.copysign(1.0, x.real), math.copysign(1.0, x.imag))
+        return (type(x), _float_key(x.real), _float_key(x.imag))
     if isinstance(x, tuple):
         return (type(x), tuple(_strict_key(e) for e in x))
     return (type(x), x)
+
+
+def _float_key(x: float) -> tuple[Any, float]:
+    """``x`` with its sign (``-0.0`` apart from ``0.0``); every NaN of one sign alike."""
+    return ("nan" if math.isnan(x) else x, math.copysign(1.0, x))
 
 
 def _same_float(a: float, b: float) -> bool:
