@@ -78,8 +78,10 @@ def gaussian_mixture(
     var = _check(where, var, floating=True)
     if mean.shape != var.shape:
         raise ValueError(
-            f"{where}: mean and var must have the same shape (one variance per predicted "
-            f"mean), got mean {tuple(mean.shape)} and var {tuple(var.shape)}."
+            f"{where}: mean and var must have the same shape (expected one variance per "
+            f"predicted mean, got mean {tuple(mean.shape)} and var {tuple(var.shape)}). "
+            "Give each member's variance for every output it predicts, e.g. a variance "
+            "head as wide as the mean head."
         )
     if not (torch.compiler.is_compiling() or _torch_compat.inside_transform()):
         negative = var < 0

@@ -70,8 +70,8 @@ def bootstrap_masks(
     _positive_int(where, "num_samples", num_samples)
     if distribution not in ("bernoulli", "poisson", "multinomial"):
         raise ValueError(
-            f"{where}: distribution must be 'bernoulli', 'poisson' or 'multinomial', got "
-            f"{distribution!r}."
+            f"{where}: unknown distribution (expected 'bernoulli', 'poisson' or "
+            f"'multinomial', got {distribution!r}). Pass one of those three."
         )
     if p is not None and distribution != "bernoulli":
         raise ValueError(
@@ -122,13 +122,15 @@ def _reduced_dims(where: str, dim: object, ndim: int) -> tuple[int, ...]:
     for d in dims:
         if not -ndim <= d < max(ndim, 1):
             raise ValueError(
-                f"{where}: dim {d} is out of range for values with {ndim} dimension(s)."
+                f"{where}: dim {d} is out of range for values with {ndim} dimension(s) "
+                f"(expected a dim from {-max(ndim, 1)} to {max(ndim, 1) - 1}). Name "
+                "dimensions of values."
             )
         out.append(d % ndim if ndim else 0)
     if not out:
         raise ValueError(f"{where}: dim is an empty tuple; pass None to reduce every dim.")
     if len(set(out)) != len(out):
-        raise ValueError(f"{where}: dim {dim!r} names a dimension twice.")
+        raise ValueError(f"{where}: dim {dim!r} names a dimension twice. Name each dimension once.")
     return tuple(out)
 
 

@@ -797,6 +797,11 @@ def test_torch_tools_that_see_the_stacked_tensors_do_as_faces_md_says():
     mlp.stacked[0].register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
     assert mlp(torch.randn(4, 3)).shape == (n, 4, 5)
     assert seen == [(4, 5)]
+    # Once per chunk with chunk_size.
+    seen.clear()
+    mlp.chunk_size = 2
+    mlp(torch.randn(4, 3))
+    assert len(seen) == -(-n // 2)
     # channels_last for a convolutional ensemble: its stacked weights are 5-d.
     conv = fe.Ensemble([nn.Conv2d(3, 4, 3) for _ in range(2)])
     with pytest.raises(RuntimeError, match="channels_last"):

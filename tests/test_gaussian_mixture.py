@@ -139,3 +139,13 @@ def test_gaussian_nll_loss_cannot_be_mapped_so_the_doc_writes_the_loss_out():
             out[:, 0], y, torch.nn.functional.softplus(out[:, 1])
         )
         torch.testing.assert_close(losses[i], want)
+
+
+def test_a_nan_variance_gives_nan_as_the_loop_does():
+    """regression-uncertainty.md: a NaN variance (a diverged member) is not refused; it
+    gives NaN in the mixture's variance, and leaves the mean alone."""
+    mean, var = torch.zeros(3, 2), torch.ones(3, 2)
+    var[1, 0] = math.nan
+    mix = fe.reduce.gaussian_mixture(mean, var)
+    assert math.isnan(mix.var[0].item()) and mix.var[1].item() == 1.0
+    assert torch.equal(mix.mean, torch.zeros(2))

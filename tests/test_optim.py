@@ -518,7 +518,10 @@ def test_cuda_matches_cpu():
         ({"betas": (0.9, torch.tensor([0.9, 1.5]))}, r"beta parameter at index 1: 1\.5 \(member 1"),
         ({"eps": torch.tensor([-1.0])}, r"Invalid epsilon value: -1\.0 \(member 0"),
         ({"weight_decay": torch.tensor([0.1, -2.0])}, r"Invalid weight_decay value: -2\.0"),
-        ({"lr": torch.ones(2, 3)}, r"lr as a tensor must be 1-D .* got shape \(2, 3\)"),
+        (
+            {"lr": torch.ones(2, 3)},
+            r"lr as a tensor must be 1-D .* got \(2, 3\)\)\. Pass one value per member",
+        ),
         ({"lr": torch.ones(0)}, r"must be 1-D with one value per member"),
         (
             {"betas": (0.9, 0.99, 0.999)},

@@ -196,7 +196,7 @@ def test_p_one_keeps_everything():
     [
         ({"num_members": 0}, ValueError, "num_members must be a positive int"),
         ({"num_samples": 2.0}, TypeError, "num_samples must be a positive int"),
-        ({"distribution": "gamma"}, ValueError, "distribution must be 'bernoulli'"),
+        ({"distribution": "gamma"}, ValueError, "unknown distribution \\(expected 'bernoulli'"),
         ({"p": 0.0}, ValueError, r"p must lie in \(0, 1\]"),
         ({"p": 1.5}, ValueError, r"p must lie in \(0, 1\]"),
         ({"p": "half"}, TypeError, "p must be a float"),

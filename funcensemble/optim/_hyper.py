@@ -165,15 +165,17 @@ def hyperparameter(
             )
         if not value.is_floating_point():
             raise TypeError(
-                f"{where}: {name} as a tensor must be floating point (one value per "
-                f"member), got dtype {value.dtype}."
+                f"{where}: {name} as a tensor must be floating point (expected one float "
+                f"value per member, got dtype {value.dtype}). Convert it, e.g. "
+                f"{name}.float(), or pass a float shared by all members."
             )
         if value.dim() == 0 and not torch.compiler.is_compiling():
             value = value.item()
         elif value.dim() > 1 or (value.dim() == 1 and value.numel() == 0):
             raise ValueError(
                 f"{where}: {name} as a tensor must be 1-D with one value per member "
-                f"(shape [N]), got shape {tuple(value.shape)}."
+                f"(expected shape [N], got {tuple(value.shape)}). Pass one value per member "
+                "in member order, or a float shared by all members."
             )
     if not isinstance(value, Tensor):
         value = float(value)

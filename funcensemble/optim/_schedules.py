@@ -26,8 +26,9 @@ def _steps(where: str, name: str, value: object, minimum: int) -> float | Tensor
             )
         if value.dim() != 1 or value.numel() == 0:
             raise ValueError(
-                f"{where}: {name} as a tensor must be 1-D with one value per member (shape "
-                f"[N]), got shape {tuple(value.shape)}."
+                f"{where}: {name} as a tensor must be 1-D with one value per member "
+                f"(expected shape [N], got {tuple(value.shape)}). Pass one value per member "
+                "in member order, or an int shared by all members."
             )
         bad = value < minimum
         if bool(bad.any()):
