@@ -79,6 +79,9 @@ def look_at_all_members(run: dict[str, Any], ens: fe.Ensemble, shard) -> dict[st
         "mu": d.all_gather(run["opt"][0].mu, shard),
         "preds": d.all_gather(preds, shard),
         "mean": d.mean(preds, shard),
+        # float16 values whose sum over members (not their mean) passes float16's 65504.
+        "half_mean": d.mean((20000 + 300 * preds).half(), shard),
+        "half_var": d.var((20000 + 300 * preds).half(), shard),
         "var": d.var(preds, shard),
         "std": d.std(preds, shard, correction=0),
         "min": d.min(preds, shard),

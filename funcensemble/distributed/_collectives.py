@@ -251,9 +251,20 @@ def _real(where: str, values: Tensor) -> None:
         )
 
 
-def _mean(where: str, values: Tensor, shard: MemberShard) -> Tensor:
-    total = values.sum(dim=0)
+def wide(t: Tensor) -> torch.dtype:
+    """The dtype a sum of ``t`` over members accumulates and travels in: float32 at
+    least, as ``torch.mean`` accumulates half-precision values (a float16 sum of float16
+    values overflows at 65504, where their mean does not)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _wide_mean(where: str, values: Tensor, shard: MemberShard) -> Tensor:
+    total = values.sum(dim=0, dtype=wide(values))
     return _all_reduce(where, shard, total, dist.ReduceOp.SUM) / shard.num_members
+
+
+def _mean(where: str, values: Tensor, shard: MemberShard) -> Tensor:
+    return _wide_mean(where, values, shard).to(values.dtype)
 
 
 def mean(local: Float[Tensor, " member *rest"], shard: MemberShard) -> Float[Tensor, "*rest"]:
@@ -285,11 +296,10 @@ def _var(where: str, local: Tensor, shard: MemberShard, correction: int | float)
     with torch.no_grad():
         # Two passes (mean, then squared deviations) as torch.var does: the one-pass
         # E[x^2] - E[x]^2 loses digits when the spread is small next to the mean.
-        centred = values - _mean(where, values, shard)
+        centred = values.to(wide(values)) - _wide_mean(where, values, shard)
         squares = (centred * centred).sum(dim=0)
-        return _all_reduce(where, shard, squares, dist.ReduceOp.SUM) / (
-            shard.num_members - correction
-        )
+        total = _all_reduce(where, shard, squares, dist.ReduceOp.SUM)
+        return (total / (shard.num_members - correction)).to(values.dtype)
 
 
 def var(

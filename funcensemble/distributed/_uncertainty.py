@@ -24,7 +24,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .. import _reduce
-from ._collectives import _all_reduce, _check_local, _check_shard
+from ._collectives import _all_reduce, _check_local, _check_shard, wide
 from ._member_shard import MemberShard
 
 
@@ -40,8 +40,9 @@ def _log_mean(where: str, log_probs: Tensor, shard: MemberShard) -> Tensor:
     # As torch.logsumexp: an infinite maximum (a class every member gives probability 0)
     # is shifted by 0, so that -inf - -inf never makes a NaN.
     top = torch.where(top.isinf(), torch.zeros_like(top), top)
-    total = _all_reduce(where, shard, (log_probs - top).exp().sum(dim=0), dist.ReduceOp.SUM)
-    return total.log() + top - math.log(shard.num_members)
+    exps = (log_probs - top).exp().sum(dim=0, dtype=wide(log_probs))
+    total = _all_reduce(where, shard, exps, dist.ReduceOp.SUM)
+    return (total.log() + top - math.log(shard.num_members)).to(log_probs.dtype)
 
 
 def mean_log_probs(
@@ -127,9 +128,9 @@ def expected_entropy(
     if shard.world_size == 1:
         return entropies.mean(dim=0)
     with torch.no_grad():
-        return _all_reduce(where, shard, entropies.sum(dim=0), dist.ReduceOp.SUM) / (
-            shard.num_members
-        )
+        total = entropies.sum(dim=0, dtype=wide(entropies))
+        total = _all_reduce(where, shard, total, dist.ReduceOp.SUM)
+        return (total / shard.num_members).to(entropies.dtype)
 
 
 def mutual_information(
@@ -156,5 +157,6 @@ def mutual_information(
     with torch.no_grad():
         average = _log_mean(where, log_probs, shard)
         divergence = (log_probs.exp() * (log_probs - average)).sum(dim=-1)
-        total = _all_reduce(where, shard, divergence.sum(dim=0), dist.ReduceOp.SUM)
-        return (total / shard.num_members).clamp(min=0)
+        total = divergence.sum(dim=0, dtype=wide(divergence))
+        total = _all_reduce(where, shard, total, dist.ReduceOp.SUM)
+        return (total / shard.num_members).clamp(min=0).to(divergence.dtype)
