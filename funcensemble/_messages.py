@@ -7,6 +7,7 @@ checks (a positive int).
 """
 
 import ast
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -133,11 +134,13 @@ def positive_int(where: str, name: str, value: object, *, or_none: bool = False)
     wanted, expected = "a positive int", "an int >= 1"
     if or_none:
         wanted, expected = f"{wanted} or None", f"{expected} or None"
-    if isinstance(value, bool) or not isinstance(value, int):
+    # numbers.Integral: a NumPy integer (a count read from an array) is an int too.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{where}: {name} must be {wanted} {expected_got(expected, type(value).__name__)}. "
             f"Pass {name} as {expected}."
         )
+    value = int(value)
     if value < 1:
         raise ValueError(
             f"{where}: {name} must be {wanted} {expected_got(expected, repr(value))}. "

@@ -407,6 +407,48 @@ def test_step_errors():
         sharded.step_(loss_fn, opt, list(state), x, y)
 
 
+def test_step_names_the_users_argument_and_itself():
+    """A per-member batch of the wrong size was reported as `ShardedEnsemble.map:
+    argument 2` (counting step_'s own optimizer and state arguments)."""
+    sharded = ShardedEnsemble(ZOO["mlp"].members(4, train=False), ["cpu", "cpu"])
+    opt = fe.optim.adam(1e-3)
+    state = sharded.init_optimizer(opt)
+    x, y = torch.randn(3, 5, 5, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    before = [{k: v.clone() for k, v in shard.items()} for shard in sharded.params]
+    with pytest.raises(
+        ValueError, match=r"ShardedEnsemble.step_: argument 0 has size 3 along its member dim 0"
+    ):
+        sharded.step_(_mse(sharded.fmodel), opt, state, x, y, in_dims=0)
+    for shard, was in zip(sharded.params, before, strict=True):
+        assert all(torch.equal(shard[k], v) for k, v in was.items())
+
+
+def test_the_state_setters_check_every_shards_tensors():
+    """The params/buffers setters checked only the names: a shard holding another
+    shard's members (sizes still reporting the old split) or too few members was taken,
+    and to_ensemble then reordered or lost members."""
+    sharded = ShardedEnsemble(ZOO["mlp"].members(5, train=False), ["cpu", "cpu"])  # 3 + 2
+    params = sharded.params
+    with pytest.raises(
+        ValueError,
+        match=r"shard 0's `0.weight` does not fit the shard \(expected a float64 tensor of "
+        r"shape \(3, 16, 5\) on cpu: its 3 members first, got a float64 tensor of shape "
+        r"\(2, 16, 5\) on cpu\)",
+    ):
+        sharded.params = [params[1], params[0]]
+    with pytest.raises(ValueError, match=r"shard 1's `0.bias` does not fit the shard"):
+        sharded.params = [params[0], {**params[1], "0.bias": params[1]["0.bias"].float()}]
+    assert sharded.params is params  # nothing replaced
+    sharded.params = [{k: v + 1 for k, v in p.items()} for p in params]  # same layout: fine
+    assert torch.equal(sharded.params[0]["0.bias"], params[0]["0.bias"] + 1)
+
+
+def test_a_hetero_ensemble_is_refused_clearly():
+    hens = fe.HeteroEnsemble([nn.Linear(3, 2), nn.Linear(3, 4)])
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"ShardedEnsemble: got a Hetero"):
+        ShardedEnsemble(hens, ["cpu"])
+
+
 # --- CUDA (skipped without a GPU) ------------------------------------------------------
 
 

@@ -100,11 +100,19 @@ def test_select_copies_and_checks_the_member_axis():
     assert out.requires_grad and out.is_leaf and out.data_ptr() != t.data_ptr()
     with pytest.raises(
         ValueError,
-        match=r"leaf 0 has leading size 4 \(expected the ensemble's 3 members first, got 4\)",
+        match=r"`tree\[1\]` has leading size 4 \(expected the ensemble's 3 members first, "
+        r"got 4\)",
     ):
-        shard.select([torch.zeros(4)])
-    with pytest.raises(ValueError, match="leaf 0 has leading size no member axis"):
-        shard.select([torch.zeros(())])
+        shard.select([torch.zeros(3), torch.zeros(4)])
+    # A 0-dim tensor is one value shared by all members (a step count), kept whole as
+    # fe.select keeps it: an fe.optim state cuts to this rank's members.
+    params = {"w": torch.randn(3, 2)}
+    state = fe.optim.adam(0.1).init(params)
+    picked = fake_shard(3, 1, 2).select(state)
+    assert torch.equal(picked[0].mu["w"], state[0].mu["w"][2:])
+    assert picked[0].count["w"].dim() == 0
+    with pytest.raises(ValueError, match="parameter `weight` has leading size 2 "):
+        shard.select(fe.Ensemble([torch.nn.Linear(2, 2) for _ in range(2)]))
     with (
         runtime_typecheck_off(),
         pytest.raises(

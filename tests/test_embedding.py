@@ -204,3 +204,35 @@ def test_a_shared_index_outside_the_table_is_refused_before_anything_changes(opt
     torch.testing.assert_close(
         {k: v.detach() for k, v in ens.stacked_params().items()}, before, rtol=0, atol=0
     )
+
+
+def test_max_norm_tied_to_a_decoder_with_chunks_as_unsupported_md_says():
+    """unsupported.md: a max_norm embedding tied to a decoder, with the module face's
+    chunk_size, stops at backward (each chunk renormalises rows of the one stacked
+    weight another chunk saved); fe.value_and_grad with chunk_size trains as the loop."""
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e = nn.Embedding(11, 6, max_norm=1.0)
+            self.d = nn.Linear(6, 11, bias=False)
+            self.d.weight = self.e.weight
+
+        def forward(self, i: torch.Tensor) -> torch.Tensor:
+            return self.d(self.e(i))
+
+    torch.manual_seed(0)
+    members = [TiedLM().double() for _ in range(3)]
+    idx = torch.randint(0, 11, (4, 7))
+    loop = copy.deepcopy(members)
+    torch.stack([m(idx) for m in loop]).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fe.Ensemble(copy.deepcopy(members), chunk_size=2)(idx).sum().backward()
+    fmodel, params, buffers = fe.stack(members)
+    params = {k: v.detach() for k, v in params.items()}
+    _, grads, _ = fe.value_and_grad(lambda p, b, i: fmodel(p, b, i).sum(), chunk_size=2)(
+        params, buffers, idx
+    )
+    for name, g in grads.items():
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+        torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)

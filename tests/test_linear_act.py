@@ -252,3 +252,34 @@ def test_batched_gradients_through_kept_buffers_match_the_loop(per_member):
         vectorize=True,
     )
     torch.testing.assert_close(jac, loop, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("last", [nn.Sigmoid, nn.Tanh, nn.ReLU], ids=lambda k: k.__name__)
+@pytest.mark.parametrize("out", [1, 3])
+@pytest.mark.parametrize("rows", [5, 600])  # plain ops, and kept buffers
+@pytest.mark.parametrize("norm", [False, True], ids=["fast path", "general path"])
+def test_an_output_a_last_activation_saved_can_be_changed_in_place(last, out, rows, norm):
+    """The loop's torch.stack hands back a fresh tensor; the ensemble handed back the
+    last activation's own output (one output feature on the fast path, always on the
+    general path), so y.mul_(2) made backward fail. It is a copy there now."""
+    torch.manual_seed(4)
+
+    def make() -> nn.Module:
+        middle = nn.LayerNorm(16) if norm else nn.Tanh()
+        return nn.Sequential(nn.Linear(5, 16), middle, nn.Linear(16, out), last()).double()
+
+    members = [make() for _ in range(3)]
+    loop = copy.deepcopy(members)
+    x = torch.randn(rows, 5, dtype=torch.float64)
+    ens = fe.Ensemble(members)
+    fmodel, params, buffers = fe.stack(loop)
+    want = torch.stack([m(x) for m in loop])
+    want.mul_(2).pow(2).sum().backward()
+    for got in (ens(x), fe.vmap(fmodel)(params, buffers, x)):
+        got.mul_(2)
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-12, atol=1e-12)
+        got.pow(2).sum().backward()
+    for name, p in ens.stacked_params().items():
+        ref = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+        torch.testing.assert_close(p.grad, ref, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(params[name].grad, ref, rtol=1e-10, atol=1e-12)

@@ -3,6 +3,7 @@
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .._checkpoint.state_dict_checks import check_loadable
@@ -11,6 +12,7 @@ from .._messages import positive_int
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
+from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
@@ -261,7 +263,8 @@ class Ensemble(nn.Module):
         if self.chunk_size is None:
             fast = fast_call(self.stacked, None, args, kwargs, dims, where="Ensemble")
             if fast is not None:
-                return fast
+                # (Checked here: a traced call must not enter not_saved as a new frame.)
+                return fast if torch.compiler.is_compiling() else not_saved(fast)
         mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size)
         return mapped(self.stacked_params(), self.stacked_buffers(), args, kwargs, dims)
 

@@ -16,6 +16,7 @@ from .._messages import positive_int
 from .._structure import chunk_state as _chunk_state
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
+from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .rollback import rollback_on_error
@@ -304,7 +305,7 @@ def mapped_call(
         if skeleton is not None and chunk_size is None:
             fast = fast_call(skeleton, params, args, kwargs, dims)
             if fast is not None:
-                return fast
+                return fast if torch.compiler.is_compiling() else not_saved(fast)
         # params and buffers (flat dicts of tensors, checked above us) go in as
         # positional tensors: torch.func.vmap's Python pytree walk of two dicts costs
         # more than a small ensemble's whole forward.
@@ -368,7 +369,7 @@ def mapped_call(
             with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
                 out = call()
                 _check_unchanged(shared)
-                return out
+                return out if torch.compiler.is_compiling() else not_saved(out)
         except (RuntimeError, ValueError) as error:
             clear = _explain(error, randomness)
             if clear is None:

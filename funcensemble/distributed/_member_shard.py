@@ -23,6 +23,7 @@ from .._core.ensemble import Ensemble
 from .._core.seeding import check_seed, member_seed, seeded_cpu_rng
 from .._core.vmap import Randomness
 from .._types import StackedTree
+from ..optim._protocol import leaf_name
 from ._agreement import agree, describe_ensemble, describe_optimizer, describe_state
 from ._mesh import default_mesh, mesh_axes
 from ._rendezvous import join
@@ -334,16 +335,18 @@ class MemberShard:
 
         Args:
             tree: An [`Ensemble`][funcensemble.Ensemble] of N members, or a pytree
-                whose tensors have N rows first (e.g. ``fe.stack``'s ``params``, or the
-                ``[N, samples]`` indices of
-                [`bootstrap_indices`][funcensemble.bootstrap_indices] for bagging).
+                whose tensors have N rows first (e.g. ``fe.stack``'s ``params``, an
+                ``fe.optim`` state, or the ``[N, samples]`` indices of
+                [`bootstrap_indices`][funcensemble.bootstrap_indices] for bagging);
+                its 0-dim tensors (step counts shared by all members) are kept whole,
+                as [`fe.select`][funcensemble.select] keeps them.
 
         Returns:
             A new ``Ensemble`` of this rank's members, or the pytree with each tensor
             cut to this rank's rows (copies; non-tensor leaves as they are).
 
         Raises:
-            ValueError: A tensor without N rows.
+            ValueError: A tensor with dimensions but without N rows.
 
         Example:
             >>> import torch, funcensemble as fe
@@ -355,6 +358,10 @@ class MemberShard:
         n = self.num_members
 
         def cut(name: str, t: Tensor) -> Tensor:
+            if t.dim() == 0 and not isinstance(tree, Ensemble):
+                # One value shared by all members (an optimizer's step count), as
+                # fe.select keeps it.
+                return t.detach().clone().requires_grad_(t.requires_grad)
             if t.dim() == 0 or t.shape[0] != n:
                 got = t.shape[0] if t.dim() else "no member axis"
                 raise ValueError(
@@ -372,7 +379,10 @@ class MemberShard:
                 tree.stacked, params, buffers, tree.randomness, tree.chunk_size
             )
         leaves, spec = _tree.flatten(tree)
-        out = [cut(f"leaf {i}", x) if isinstance(x, Tensor) else x for i, x in enumerate(leaves)]
+        out = [
+            cut(f"`{leaf_name(spec, i, 'tree')}`", x) if isinstance(x, Tensor) else x
+            for i, x in enumerate(leaves)
+        ]
         return _tree.unflatten(spec, out)
 
     def from_factory(

@@ -23,6 +23,8 @@ from .._core.seeding import rng_state, set_rng_state
 from .._core.skeleton import meta_skeleton
 from .._core.stack import _num_members, stack
 from .._core.vmap import Randomness, vmap
+from .._hetero.ensemble import HeteroEnsemble
+from .._messages import tensor_spec
 from .._tree import flatten as tree_flatten
 from .._tree import unflatten
 from .._types import StackedTree
@@ -92,6 +94,13 @@ class ShardedEnsemble:
         chunk_size: int | None = None,
     ) -> None:
         where = "ShardedEnsemble"
+        if isinstance(members, HeteroEnsemble):
+            raise TypeError(
+                f"{where}: got a HeteroEnsemble, whose members have several architectures "
+                "(expected an fe.Ensemble or modules of one architecture). Shard each of "
+                "its groups as its own ShardedEnsemble (hens.groups[g]), or keep it on "
+                "one device."
+            )
         found = devices_of(where, devices)
         if isinstance(members, Ensemble):
             skeleton = meta_skeleton(members.stacked)
@@ -164,6 +173,22 @@ class ShardedEnsemble:
                     f"(expected those names, got {got}). Keep each shard's names as "
                     f"ShardedEnsemble.{what} gives them."
                 )
+            for name, t in new.items():
+                was = old[name]
+                if not isinstance(t, Tensor) or (t.shape, t.dtype, t.device) != (
+                    was.shape,
+                    was.dtype,
+                    was.device,
+                ):
+                    got = tensor_spec(t.dtype, t.shape) if isinstance(t, Tensor) else None
+                    got = f"{got} on {t.device}" if got else type(t).__name__
+                    raise ValueError(
+                        f"{where}: shard {k}'s `{name}` does not fit the shard (expected "
+                        f"{tensor_spec(was.dtype, was.shape)} on {was.device}: its "
+                        f"{self.sizes[k]} members first, got {got}). Give each shard its "
+                        "own members' tensors, in device order, as "
+                        f"ShardedEnsemble.{what} holds them."
+                    )
         return PerShard(dict(v) for v in value)
 
     @property
@@ -246,11 +271,14 @@ class ShardedEnsemble:
         kwargs: dict[str, Any],
         *,
         same_draw: bool,
+        where: str = "ShardedEnsemble.map",
+        internal: int = 0,
     ) -> PerShard:
         """[`map`][funcensemble.distributed.ShardedEnsemble.map]; ``same_draw``: every
         shard replays the random state the first one started from (``randomness="same"``:
-        one draw for all members, as the chunks of one call replay it)."""
-        where = "ShardedEnsemble.map"
+        one draw for all members, as the chunks of one call replay it). The first
+        ``internal`` arguments are the caller's own (``step_``'s optimizers and states):
+        messages count the user's arguments after them, in ``where``'s name."""
         if not callable(fn):
             raise TypeError(
                 f"{where}: fn is not callable (expected a callable, got "
@@ -261,7 +289,11 @@ class ShardedEnsemble:
             dims = arg_dims(in_dims, len(args))
         except (TypeError, ValueError) as error:
             raise _renamed(where, error) from None
-        named = [(f"argument {i}", a, d) for i, (a, d) in enumerate(zip(args, dims, strict=True))]
+        named = [
+            (f"argument {i - internal}", a, d)
+            for i, (a, d) in enumerate(zip(args, dims, strict=True))
+            if i >= internal
+        ]
         named += [(f"keyword argument `{k}`", v, None) for k, v in kwargs.items()]
         for label, value, dim in named:
             if isinstance(value, PerShard):
@@ -276,11 +308,12 @@ class ShardedEnsemble:
                         f"its in_dims entry must be None (expected None, got {dim!r}). Set "
                         "its in_dims entry to None."
                     )
-        plain = tuple(None if isinstance(a, PerShard) else a for a in args)
+        plain = tuple(None if isinstance(a, PerShard) else a for a in args[internal:])
         try:
-            dims = check_member_sizes(plain, dims, self._num_members)
+            checked = check_member_sizes(plain, dims[internal:], self._num_members)
         except (TypeError, ValueError) as error:
             raise _renamed(where, error) from None
+        dims = (*dims[:internal], *checked)
 
         def for_shard(value: Any, dim: Any, k: int) -> Any:
             if isinstance(value, PerShard):
@@ -502,6 +535,8 @@ class ShardedEnsemble:
             (None, None, *dims),
             kwargs,
             same_draw=self.randomness == "same",
+            where=where,
+            internal=2,
         )
         losses, params, buffers, state, *aux = results.unzip()
         self._params, self._buffers = params, buffers
