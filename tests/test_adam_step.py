@@ -587,3 +587,37 @@ def test_a_folded_learning_rate_keeps_its_own_name_in_errors():
         with pytest.raises(TypeError, match=r"scale_by_learning_rate: the lr schedule must"):
             call(small_tree(), state, params)
     torch.testing.assert_close((params, state), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("face", ["EnsembleOptimizer", "update_"])
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_a_graph_saved_before_the_step_refuses_backward_as_torch_optim_does(face, kind):
+    """An actor's loss through the critics, built before the critics' step and
+    backpropagated after it: torch.optim's default Adam raises ("modified by an inplace
+    operation"); the fused kernel bumped no version counter, so the backward ran on a
+    mix of old and new weights without a word."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear
+    ens = fe.Ensemble(
+        [torch.nn.Sequential(linear(7, 16), torch.nn.ReLU(), linear(16, 1)) for _ in range(4)]
+    )
+    make = getattr(fe.optim, kind)(0.1)
+    if face == "EnsembleOptimizer":
+        opt = fe.optim.EnsembleOptimizer(ens, make)
+        step = opt.step
+    else:
+        params = ens.stacked_params()
+        state = [make.init(params)]
+
+        def step() -> None:
+            grads = {k: p.grad for k, p in params.items()}
+            state[0] = make.update_(grads, state[0], params)
+
+    actor = torch.nn.Linear(5, 2)
+    s = torch.randn(32, 5)
+    q = ens(torch.cat([s, actor(s)], -1))  # the actor's loss graph, before the step
+    ens(torch.randn(3, 7)).sum().backward()
+    with torch.no_grad():
+        step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        q.mean().backward()

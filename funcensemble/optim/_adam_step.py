@@ -208,6 +208,13 @@ def adam_step_(params: list[Tensor], grads: list[Tensor], state: Moments, option
             amsgrad=o.amsgrad,
             maximize=o.maximize,
         )
+        if not torch.compiler.is_compiling():
+            # The fused kernel writes without bumping version counters, which the
+            # multi-tensor ops (torch.optim's default) bump: a graph saved before the
+            # step must stop backward ("modified by an inplace operation"), not run on
+            # the stepped values.
+            for p in _pick(params, ks, everything):
+                torch.autograd.graph.increment_version(p)
     if fused.rest:
         ks = fused.rest
         foreach_adam(
