@@ -1250,6 +1250,14 @@ def _load_roundtrip(tmp: Path) -> Setup:
     return Setup(lambda: fe.load(path, target), [], check)
 
 
+register_simple(
+    "save-generator",
+    TypeError,
+    r"leaf `\['g'\]` is a Generator .* Save its state instead \(gen.get_state\(\)",
+    lambda: fe.save("unused.safetensors", {"g": torch.Generator()}),
+)
+
+
 # --- fe.optim ------------------------------------------------------------------------------
 
 for _name, _make in (("adam", fe.optim.adam), ("adamw", fe.optim.adamw)):

@@ -431,13 +431,12 @@ def test_the_state_setters_check_every_shards_tensors():
     params = sharded.params
     with pytest.raises(
         ValueError,
-        match=r"shard 0's `0.weight` does not fit the shard \(expected a float64 tensor of "
-        r"shape \(3, 16, 5\) on cpu: its 3 members first, got a float64 tensor of shape "
-        r"\(2, 16, 5\) on cpu\)",
+        match=r"shard 0's `0.weight` does not fit the shard \(expected shape \(3, 16, 5\) "
+        r"on cpu: its 3 members first, got shape \(2, 16, 5\) on cpu\)",
     ):
         sharded.params = [params[1], params[0]]
     with pytest.raises(ValueError, match=r"shard 1's `0.bias` does not fit the shard"):
-        sharded.params = [params[0], {**params[1], "0.bias": params[1]["0.bias"].float()}]
+        sharded.params = [params[0], {**params[1], "0.bias": params[1]["0.bias"][:1]}]
     assert sharded.params is params  # nothing replaced
     sharded.params = [{k: v + 1 for k, v in p.items()} for p in params]  # same layout: fine
     assert torch.equal(sharded.params[0]["0.bias"], params[0]["0.bias"] + 1)

@@ -806,3 +806,45 @@ def test_torch_tools_that_see_the_stacked_tensors_do_as_faces_md_says():
     conv = fe.Ensemble([nn.Conv2d(3, 4, 3) for _ in range(2)])
     with pytest.raises(RuntimeError, match="channels_last"):
         conv.to(memory_format=torch.channels_last)
+
+
+def test_outputs_sharing_memory_come_back_as_the_loops_separate_stacks():
+    """A member returning (h, h[..., :1]): the ensemble's two outputs shared memory, so
+    an in-place change to one changed the other, which the loop's two torch.stacks
+    never do. The later one is a copy now."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.lin(x)
+            return h, h[..., :1]
+
+    torch.manual_seed(0)
+    members = [TwoHeads().double() for _ in range(3)]
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            first, second = fe.Ensemble(members)(x)
+            want = torch.stack([m(x)[1] for m in members])
+            first.detach().mul_(2)
+        torch.testing.assert_close(second, want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_output_another_outputs_op_saved_is_refused_at_backward_as_unsupported_md_says():
+    class Squares(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.lin(x)
+            return h, h * h
+
+    members = [Squares() for _ in range(2)]
+    h, squared = fe.Ensemble(members)(torch.randn(5, 3))
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        squared.sum().backward()

@@ -53,6 +53,7 @@ SAME = [
     ({"a": 1, "b": [nan]}, {"a": 1, "b": [nan]}),
     ({1, 2}, {2, 1}),
     ({float("nan"), 1.0}, {1.0, float("nan")}),  # a NaN made by each member
+    ({frozenset({float("nan")})}, {frozenset({float("nan")})}),  # nested too
     (Color.RED, Color.RED),
     (torch.float32, torch.float32),
     (torch.tensor([1.0, nan]), torch.tensor([1.0, nan])),
@@ -72,6 +73,7 @@ DIFFERENT = [
     ({float("nan"), 1.0}, {float("nan"), 2.0}),
     ({0.0}, {-0.0}),
     ({1}, {True}),
+    ({frozenset({0.0})}, {frozenset({-0.0})}),
     (nan, 1.0),
     ((1, 2), [1, 2]),
     ((1, 2), (1, 2, 3)),

@@ -4,6 +4,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
+import torch
 from torch import Tensor, nn
 
 from .._core.tree_view import state_view
@@ -83,9 +84,14 @@ def flatten_by_key(
     for key, leaf in zip(keys, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
         if not isinstance(leaf, Tensor) and type(leaf) not in value_types:
+            fix = (
+                "Save its state instead (gen.get_state(), a uint8 tensor) and put it back "
+                "on loading (gen.set_state(state))."
+                if isinstance(leaf, torch.Generator)
+                else "Convert it to one of those (e.g. float(x) or torch.as_tensor(x))."
+            )
             raise TypeError(
                 f"{where}: leaf `{key}` is {a(type(leaf).__name__)} (expected "
-                f"{values_text}, got {type(leaf).__name__}). Convert it to one of those "
-                "(e.g. float(x) or torch.as_tensor(x))."
+                f"{values_text}, got {type(leaf).__name__}). {fix}"
             )
     return dict(zip(keys, leaves, strict=True)), treedef

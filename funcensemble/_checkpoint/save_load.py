@@ -25,6 +25,7 @@ from .._hetero.ensemble import HeteroEnsemble
 from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
 from ..optim._ensemble_optimizer import EnsembleOptimizer
+from . import torch_optim as _torch_optim
 from .counts import count_paths, layout_as_saved
 from .file import (
     VALUE_TYPES,
@@ -58,6 +59,9 @@ class _Contents:
 
 
 def _contents(where: str, obj: Any) -> _Contents:
+    if isinstance(obj, torch.optim.Optimizer):
+        contents = _contents(where, obj.state_dict())
+        return replace(contents, this="this optimizer")
     if isinstance(obj, EnsembleOptimizer):
         # Stored as its state_dict(): the same file as fe.save(path, opt.state_dict()).
         contents = _contents(where, obj.state_dict())
@@ -135,9 +139,8 @@ def save(path: str | os.PathLike, obj: Any) -> None:
             lists, tuples, NamedTuples, ``None``) whose leaves are tensors or Python
             ``bool``, ``int``, ``float`` or ``str``, e.g.
             ``{"params": params, "buffers": buffers, "opt_state": state}``; or an
-            [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer], stored as
-            its ``state_dict()`` (for a ``torch.optim`` one, pass its
-            ``state_dict()``).
+            [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] or a
+            ``torch.optim`` optimizer, stored as its ``state_dict()``.
 
     Raises:
         TypeError: ``obj`` is another ``nn.Module`` (pass its ``state_dict()``), or
@@ -333,7 +336,10 @@ def load(path: str | os.PathLike, obj: T) -> T:
             ``Ensemble``, once its member count, its grouping (which members form each
             group) and each group's member class match the file. An
             [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] also loads in
-            place (through its ``load_state_dict``) and is returned. Optimizer step
+            place (through its ``load_state_dict``) and is returned, and so does a
+            ``torch.optim`` optimizer, fresh (no state yet) or not: each saved state
+            tensor is checked against the shape of the parameter it belongs to, and the
+            groups and hyperparameters against the optimizer's. Optimizer step
             counts load whether the file holds one shared by the members (0-dim) or
             one per member (``[N]``, after members joined by ``concat``), into an
             ``EnsembleOptimizer`` or into the ``fe.optim`` states of a template: the
@@ -364,6 +370,18 @@ def load(path: str | os.PathLike, obj: T) -> T:
     """
     where = "load"
     name = os.fspath(path)
+    if isinstance(obj, torch.optim.Optimizer):
+        # Its state as the file holds it (a fresh optimizer has none yet), then torch's
+        # own load_state_dict, after every leaf is checked.
+        header, tensors, _ = read_checkpoint(where, path, lambda header: None)
+        own = _torch_optim.template(where, name, obj, tensors, header["values"])
+        try:
+            loaded = load(path, own)
+        except ValueError as error:
+            this = f"this {type(obj).__name__} optimizer"
+            raise ValueError(str(error).replace("the template", this)) from None
+        obj.load_state_dict(loaded)
+        return obj
     contents = _contents(where, obj)
     for key, leaf in contents.leaves.items():
         if isinstance(leaf, Tensor) and leaf.device.type == "meta":

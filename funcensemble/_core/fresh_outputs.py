@@ -1,5 +1,18 @@
-"""Ensemble outputs handed back as the loop's ``torch.stack`` hands them: never a tensor
-autograd saved for the backward, so the caller may change them in place."""
+"""Ensemble outputs handed back as the loop's ``torch.stack`` hands them: a fresh tensor
+per output, which the caller may change in place before ``backward()``.
+
+Two ways a vectorized call's outputs differ from that, both fixed here by a copy:
+
+- an output whose own op saved it for its backward (a last ``Sigmoid``, ``Tanh`` or
+  ``ReLU``): changed in place, it would stop the backward ("modified by an inplace
+  operation");
+- two outputs sharing memory (a member returning ``(h, h[..., :1])``): changed in
+  place, one would change the other, which the loop's two stacks never do.
+
+Which ops save their output is read from their backward node's class (a
+``_saved_result`` attribute), never by unpacking a saved tensor: that would run
+``saved_tensors_hooks`` (``torch.utils.checkpoint`` would recompute the forward).
+"""
 
 from typing import Any
 
@@ -8,43 +21,41 @@ from torch import Tensor
 
 from .. import _torch_compat, _tree
 
+_SAVES_RESULT: dict[type, bool] = {}
 
-def _saved_as_result(t: Tensor) -> bool:
-    """Whether autograd saved ``t``'s memory as the result of the op that made it (a
-    last ``Sigmoid``, ``Tanh`` or ``ReLU``: its backward reads its own output)."""
-    base = t._base if t._base is not None else t
+
+def _saves_itself(t: Tensor) -> bool:
+    """Whether the op that made ``t`` (or the tensor ``t`` views) saved its result."""
+    base = t if t._base is None else t._base
     node = base.grad_fn
     if node is None:
         return False
-    try:
-        saved = getattr(node, "_saved_result", None)  # torch's own ops
-        if saved is None:  # a custom autograd.Function (the fast path's layers)
-            saved = getattr(node, "saved_tensors", ())
-    except RuntimeError:  # already freed: nothing left to protect
-        return False
-    ptr = base.untyped_storage().data_ptr()
-    found = saved if isinstance(saved, tuple) else (saved,)
-    return any(isinstance(s, Tensor) and s.untyped_storage().data_ptr() == ptr for s in found)
+    cls = type(node)
+    saves = _SAVES_RESULT.get(cls)
+    if saves is None:
+        saves = _SAVES_RESULT[cls] = "_saved_result" in dir(cls)
+    return saves
 
 
 @torch.compiler.disable  # eager only: its callers return a traced call's outputs as they are
 def not_saved(out: Any) -> Any:
-    """``out`` with a copy of every output that autograd also saved for the backward.
-
-    The loop's ``torch.stack`` of the members' outputs is a fresh tensor, which the
-    caller may change in place (``out.mul_(2)``) before ``backward()``. Handed back
-    as it is, an ensemble output that a last activation saved would make that
-    backward fail ("modified by an inplace operation").
-    """
-    if (
-        not torch.is_grad_enabled()
-        or torch.compiler.is_compiling()  # a compiled graph's outputs are its own
-        or _torch_compat.inside_transform()  # wrapped tensors: not autograd's saved ones
-    ):
+    """``out`` with a copy of every output its own op saved for the backward, and of
+    every output sharing memory with an earlier one."""
+    if torch.jit.is_tracing() or _torch_compat.inside_transform():
+        # (A traced graph must not depend on grad mode; wrapped tensors are the
+        # enclosing transform's to handle.)
         return out
-
-    def fresh(t: Any) -> Any:
-        saved = isinstance(t, Tensor) and t.requires_grad and _saved_as_result(t)
-        return t.clone() if saved else t
-
-    return fresh(out) if isinstance(out, Tensor) else _tree.tree_map(fresh, out)
+    if isinstance(out, Tensor):
+        return out.clone() if out.requires_grad and _saves_itself(out) else out
+    leaves, spec = _tree.flatten(out)
+    seen: set[int] = set()
+    fresh = []
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            ptr = leaf.untyped_storage().data_ptr() if leaf.numel() else 0
+            shared = ptr != 0 and ptr in seen
+            seen.add(ptr)
+            if shared or (leaf.requires_grad and _saves_itself(leaf)):
+                leaf = leaf.clone()
+        fresh.append(leaf)
+    return _tree.unflatten(spec, fresh)

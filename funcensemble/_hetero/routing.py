@@ -114,14 +114,18 @@ def _holds_per_member(obj: Any, depth: int, seen: set[int]) -> bool:
     return False
 
 
-def _in_group(where: str, message: str, g: int, group: Sequence[int]) -> str:
-    """``message`` from building group ``g``'s transform, naming the group and with its
-    member positions ("member 0 of the per-member lr") as the ensemble's indices."""
-    message = re.sub(
-        r"\bmember (\d+) of the per-member",
-        lambda m: f"member {group[int(m.group(1))]} of the per-member",
-        message,
-    )
+def _in_group(where: str, message: str, g: int, group: Sequence[int], routed: set[str]) -> str:
+    """``message`` from building group ``g``'s transform, naming the group, with the
+    member positions of the values routed to it ("member 0 of the per-member lr", for
+    a keyword in ``routed``) as the ensemble's indices."""
+
+    def member(m: re.Match) -> str:
+        k, name = int(m.group(1)), m.group(2)
+        if name not in routed or k >= len(group):
+            return m.group(0)  # a value the function holds itself: its own numbering
+        return f"member {group[k]} of the per-member {name}"
+
+    message = re.sub(r"\bmember (\d+) of the per-member (\w+)", member, message)
     return f"{where}: building group {g} (members {list(group)}): {message}"
 
 
@@ -171,7 +175,9 @@ def grouped(
             except (ValueError, TypeError) as error:
                 if type(error) not in (ValueError, TypeError):
                     raise
-                raise type(error)(_in_group(where, str(error), g, members[g])) from None
+                routed_names = {k for k, v in kw.items() if v is not kwargs[k]}
+                message = _in_group(where, str(error), g, members[g], routed_names)
+                raise type(error)(message) from None
         for t in per_group:
             if not isinstance(t, GradientTransformation):
                 raise TypeError(

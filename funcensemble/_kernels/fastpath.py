@@ -220,7 +220,25 @@ def run(
     else:
         h = _chain(steps, params, h, n, shared=member_dim is None)
     h = _members_first(h, n)
-    return h.transpose(1, 2).contiguous().view(n, *lead, h.shape[1])
+    out = h.transpose(1, 2)
+    if out.is_contiguous() and _ends_saved(steps) and (h.requires_grad or torch.jit.is_tracing()):
+        # One output feature (or row): the transpose is the last activation's own
+        # output, which its backward reads. The loop's torch.stack hands back a fresh
+        # tensor, which the caller may change in place before backward(): a copy too.
+        # (Traced, always: the graph must not depend on grad mode.)
+        out = out.clone()
+    return out.contiguous().view(n, *lead, h.shape[1])
+
+
+def _ends_saved(steps: Plan) -> bool:
+    """Whether the chain ends with an activation applied in place, whose output its
+    backward reads (skipped identities and eval dropout after it aside)."""
+    for module, weight, _ in reversed(steps):
+        kind = type(module)
+        if weight is None and kind in (nn.Identity, nn.Dropout):
+            continue
+        return weight is None and kind in _IN_PLACE
+    return False
 
 
 def _members_first(h: Tensor, n: int) -> Tensor:

@@ -124,7 +124,14 @@ def _check_no_cycle(where: str, index: int, module: nn.Module) -> None:
         if id(vars(sub)) in done:
             continue  # a shared submodule: walked once
         done.add(id(vars(sub)))
-        for name, child in vars(sub)["_modules"].items():
+        # (A scripted module keeps its children elsewhere; one that never ran
+        # nn.Module.__init__ has none: the checks after this one name what is wrong.)
+        children = vars(sub).get("_modules")
+        if children is None:
+            children = getattr(sub, "_modules", None)
+        if not hasattr(children, "items"):
+            continue
+        for name, child in children.items():
             if child is None:
                 continue
             full = f"{path}.{name}" if path else name

@@ -212,6 +212,8 @@ def _strict_key(x: Any) -> Any:
         return (type(x), _float_key(x.real), _float_key(x.imag))
     if isinstance(x, tuple):
         return (type(x), tuple(_strict_key(e) for e in x))
+    if isinstance(x, frozenset):  # a set inside a set: its elements strictly too
+        return (type(x), frozenset(collections.Counter(map(_strict_key, x)).items()))
     return (type(x), x)
 
 

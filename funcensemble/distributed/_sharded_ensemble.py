@@ -24,7 +24,6 @@ from .._core.skeleton import meta_skeleton
 from .._core.stack import _num_members, stack
 from .._core.vmap import Randomness, vmap
 from .._hetero.ensemble import HeteroEnsemble
-from .._messages import tensor_spec
 from .._tree import flatten as tree_flatten
 from .._tree import unflatten
 from .._types import StackedTree
@@ -175,18 +174,14 @@ class ShardedEnsemble:
                 )
             for name, t in new.items():
                 was = old[name]
-                if not isinstance(t, Tensor) or (t.shape, t.dtype, t.device) != (
-                    was.shape,
-                    was.dtype,
-                    was.device,
-                ):
-                    got = tensor_spec(t.dtype, t.shape) if isinstance(t, Tensor) else None
-                    got = f"{got} on {t.device}" if got else type(t).__name__
+                # (Another dtype is a conversion, as module.double() makes one.)
+                if not isinstance(t, Tensor) or (t.shape, t.device) != (was.shape, was.device):
+                    got = f"shape {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else None
                     raise ValueError(
                         f"{where}: shard {k}'s `{name}` does not fit the shard (expected "
-                        f"{tensor_spec(was.dtype, was.shape)} on {was.device}: its "
-                        f"{self.sizes[k]} members first, got {got}). Give each shard its "
-                        "own members' tensors, in device order, as "
+                        f"shape {tuple(was.shape)} on {was.device}: its {self.sizes[k]} "
+                        f"members first, got {got or type(t).__name__}). Give each shard "
+                        "its own members' tensors, in device order, as "
                         f"ShardedEnsemble.{what} holds them."
                     )
         return PerShard(dict(v) for v in value)

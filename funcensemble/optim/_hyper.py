@@ -169,7 +169,9 @@ def hyperparameter(
                 f"value per member, got dtype {value.dtype}). Convert it, e.g. "
                 f"{name}.float(), or pass a float shared by all members."
             )
-        if value.dim() == 0 and not torch.compiler.is_compiling():
+        if value.dim() == 0:
+            # Read as a float, as eager computes with it (a 0-dim tensor would be cast
+            # to each leaf's dtype: other numbers in bfloat16 and float16).
             value = value.item()
         elif value.dim() > 1 or (value.dim() == 1 and value.numel() == 0):
             raise ValueError(

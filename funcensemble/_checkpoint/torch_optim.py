@@ -1,0 +1,53 @@
+"""A ``torch.optim`` optimizer's state_dict as a template to load a checkpoint into.
+
+A fresh ``torch.optim`` optimizer has no state yet (``state_dict()["state"]`` is empty
+until its first step), so its ``state_dict()`` cannot be the template ``fe.load``
+checks a file against. Here each parameter's missing state takes the saved entries'
+shapes and dtypes, once every saved state tensor with dimensions has the shape of the
+parameter it belongs to (torch's own ``load_state_dict`` checks only the groups'
+sizes: state from another model with as many parameters would load, and fail, or
+broadcast, at the next step).
+"""
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_STATE_ENTRY = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]$")
+
+
+def template(
+    where: str, name: str, opt: torch.optim.Optimizer, tensors: dict[str, Tensor], values: dict
+) -> dict[str, Any]:
+    """``opt.state_dict()`` with each parameter's state as the file holds it, checked."""
+    own = opt.state_dict()
+    params: dict[int, Tensor] = {}
+    for group, saved in zip(opt.param_groups, own["param_groups"], strict=True):
+        params.update(zip(saved["params"], group["params"], strict=True))
+    found: dict[int, dict[str, Any]] = {}
+    for key, value in (*tensors.items(), *values.items()):
+        match = _STATE_ENTRY.match(key)
+        if match:
+            found.setdefault(int(match[1]), {})[match[2]] = value
+    state = {i: dict(s) for i, s in own["state"].items()}
+    for i, entries in sorted(found.items()):
+        p = params.get(i)
+        if p is None:
+            continue  # the comparison of structures names the extra parameter
+        for entry, value in entries.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
+                raise ValueError(
+                    f"{where}: '{name}' holds `{entry}` of parameter {i} with shape "
+                    f"{tuple(value.shape)}, but this optimizer's parameter {i} has shape "
+                    f"{tuple(p.shape)} (expected the state of the same parameters, in the "
+                    "same order). Load it into an optimizer built over the parameters it "
+                    "was saved from."
+                )
+        if i not in state:
+            state[i] = {
+                entry: torch.zeros_like(v) if isinstance(v, Tensor) else v
+                for entry, v in entries.items()
+            }
+    return {"state": state, "param_groups": own["param_groups"]}
