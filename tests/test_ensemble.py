@@ -848,3 +848,32 @@ def test_an_output_another_outputs_op_saved_is_refused_at_backward_as_unsupporte
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         squared.sum().backward()
+
+
+def test_outputs_that_are_the_members_state_or_input_come_back_as_copies():
+    """A member returning its buffer, its parameter (an RL policy's log_std) or its
+    slice of the input: an in-place change to the ensemble's output changed the stacked
+    buffer, the parameter or the caller's input, which the loop's stack never does."""
+
+    class Returns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.log_std = nn.Parameter(torch.zeros(2))
+            self.register_buffer("scale", torch.ones(2))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.lin(x), self.log_std, self.scale, x
+
+    ens = fe.Ensemble([Returns() for _ in range(3)])
+    x = torch.randn(3, 4, 3)
+    before = {k: v.detach().clone() for k, v in ens.state_dict().items()}
+    kept = x.clone()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            outs = ens(x, in_dims=0)
+            for out in outs:
+                out.detach().add_(1)
+    assert torch.equal(x, kept)
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -4,9 +4,9 @@ A fresh ``torch.optim`` optimizer has no state yet (``state_dict()["state"]`` is
 until its first step), so its ``state_dict()`` cannot be the template ``fe.load``
 checks a file against. Here each parameter's missing state takes the saved entries'
 shapes and dtypes, once every saved state tensor with dimensions has the shape of the
-parameter it belongs to (torch's own ``load_state_dict`` checks only the groups'
-sizes: state from another model with as many parameters would load, and fail, or
-broadcast, at the next step).
+parameter it belongs to, for the optimizers whose state is elementwise (torch's own
+``load_state_dict`` checks only the groups' sizes: state from another model with as
+many parameters would load, and fail, or broadcast, at the next step).
 """
 
 import re
@@ -16,6 +16,27 @@ import torch
 from torch import Tensor
 
 _STATE_ENTRY = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]$")
+
+# Optimizers whose every state tensor with dimensions is shaped like its parameter
+# (others, such as Adafactor's row and column statistics or LBFGS's flat history, keep
+# other shapes: their state is checked as torch's load_state_dict checks it).
+_ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "Adadelta",
+        "Adagrad",
+        "Adam",
+        "Adamax",
+        "AdamW",
+        "ASGD",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "SGD",
+    )
+    if hasattr(torch.optim, name)
+)
 
 
 def template(
@@ -27,16 +48,26 @@ def template(
     for group, saved in zip(opt.param_groups, own["param_groups"], strict=True):
         params.update(zip(saved["params"], group["params"], strict=True))
     found: dict[int, dict[str, Any]] = {}
+    state = {i: dict(s) for i, s in own["state"].items()}
     for key, value in (*tensors.items(), *values.items()):
         match = _STATE_ENTRY.match(key)
         if match:
             found.setdefault(int(match[1]), {})[match[2]] = value
-    state = {i: dict(s) for i, s in own["state"].items()}
+        elif key.startswith("['state']") and not state:
+            raise ValueError(
+                f"{where}: '{name}' holds nested optimizer state (`{key}`: LBFGS keeps "
+                "its history in lists), which cannot be rebuilt for an optimizer without "
+                "state yet (expected tensors and numbers per parameter). Load it into the "
+                "optimizer after one step, or keep such an optimizer's state_dict with "
+                "torch.save and torch.load."
+            )
     for i, entries in sorted(found.items()):
         p = params.get(i)
         if p is None:
             continue  # the comparison of structures names the extra parameter
         for entry, value in entries.items():
+            if not isinstance(opt, _ELEMENTWISE):
+                break
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
                 raise ValueError(
                     f"{where}: '{name}' holds `{entry}` of parameter {i} with shape "

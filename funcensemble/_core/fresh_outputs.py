@@ -6,8 +6,10 @@ Two ways a vectorized call's outputs differ from that, both fixed here by a copy
 - an output whose own op saved it for its backward (a last ``Sigmoid``, ``Tanh`` or
   ``ReLU``): changed in place, it would stop the backward ("modified by an inplace
   operation");
-- two outputs sharing memory (a member returning ``(h, h[..., :1])``): changed in
-  place, one would change the other, which the loop's two stacks never do.
+- an output sharing memory with another output (a member returning
+  ``(h, h[..., :1])``), with the ensemble's parameters or buffers (a member returning
+  ``self.scale``) or with an input (a member returning its slice of the input):
+  changed in place, it would change those too, which the loop's stacks never do.
 
 Which ops save their output is read from their backward node's class (a
 ``_saved_result`` attribute), never by unpacking a saved tensor: that would run
@@ -37,18 +39,29 @@ def _saves_itself(t: Tensor) -> bool:
     return saves
 
 
+def _storages(*trees: Any) -> set[int]:
+    """The storages of the tensors in ``trees`` (the state and inputs of a call)."""
+    return {
+        t.untyped_storage().data_ptr()
+        for tree in trees
+        for t in _tree.flatten(tree)[0]
+        if isinstance(t, Tensor) and t.numel() and not _torch_compat.is_wrapped(t)
+    }
+
+
 @torch.compiler.disable  # eager only: its callers return a traced call's outputs as they are
-def not_saved(out: Any) -> Any:
+def not_saved(out: Any, *held: Any) -> Any:
     """``out`` with a copy of every output its own op saved for the backward, and of
-    every output sharing memory with an earlier one."""
+    every output sharing memory with an earlier one or with the tensors in ``held``
+    (the call's parameters, buffers and inputs)."""
     if torch.jit.is_tracing() or _torch_compat.inside_transform():
         # (A traced graph must not depend on grad mode; wrapped tensors are the
         # enclosing transform's to handle.)
         return out
-    if isinstance(out, Tensor):
+    if isinstance(out, Tensor) and not held:
         return out.clone() if out.requires_grad and _saves_itself(out) else out
     leaves, spec = _tree.flatten(out)
-    seen: set[int] = set()
+    seen = _storages(*held)
     fresh = []
     for leaf in leaves:
         if isinstance(leaf, Tensor):

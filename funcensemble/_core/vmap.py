@@ -369,7 +369,10 @@ def mapped_call(
             with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
                 out = call()
                 _check_unchanged(shared)
-                return out if torch.compiler.is_compiling() else not_saved(out)
+                if torch.compiler.is_compiling():
+                    return out
+                # An output may be a member's parameter, buffer or input itself.
+                return not_saved(out, params, buffers, args, kwargs)
         except (RuntimeError, ValueError) as error:
             clear = _explain(error, randomness)
             if clear is None:
