@@ -283,3 +283,24 @@ def test_an_output_a_last_activation_saved_can_be_changed_in_place(last, out, ro
         ref = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
         torch.testing.assert_close(p.grad, ref, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(params[name].grad, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_member", [False, True])
+@pytest.mark.parametrize(
+    "act", [nn.Tanh(), nn.ReLU(), nn.Sigmoid()], ids=lambda m: type(m).__name__
+)
+def test_inference_runs_the_layers_without_autograd_as_the_loop(per_member, act, every_buffer_kept):
+    """Under no_grad (or with nothing requiring grad) the kept-buffer layers run their
+    kernels directly, without LinearAct: outputs equal the loop's."""
+    n = 3
+    members = heads(n, act, torch.float64)
+    ens = fe.Ensemble(members)
+    x = torch.randn(*((n,) if per_member else ()), 11, 5, dtype=torch.float64)
+    calls = every_buffer_kept["apply"]
+    with torch.no_grad():
+        for _ in range(2):  # the second call reuses the kept buffers
+            got = ens(x, in_dims=0) if per_member else ens(x)
+            want = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(members)])
+            torch.testing.assert_close(got, want, **TOL[torch.float64])
+    assert every_buffer_kept["apply"] == calls  # no autograd.Function on this path
+    assert every_buffer_kept["reused"] > 0

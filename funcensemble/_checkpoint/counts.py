@@ -19,9 +19,9 @@ from .paths import flatten_by_key, path_key
 
 def count_paths(
     where: str, obj: Any, *, key: Callable[[optree.PyTreeAccessor], str] = path_key
-) -> tuple[dict[str, int | None], int | None]:
+) -> dict[str, int | None]:
     """The paths (named by ``key``) of ``obj``'s step counts, each with its member count
-    (its own state's: a HeteroEnsemble's groups differ in N), and the member count.
+    (its own state's: a HeteroEnsemble's groups differ in N; else the tree's).
 
     ``obj`` is an ``EnsembleOptimizer`` (its ``state_dict()`` paths) or a pytree.
     """
@@ -44,8 +44,7 @@ def count_paths(
         n = leading.pop() if len(leading) == 1 else None
     flags, _ = flatten_by_key(where, marked, (bool,), "a flag", key=key)
     sizes, _ = flatten_by_key(where, sized, (int,), "a member count", key=key)
-    counts = {path: (sizes[path] if sizes[path] >= 0 else n) for path in flags if flags[path]}
-    return counts, n
+    return {path: (sizes[path] if sizes[path] >= 0 else n) for path in flags if flags[path]}
 
 
 def layout_as_saved(

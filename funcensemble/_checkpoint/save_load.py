@@ -81,7 +81,7 @@ def _contents(where: str, obj: Any) -> _Contents:
 
 def _counts_as_saved(contents: _Contents, obj: Any, tensors: dict[str, Tensor]) -> _Contents:
     """``contents`` with each step count in the layout the file has (see ``counts``)."""
-    counts, _ = count_paths("load", obj)
+    counts = count_paths("load", obj)
     leaves = dict(contents.leaves)
     for path, n in counts.items():
         saved = tensors.get(path)

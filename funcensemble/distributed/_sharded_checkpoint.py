@@ -343,7 +343,7 @@ def _counts_as_saved(
     object to load into holds (the loaded state takes the checkpoint's, as in fe.load)."""
     if flat.ensemble:
         return flat
-    counts, _ = count_paths(where, obj, key=dotted_key)
+    counts = count_paths(where, obj, key=dotted_key)
     leaves = dict(flat.leaves)
     for path, n in counts.items():
         md = saved.get(path)
