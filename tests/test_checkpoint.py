@@ -1108,3 +1108,46 @@ def test_an_optimizer_whose_state_is_not_shaped_like_its_parameters_round_trips(
         fresh = opt  # the optimizer itself, stepped, loads it
     fe.load(tmp_path / "opt.st", fresh)
     assert_trees_equal(fresh.state_dict()["state"], opt.state_dict()["state"])
+
+
+@pytest.mark.parametrize("scheduler", ["StepLR", "OneCycleLR"])
+def test_a_torch_optim_file_saved_with_a_scheduler_loads_before_the_scheduler_is_built(
+    tmp_path, scheduler
+):
+    """torch's schedulers add entries to the groups (initial_lr; OneCycleLR also max_lr,
+    min_lr and the momentum bounds), and torch's load_state_dict takes them into an
+    optimizer built without a scheduler yet: fe.load refused them as extra leaves. Another
+    optimizer's extra entries are still refused."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    opt = torch.optim.Adam(ens.parameters(), lr=0.1)
+    if scheduler == "StepLR":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    else:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10)
+    x = torch.randn(5, 3)
+    for _ in range(3):
+        opt.zero_grad()
+        ens(x).square().sum().backward()
+        opt.step()
+        sched.step()
+    fe.save(tmp_path / "opt.st", opt)
+    fresh = torch.optim.Adam(ens.parameters(), lr=0.1)
+    expected = torch.optim.Adam(ens.parameters(), lr=0.1)
+    expected.load_state_dict(opt.state_dict())
+    assert fe.load(tmp_path / "opt.st", fresh) is fresh
+    assert fresh.param_groups[0].keys() == expected.param_groups[0].keys()
+    for key, value in expected.param_groups[0].items():
+        if key != "params":
+            assert fresh.param_groups[0][key] == value, key
+    assert_trees_equal(fresh.state_dict()["state"], opt.state_dict()["state"])
+    sgd = torch.optim.SGD(ens.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        sgd.zero_grad()
+        ens(x).square().sum().backward()
+        sgd.step()
+    fe.save(tmp_path / "sgd.st", sgd)
+    other = torch.optim.Adam(ens.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="does not match this Adam optimizer"):
+        fe.load(tmp_path / "sgd.st", other)
+    assert other.state_dict()["state"] == {}

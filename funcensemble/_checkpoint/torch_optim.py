@@ -16,6 +16,14 @@ import torch
 from torch import Tensor
 
 _STATE_ENTRY = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]$")
+_GROUP_ENTRY = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]$")
+
+# The entries torch's learning-rate schedulers add to an optimizer's groups (LRScheduler:
+# initial_lr; OneCycleLR: max_lr, min_lr and, cycling momentum, max_momentum and
+# base_momentum). A file saved with a scheduler attached holds them, and torch's
+# load_state_dict takes them into an optimizer that has no scheduler yet; any other
+# entry the optimizer lacks is another optimizer's, and is refused.
+_SCHEDULER_ENTRIES = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
 
 # Optimizers whose every state tensor with dimensions is shaped like its parameter
 # (others, such as Adafactor's row and column statistics or LBFGS's flat history, keep
@@ -49,8 +57,12 @@ def template(
         params.update(zip(saved["params"], group["params"], strict=True))
     found: dict[int, dict[str, Any]] = {}
     state = {i: dict(s) for i, s in own["state"].items()}
+    groups = [dict(g) for g in own["param_groups"]]
     for key, value in (*tensors.items(), *values.items()):
         match = _STATE_ENTRY.match(key)
+        entry = _GROUP_ENTRY.match(key)
+        if entry and int(entry[1]) < len(groups) and entry[2] in _SCHEDULER_ENTRIES:
+            groups[int(entry[1])].setdefault(entry[2], value)
         if match:
             found.setdefault(int(match[1]), {})[match[2]] = value
         elif key.startswith("['state']") and not state:
@@ -81,4 +93,4 @@ def template(
                 entry: torch.zeros_like(v) if isinstance(v, Tensor) else v
                 for entry, v in entries.items()
             }
-    return {"state": state, "param_groups": own["param_groups"]}
+    return {"state": state, "param_groups": groups}
