@@ -6,9 +6,11 @@ another shape, and an in-place change to an input all members share are refused.
 """
 
 import copy
+import itertools
 import random
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -334,6 +336,63 @@ def test_state_changed_inside_attributes_is_replayed_per_chunk(face):
     assert skeleton.schedule.step == loop[0].schedule.step == 2
     assert skeleton.history == loop[0].history == {"calls": [2]}
     assert skeleton.rng.getstate() == loop[0].rng.getstate()
+
+
+class _NumpyRandom(nn.Module):
+    """NumPy generators drawn in forward: RandomState (a C object without __dict__) was
+    not put back between chunks, so later chunks drew on (0.26 off the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.legacy = np.random.RandomState(0)
+        self.gen = np.random.default_rng(0)
+        self.bits = np.random.PCG64(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.legacy.rand() + self.gen.random() + self.bits.random_raw() % 5
+        return self.lin(x) * float(scale)
+
+
+@pytest.mark.parametrize("face", ["Ensemble", "vmap"])
+def test_numpy_generators_are_put_back_per_chunk(face):
+    torch.manual_seed(0)
+    loop = [_NumpyRandom().double() for _ in range(N)]
+    members = copy.deepcopy(loop)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    if face == "Ensemble":
+        ens = fe.Ensemble(members, chunk_size=1)
+        skeleton = ens.stacked
+    else:
+        fmodel, params, buffers = fe.stack(members)
+        skeleton = fmodel.skeleton
+    for _ in range(2):
+        want = torch.stack([m(x) for m in loop])
+        got = ens(x) if face == "Ensemble" else fe.vmap(fmodel, chunk_size=1)(params, buffers, x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert skeleton.legacy.randint(1 << 30) == loop[0].legacy.randint(1 << 30)
+    assert skeleton.gen.integers(1 << 30) == loop[0].gen.integers(1 << 30)
+    assert skeleton.bits.random_raw() == loop[0].bits.random_raw()
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.calls = itertools.count()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * next(self.calls)
+
+
+def test_a_c_object_changed_in_forward_is_refused_with_chunks():
+    """An itertools.count cannot be put back: later chunks counted on from where the
+    first left it (1, 2, ... where every loop member sees 0), without a word."""
+    ens = fe.Ensemble([_Counting() for _ in range(3)], chunk_size=1)
+    with pytest.raises(ValueError, match=r"`calls`.*cannot be put back between chunks"):
+        ens(torch.randn(2, 4))
+    unchunked = fe.Ensemble([_Counting() for _ in range(3)])
+    unchunked(torch.randn(2, 4))  # one call of forward: as the loop's
 
 
 class _Config:

@@ -19,7 +19,10 @@ value), and put back in place, so every object stays the object it was (a refere
 user keeps still reaches the ensemble's). Modules and tensors are not followed; nor are
 the items of a collection of more than 4,096 (data such as a replay buffer: the
 collection itself is still put back); NumPy arrays of more than 65,536 elements (tables
-forward reads) and objects of other kinds (C objects such as a lock) are compared by
+forward reads) are compared by identity only. NumPy's generators (``Generator``,
+``RandomState``, bit generators) are put back by their state. Other C objects that
+reduce themselves for pickling (an ``itertools.count``) cannot be put back: a change
+in what they reduce to is seen, and the call refused; the rest (a lock) are compared by
 identity only.
 """
 
@@ -36,7 +39,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from .attributes import TORCH_OWN
-from .same_value import EMPTY, SameValue, closure_values, slot_names
+from .same_value import EMPTY, SameValue, closure_values, reduced_state, slot_names
 
 # Values with no state of their own to put back, or not followed: tensors are the
 # buffers' and forward_state's, modules are tracked as such.
@@ -57,6 +60,8 @@ _NOT_FOLLOWED = (
     Tensor,
     nn.Module,
 )
+# Immutable values without a __dict__, whose reduction need not be recorded.
+_NO_STATE = (tuple, frozenset, types.MethodType, types.FunctionType)
 _ARRAY_ELEMENTS = 65536  # NumPy arrays up to this size are recorded and put back
 _FOLLOWED_ITEMS = 4096  # the items of larger collections are not followed
 
@@ -88,6 +93,10 @@ def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
             return ("array", obj.copy(), []) if obj.flags.writeable and small else None
         if isinstance(obj, numpy.random.Generator):
             return "generator", obj.bit_generator.state, []
+        if isinstance(obj, numpy.random.BitGenerator):
+            return "bit generator", obj.state, []
+        if isinstance(obj, numpy.random.RandomState):
+            return "random state", obj.get_state(legacy=False), []
     if isinstance(obj, types.FunctionType):
         cells, fields = closure_values(obj), dict(vars(obj))
         return "function", (cells, fields), cells + list(fields.values())
@@ -96,6 +105,13 @@ def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
     if isinstance(own, dict) or slots:  # (an object may answer __dict__ with anything)
         fields = dict(own) if isinstance(own, dict) else {}
         return "object", (fields, slots), list(fields.values()) + list(slots.values())
+    if not isinstance(obj, _NO_STATE):
+        # A C object that says what it is made of (an itertools.count): it cannot be
+        # put back, but a change is seen, and the call refused rather than computing
+        # later chunks from where earlier ones left it.
+        reduced = reduced_state(obj)
+        if reduced is not None:
+            return "opaque", reduced, []
     return None
 
 
@@ -158,6 +174,12 @@ def _put_back(obj: Any, kind: str, state: Any) -> None:
         obj[...] = state
     elif kind == "generator":
         obj.bit_generator.state = state
+    elif kind == "bit generator":
+        obj.state = state
+    elif kind == "random state":
+        obj.set_state(state)
+    elif kind == "opaque":
+        pass  # cannot be put back: a change is refused (``_State.differs``)
     elif kind == "function":
         cells, fields = state
         for cell, value in zip(obj.__closure__ or (), cells, strict=True):
@@ -200,18 +222,20 @@ class _State:
 
     def differs(
         self, other: "_State", modules: dict[int, nn.Module]
-    ) -> tuple[nn.Module, str] | None:
-        """A module and the attribute through which ``other`` differs from this, if any."""
+    ) -> tuple[nn.Module, str, bool] | None:
+        """A module and the attribute through which ``other`` differs from this, if any,
+        and whether what differs can be put back."""
         strict = SameValue({}, set())
         for key, table in self.attributes.items():
             theirs = other.attributes.get(key, {})
             for name in sorted(table.keys() | theirs.keys()):
                 if name not in table or name not in theirs or not strict(table[name], theirs[name]):
-                    return modules[key], name
-        for key, (obj, _, state) in self.reached.items():
+                    return modules[key], name, True
+        for key, (obj, kind, state) in self.reached.items():
             found = other.reached.get(key)
             if found is None or not _same_state(state, found[2], strict):
-                return modules[next(iter(self.attributes))], _path_to(obj, self, modules)
+                module = modules[next(iter(self.attributes))]
+                return module, _path_to(obj, self, modules), kind != "opaque"
         return None
 
 
@@ -263,13 +287,19 @@ class _Call:
         found = self.first_end.differs(now, self.modules)
         if found is None:
             return
-        sub, name = found
+        sub, name, restorable = found
         self.put_back()
+        back = (
+            "The attribute is put back as it was."
+            if restorable
+            else f"`{name}` reaches an object that cannot be put back between chunks (such "
+            "as an iterator): it stays where the chunks left it."
+        )
         raise ValueError(
             f"{self.where}: forward changed the attribute `{name}` of a "
             f"{type(sub).__name__} differently in two chunks of members (expected "
             "every member to end with the same value, as the loop's members, which "
-            "start from the same one, do). The attribute is put back as it was. "
+            f"start from the same one, do). {back} "
             "Call without chunk_size, or keep per-member values in buffers."
         )
 

@@ -16,8 +16,9 @@ same type and the same contents, so a difference can never slip through unseen:
   globals, attributes and equal captured (closure) values; bound methods,
   ``functools.partial`` and weak references compare what they wrap;
 - a dataclass compares its fields as attributes (strictly, every field); an object
-  with its own ``__eq__`` compares with it; one with its own
-  ``__getstate__`` compares the state that copying and pickling see; any other object
+  with its own ``__eq__`` compares with it; one whose type reduces itself
+  (``__reduce_ex__``, ``__reduce__``) compares what copying and pickling rebuild it
+  from, and one with its own ``__getstate__`` the state they see; any other object
   compares its attributes (``__dict__`` and ``__slots__``); an opaque object only
   equals itself.
 
@@ -150,6 +151,9 @@ class SameValue:
                 result = None
             if isinstance(result, bool):
                 return result
+        reduced = _reduced(a, b)
+        if reduced is not None:  # what copying and pickling rebuild the object from
+            return self(*reduced)
         getstate = getattr(type(a), "__getstate__", None)
         if getstate is not None and getstate is not _DEFAULT_GETSTATE:
             try:  # the state that copying and pickling see (e.g. a hook wrapper's)
@@ -193,6 +197,40 @@ class SameValue:
         return self._all(
             (getattr(a, s, missing) for s in slots), (getattr(b, s, missing) for s in slots)
         )
+
+
+def _reduced(a: Any, b: Any) -> tuple[Any, Any] | None:
+    """``a`` and ``b`` as copying and pickling see them, if their type reduces itself.
+
+    A type with its own ``__reduce_ex__`` or ``__reduce__`` (NumPy's ``Generator``, whose
+    ``__getstate__`` returns None and whose state lives in its bit generator) says there
+    what it is made of; ``None`` for any other type, or when reducing fails.
+    """
+    if isinstance(a, torch.Generator):
+        return None  # one generator per member is refused as such (attributes.py)
+    first = reduced_state(a)
+    if first is None:
+        return None
+    second = reduced_state(b)
+    return None if second is None else (first, second)
+
+
+def reduced_state(x: Any) -> Any:
+    """What copying and pickling rebuild ``x`` from, if its type reduces itself (see
+    ``_reduced``); None otherwise."""
+    cls = type(x)
+    if cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__:
+        return None
+    try:
+        reduced = x.__reduce_ex__(4)
+    except Exception:  # an object that cannot be copied
+        return None
+    if not isinstance(reduced, tuple):
+        return reduced  # the name of a global: the same object where the names match
+    # Items 3 and 4, where present, are iterators of list items and dict items.
+    return tuple(
+        list(part) if k >= 3 and part is not None else part for k, part in enumerate(reduced)
+    )
 
 
 def _handle_position(handle: RemovableHandle) -> tuple[int, int] | None:
