@@ -462,6 +462,11 @@ def global_backward_hooks() -> bool:
     return bool(module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks)
 
 
+def global_forward_hooks() -> bool:
+    """Whether a global ``nn.Module`` forward hook or pre-hook is set."""
+    return bool(module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)
+
+
 def global_module_hooks() -> bool:
     """Whether a global ``nn.Module`` hook (``register_module_forward_hook`` and kin) is set."""
     return bool(

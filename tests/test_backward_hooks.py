@@ -173,3 +173,65 @@ def test_a_tensor_inside_forward_reports_no_grad_under_the_ensemble():
     seen.clear()
     fe.Ensemble(members)(torch.randn(4, 3))
     assert seen == [False]
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _bn() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("face", ["Ensemble", "chunked", "HeteroEnsemble"])
+@pytest.mark.parametrize("make", [_mlp, _bn], ids=["mlp", "batchnorm"])
+def test_global_forward_hooks_run_as_in_the_loop(face, make) -> None:
+    """A global forward hook (or pre-hook) that changes what it is given ran on the
+    members' modules and once more on the ensemble itself, which the loop never calls:
+    outputs twice the loop's (a pre-hook adding 1: 0.43 off), without a word."""
+    torch.manual_seed(0)
+    members = [make().double() for _ in range(3)]
+    if face == "HeteroEnsemble":  # two groups, each an Ensemble inside
+        members += [nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).double()]
+    loop = copy.deepcopy(members)
+    if face == "HeteroEnsemble":
+        ens = fe.HeteroEnsemble(members)
+    else:
+        ens = fe.Ensemble(members, chunk_size=2 if face == "chunked" else None)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    scale = module_mod.register_module_forward_hook(lambda m, args, out: out * 2)
+    shift = module_mod.register_module_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    try:
+        want = torch.stack([m(x) for m in loop])
+        got = ens(x)
+    finally:
+        scale.remove()
+        shift.remove()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_observing_global_hook_sees_the_members_modules() -> None:
+    """torch's own tools hook every module globally (FlopCounterMode's module tracker):
+    they keep working, and count the members' layers."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ens = fe.Ensemble([_bn() for _ in range(3)])
+    with FlopCounterMode(display=False) as counter:
+        ens(torch.randn(5, 4))
+    assert counter.get_total_flops() > 0
+
+
+def test_a_global_forward_hook_with_hooks_on_the_ensemble_is_refused() -> None:
+    ens = fe.Ensemble([_mlp() for _ in range(3)])
+    own = ens.register_forward_hook(lambda m, args, out: out + 1)
+    seen = []
+    handle = module_mod.register_module_forward_hook(lambda m, args, out: seen.append(m))
+    try:
+        with pytest.raises(ValueError, match=r"global forward hook is set.*hooks of its own"):
+            ens(torch.randn(5, 4))
+        assert seen == []  # refused before anything ran
+    finally:
+        handle.remove()
+    out = ens(torch.randn(5, 4))  # its own hook alone runs as torch runs it
+    own.remove()
+    assert out.shape == (3, 5, 2)

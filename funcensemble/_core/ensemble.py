@@ -12,6 +12,7 @@ from .._messages import positive_int
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
+from . import wrapper_call
 from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
 from .in_dims import InDims
@@ -240,6 +241,10 @@ class Ensemble(nn.Module):
     def stacked_buffers(self) -> StackedTensors:
         """The live stacked buffers ``[N, ...]`` by state-dict name."""
         return dict(self.stacked.named_buffers())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Global forward hooks run on the members' modules, not on the Ensemble itself.
+        return wrapper_call.call(self, "Ensemble", args, kwargs)
 
     def forward(self, *args: Any, in_dims: InDims = None, **kwargs: Any) -> StackedTree:
         """Run every member; outputs get a leading member axis.

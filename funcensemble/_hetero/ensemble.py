@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .._checkpoint.state_dict_checks import check_groups_loadable
 from .._core import in_dims as _in_dims
+from .._core import wrapper_call
 from .._core.ensemble import Ensemble
 from .._core.in_dims import InDims
 from .._core.stack import member_list
@@ -189,6 +190,10 @@ class HeteroEnsemble(nn.Module):
         if all(d is None for d in dims):
             return args
         return select_inputs(args, dims, self._index[g])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Global forward hooks run on the members' modules, not on the HeteroEnsemble itself.
+        return wrapper_call.call(self, "HeteroEnsemble", args, kwargs)
 
     def forward(self, *args: Any, in_dims: InDims = None, stack: bool = True, **kwargs: Any) -> Any:
         """Run every member; outputs in member order.
