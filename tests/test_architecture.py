@@ -1529,3 +1529,72 @@ def test_a_hook_handle_kept_on_the_member_is_the_same_value() -> None:
     other.l.register_forward_hook(hook)  # a second hook: its handle is the first of two
     with pytest.raises(ValueError, match=r"member 1 has the root module .* with `handle`"):
         fe.Ensemble([Tapped(), other])
+
+
+# --- attributes set on the members' tensors ----------------------------------------
+
+
+def _tagged_member(tag: object = True) -> nn.Module:
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    m[0].bias.no_decay = tag
+    m[2].bias.no_decay = tag
+    return m
+
+
+def _no_decay(params) -> list[bool]:
+    return [getattr(p, "no_decay", False) for p in params]
+
+
+def test_attributes_on_the_members_tensors_are_carried_to_the_ensemble_and_back() -> None:
+    """A tag set on a parameter (e.g. to build optimizer groups) was dropped by stacking:
+    groups built from ens.parameters() treated those parameters unlike the loop's."""
+    members = [_tagged_member() for _ in range(3)]
+    ens = fe.Ensemble(members)
+    assert _no_decay(ens.parameters()) == _no_decay(members[0].parameters())
+    assert _no_decay(ens.member(1).parameters()) == _no_decay(members[1].parameters())
+    fmodel, params, buffers = fe.stack(members)
+    assert all(
+        _no_decay(m.parameters()) == _no_decay(members[0].parameters())
+        for m in fe.unstack(fmodel, params, buffers)
+    )
+    grouped = [p for p in ens.parameters() if getattr(p, "no_decay", False)]
+    assert [p.shape for p in grouped] == [(3, 4), (3, 2)]
+
+
+def test_members_whose_tensors_differ_in_an_attribute_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"member 1 has parameter `0\.bias` with `no_decay` = 0"):
+        fe.Ensemble([_tagged_member(1), _tagged_member(0)])
+    untagged = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"member 0 has parameter `0\.bias` with the attribute"):
+        fe.Ensemble([_tagged_member(), untagged])
+
+
+def test_a_forward_reading_an_attribute_of_a_parameter_gets_a_clear_error() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, 2)
+            self.l.weight.scale = 0.5
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.l(x) * self.l.weight.scale
+
+    ens = fe.Ensemble([Scaled() for _ in range(2)])
+    with pytest.raises(
+        ValueError,
+        match=r"forward read `scale`, an attribute set on the parameter `l\.weight`.*self\.scale",
+    ):
+        ens(torch.randn(4, 3))
+
+
+def test_prelu_members_may_differ_in_the_slope_they_started_from() -> None:
+    """PReLU's `init` is read by reset_parameters only (forward reads the weight): members
+    built with different values were refused, with the advice to build one per value."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(3, 4), nn.PReLU(init=0.1 * (i + 1))).double() for i in range(3)
+    ]
+    ens = fe.Ensemble(copy.deepcopy(members))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(ens(x), want, rtol=1e-12, atol=1e-14)

@@ -1,5 +1,6 @@
 """``FunctionalModule``: one member's module as a pure function of its tensors."""
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,6 +127,15 @@ class FunctionalModule:
             if clear is None:
                 raise
             raise clear from None
+        except AttributeError as error:
+            clear = (
+                None
+                if torch.compiler.is_compiling()
+                else _tensor_attribute(where, self.skeleton, error)
+            )
+            if clear is None:
+                raise
+            raise clear from error
         if before is not None:
             _forward_state.check_kept(where, self.skeleton, before)
         if not compiling:
@@ -134,3 +144,27 @@ class FunctionalModule:
 
     def __repr__(self) -> str:
         return f"FunctionalModule({self.skeleton!r})"
+
+
+def _tensor_attribute(where: str, skeleton: nn.Module, error: AttributeError) -> ValueError | None:
+    """A clear error for a forward that read an attribute set on a parameter or buffer:
+    inside the call it holds the stacked (and batched) values, plain tensors."""
+    found = re.search(r"object has no attribute '([^']+)'", str(error))
+    if found is None:
+        return None
+    name = found[1]
+    for kind, tensors in (
+        ("parameter", skeleton.named_parameters()),
+        ("buffer", skeleton.named_buffers()),
+    ):
+        for path, t in tensors:
+            if name in vars(t):
+                return ValueError(
+                    f"{where}: forward read `{name}`, an attribute set on the {kind} `{path}` "
+                    "(expected forward to read only the tensor's values). Inside the "
+                    "ensemble's call the members' values are plain stacked tensors, "
+                    f"without the attributes of the {kind}s they came from. Keep the value "
+                    f"on the module instead (self.{name} = ...), where forward reads it as "
+                    "in a loop over the members."
+                )
+    return None

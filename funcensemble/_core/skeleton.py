@@ -26,7 +26,8 @@ def replace_tensors(
     """Deep-copy ``module``, building each parameter and buffer with the callables.
 
     Tied tensors stay tied: each distinct tensor is built once and the copy reuses it
-    wherever the original did. Nothing of the original's storage is copied.
+    wherever the original did, with the original's Python attributes (copied). Nothing
+    of the original's storage is copied.
     """
     params, buffers = named_tensors(module)
     memo: dict[int, object] = {}
@@ -38,7 +39,13 @@ def replace_tensors(
     for name, buffer in buffers.items():
         if id(buffer) not in memo:
             memo[id(buffer)] = make_buffer(name, buffer)
-    return copy.deepcopy(module, memo)
+    tensors = [t for t in (*params.values(), *buffers.values()) if vars(t)]
+    copied = copy.deepcopy(module, memo)
+    for t in tensors:  # attributes set on a tensor (a tag such as `p.no_decay = True`)
+        new = memo[id(t)]
+        if new is not t:
+            vars(new).update(copy.deepcopy(vars(t), memo))
+    return copied
 
 
 def meta_skeleton(module: nn.Module) -> nn.Module:

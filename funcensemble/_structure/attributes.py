@@ -56,6 +56,9 @@ BOOKKEEPING = frozenset({"training", "_parameters", "_buffers", "_modules", *HOO
 
 _SAME_ARCHITECTURE = "All members must share one architecture"
 _SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"))
+# Attributes of torch's modules that only reset_parameters reads (PReLU's init is the
+# slope it starts from; forward reads the weight): members may differ in them.
+_INIT_ONLY: dict[type, tuple[str, ...]] = {nn.PReLU: ("init",)}
 
 
 def _instance(first: str, path: str) -> str:
@@ -191,6 +194,40 @@ def check_same_state(where: str, index: int, pairs: Pairs) -> None:
     for path, a, b in pairs:
         _check_hooks(where, index, path, a, b, same)
         _check_attributes(where, index, path, a, b, same)
+        _check_tensor_attributes(where, index, path, a, b, same)
+
+
+def _check_tensor_attributes(
+    where: str, index: int, path: str, a: nn.Module, b: nn.Module, same: SameValue
+) -> None:
+    """Python attributes set on the tensors themselves (``p.no_decay = True``, a tag
+    that builds optimizer groups): the ensemble's stacked tensors carry member 0's."""
+    for kind, noun in _SLOTS:
+        table_a, table_b = vars(a)[kind], vars(b)[kind]
+        for k, tb in table_b.items():
+            ta = table_a[k]
+            if ta is None or tb is None or (not vars(ta) and not vars(tb)):
+                continue
+            attrs_a, attrs_b = vars(ta), vars(tb)
+            slot = f"{path}.{k}" if path else k
+            for name in sorted(attrs_a.keys() | attrs_b.keys()):
+                if name not in attrs_a or name not in attrs_b:
+                    has, hasnt = (0, index) if name in attrs_a else (index, 0)
+                    raise ValueError(
+                        f"{where}: member {has} has {noun} `{slot}` with the attribute "
+                        f"`{name}`; member {hasnt} has no such attribute. "
+                        f"{_SAME_ARCHITECTURE}, including the attributes set on its "
+                        "tensors: set it on every member or on none."
+                    )
+                if not same(attrs_a[name], attrs_b[name]):
+                    raise ValueError(
+                        f"{where}: member {index} has {noun} `{slot}` with `{name}` = "
+                        f"{show(attrs_b[name])}; member 0 has `{name}` = "
+                        f"{show(attrs_a[name])}. The ensemble's stacked tensor carries "
+                        "one value for all members, so it must be the same in all: give "
+                        f"`{name}` one value in every member, or build one ensemble per "
+                        "value."
+                    )
 
 
 def _check_node(where: str, index: int, path: str, a: nn.Module, b: nn.Module) -> None:
@@ -286,8 +323,9 @@ def _check_attributes(
                 f"{hasnt} has no such attribute. {_SAME_ARCHITECTURE}, including every "
                 "attribute that forward may read: set it on every member or on none."
             )
+    init_only = _INIT_ONLY.get(original_class(a), ())
     for name, va in dict_a.items():
-        if name in BOOKKEEPING:
+        if name in BOOKKEEPING or name in init_only:
             continue
         vb = dict_b[name]
         if (va is vb and id(va) not in same.own) or (
