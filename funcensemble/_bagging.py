@@ -49,7 +49,17 @@ def bootstrap_indices(
         >>> idx.shape, bool((idx < 100).all())
         (torch.Size([5, 100]), True)
     """
-    where = "bootstrap_indices"
+    return _indices("bootstrap_indices", num_members, num_samples, sample_size, replace, generator)
+
+
+def _indices(
+    where: str,
+    num_members: int,
+    num_samples: int,
+    sample_size: int | None,
+    replace: bool,
+    generator: torch.Generator | None,
+) -> Tensor:
     boolean(where, "replace", replace)
     _positive_int(where, "num_members", num_members)
     _positive_int(where, "num_samples", num_samples)
@@ -62,8 +72,15 @@ def bootstrap_indices(
         )
     if replace:
         return torch.randint(num_samples, (num_members, size), generator=generator)
-    keys = torch.rand(num_members, num_samples, generator=generator)
-    return keys.argsort(dim=1)[:, :size]
+    return _random_order(num_members, num_samples, generator)[:, :size]
+
+
+def _random_order(rows: int, size: int, generator: torch.Generator | None) -> Tensor:
+    """A uniformly random permutation of ``range(size)`` per row: float64 keys sorted
+    (float32 has 2**24 values only, so large datasets would tie keys, which argsort
+    breaks by position, not at random)."""
+    keys = torch.rand(rows, size, generator=generator, dtype=torch.float64)
+    return keys.argsort(dim=1)
 
 
 class BaggingSampler(Sampler[list[int]]):
@@ -110,8 +127,8 @@ class BaggingSampler(Sampler[list[int]]):
         boolean("BaggingSampler", "replace", replace)
         self.generator = generator
         self.drop_last = drop_last
-        self.indices = bootstrap_indices(
-            num_members, num_samples, sample_size=sample_size, replace=replace, generator=generator
+        self.indices = _indices(
+            "BaggingSampler", num_members, num_samples, sample_size, replace, generator
         )
 
     @property
@@ -124,7 +141,7 @@ class BaggingSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         n, size = self.indices.shape
-        order = torch.rand(n, size, generator=self.generator).argsort(dim=1)
+        order = _random_order(n, size, self.generator)
         shuffled = self.indices.gather(1, order)
         for j in range(len(self)):
             chunk = shuffled[:, j * self.batch_size : (j + 1) * self.batch_size]

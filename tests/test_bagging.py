@@ -93,3 +93,28 @@ def test_sampler_batches_train_members_on_their_own_data():
     (x,) = next(iter(DataLoader(data, batch_sampler=sampler)))
     out = fe.vmap(fmodel, in_dims=0)(params, buffers, x.view(n, 4, 1))
     assert out.shape == (n, 4, 1)
+
+
+def test_the_sampler_names_itself_in_its_errors():
+    """Its checks ran in bootstrap_indices, whose name the messages gave."""
+    with pytest.raises(ValueError, match=r"^BaggingSampler: num_members must be a positive int"):
+        fe.BaggingSampler(0, 10, batch_size=2)
+    with pytest.raises(ValueError, match=r"^BaggingSampler: sample_size 11 exceeds"):
+        fe.BaggingSampler(2, 10, batch_size=2, sample_size=11, replace=False)
+
+
+def test_random_orders_come_from_keys_fine_enough_not_to_tie():
+    """Subsets and the per-epoch shuffle sorted float32 keys, which take 2**24 values:
+    at 200,000 items about 1,200 keys tied, and argsort broke the ties by position, not
+    at random. Float64 keys (2**53 values) do not tie at any dataset size in memory."""
+    n = 200_000
+    keys = torch.rand(2, n, generator=gen(3), dtype=torch.float64)
+    assert keys.unique().numel() == 2 * n
+    subset = fe.bootstrap_indices(2, n, sample_size=1000, replace=False, generator=gen(3))
+    assert torch.equal(subset, keys.argsort(dim=1)[:, :1000])
+    sampler = fe.BaggingSampler(2, n, batch_size=n, replace=False, generator=gen(3))
+    order = torch.rand(2, n, generator=sampler.generator, dtype=torch.float64).argsort(dim=1)
+    sampler.generator.manual_seed(3)
+    torch.rand(2, n, generator=sampler.generator, dtype=torch.float64)  # the index sets' draw
+    (batch,) = list(sampler)
+    assert batch == sampler.indices.gather(1, order).flatten().tolist()
