@@ -766,3 +766,24 @@ def test_a_bad_per_member_value_is_named_by_its_member_in_the_ensemble():
         r"Invalid learning rate: -0.1 \(member 5 of the per-member lr\)",
     ):
         hens.optimizer(fe.optim.adam, lr=lrs)
+
+
+def test_an_error_in_one_group_names_the_group_and_its_members() -> None:
+    """Only group 1's architecture refused the input, and the message named a layer with
+    no word of which of the ensemble's members it meant."""
+
+    def narrow() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4, bias=False), nn.Linear(4, 2))
+
+    def wide() -> nn.Module:
+        return nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 2))
+
+    hens = fe.HeteroEnsemble([narrow(), wide(), narrow(), wide()])
+    x = torch.randn(8, 3)
+    with pytest.raises(ValueError, match=r"^HeteroEnsemble: in group 1 \(members \[1, 3\]\): "):
+        hens(x)
+    loss = hens.value_and_grad(lambda f, p, b, x: f(p, b, x).sum())
+    with pytest.raises(
+        ValueError, match=r"^HeteroEnsemble\.value_and_grad: in group 1 \(members \[1, 3\]\): "
+    ):
+        loss(hens.stacked_params(), hens.stacked_buffers(), x)

@@ -16,6 +16,7 @@ from .._core.stack import member_list
 from .._core.tree_view import register_view
 from .._core.vmap import Randomness
 from ..optim._protocol import GradientTransformation
+from . import group_errors
 from .grad import grouped_value_and_grad
 from .grouping import group_by_architecture, per_member, regroup, select_inputs
 from .routing import built_for, grouped
@@ -221,14 +222,16 @@ class HeteroEnsemble(nn.Module):
         where = "HeteroEnsemble"
         dims = self._dims(where, in_dims, args)
         with self._buffers_restored_on_error():
-            outs = [
-                ens(
-                    *self._inputs(g, args, dims),
-                    in_dims=None if in_dims is None else dims,
-                    **kwargs,
-                )
-                for g, ens in enumerate(self.groups)
-            ]
+            outs = []
+            for g, ens in enumerate(self.groups):
+                with group_errors.naming(where, g, self.group_members[g], len(self.groups)):
+                    outs.append(
+                        ens(
+                            *self._inputs(g, args, dims),
+                            in_dims=None if in_dims is None else dims,
+                            **kwargs,
+                        )
+                    )
             if stack:
                 return regroup(where, "output", outs, self.group_members, _STACK_FIX)
         return per_member(outs, self.group_members, self.num_members)

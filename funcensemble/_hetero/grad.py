@@ -7,6 +7,7 @@ from .._core import in_dims as _in_dims
 from .._core.grad import _trainable, _value_and_grad, any_marked
 from .._core.in_dims import InDims
 from .._core.stack import check_state_dicts
+from . import group_errors
 from .grouping import regroup
 
 _LOSS_FIX = (
@@ -56,7 +57,9 @@ def grouped_value_and_grad(
         for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True)):
             check_state_dicts(where, p, b)
             trainable = _trainable(p, any_marked=marked)
-            results.append(fn(p, b, trainable, hens._inputs(g, args, dims), kwargs))
+            members = hens.group_members[g]
+            with group_errors.naming(where, g, members, len(per_group)):
+                results.append(fn(p, b, trainable, hens._inputs(g, args, dims), kwargs))
         members = hens.group_members
         losses = regroup(where, "loss", [r[0] for r in results], members, _LOSS_FIX)
         grads = hens._join([r[1] for r in results])
