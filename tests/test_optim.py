@@ -775,3 +775,13 @@ def test_the_optimizer_layer_depends_on_pytrees_only():
             if isinstance(node, ast.ImportFrom) and node.module
         }
         assert not any(m.endswith(("_core.ensemble", "_ensemble")) for m in imported), path
+
+
+def test_a_nested_chain_given_another_optimizers_state_names_what_it_got() -> None:
+    """The inner chain (sgd) got the rmsprop state's second entry, an EmptyState, and the
+    message said "got a tuple of 0"."""
+    params = {"w": torch.zeros(3, 2)}
+    opt = fe.optim.chain(fe.optim.clip_by_global_norm(1.0), fe.optim.sgd(0.1))
+    state = fe.optim.rmsprop(0.1).init(params)
+    with pytest.raises(ValueError, match=r"got EmptyState, another transform's state"):
+        opt.update({"w": torch.ones(3, 2)}, state, params)

@@ -400,7 +400,12 @@ def scatter(base: list[Any], indices: list[int], values: list[Any] | tuple[Any, 
 
 def not_the_chains_state(state: Any, size: int) -> str:
     """The message for a state that is not a chain's tuple of ``size`` states."""
-    got = f"a tuple of {len(state)}" if isinstance(state, tuple) else type(state).__name__
+    if type(state) is tuple:
+        got = f"a tuple of {len(state)}"
+    elif isinstance(state, tuple):  # another transform's state (a NamedTuple)
+        got = f"{type(state).__name__}, another transform's state"
+    else:
+        got = type(state).__name__
     swapped = (
         " A dict here is often the parameters: update and update_ take (grads, state, "
         "params), in that order."
