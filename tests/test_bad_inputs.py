@@ -879,6 +879,17 @@ CASES += [
         r"layer `1`.*expects 4 input features, but is given 3",
     ),
     Bad(
+        # The layer-naming run read momentum=None's step count as a number on the meta
+        # device and gave up: vmap's bmm message showed the member count, no layer.
+        "Ensemble-forward-fails-after-batchnorm-momentum-none",
+        _ens_call(
+            lambda e: e(x(5, 3)),
+            lambda i: nn.Sequential(nn.BatchNorm1d(3, momentum=None), nn.Linear(4, 2)).double(),
+        ),
+        ValueError,
+        r"layer `1`.*expects 4 input features, but is given 3",
+    ),
+    Bad(
         "Ensemble-member-out-of-range",
         _ens_call(lambda e: e.member(3)),
         IndexError,

@@ -58,6 +58,10 @@ def linear_width_error(
         for module in copy.modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_pre_hook(check)
+            if isinstance(module, nn.modules.batchnorm._NormBase):
+                # Shapes alike in both modes; in train mode with momentum=None the
+                # layer reads its step count as a number, which a meta tensor has not.
+                module.eval()
         with torch.no_grad():
             functional_call(
                 copy,
