@@ -462,6 +462,12 @@ def global_backward_hooks() -> bool:
     return bool(module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks)
 
 
+def unhooked_forward(module: torch.nn.Module) -> Any:
+    """What ``module(...)`` runs when no hook is set: its ``forward``, or under
+    ``torch.jit.trace`` the ``_slow_forward`` that records scopes."""
+    return module._slow_forward if torch._C._get_tracing_state() else module.forward
+
+
 def global_forward_hooks() -> bool:
     """Whether a global ``nn.Module`` forward hook or pre-hook is set."""
     return bool(module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks)

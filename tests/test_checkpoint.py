@@ -1151,3 +1151,43 @@ def test_a_torch_optim_file_saved_with_a_scheduler_loads_before_the_scheduler_is
     with pytest.raises(ValueError, match="does not match this Adam optimizer"):
         fe.load(tmp_path / "sgd.st", other)
     assert other.state_dict()["state"] == {}
+
+
+def test_scheduler_entries_load_as_torch_loads_them_either_way(tmp_path):
+    """SWALR's swa_lr was refused as an extra leaf; a file saved without a scheduler was
+    refused by an optimizer that has one ("missing leaf initial_lr"). torch's
+    load_state_dict takes the file's groups as they are in both cases."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    x = torch.randn(5, 3)
+
+    def stepped(sched=None):
+        opt = torch.optim.SGD(ens.parameters(), lr=0.1, momentum=0.9)
+        scheduler = sched(opt) if sched else None
+        for _ in range(2):
+            opt.zero_grad()
+            ens(x).square().sum().backward()
+            opt.step()
+            if scheduler is not None:
+                scheduler.step()
+        return opt
+
+    swa = stepped(lambda o: torch.optim.swa_utils.SWALR(o, swa_lr=0.05, anneal_epochs=3))
+    plain = stepped()
+    for source, target in (
+        (swa, torch.optim.SGD(ens.parameters(), lr=0.1, momentum=0.9)),
+        (plain, torch.optim.SGD(ens.parameters(), lr=0.1, momentum=0.9)),
+    ):
+        if source is plain:  # the target has a scheduler, the file none
+            torch.optim.lr_scheduler.StepLR(target, step_size=2)
+        expected = torch.optim.SGD(ens.parameters(), lr=0.1, momentum=0.9)
+        if source is plain:
+            torch.optim.lr_scheduler.StepLR(expected, step_size=2)
+        expected.load_state_dict(source.state_dict())
+        fe.save(tmp_path / "opt.st", source)
+        fe.load(tmp_path / "opt.st", target)
+        assert target.param_groups[0].keys() == expected.param_groups[0].keys()
+        for key, value in expected.param_groups[0].items():
+            if key != "params":
+                assert target.param_groups[0][key] == value, key
+        assert_trees_equal(target.state_dict()["state"], source.state_dict()["state"])

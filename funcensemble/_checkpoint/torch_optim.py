@@ -20,10 +20,14 @@ _GROUP_ENTRY = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]$")
 
 # The entries torch's learning-rate schedulers add to an optimizer's groups (LRScheduler:
 # initial_lr; OneCycleLR: max_lr, min_lr and, cycling momentum, max_momentum and
-# base_momentum). A file saved with a scheduler attached holds them, and torch's
-# load_state_dict takes them into an optimizer that has no scheduler yet; any other
-# entry the optimizer lacks is another optimizer's, and is refused.
-_SCHEDULER_ENTRIES = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
+# base_momentum; SWALR: swa_lr). torch's load_state_dict takes the file's groups as they
+# are: a file saved with a scheduler attached loads into an optimizer without one yet,
+# and one saved without into an optimizer with one (whose groups then lack them, as
+# torch leaves them). Any other entry that one side lacks is another optimizer's, and
+# is refused.
+_SCHEDULER_ENTRIES = frozenset(
+    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+)
 
 # Optimizers whose every state tensor with dimensions is shaped like its parameter
 # (others, such as Adafactor's row and column statistics or LBFGS's flat history, keep
@@ -73,6 +77,11 @@ def template(
                 "optimizer after one step, or keep such an optimizer's state_dict with "
                 "torch.save and torch.load."
             )
+    saved = {(int(m[1]), m[2]) for m in map(_GROUP_ENTRY.match, (*tensors, *values)) if m}
+    for g, group in enumerate(groups):
+        for entry in _SCHEDULER_ENTRIES & group.keys():
+            if (g, entry) not in saved:
+                del group[entry]
     for i, entries in sorted(found.items()):
         p = params.get(i)
         if p is None:

@@ -16,6 +16,7 @@ from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
 from .._structure import chunk_state as _chunk_state
 from .._structure import forward_state as _forward_state
+from .._structure.tensor_tags import tensor_tags
 from .diagnose import linear_width_error
 from .rollback import save_before_update
 
@@ -80,6 +81,18 @@ class FunctionalModule:
 
     def __init__(self, skeleton: nn.Module) -> None:
         self.skeleton = skeleton
+        self._tags: dict[str, dict[str, Any]] | None = None
+
+    def _tensor_tags(self) -> dict[str, dict[str, Any]]:
+        """The Python attributes set on the skeleton's tensors, by name (see
+        ``_structure.attributes``: the stacked tensors carry the members' tags)."""
+        if self._tags is None:
+            named = (
+                *self.skeleton.named_parameters(remove_duplicate=False),
+                *self.skeleton.named_buffers(remove_duplicate=False),
+            )
+            self._tags = {name: tensor_tags(t) for name, t in named if tensor_tags(t)}
+        return self._tags
 
     def __call__(
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
@@ -104,6 +117,13 @@ class FunctionalModule:
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).
         given = (params, buffers) if compiling else {**params, **buffers}
+        if inside and self._tensor_tags():
+            # forward reads a tag as the loop's member does (getattr with a default
+            # too): set on this call's own wrappers of the stacked tensors only.
+            for name, tags in self._tensor_tags().items():
+                t = given.get(name)  # type: ignore[union-attr]
+                if isinstance(t, Tensor) and _torch_compat.is_wrapped(t):
+                    vars(t).update(tags)
         try:
             # Under vmap, BatchNorm of all members runs as one call, and a few calls that
             # vmap cannot batch, or batches wrongly, run as the loop's math (see _rewrites).
@@ -150,8 +170,8 @@ def _tensor_attribute(where: str, skeleton: nn.Module, error: AttributeError) ->
     """A clear error for a forward that read an attribute set on a parameter or buffer:
     inside the call it holds the stacked (and batched) values, plain tensors."""
     found = re.search(r"object has no attribute '([^']+)'", str(error))
-    if found is None:
-        return None
+    if found is None or not isinstance(getattr(error, "obj", None), Tensor):
+        return None  # another object's attribute
     name = found[1]
     for kind, tensors in (
         ("parameter", skeleton.named_parameters()),
@@ -160,11 +180,12 @@ def _tensor_attribute(where: str, skeleton: nn.Module, error: AttributeError) ->
         for path, t in tensors:
             if name in vars(t):
                 return ValueError(
-                    f"{where}: forward read `{name}`, an attribute set on the {kind} `{path}` "
-                    "(expected forward to read only the tensor's values). Inside the "
-                    "ensemble's call the members' values are plain stacked tensors, "
-                    f"without the attributes of the {kind}s they came from. Keep the value "
-                    f"on the module instead (self.{name} = ...), where forward reads it as "
-                    "in a loop over the members."
+                    f"{where}: forward read `{name}`, an attribute set on the {kind} `{path}`, "
+                    "from a tensor that does not carry it (expected the tensors of the "
+                    "ensemble's own calls: Ensemble, fe.vmap and fe.value_and_grad hand "
+                    "forward tensors carrying the members' attributes, while fmodel "
+                    "called on other tensors, such as one member's slice, gets them as "
+                    f"they are). Set `{name}` on those tensors, or keep the value on the "
+                    f"module instead (self.{name} = ...)."
                 )
     return None

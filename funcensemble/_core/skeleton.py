@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .._structure.tensor_tags import tensor_tags
+
 
 def named_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The module's parameters and buffers by state-dict name, tied tensors once."""
@@ -39,12 +41,12 @@ def replace_tensors(
     for name, buffer in buffers.items():
         if id(buffer) not in memo:
             memo[id(buffer)] = make_buffer(name, buffer)
-    tensors = [t for t in (*params.values(), *buffers.values()) if vars(t)]
+    tensors = [t for t in (*params.values(), *buffers.values()) if tensor_tags(t)]
     copied = copy.deepcopy(module, memo)
     for t in tensors:  # attributes set on a tensor (a tag such as `p.no_decay = True`)
         new = memo[id(t)]
         if new is not t:
-            vars(new).update(copy.deepcopy(vars(t), memo))
+            vars(new).update(copy.deepcopy(tensor_tags(t), memo))
     return copied
 
 

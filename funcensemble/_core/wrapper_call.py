@@ -10,7 +10,6 @@ once more to all members. The ensemble's call skips them, and runs its own hooks
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from .. import _torch_compat
@@ -38,5 +37,4 @@ def call(module: nn.Module, where: str, args: tuple[Any, ...], kwargs: dict[str,
             "instead of globally."
         )
     # What torch's call runs when no hook is set.
-    forward = module._slow_forward if torch._C._get_tracing_state() else module.forward
-    return forward(*args, **kwargs)
+    return _torch_compat.unhooked_forward(module)(*args, **kwargs)

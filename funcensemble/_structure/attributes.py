@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from .._messages import submodule
-from .same_value import SameValue, show
+from .same_value import SameValue, draws, show
+from .tensor_tags import tensor_tags
 
 # nn.Module's own bookkeeping: tensors and children (compared as the tree and by the
 # architecture's tensor specs), the train/eval flag (compared as modes), hook tables
@@ -208,7 +209,7 @@ def _check_tensor_attributes(
             ta = table_a[k]
             if ta is None or tb is None or (not vars(ta) and not vars(tb)):
                 continue
-            attrs_a, attrs_b = vars(ta), vars(tb)
+            attrs_a, attrs_b = tensor_tags(ta), tensor_tags(tb)
             slot = f"{path}.{k}" if path else k
             for name in sorted(attrs_a.keys() | attrs_b.keys()):
                 if name not in attrs_a or name not in attrs_b:
@@ -328,6 +329,15 @@ def _check_attributes(
         if name in BOOKKEEPING or name in init_only:
             continue
         vb = dict_b[name]
+        if va is vb and draws(va):
+            raise ValueError(
+                f"{where}: member {index} holds the same {type(va).__name__} as member 0 "
+                f"in `{name}` of {submodule(path)} ({_class_name(b)}). In a loop the "
+                "members draw from it in turn, each its own values; the ensemble runs "
+                "forward once for all members, which would all get one draw. Give each "
+                "member its own (seeded alike, the members draw alike, as the ensemble "
+                "does), or pass the random values in as an input."
+            )
         if (va is vb and id(va) not in same.own) or (
             type(va) is type(vb) and type(va) in _PLAIN and va == vb
         ):

@@ -225,7 +225,7 @@ class _State:
     ) -> tuple[nn.Module, str, bool] | None:
         """A module and the attribute through which ``other`` differs from this, if any,
         and whether what differs can be put back."""
-        strict = SameValue({}, set())
+        strict = SameValue({}, set(), members=False)
         for key, table in self.attributes.items():
             theirs = other.attributes.get(key, {})
             for name in sorted(table.keys() | theirs.keys()):

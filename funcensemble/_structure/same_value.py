@@ -31,9 +31,12 @@ import collections
 import dataclasses
 import enum
 import functools
+import io
 import math
+import random
 import sys
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -61,16 +64,23 @@ class SameValue:
     Args:
         pairs: ``id`` of member ``k``'s structural objects to member 0's counterparts.
         own: ``id`` of every structural object of member 0 (the values of ``pairs``).
+        members: The values are two members' (not two states of one object): a random
+            generator or iterator they share is a difference, since the loop's members
+            draw from it in turn.
     """
 
-    def __init__(self, pairs: dict[int, object], own: set[int]) -> None:
+    def __init__(self, pairs: dict[int, object], own: set[int], *, members: bool = True) -> None:
         self.pairs = pairs
         self.own = own
+        # Comparing two members' values: one generator or iterator both hold differs.
+        self.members = members
         self._visiting: set[tuple[int, int]] = set()
 
     def __call__(self, a: Any, b: Any) -> bool:
         if a is b:  # unless member k holds member 0's own submodule or tensor
-            return id(a) not in self.own
+            # One generator or iterator shared by the members: the loop's members draw
+            # from it in turn (different values), the ensemble's call draws once.
+            return id(a) not in self.own and not (self.members and draws(a))
         counterpart = self.pairs.get(id(b), b)
         if counterpart is not b or id(a) in self.own:
             return counterpart is a
@@ -215,6 +225,19 @@ def _reduced(a: Any, b: Any) -> tuple[Any, Any] | None:
     return None if second is None else (first, second)
 
 
+def draws(x: Any) -> bool:
+    """Whether ``x`` gives a new value each time it is used: a random generator or an
+    iterator (files aside)."""
+    if isinstance(x, (random.Random, torch.Generator)):
+        return True
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(
+        x, (numpy.random.Generator, numpy.random.RandomState, numpy.random.BitGenerator)
+    ):
+        return True
+    return hasattr(type(x), "__next__") and not isinstance(x, io.IOBase)
+
+
 def reduced_state(x: Any) -> Any:
     """What copying and pickling rebuild ``x`` from, if its type reduces itself (see
     ``_reduced``); None otherwise."""
@@ -222,11 +245,16 @@ def reduced_state(x: Any) -> Any:
     if cls.__reduce_ex__ is object.__reduce_ex__ and cls.__reduce__ is object.__reduce__:
         return None
     try:
-        reduced = x.__reduce_ex__(4)
+        with warnings.catch_warnings():
+            # Python 3.12 and 3.13 warn that itertools objects stop pickling in 3.14.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reduced = x.__reduce_ex__(4)
     except Exception:  # an object that cannot be copied
         return None
     if not isinstance(reduced, tuple):
-        return reduced  # the name of a global: the same object where the names match
+        # The name of a global, which says nothing of the state (an lru_cache wrapper
+        # reduces to its name, whatever function it wraps): compared otherwise.
+        return None
     # Items 3 and 4, where present, are iterators of list items and dict items.
     return tuple(
         list(part) if k >= 3 and part is not None else part for k, part in enumerate(reduced)
