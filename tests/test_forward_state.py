@@ -5,6 +5,7 @@ tensor of a member's data kept on ``self``, a re-assigned parameter or buffer of
 another shape, and an in-place change to an input all members share are refused.
 """
 
+import collections
 import copy
 import itertools
 import random
@@ -373,6 +374,33 @@ def test_numpy_generators_are_put_back_per_chunk(face):
     assert skeleton.legacy.randint(1 << 30) == loop[0].legacy.randint(1 << 30)
     assert skeleton.gen.integers(1 << 30) == loop[0].gen.integers(1 << 30)
     assert skeleton.bits.random_raw() == loop[0].bits.random_raw()
+
+
+class _Logged(nn.Module):
+    """forward appends to a deque and a bytearray (C objects without __dict__): with
+    chunks they were watched as opaque and the call refused, where a list is put back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.recent = collections.deque(maxlen=4)
+        self.marks = bytearray()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.recent.append(len(self.recent))
+        self.marks.append(len(self.marks))
+        return self.lin(x) * (1 + len(self.recent) + sum(self.marks))
+
+
+def test_a_deque_and_a_bytearray_changed_in_forward_are_put_back_per_chunk():
+    torch.manual_seed(0)
+    loop = [_Logged().double() for _ in range(N)]
+    ens = fe.Ensemble(copy.deepcopy(loop), chunk_size=1)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    for _ in range(3):
+        want = torch.stack([m(x) for m in loop])
+        torch.testing.assert_close(ens(x), want, rtol=1e-12, atol=1e-14)
+    assert ens.stacked.recent == loop[0].recent and ens.stacked.marks == loop[0].marks
 
 
 class _Counting(nn.Module):

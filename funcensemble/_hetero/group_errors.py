@@ -3,16 +3,14 @@
 import contextlib
 from collections.abc import Iterator, Sequence
 
-# Re-raised as the same type with the group named; other types (a user's own) pass as
-# they are, since their constructors may take other arguments.
-_NAMED = (ValueError, RuntimeError, TypeError)
-
 
 @contextlib.contextmanager
 def naming(where: str, g: int, members: Sequence[int], groups: int) -> Iterator[None]:
     """Run group ``g``'s part of a call; an error says which group and members it was.
 
-    With one group every member is in it: the error is left as it is.
+    The error itself is raised on, its message (a single string argument) prefixed with
+    the group: its type, attributes, notes and traceback stay. With one group every
+    member is in it, and an error with other arguments is left as it is.
 
     Example:
         >>> try:
@@ -24,7 +22,7 @@ def naming(where: str, g: int, members: Sequence[int], groups: int) -> Iterator[
     """
     try:
         yield
-    except _NAMED as error:
-        if groups == 1 or type(error) not in _NAMED:
-            raise
-        raise type(error)(f"{where}: in group {g} (members {list(members)}): {error}") from error
+    except Exception as error:
+        if groups > 1 and len(error.args) == 1 and isinstance(error.args[0], str):
+            error.args = (f"{where}: in group {g} (members {list(members)}): {error.args[0]}",)
+        raise

@@ -22,10 +22,13 @@ collection itself is still put back); NumPy arrays of more than 65,536 elements 
 forward reads) are compared by identity only. NumPy's generators (``Generator``,
 ``RandomState``, bit generators) are put back by their state. Other C objects that
 reduce themselves for pickling (an ``itertools.count``) cannot be put back: a change
-in what they reduce to is seen, and the call refused; the rest (a lock) are compared by
-identity only.
+in what they reduce to is seen, and the call refused (unless they hold more than 4,096
+items: compared by identity only, as the rest, such as a lock, are). A ``deque``, a
+``bytearray`` and an ``array.array`` are put back like lists.
 """
 
+import array
+import collections
 import contextlib
 import contextvars
 import enum
@@ -82,6 +85,10 @@ def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
         return "dict", dict(obj), list(obj.values())
     if isinstance(obj, set):
         return "set", set(obj), []
+    if isinstance(obj, collections.deque):  # (a C object: no __dict__ to record)
+        return "deque", list(obj), list(obj)
+    if isinstance(obj, (bytearray, array.array)):
+        return "sequence", obj[:], []
     if isinstance(obj, random.Random):
         return "random", obj.getstate(), []
     numpy = sys.modules.get("numpy")
@@ -105,7 +112,7 @@ def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
     if isinstance(own, dict) or slots:  # (an object may answer __dict__ with anything)
         fields = dict(own) if isinstance(own, dict) else {}
         return "object", (fields, slots), list(fields.values()) + list(slots.values())
-    if not isinstance(obj, _NO_STATE):
+    if not isinstance(obj, _NO_STATE) and _size(obj) <= _FOLLOWED_ITEMS:
         # A C object that says what it is made of (an itertools.count): it cannot be
         # put back, but a change is seen, and the call refused rather than computing
         # later chunks from where earlier ones left it.
@@ -113,6 +120,14 @@ def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
         if reduced is not None:
             return "opaque", reduced, []
     return None
+
+
+def _size(obj: Any) -> int:
+    """How many items ``obj`` holds, 0 for an object without a length."""
+    try:
+        return len(obj)
+    except Exception:  # no __len__ (or one that fails)
+        return 0
 
 
 def _parts(obj: Any) -> list[Any]:
@@ -168,6 +183,11 @@ def _put_back(obj: Any, kind: str, state: Any) -> None:
     elif kind in ("dict", "set"):
         obj.clear()
         obj.update(state)
+    elif kind == "deque":
+        obj.clear()
+        obj.extend(state)
+    elif kind == "sequence":
+        obj[:] = state
     elif kind == "random":
         obj.setstate(state)
     elif kind == "array":
