@@ -462,10 +462,15 @@ def global_backward_hooks() -> bool:
     return bool(module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks)
 
 
+def jit_tracing() -> bool:
+    """Whether ``torch.jit.trace`` is tracing the current call."""
+    return torch._C._get_tracing_state() is not None
+
+
 def unhooked_forward(module: torch.nn.Module) -> Any:
     """What ``module(...)`` runs when no hook is set: its ``forward``, or under
     ``torch.jit.trace`` the ``_slow_forward`` that records scopes."""
-    return module._slow_forward if torch._C._get_tracing_state() else module.forward
+    return module._slow_forward if jit_tracing() else module.forward
 
 
 def global_forward_hooks() -> bool:

@@ -767,6 +767,19 @@ def test_jit_trace_passes_its_own_check_and_computes_the_ensemble(shape):
         torch.testing.assert_close(traced(fresh), ens(fresh), rtol=0, atol=0)
 
 
+def test_jit_trace_of_the_general_path_says_what_to_use_instead():
+    """torch.func's functional_call refuses TorchScript tracing: the message was torch's
+    bare "The stateless API can't be used with Jitted modules"."""
+    ens = fe.Ensemble([nn.Sequential(nn.Linear(8, 4), nn.LayerNorm(4)) for _ in range(3)])
+    with (
+        runtime_typecheck_off(),
+        warnings.catch_warnings(),
+        pytest.raises(RuntimeError, match=r"torch\.jit\.trace cannot trace.*torch\.export"),
+    ):
+        warnings.simplefilter("ignore")
+        torch.jit.trace(ens, (torch.randn(5, 8),))
+
+
 def test_torch_tools_that_see_the_stacked_tensors_do_as_faces_md_says():
     """faces.md, "Torch tools that see the stacked tensors": what each does."""
     torch.manual_seed(0)

@@ -246,3 +246,16 @@ def test_a_torch_optim_state_dict_is_refused_as_such_before_anything_changes():
     with pytest.raises(TypeError, match=r"this is a torch\.optim optimizer's state_dict"):
         opt.load_state_dict(plain.state_dict())
     torch.testing.assert_close(opt.state_dict(), before, rtol=0, atol=0)
+
+
+def test_grad_scaler_given_an_ensemble_optimizer_says_what_to_do() -> None:
+    """GradScaler.step reads param_groups: the error was a bare AttributeError."""
+    ens = fe.Ensemble([nn.Linear(4, 1) for _ in range(3)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=1e-3))
+    scaler = torch.amp.GradScaler("cpu")
+    before = [p.detach().clone() for p in ens.parameters()]
+    scaler.scale(ens(torch.randn(8, 4)).square().sum()).backward()
+    with pytest.raises(AttributeError, match=r"no param_groups.*scale the loss yourself"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, ens.parameters(), strict=True))
+    assert not hasattr(opt, "param_groups")  # probing tools see no groups

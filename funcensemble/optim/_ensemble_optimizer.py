@@ -107,6 +107,18 @@ class EnsembleOptimizer:
         with torch.no_grad():
             self.state: Any = transform.init(named)
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Not a ``torch.optim`` optimizer's: tools that read its groups (GradScaler,
+        ``torch.optim.lr_scheduler``) raise this clear ``AttributeError``."""
+        raise AttributeError(
+            "EnsembleOptimizer has no param_groups (expected by torch.amp.GradScaler and "
+            "torch.optim.lr_scheduler, which drive a torch.optim optimizer). Its "
+            "hyperparameters belong to its transform: pass a schedule as the transform's "
+            "lr (e.g. fe.optim.warmup_cosine), and scale the loss yourself or train with "
+            "a torch.optim optimizer over ens.parameters() for GradScaler."
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset every parameter's ``.grad``: to None, or to zeros if ``set_to_none=False``."""
         for p in self.params.values():
