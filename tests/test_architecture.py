@@ -1154,6 +1154,16 @@ def _function_with(alpha: float):
     return act
 
 
+class _Rebuilt:
+    """Pickles from its constructor's argument only; `t` is runtime state beside it."""
+
+    def __init__(self, steps: int, t: int = 0) -> None:
+        self.steps, self.t = steps, t
+
+    def __reduce__(self):
+        return (_Rebuilt, (self.steps,))
+
+
 def _cached_scale(value: float):
     @functools.lru_cache
     def scale() -> float:
@@ -1200,6 +1210,8 @@ _DIFFERING_VALUES = {
         _cached_scale(10.0),
         lambda m: m.value(),
     ),
+    # Its reduction leaves `t` out: compared by its reduction, the members were alike.
+    "reduce-leaves-out-state": (_Rebuilt(10, 0), _Rebuilt(10, 5), lambda m: m.value.t),
     "numpy-bit-generator-seed": (
         np.random.PCG64(0),
         np.random.PCG64(1),
@@ -1608,6 +1620,14 @@ def test_a_forward_reading_an_attribute_of_a_parameter_reads_the_members() -> No
     fmodel, params, buffers = fe.stack(members)
     torch.testing.assert_close(fe.vmap(fmodel)(params, buffers, x), want, rtol=1e-12, atol=1e-14)
     assert not hasattr(params["l.weight"], "scale")  # the caller's tensors are left alone
+    ens = fe.Ensemble(members)
+    ens(x)
+    for p in ens.stacked.parameters():  # tagged after the first call: read at every call
+        p.scale = 2.0
+    for m in members:
+        m.l.weight.scale = 2.0
+    want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(ens(x), want, rtol=1e-12, atol=1e-14)
     one = {k: v[0] for k, v in params.items()}  # one member's slice, called directly
     with pytest.raises(
         ValueError, match=r"forward read `scale`, an attribute set on the parameter `l\.weight`"

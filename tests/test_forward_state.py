@@ -392,6 +392,37 @@ class _Logged(nn.Module):
         return self.lin(x) * (1 + len(self.recent) + sum(self.marks))
 
 
+class _History(collections.deque):
+    pass
+
+
+class _Totalled(nn.Module):
+    """A container subclass with an attribute of its own beside its items: chunks put
+    back the items only, so later chunks counted on (3.0 off the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.history = _History()
+        self.history.total = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.history.append(1)
+        self.history.total += 1
+        return self.lin(x) * self.history.total
+
+
+def test_a_container_subclasss_own_attributes_are_put_back_per_chunk():
+    torch.manual_seed(0)
+    loop = [_Totalled().double() for _ in range(N)]
+    ens = fe.Ensemble(copy.deepcopy(loop), chunk_size=1)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    for _ in range(2):
+        want = torch.stack([m(x) for m in loop])
+        torch.testing.assert_close(ens(x), want, rtol=1e-12, atol=1e-14)
+    assert ens.stacked.history.total == loop[0].history.total == 2
+
+
 def test_a_deque_and_a_bytearray_changed_in_forward_are_put_back_per_chunk():
     torch.manual_seed(0)
     loop = [_Logged().double() for _ in range(N)]

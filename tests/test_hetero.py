@@ -787,3 +787,28 @@ def test_an_error_in_one_group_names_the_group_and_its_members() -> None:
         ValueError, match=r"^HeteroEnsemble\.value_and_grad: in group 1 \(members \[1, 3\]\): "
     ):
         loss(hens.stacked_params(), hens.stacked_buffers(), x)
+
+
+def test_group_naming_leaves_other_errors_and_names_a_group_once() -> None:
+    """A KeyError's argument is the key, not a message: it was rewritten; an exception
+    object raised again gained one more prefix per call."""
+    stored = ValueError("budget exhausted")
+
+    class Fails(nn.Module):
+        def __init__(self, width: int, error: Exception) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, width)
+            self.error = error
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise self.error
+
+    hens = fe.HeteroEnsemble([Fails(2, KeyError("zz")), Fails(4, KeyError("zz"))])
+    with pytest.raises(KeyError) as info:
+        hens(torch.randn(5, 3))
+    assert info.value.args == ("zz",)
+    hens = fe.HeteroEnsemble([Fails(2, stored), Fails(4, stored)])
+    for _ in range(3):  # the group's module raises its one (copied) exception again
+        with pytest.raises(ValueError) as info:
+            hens(torch.randn(5, 3))
+    assert str(info.value) == "HeteroEnsemble: in group 0 (members [0]): budget exhausted"

@@ -81,18 +81,16 @@ class FunctionalModule:
 
     def __init__(self, skeleton: nn.Module) -> None:
         self.skeleton = skeleton
-        self._tags: dict[str, dict[str, Any]] | None = None
 
     def _tensor_tags(self) -> dict[str, dict[str, Any]]:
         """The Python attributes set on the skeleton's tensors, by name (see
-        ``_structure.attributes``: the stacked tensors carry the members' tags)."""
-        if self._tags is None:
-            named = (
-                *self.skeleton.named_parameters(remove_duplicate=False),
-                *self.skeleton.named_buffers(remove_duplicate=False),
-            )
-            self._tags = {name: tensor_tags(t) for name, t in named if tensor_tags(t)}
-        return self._tags
+        ``_structure.attributes``: the stacked tensors carry the members' tags), read
+        at every call: a tag set after the first call counts too."""
+        named = (
+            *self.skeleton.named_parameters(remove_duplicate=False),
+            *self.skeleton.named_buffers(remove_duplicate=False),
+        )
+        return {name: tags for name, t in named if (tags := tensor_tags(t))}
 
     def __call__(
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
@@ -124,10 +122,11 @@ class FunctionalModule:
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).
         given = (params, buffers) if compiling else {**params, **buffers}
-        if inside and self._tensor_tags():
+        tagged = self._tensor_tags() if inside else {}
+        if tagged:
             # forward reads a tag as the loop's member does (getattr with a default
             # too): set on this call's own wrappers of the stacked tensors only.
-            for name, tags in self._tensor_tags().items():
+            for name, tags in tagged.items():
                 t = given.get(name)  # type: ignore[union-attr]
                 if isinstance(t, Tensor) and _torch_compat.is_wrapped(t):
                     vars(t).update(tags)

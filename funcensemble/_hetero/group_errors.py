@@ -3,14 +3,18 @@
 import contextlib
 from collections.abc import Iterator, Sequence
 
+# Errors whose one argument is their message (a KeyError's is the key: left as it is).
+_NAMED = (ValueError, RuntimeError, TypeError)
+
 
 @contextlib.contextmanager
 def naming(where: str, g: int, members: Sequence[int], groups: int) -> Iterator[None]:
     """Run group ``g``'s part of a call; an error says which group and members it was.
 
-    The error itself is raised on, its message (a single string argument) prefixed with
-    the group: its type, attributes, notes and traceback stay. With one group every
-    member is in it, and an error with other arguments is left as it is.
+    The error itself is raised on, its message (a single string argument of a
+    ValueError, RuntimeError or TypeError) prefixed with the group once: its type,
+    attributes, notes and traceback stay. With one group every member is in it, and
+    other errors are left as they are.
 
     Example:
         >>> try:
@@ -22,7 +26,9 @@ def naming(where: str, g: int, members: Sequence[int], groups: int) -> Iterator[
     """
     try:
         yield
-    except Exception as error:
-        if groups > 1 and len(error.args) == 1 and isinstance(error.args[0], str):
-            error.args = (f"{where}: in group {g} (members {list(members)}): {error.args[0]}",)
+    except _NAMED as error:
+        prefix = f"{where}: in group {g} (members {list(members)}): "
+        message = error.args[0] if len(error.args) == 1 else None
+        if groups > 1 and isinstance(message, str) and not message.startswith(prefix):
+            error.args = (prefix + message,)
         raise

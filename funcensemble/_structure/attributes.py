@@ -330,13 +330,21 @@ def _check_attributes(
             continue
         vb = dict_b[name]
         if va is vb and draws(va):
+            own = (
+                "draw from torch's global generator (the ensemble's randomness option "
+                "decides whether members draw alike)"
+                if isinstance(va, torch.Generator)
+                else "give each member its own (seeded alike, the members draw alike, as "
+                "the ensemble does)"
+            )
             raise ValueError(
                 f"{where}: member {index} holds the same {type(va).__name__} as member 0 "
                 f"in `{name}` of {submodule(path)} ({_class_name(b)}). In a loop the "
                 "members draw from it in turn, each its own values; the ensemble runs "
-                "forward once for all members, which would all get one draw. Give each "
-                "member its own (seeded alike, the members draw alike, as the ensemble "
-                "does), or pass the random values in as an input."
+                f"forward once for all members, which would all get one draw. Instead, "
+                f"{own}, or pass the random values in as an input. If forward never "
+                f"draws from it (it served __init__ only), delete it before building "
+                f"(del member.{name} on that submodule)."
             )
         if (va is vb and id(va) not in same.own) or (
             type(va) is type(vb) and type(va) in _PLAIN and va == vb

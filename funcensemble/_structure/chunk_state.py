@@ -76,9 +76,25 @@ def _slots(obj: Any) -> dict[str, Any]:
     return {n: getattr(obj, n) for n in slot_names(type(obj)) if hasattr(obj, n)}
 
 
+_CONTAINERS = (list, dict, set, collections.deque, bytearray, array.array)
+
+
 def _shallow(obj: Any) -> tuple[str, Any, list[Any]] | None:
     """``(kind, state, what it refers to)`` for a mutable object, None for one without
     state of its own (its parts are followed) or one that cannot be put back."""
+    found = _shallow_own(obj)
+    if found is not None and isinstance(obj, _CONTAINERS):
+        fields, slots = getattr(obj, "__dict__", None), _slots(obj)
+        if (isinstance(fields, dict) and fields) or slots:
+            # A container subclass's own attributes (a running total beside its items).
+            kind, state, refers = found
+            fields = dict(fields) if isinstance(fields, dict) else {}
+            attrs = [*fields.values(), *slots.values()]
+            return f"{kind}+object", (state, (fields, slots)), refers + attrs
+    return found
+
+
+def _shallow_own(obj: Any) -> tuple[str, Any, list[Any]] | None:
     if isinstance(obj, list):
         return "list", list(obj), list(obj)
     if isinstance(obj, dict):
@@ -178,7 +194,11 @@ def _same_state(a: Any, b: Any, strict: SameValue) -> bool:
 
 
 def _put_back(obj: Any, kind: str, state: Any) -> None:
-    if kind == "list":
+    if kind.endswith("+object"):
+        items, attributes = state
+        _put_back(obj, kind.removesuffix("+object"), items)
+        _put_back(obj, "object", attributes)
+    elif kind == "list":
         obj[:] = state
     elif kind in ("dict", "set"):
         obj.clear()

@@ -210,14 +210,20 @@ class SameValue:
 
 
 def _reduced(a: Any, b: Any) -> tuple[Any, Any] | None:
-    """``a`` and ``b`` as copying and pickling see them, if their type reduces itself.
+    """``a`` and ``b`` as copying and pickling see them, if they are C objects whose
+    type reduces itself.
 
-    A type with its own ``__reduce_ex__`` or ``__reduce__`` (NumPy's ``Generator``, whose
-    ``__getstate__`` returns None and whose state lives in its bit generator) says there
-    what it is made of; ``None`` for any other type, or when reducing fails.
+    A C object (no ``__dict__`` or slots) with its own ``__reduce_ex__`` or
+    ``__reduce__`` (NumPy's ``Generator``, whose ``__getstate__`` returns None and whose
+    state lives in its bit generator) says there what it is made of; ``None`` for any
+    other object, or when reducing fails.
     """
     if isinstance(a, torch.Generator):
         return None  # one generator per member is refused as such (attributes.py)
+    if hasattr(a, "__dict__") or slot_names(type(a)):
+        # Its attributes are its state: a reduction may leave some out (one that
+        # rebuilds the object from its constructor's arguments only).
+        return None
     first = reduced_state(a)
     if first is None:
         return None

@@ -109,14 +109,14 @@ class EnsembleOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """Not a ``torch.optim`` optimizer's: tools that read its groups (GradScaler,
-        ``torch.optim.lr_scheduler``) raise this clear ``AttributeError``."""
+        """Not a ``torch.optim`` optimizer's: tools that read its groups (such as
+        ``torch.amp.GradScaler``) raise this clear ``AttributeError``."""
         raise AttributeError(
-            "EnsembleOptimizer has no param_groups (expected by torch.amp.GradScaler and "
-            "torch.optim.lr_scheduler, which drive a torch.optim optimizer). Its "
-            "hyperparameters belong to its transform: pass a schedule as the transform's "
-            "lr (e.g. fe.optim.warmup_cosine), and scale the loss yourself or train with "
-            "a torch.optim optimizer over ens.parameters() for GradScaler."
+            "EnsembleOptimizer has no param_groups (expected by tools that drive a "
+            "torch.optim optimizer, such as torch.amp.GradScaler). Its hyperparameters "
+            "belong to its transform: pass a schedule as the transform's lr (e.g. "
+            "fe.optim.warmup_cosine), and scale the loss yourself, or train with a "
+            "torch.optim optimizer over ens.parameters() for GradScaler."
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
