@@ -63,7 +63,8 @@ _NOT_FOLLOWED = (
     Tensor,
     nn.Module,
 )
-# Immutable values without a __dict__, whose reduction need not be recorded.
+# Values whose state is followed otherwise (their parts, or their attributes and cells):
+# their reduction need not be recorded.
 _NO_STATE = (tuple, frozenset, types.MethodType, types.FunctionType)
 _ARRAY_ELEMENTS = 65536  # NumPy arrays up to this size are recorded and put back
 _FOLLOWED_ITEMS = 4096  # the items of larger collections are not followed

@@ -16,11 +16,12 @@ same type and the same contents, so a difference can never slip through unseen:
   globals, attributes and equal captured (closure) values; bound methods,
   ``functools.partial`` and weak references compare what they wrap;
 - a dataclass compares its fields as attributes (strictly, every field); an object
-  with its own ``__eq__`` compares with it; one whose type reduces itself
-  (``__reduce_ex__``, ``__reduce__``) compares what copying and pickling rebuild it
-  from, and one with its own ``__getstate__`` the state they see; any other object
-  compares its attributes (``__dict__`` and ``__slots__``); an opaque object only
-  equals itself.
+  with its own ``__eq__`` compares with it; a C object (no attributes) whose type
+  reduces itself (``__reduce_ex__``, ``__reduce__``) compares what copying and
+  pickling rebuild it from, and one with its own ``__getstate__`` the state they see;
+  any other object compares its attributes (``__dict__`` and ``__slots__``); an opaque
+  object only equals itself. One random generator or iterator held by both members is
+  a difference: the loop's members draw from it in turn.
 
 ``pairs`` maps ``id`` of an object of member *k* (a submodule, parameter or buffer) to
 its counterpart in member 0, so an attribute referring to a member's own submodule
