@@ -100,14 +100,14 @@ class FunctionalModule:
             if fast is not None:
                 return fast
         _check_complete(self.skeleton, params, buffers)
-        if not torch.compiler.is_compiling() and _torch_compat.jit_tracing():
+        compiling = torch.compiler.is_compiling()
+        if not compiling and _torch_compat.jit_tracing():
             raise RuntimeError(
                 "torch.jit.trace cannot trace this ensemble (expected a plain MLP of "
                 "Linear layers and activations, whose fast path traces): torch.func's "
                 "functional_call, which runs every other member architecture, refuses "
                 "TorchScript tracing. Use torch.export.export or torch.compile instead."
             )
-        compiling = torch.compiler.is_compiling()
         if not compiling:
             _chunk_state.seen(self.skeleton)  # a chunked call replays each chunk alike
         inside = not compiling and _torch_compat.inside_transform()
