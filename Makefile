@@ -38,13 +38,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/mkdocs build --strict
 
 test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
-	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/mkdocs build --strict
 
 # torch 2.6.0's CUDA build is about 5 GB installed; .ci/lean_install.py installs it one
 # wheel at a time with no pip cache (a plain install needs about twice that disk), and

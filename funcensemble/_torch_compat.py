@@ -83,6 +83,7 @@ the kernels ``torch.optim`` itself documents as its ``foreach`` implementation.
 import contextlib
 import functools
 import importlib
+import inspect
 import re
 import threading
 from collections.abc import Callable
@@ -460,6 +461,18 @@ def autocast_dtype(device_type: str) -> torch.dtype:
 def global_backward_hooks() -> bool:
     """Whether a global ``nn.Module`` backward hook (``register_module_*backward*``) is set."""
     return bool(module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks)
+
+
+# torch.compiler.disable takes the reason fullgraph=True gives since torch 2.7 or so.
+_DISABLE_SAYS = "reason" in inspect.signature(torch.compiler.disable).parameters
+
+
+def compile_disabled(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    """``fn``, run eagerly under ``torch.compile`` (under ``fullgraph=True`` an error,
+    which says ``reason`` where torch takes one)."""
+    if _DISABLE_SAYS:
+        return torch.compiler.disable(fn, reason=reason)
+    return torch.compiler.disable(fn)
 
 
 def jit_tracing() -> bool:

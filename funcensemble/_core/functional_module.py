@@ -61,6 +61,39 @@ def _stacked_given(skeleton: nn.Module, params: Any) -> Exception | None:
     return None
 
 
+@torch.compiler.disable  # torch.compile cannot read a tensor's attributes
+def _tags_by_name(skeleton: nn.Module) -> dict[str, dict[str, Any]]:
+    """The Python attributes set on the skeleton's tensors, by name (see
+    ``_structure.attributes``: the stacked tensors carry the members' tags)."""
+    named = (
+        *skeleton.named_parameters(remove_duplicate=False),
+        *skeleton.named_buffers(remove_duplicate=False),
+    )
+    return {name: tags for name, t in named if (tags := tensor_tags(t))}
+
+
+@torch.compiler.assume_constant_result
+def _tagged(skeleton: nn.Module) -> bool:
+    """Whether any of the skeleton's tensors has a tag, asked by torch.compile while it
+    traces: a constant of the graph, evaluated at each compilation."""
+    return bool(_tags_by_name(skeleton))
+
+
+def _call(fmodel: "FunctionalModule", params: Any, buffers: Any, args: Any, kwargs: Any) -> Any:
+    return fmodel(params, buffers, *args, **kwargs)
+
+
+# torch.compile cannot show forward a tensor's tags (a traced tensor takes no attribute):
+# a call whose forward may read them runs eagerly, where it sees them.
+_eagerly = _torch_compat.compile_disabled(
+    _call,
+    reason="funcensemble: forward may read the Python attributes set on the members' "
+    "parameters or buffers, which torch.compile cannot show it, so this call runs "
+    "eagerly. To compile it, delete those attributes before building the ensemble (keep, "
+    "e.g., a set of parameter names instead).",
+)
+
+
 class FunctionalModule:
     """A module turned into a pure function of ``(params, buffers, *args, **kwargs)``.
 
@@ -81,16 +114,7 @@ class FunctionalModule:
 
     def __init__(self, skeleton: nn.Module) -> None:
         self.skeleton = skeleton
-
-    def _tensor_tags(self) -> dict[str, dict[str, Any]]:
-        """The Python attributes set on the skeleton's tensors, by name (see
-        ``_structure.attributes``: the stacked tensors carry the members' tags), read
-        at every call: a tag set after the first call counts too."""
-        named = (
-            *self.skeleton.named_parameters(remove_duplicate=False),
-            *self.skeleton.named_buffers(remove_duplicate=False),
-        )
-        return {name: tags for name, t in named if (tags := tensor_tags(t))}
+        self._tags = _tags_by_name(skeleton)
 
     def __call__(
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
@@ -101,6 +125,8 @@ class FunctionalModule:
                 return fast
         _check_complete(self.skeleton, params, buffers)
         compiling = torch.compiler.is_compiling()
+        if compiling and torch.compiler.is_dynamo_compiling() and _tagged(self.skeleton):
+            return _eagerly(self, params, buffers, args, kwargs)
         if not compiling and _torch_compat.jit_tracing():
             raise RuntimeError(
                 "torch.jit.trace cannot trace this ensemble (expected a plain MLP of "
@@ -122,12 +148,19 @@ class FunctionalModule:
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).
         given = (params, buffers) if compiling else {**params, **buffers}
-        tagged = self._tensor_tags() if inside else {}
+        if inside:  # read at every call: a tag set after the first call counts too
+            tagged = self._tags = _tags_by_name(self.skeleton)
+        elif compiling and _torch_compat.inside_transform():
+            # torch.export's non-strict tracing runs this code on fake tensors, which
+            # hold no tags: those of the last eager call, or of the build.
+            tagged = self._tags
+        else:
+            tagged = {}
         if tagged:
             # forward reads a tag as the loop's member does (getattr with a default
             # too): set on this call's own wrappers of the stacked tensors only.
             for name, tags in tagged.items():
-                t = given.get(name)  # type: ignore[union-attr]
+                t = params.get(name, buffers.get(name))
                 if isinstance(t, Tensor) and _torch_compat.is_wrapped(t):
                     vars(t).update(tags)
         try:
