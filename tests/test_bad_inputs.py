@@ -647,6 +647,37 @@ def _no_aux(fmodel):
     return lambda p, b, inp: fmodel(p, b, inp).pow(2).mean()
 
 
+def _keyword_inputs(face: str) -> Callable[[Path], Setup]:
+    """in_dims=0 with the per-member input passed as a keyword: it was shared, every
+    member saw all N batches, and the loss broadcast (member 0's loss 1.92, the loop's
+    3.19), without a word."""
+
+    def build(tmp: Path) -> Setup:
+        fmodel, params, buffers = stacked(3)
+        xs = x(3, 5, 3)
+        if face == "Ensemble":
+            e = ens(3)
+            return Setup(lambda: e(x=xs, in_dims=0), [e.state_dict(), xs])
+        if face == "vmap":
+            f = fe.vmap(fmodel, in_dims=0)
+            return Setup(lambda: f(params, buffers, x=xs), [params, buffers, xs])
+        g = fe.value_and_grad(lambda p, b, *, x: fmodel(p, b, x).pow(2).mean(), in_dims=0)
+        return Setup(lambda: g(params, buffers, x=xs), [params, buffers, xs])
+
+    return build
+
+
+CASES += [
+    Bad(
+        f"{face}-in-dims-keyword-inputs",
+        _keyword_inputs(face),
+        ValueError,
+        r"in_dims=0 splits positional arguments over members, but the call passed none",
+    )
+    for face in ("Ensemble", "vmap", "value_and_grad")
+]
+
+
 CASES += [
     Bad(
         "value_and_grad-vector-loss",

@@ -49,6 +49,13 @@ def arg_dims(in_dims: InDims, num_args: int, where: str = "vmap") -> tuple[Any, 
                 "argument (None = shared by all members, 0 = one slice per member)."
             )
         return in_dims
+    if isinstance(in_dims, int) and num_args == 0:
+        raise ValueError(
+            f"{where}: in_dims={in_dims} splits positional arguments over members, but the "
+            "call passed none after params and buffers (expected at least one; keyword "
+            "arguments are shared by all members, never split). Pass the per-member "
+            "inputs positionally, e.g. f(params, buffers, x, y) rather than x=x, y=y."
+        )
     if in_dims is None or isinstance(in_dims, int):
         return (in_dims,) * num_args
     raise TypeError(
