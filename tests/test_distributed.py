@@ -272,6 +272,84 @@ def test_collectives_in_one_process_equal_fe_reduce_exactly():
     assert_trees_equal(d.broadcast(tree), tree)
 
 
+def _ranks_in_threads(monkeypatch, world: int, fn):
+    """``fn(rank)`` on ``world`` threads standing for ranks whose SUM all-reduces meet in
+    this process (summed in rank order); returns each rank's result."""
+    import threading
+
+    from funcensemble.distributed import _collectives
+
+    barrier, slots = threading.Barrier(world), [None] * world
+
+    def all_reduce(where, shard, t, op):
+        assert op == dist.ReduceOp.SUM
+        slots[shard.rank] = t.clone()
+        barrier.wait()
+        out = sum(slots[1:], slots[0])
+        barrier.wait()
+        return out
+
+    monkeypatch.setattr(_collectives, "_all_reduce", all_reduce)
+    results = [None] * world
+
+    def run(rank):
+        results[rank] = fn(rank)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("centre", "spread"), [(1e3, 1e-4), (1e4, 1e-3), (100.0, 1e-5), (50.0, 1.0), (0.0, 1.0)]
+)
+def test_var_across_ranks_keeps_the_precision_of_fe_reduce(
+    monkeypatch, world, dtype, centre, spread
+):
+    # Members that nearly agree (Q-values around 1e3 within 1e-4): a float32 mean,
+    # subtracted from float32 values, was off by an ulp of the mean (6e-5), which left
+    # nothing of the spread (the std 200% off, where fe.reduce.std is 6e-8 off).
+    g = torch.Generator().manual_seed(0)
+    values = (centre + spread * torch.randn(5, 300, generator=g, dtype=torch.float64)).to(dtype)
+    d = fe.distributed
+
+    def on_rank(rank):
+        shard = fake_shard(5, rank, world)
+        mine = values[shard.members]
+        return {
+            "var": d.var(mine, shard),
+            "var0": d.var(mine, shard, correction=0),
+            "std": d.std(mine, shard),
+        }
+
+    reduce = {
+        "var": fe.reduce.var(values),
+        "var0": fe.reduce.var(values, correction=0),
+        "std": fe.reduce.std(values),
+    }
+    # The exact result: values within a factor 2 of member 0's subtract from it exactly.
+    shifted = values.double() - values.double()[0]
+    exact = {
+        "var": shifted.var(dim=0),
+        "var0": shifted.var(dim=0, correction=0),
+        "std": shifted.std(dim=0),
+    }
+    # One ulp or two of the exact result, as fe.reduce (which in float64 is itself off
+    # by up to 4e-9 here: torch.var does not correct its mean's rounding).
+    rtol = {torch.float32: 2.4e-7, torch.float64: 1e-14, torch.bfloat16: 8e-3}[dtype]
+    for got in _ranks_in_threads(monkeypatch, world, on_rank):
+        for name, value in got.items():
+            assert value.dtype == dtype, name
+            torch.testing.assert_close(value.double(), exact[name], rtol=rtol, atol=0, msg=name)
+            if dtype != torch.float64:
+                torch.testing.assert_close(value, reduce[name], rtol=rtol, atol=0, msg=name)
+
+
 @pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (1, 3), (2, 3)])
 def test_subset_min_selects_the_same_members_on_every_rank(rank, world):
     # The minimum over this rank's selected members (+inf where it has none) is what the
