@@ -7,6 +7,7 @@ buffers and optimizer state, over several steps.
 """
 
 import copy
+import functools
 
 import optree
 import pytest
@@ -523,6 +524,47 @@ def test_hyperparameters_of_wrong_length():
     with pytest.raises(ValueError, match="the value of the lr schedule has 5 per-member values"):
         opt.step()
     assert_trees_close(hens.state_dict(), after_forward, rtol=0, atol=0)
+
+
+_GROUP_LRS = None  # read by _global_schedule
+
+
+def _global_schedule(count):
+    return _GROUP_LRS * 0.5**count
+
+
+class _Scheduled:
+    def __init__(self, lrs):
+        self.lrs = lrs
+
+    def __call__(self, count):
+        return self.lrs * 0.5**count
+
+
+def test_per_member_values_a_built_transform_hides_are_refused():
+    """A schedule returning as many values as a group has members, held where the
+    closure scan cannot see (a partial, a callable object, a default argument, a
+    global), gave value k to the k-th member of every group: member 1 stepped with
+    member 0's lr, silently."""
+    global _GROUP_LRS
+    hens = fe.HeteroEnsemble(members(torch.float64))
+    assert sorted(len(g) for g in hens.group_members) == [1, 2, 2, 3]
+    lrs = torch.tensor([0.1, 0.2], dtype=torch.float64)  # as many as two groups have
+    _GROUP_LRS = lrs
+    hidden = {
+        "partial": functools.partial(lambda v, count: v * 0.5**count, lrs),
+        "callable object": _Scheduled(lrs),
+        "default argument": lambda count, v=lrs: v * 0.5**count,
+        "global": _global_schedule,
+    }
+    for how, schedule in hidden.items():
+        before = copy.deepcopy(hens.state_dict())
+        with pytest.raises(ValueError, match=r"may hold per-member values.*lr=lrs"):
+            fe.optim.EnsembleOptimizer(hens, fe.optim.sgd(lr=schedule))
+        assert_trees_close(hens.state_dict(), before, rtol=0, atol=0)
+    # Shared values, a schedule's included, are still one transform for every group.
+    fe.optim.EnsembleOptimizer(hens, fe.optim.sgd(lr=_Scheduled(0.1)))
+    fe.optim.EnsembleOptimizer(hens, fe.optim.adam(lr=functools.partial(lambda v, c: v, 0.1)))
 
 
 def test_bad_trees_refused_before_any_group_steps():

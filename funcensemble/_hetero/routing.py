@@ -114,6 +114,32 @@ def _holds_per_member(obj: Any, depth: int, seen: set[int]) -> bool:
     return False
 
 
+def _refuse_hidden_per_member(
+    where: str, transform: GradientTransformation, part: dict, members: Sequence[Sequence[int]]
+) -> None:
+    """Refuse a built transform that holds per-member values where ``_holds_per_member``
+    cannot see them (a ``functools.partial``, a callable object, a schedule returning
+    them): it steps a few tiny tensors with a member count no group has, which a
+    per-member value of any group's length cannot fit."""
+    size = max(len(m) for m in members) + 1
+    probe = {
+        k: torch.zeros((size,) + (1,) * (v.dim() - 1), dtype=v.dtype, device=v.device)
+        for k, v in part.items()
+    }
+    grads = {k: torch.zeros_like(v) if v.is_floating_point() else None for k, v in probe.items()}
+    try:
+        transform.update(grads, transform.init(probe), probe)
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise ValueError(
+            f"{where}: the transform may hold per-member values, which a built transform "
+            f"cannot route to this ensemble's {len(members)} groups: stepped with "
+            f"{size} members, it said: {error} (expected a transform with shared values "
+            "only, or the function that builds one). Pass the function and the values, "
+            "e.g. hens.optimizer(fe.optim.adam, lr=lrs), to give each group its members' "
+            "values."
+        ) from None
+
+
 def _in_group(where: str, message: str, g: int, group: Sequence[int], routed: set[str]) -> str:
     """``message`` from building group ``g``'s transform, naming the group, with the
     member positions of the values routed to it ("member 0 of the per-member lr", for
@@ -203,6 +229,8 @@ def grouped(
     def init(params: PyTree) -> tuple[Any, ...]:
         states = []
         parts = _split(where, "params", params, keys)
+        if isinstance(transform, GradientTransformation) and len(keys) > 1:
+            _refuse_hidden_per_member(where, transform, parts[0], members)
         for g, (t, part) in enumerate(zip(per_group, parts, strict=True)):
             try:
                 states.append(t.init(part))
