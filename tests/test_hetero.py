@@ -557,7 +557,7 @@ def test_per_member_values_a_built_transform_hides_are_refused():
         "default argument": lambda count, v=lrs: v * 0.5**count,
         "global": _global_schedule,
     }
-    for how, schedule in hidden.items():
+    for schedule in hidden.values():
         before = copy.deepcopy(hens.state_dict())
         with pytest.raises(ValueError, match=r"may hold per-member values.*lr=lrs"):
             fe.optim.EnsembleOptimizer(hens, fe.optim.sgd(lr=schedule))
