@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import distributed_worker as worker
+import groups_worker
 import optree
 import pytest
 import torch
@@ -1233,6 +1234,44 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         "rank 1: [1, 3] for sample 0)"
     )
     assert messages["same subset"] == (3,)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """``groups_worker.py`` on 4 ranks: every rank's results, in rank order."""
+    tmp = tmp_path_factory.mktemp("four_ranks")
+    ranks = launch(4, [str(tmp)], tmp, script=Path(groups_worker.__file__))
+    check_all_succeeded(ranks)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # four ranks start up on two shared cores
+def test_ensembles_on_two_groups_each_predict_their_own_batch(four_ranks):
+    # Each ensemble broadcast from its group's rank 0 (src counted as shard.rank
+    # counts); the broadcast ran over the default group, so the group {2, 3} ran the
+    # other group's batch (1.78 off), and src=2 deadlocked.
+    for rank, results in enumerate(four_ranks):
+        got = results["subgroups"]
+        which = got["group"]
+        assert which == rank // 2
+        ens = fe.Ensemble.from_factory(
+            groups_worker.make_member, num_members=groups_worker.NUM_MEMBERS, seed=which
+        )
+        with torch.no_grad():
+            outputs = ens(groups_worker.batch(which))
+        assert_trees_close(got["predict"]["mean"], fe.reduce.mean(outputs), rtol=0, atol=1e-14)
+        assert_trees_close(got["predict"]["std"], fe.reduce.std(outputs), rtol=1e-12, atol=0)
+        assert got["src outside the group"] == (
+            "predict: src must be a rank in 0..1 (expected an int rank of the group, got "
+            "2): one of the 2 ranks holding this ensemble, counted as shard.rank counts "
+            "them. Pass the rank in the shard's group, not in the default group: with "
+            "MemberShard(N, group=...) the group's first rank is 0, whatever its global rank."
+        )
+        # float32 members that nearly agree, on real ranks: fe.reduce's precision.
+        values = groups_worker.near_agreement(which)
+        torch.testing.assert_close(got["var"], fe.reduce.var(values), rtol=2.4e-7, atol=0)
+        torch.testing.assert_close(got["std"], fe.reduce.std(values), rtol=2.4e-7, atol=0)
 
 
 @pytest.mark.multiprocess

@@ -150,10 +150,14 @@ def predict(
 
     A collective: every rank calls it with its own members. The batch is
 
-    1. broadcast from rank ``src`` (of the default group) when ``src`` is given (the
-       other ranks pass tensors of the same shapes and dtypes, e.g. ``torch.empty``);
-       with ``src=None`` every rank must pass the same batch (e.g. read from one file
-       or drawn from one seed), which costs no communication;
+    1. broadcast from rank ``src`` of the ranks holding this ensemble when ``src``
+       is given (the other ranks pass tensors of the same shapes and dtypes, e.g.
+       ``torch.empty``); with ``src=None`` every rank must pass the same batch (e.g.
+       read from one file or drawn from one seed), which costs no communication. The
+       broadcast runs over the shard's own ranks: its ``group`` (``src`` counted as
+       ``shard.rank`` counts, so ``src=0`` is the group's first rank, whatever its
+       global rank), or with data replicas the whole mesh (``src`` a global rank,
+       ``torch.distributed.get_rank()``). Ensembles on other groups are not involved;
     2. split along dim 0 of every tensor input when the shard's mesh has a ``"data"``
        axis: replica d runs its part
        ([`batch_slice`][funcensemble.distributed.MemberShard.batch_slice]);
@@ -188,7 +192,8 @@ def predict(
         *inputs: The batch (tensors or pytrees of them), dim 0 the sample axis.
         reductions: Names of reductions, or a mapping of result names to functions
             ``fn(local_outputs, shard)`` such as ``fe.distributed.var``.
-        src: The rank that holds the batch, or ``None`` if every rank has it.
+        src: The rank that holds the batch, counted in the shard's group (see 1.
+            above), or ``None`` if every rank has it.
         **kwargs: Keyword arguments of ``model``, shared (not broadcast or split).
 
     Returns:
@@ -196,9 +201,10 @@ def predict(
         returns for all N members on the whole batch.
 
     Raises:
-        ValueError: An unknown reduction name, no reductions, inputs of different
-            batch sizes (or one not divisible by the data axis's size), or a model
-            output whose leading size is not this rank's member count.
+        ValueError: An unknown reduction name, no reductions, a ``src`` that is not
+            a rank of the shard's group (checked before any communication), inputs
+            of different batch sizes (or one not divisible by the data axis's size),
+            or a model output whose leading size is not this rank's member count.
         TypeError: ``shard`` is not a ``MemberShard``, or ``reductions`` is malformed.
         DistributedError: A collective failed (another rank crashed or timed out).
 
@@ -224,7 +230,16 @@ def predict(
         )
     chosen = _reductions(where, reductions)
     if src is not None:
-        inputs = broadcast(inputs, src=src)
+        _, world, group = shard._all_ranks()
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
+            raise ValueError(
+                f"{where}: src must be a rank in 0..{world - 1} (expected an int rank of "
+                f"the group, got {src!r}): one of the {world} ranks holding this ensemble, "
+                "counted as shard.rank counts them. Pass the rank in the shard's group, "
+                "not in the default group: with MemberShard(N, group=...) the group's "
+                "first rank is 0, whatever its global rank."
+            )
+        inputs = broadcast(inputs, src=src, group=group)
     rows = None
     if shard.data_size > 1:
         leaves, spec = _tree.flatten(inputs)

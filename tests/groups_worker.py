@@ -1,0 +1,82 @@
+"""One rank of test_distributed.py's four-rank run (run as a script, not collected).
+
+``python groups_worker.py OUTDIR`` with the launcher's environment (4 ranks). In one
+launch:
+
+- ``subgroups``: two ensembles of ``NUM_MEMBERS`` on the process groups {0, 1} and
+  {2, 3} (``MemberShard(N, group=...)``), each with its own weights and its own batch,
+  each calling ``predict(..., src=0)`` (the group's first rank, as ``shard.rank``
+  counts) and ``predict(..., src=2)`` (no rank of a group of 2: refused), and ``var``
+  and ``std`` of float32 outputs that nearly agree.
+
+Each rank writes what the test compares to ``OUTDIR/rankR.pt``; ``make_member``,
+``batch`` and ``near_agreement`` are also what the test uses for the one-process
+reference.
+"""
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import funcensemble as fe
+
+NUM_MEMBERS = 3  # 2 + 1 on each group of 2
+GROUPS = ([0, 1], [2, 3])
+
+
+def make_member() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def batch(group: int) -> Tensor:
+    """Each group's own batch: a group that ran the other's would show."""
+    g = torch.Generator().manual_seed(10 + group)
+    return torch.randn(4, 3, generator=g, dtype=torch.float64) + 3 * group
+
+
+def near_agreement(group: int) -> Tensor:
+    """``[N, 64]`` float32 outputs around 1e3 within 1e-4."""
+    g = torch.Generator().manual_seed(20 + group)
+    return (1e3 + 1e-4 * torch.randn(NUM_MEMBERS, 64, generator=g, dtype=torch.float64)).float()
+
+
+def error(action: Any) -> str:
+    try:
+        action()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def subgroups(rank: int) -> dict[str, Any]:
+    groups = [dist.new_group(ranks) for ranks in GROUPS]  # every rank builds every group
+    which = 0 if rank in GROUPS[0] else 1
+    shard = fe.distributed.MemberShard(NUM_MEMBERS, group=groups[which])
+    ens = shard.from_factory(make_member, seed=which)
+    x = batch(which) if shard.rank == 0 else torch.empty(4, 3, dtype=torch.float64)
+    values = near_agreement(which)[shard.members]
+    return {
+        "group": which,
+        "predict": fe.distributed.predict(ens, shard, x, src=0, reductions=["mean", "std"]),
+        "src outside the group": error(lambda: fe.distributed.predict(ens, shard, x, src=2)),
+        "var": fe.distributed.var(values, shard),
+        "std": fe.distributed.std(values, shard),
+    }
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    results = {"subgroups": subgroups(rank)}
+    torch.save(results, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
