@@ -8,6 +8,10 @@ launch:
   each calling ``predict(..., src=0)`` (the group's first rank, as ``shard.rank``
   counts) and ``predict(..., src=2)`` (no rank of a group of 2: refused), and ``var``
   and ``std`` of float32 outputs that nearly agree.
+- ``structures``: on the default group, ``all_gather`` and ``broadcast`` of pytrees
+  whose keys differ between ranks (equal leaf shapes), of a tensor on some ranks and a
+  dict on others, and of an empty dict on one rank: every rank must raise, naming the
+  keys; dicts whose keys only come in another order are gathered key by key.
 
 Each rank writes what the test compares to ``OUTDIR/rankR.pt``; ``make_member``,
 ``batch`` and ``near_agreement`` are also what the test uses for the one-process
@@ -69,10 +73,27 @@ def subgroups(rank: int) -> dict[str, Any]:
     }
 
 
+def structures(rank: int) -> dict[str, Any]:
+    shard = fe.distributed.MemberShard(4)  # one member per rank
+    ones = torch.full((1, 3), float(rank))
+    keys = {"mu": ones, "sigma": ones} if rank % 2 == 0 else {"log_sigma": ones, "mu": ones}
+    d = fe.distributed
+    out = {
+        "gather keys": error(lambda: d.all_gather(keys, shard)),
+        "broadcast keys": error(lambda: d.broadcast(keys)),
+        "gather tensor or dict": error(lambda: d.all_gather(ones if rank else {"x": ones}, shard)),
+        "gather empty": error(lambda: d.all_gather({} if rank == 3 else {"x": ones}, shard)),
+    }
+    # Insertion order is no structure: dicts are gathered key by key.
+    ordered = {"a": ones, "b": 2 * ones} if rank % 2 else {"b": 2 * ones, "a": ones}
+    out["gathered"] = d.all_gather(ordered, shard)
+    return out
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    results = {"subgroups": subgroups(rank)}
+    results = {"subgroups": subgroups(rank), "structures": structures(rank)}
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -1275,6 +1275,44 @@ def test_ensembles_on_two_groups_each_predict_their_own_batch(four_ranks):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # four ranks start up on two shared cores
+def test_ranks_passing_pytrees_of_other_structures_all_raise_naming_the_keys(four_ranks):
+    # Checked leaf by leaf only, {"log_sigma", "mu"} on rank 1 was gathered into rank 0's
+    # {"mu", "sigma"}: rank 1's log_sigma silently landed in mu.
+    got = [results["structures"] for results in four_ranks]
+    for name in ("gather keys", "broadcast keys", "gather tensor or dict", "gather empty"):
+        assert all(g[name] == got[0][name] for g in got), name  # the same error everywhere
+    gather = got[0]["gather keys"]
+    assert gather == (
+        "all_gather: the 4 ranks were not set up alike: they differ in the pytree's "
+        "structure (ranks 0, 2: PyTreeSpec({'mu': *, 'sigma': *}, NoneIsLeaf); ranks 1, 3: "
+        "PyTreeSpec({'log_sigma': *, 'mu': *}, NoneIsLeaf)); leaf `['sigma']` (ranks 0, 2: "
+        "float32, per-member shape (3,); ranks 1, 3: (absent)); leaf `['log_sigma']` (ranks "
+        "0, 2: (absent); ranks 1, 3: float32, per-member shape (3,)). Every rank must pass a "
+        "pytree of the same structure (the same keys, in any order), with tensors of the "
+        "same dtypes and shapes after the member axis."
+    )
+    assert got[0]["broadcast keys"].startswith(
+        "broadcast: the 4 ranks were not set up alike: they differ in the pytree's structure"
+    )
+    assert (
+        "leaf `['sigma']` (ranks 0, 2: float32, shape (1, 3); ranks 1, 3: (absent))"
+        in (got[0]["broadcast keys"])
+    )
+    assert (
+        "(rank 0: PyTreeSpec({'x': *}, NoneIsLeaf); ranks 1, 2, 3: PyTreeSpec(*,"
+        in (got[0]["gather tensor or dict"])
+    )
+    assert (
+        "(ranks 0, 1, 2: PyTreeSpec({'x': *}, NoneIsLeaf); rank 3: PyTreeSpec({},"
+        in (got[0]["gather empty"])
+    )
+    ranks = torch.arange(4.0).reshape(4, 1, 1).expand(4, 1, 3).reshape(4, 3)
+    for g in got:
+        assert_trees_equal(g["gathered"], {"a": ranks, "b": 2 * ranks})
+
+
+@pytest.mark.multiprocess
 def test_example_runs_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():

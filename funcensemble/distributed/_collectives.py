@@ -4,12 +4,15 @@ Each function takes this rank's outputs ``[n_r, ...]`` (its members first) and a
 ``MemberShard``, runs ``torch.distributed`` collectives, and returns on every rank
 what the single-process function returns for all N members. Every rank must call it,
 in the same order, with tensors of the same trailing shape and dtype (checked first,
-with one small exchange: ranks that differ all raise a ``ValueError`` naming them).
+with one small exchange: ranks that differ all raise a ``ValueError`` naming them), and
+pytrees of the same structure (the structure's digest rides in the same exchange, so
+it costs nothing more; ranks whose keys differ all raise, naming the keys).
 Results carry no autograd history: members train independently, so nothing here is
 differentiated.
 """
 
 import builtins
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +24,7 @@ from torch import Tensor
 from .. import _reduce, _tree
 from .._messages import expected_got
 from .._types import StackedTree
+from ._agreement import agree
 from ._errors import failures
 from ._gather import all_gather_single
 from ._member_shard import MemberShard, rank_and_world
@@ -84,28 +88,70 @@ _DTYPES = (
 _MAX_DIMS = 16
 
 
-def _layout_row(shape: tuple[int, ...], dtype: torch.dtype) -> list[int]:
+def _layout_row(shape: tuple[int, ...], dtype: torch.dtype, structure: int) -> list[int]:
     code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     dims = list(shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - len(shape[:_MAX_DIMS]))
-    return [len(shape), code, *dims]
+    return [structure, len(shape), code, *dims]
 
 
 def _layout_text(row: list[int]) -> str:
-    ndim, code, *dims = row
+    _, ndim, code, *dims = row
     dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "other dtype"
     shown = tuple(dims[: builtins.min(ndim, _MAX_DIMS)])
     return f"{dtype} {shown}" + (" ..." if ndim > _MAX_DIMS else "")
 
 
+class _Tree:
+    """A pytree passed to a collective: a digest of its structure, and a description
+    naming its keys and leaves for the message when the ranks' digests differ."""
+
+    def __init__(self, tree: Any, advice: str, *, member_first: bool) -> None:
+        paths, leaves, spec = _tree.flatten_with_paths(tree)
+        self.description = {"the pytree's structure": str(spec)}
+        words = "per-member shape" if member_first else "shape"
+        for path, leaf in zip(paths, leaves, strict=True):
+            shape = tuple(leaf.shape[1:] if member_first else leaf.shape)
+            self.description[f"leaf `{path or 'the tree itself'}`"] = (
+                f"{str(leaf.dtype).removeprefix('torch.')}, {words} {shape}"
+                if isinstance(leaf, Tensor)
+                else type(leaf).__name__
+            )
+        # Which leaves are tensors matters too (broadcast keeps the others as they are).
+        kinds = "".join("t" if isinstance(x, Tensor) else "o" for x in leaves)
+        digest = hashlib.blake2b(f"{spec}|{kinds}".encode(), digest_size=8).digest()
+        self.digest = int.from_bytes(digest, "little", signed=True) or 1
+        self.advice = advice
+
+    def check_empty(self, where: str, rank: int, world: int, group: Any) -> None:
+        """Without a tensor leaf there is no leaf check to carry the digest: exchange it
+        alone, so that a rank passing an empty tree meets the others' first check."""
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        _check_layout(where, rank, world, group, torch.empty(0, device=device), (), "", self)
+
+
 def _check_layout(
-    where: str, rank: int, world: int, group: Any, t: Tensor, shape: tuple[int, ...], what: str
+    where: str,
+    rank: int,
+    world: int,
+    group: Any,
+    t: Tensor,
+    shape: tuple[int, ...],
+    what: str,
+    tree: _Tree | None = None,
 ) -> None:
     """Every rank's ``shape`` and dtype, compared before the collective that needs them equal.
 
     Collectives of tensors with other shapes either combine values of different
     meanings without a word (same element count) or abort the process inside gloo.
+    With ``tree``, the row also carries a digest of the pytree the tensor belongs to,
+    so that ranks passing pytrees of other structures (other keys) are refused at the
+    first leaf's check, at no extra cost.
     """
-    mine = torch.tensor(_layout_row(shape, t.dtype), dtype=torch.int64, device=t.device)
+    structure = 0 if tree is None else tree.digest
+    row = _layout_row(shape, t.dtype, structure)
+    mine = torch.tensor(row, dtype=torch.int64, device=t.device)
     rows = mine.new_empty(world * mine.numel())
 
     def exchange() -> list[list[int]]:
@@ -117,6 +163,9 @@ def _check_layout(
     layouts = _collective(where, rank, world, exchange, group)
     if all(r == layouts[0] for r in layouts):
         return
+    if tree is not None and any(r[0] != layouts[0][0] for r in layouts):
+        # Every rank sees the same rows, so every rank takes this branch: a collective.
+        agree(where, tree.description, rank, world, group, tree.advice)
     by_layout: dict[str, list[int]] = {}
     for r, row in enumerate(layouts):
         by_layout.setdefault(_layout_text(row), []).append(r)
@@ -175,7 +224,7 @@ def _all_extreme(where: str, shard: MemberShard, partial: Tensor, largest: bool)
     return ranks.amax(dim=0) if largest else ranks.amin(dim=0)
 
 
-def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
+def _gather_one(where: str, shard: MemberShard, t: Tensor, tree: _Tree) -> Tensor:
     if shard.world_size == 1:
         return t.clone()
     _check_layout(
@@ -186,6 +235,7 @@ def _gather_one(where: str, shard: MemberShard, t: Tensor) -> Tensor:
         t,
         tuple(t.shape[1:]),
         "outputs (shape after the member axis)",
+        tree,
     )
     if t.dtype == torch.bool:  # not every backend reduces or gathers bools
         return _gather_checked(where, shard, t.to(torch.uint8)).bool()
@@ -223,7 +273,10 @@ def all_gather(local: StackedTree, shard: MemberShard) -> StackedTree:
         autograd history), equal to the single-process ensemble's outputs.
 
     Raises:
-        ValueError: A tensor whose leading size is not this rank's member count.
+        ValueError: A tensor whose leading size is not this rank's member count, or
+            ranks that passed pytrees of different structures (other keys; raised on
+            every rank, naming the keys, before any output moves) or tensors of
+            different dtypes or trailing shapes.
         DistributedError: The collective failed (another rank crashed or timed out).
 
     Example:
@@ -237,8 +290,16 @@ def all_gather(local: StackedTree, shard: MemberShard) -> StackedTree:
     shard = _check_shard(where, shard)
     leaves, spec = _tree.flatten(local)
     checked = [_check_local(where, f"leaf {i}", x, shard) for i, x in enumerate(leaves)]
+    tree = _Tree(
+        local,
+        "Every rank must pass a pytree of the same structure (the same keys, in any "
+        "order), with tensors of the same dtypes and shapes after the member axis.",
+        member_first=True,
+    )
     with torch.no_grad():
-        out = [_gather_one(where, shard, t) for t in checked]
+        if shard.world_size > 1 and not checked:
+            tree.check_empty(where, shard.rank, shard.world_size, shard.group)
+        out = [_gather_one(where, shard, t, tree) for t in checked]
     return _tree.unflatten(spec, out)
 
 
@@ -523,7 +584,9 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
         A new pytree holding ``src``'s values (new tensors; the input is untouched).
 
     Raises:
-        ValueError: ``src`` is not a rank of the group.
+        ValueError: ``src`` is not a rank of the group, or the ranks passed pytrees of
+            different structures (other keys; raised on every rank, naming them) or
+            tensors of different dtypes or shapes.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -540,13 +603,23 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
         )
     global_src = dist.get_global_rank(group, src) if world > 1 and group is not None else src
     leaves, spec = _tree.flatten(tree)
+    described = _Tree(
+        tree,
+        "Every rank must pass a pytree of the same structure (the same keys, in any "
+        "order), with tensors of the same dtypes and shapes where src has tensors.",
+        member_first=False,
+    )
+    if world > 1 and not any(isinstance(x, Tensor) for x in leaves):
+        described.check_empty(where, rank, world, group)
     out = []
     with torch.no_grad():
         for leaf in leaves:
             if isinstance(leaf, Tensor):
                 leaf = leaf.detach().clone(memory_format=torch.contiguous_format)
                 if world > 1:
-                    _check_layout(where, rank, world, group, leaf, tuple(leaf.shape), "tensors")
+                    _check_layout(
+                        where, rank, world, group, leaf, tuple(leaf.shape), "tensors", described
+                    )
                     _collective(
                         where,
                         rank,
