@@ -12,6 +12,9 @@ launch:
   whose keys differ between ranks (equal leaf shapes), of a tensor on some ranks and a
   dict on others, and of an empty dict on one rank: every rank must raise, naming the
   keys; dicts whose keys only come in another order are gathered key by key.
+- ``batchnorm``: on a ``(2, 2)`` ``("member", "data")`` mesh, ``predict`` of members
+  with BatchNorm in train mode (refused before anything runs: each replica would
+  normalize its own half of the batch) and in eval mode (the whole batch's result).
 
 Each rank writes what the test compares to ``OUTDIR/rankR.pt``; ``make_member``,
 ``batch`` and ``near_agreement`` are also what the test uses for the one-process
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import funcensemble as fe
 
@@ -90,10 +94,39 @@ def structures(rank: int) -> dict[str, Any]:
     return out
 
 
+def make_normed() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4)).double()
+
+
+def halves() -> Tensor:
+    """A batch whose halves differ: normalizing each half on its own would show."""
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(30), dtype=torch.float64)
+    x[4:] += 3.0
+    return x
+
+
+def batchnorm() -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("member", "data"))
+    shard = fe.distributed.MemberShard(NUM_MEMBERS, mesh=mesh)
+    ens = shard.from_factory(make_normed, seed=0)
+    before = {k: v.clone() for k, v in ens.stacked_buffers().items()}
+    names = ["mean", "mean_probs"]
+    out = {"train": error(lambda: fe.distributed.predict(ens, shard, halves(), reductions=names))}
+    out["buffers unchanged"] = all(
+        torch.equal(v, before[k]) for k, v in ens.stacked_buffers().items()
+    )
+    out["eval"] = fe.distributed.predict(ens.eval(), shard, halves(), reductions=names)
+    return out
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    results = {"subgroups": subgroups(rank), "structures": structures(rank)}
+    results = {
+        "subgroups": subgroups(rank),
+        "structures": structures(rank),
+        "batchnorm": batchnorm(),
+    }
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -1313,6 +1313,32 @@ def test_ranks_passing_pytrees_of_other_structures_all_raise_naming_the_keys(fou
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # four ranks start up on two shared cores
+def test_predict_with_data_replicas_refuses_batchnorm_in_train_mode(four_ranks):
+    # Each replica normalized its own half of the batch: the mean was 0.347 off the
+    # whole batch's, and the replicas' running means drifted 0.46 apart.
+    n = groups_worker.NUM_MEMBERS
+    full = fe.Ensemble.from_factory(groups_worker.make_normed, num_members=n, seed=0).eval()
+    with torch.no_grad():
+        outputs = full(groups_worker.halves())
+    for results in four_ranks:
+        got = results["batchnorm"]
+        assert got["train"] == (
+            "predict: submodule `stacked.1` (BatchNorm1d) is in train mode, but with 2 data "
+            "replicas each runs its own part of the batch (expected batch-statistics layers "
+            "in eval mode, got train mode): each replica would normalize by its part's "
+            "statistics, not the whole batch's, and update its own running statistics. Call "
+            "model.eval() before predict (and model.train() after), or predict on a shard "
+            "without a data axis."
+        )
+        assert got["buffers unchanged"]
+        assert_trees_close(got["eval"]["mean"], fe.reduce.mean(outputs), rtol=0, atol=1e-14)
+        assert_trees_close(
+            got["eval"]["mean_probs"], fe.reduce.mean_probs(outputs), rtol=0, atol=1e-14
+        )
+
+
+@pytest.mark.multiprocess
 def test_example_runs_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():

@@ -13,9 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from .. import _tree
+from .._messages import submodule
 from ._collectives import _check_layout, _check_shard, _collective, broadcast
 from ._collectives import max as max_
 from ._collectives import mean as mean_
@@ -138,6 +140,36 @@ def _check_outputs(where: str, outputs: object, shard: MemberShard) -> None:
         )
 
 
+def _check_no_batch_statistics(where: str, model: object, shard: MemberShard) -> None:
+    """Refuse train-mode layers whose output or buffers depend on the whole batch.
+
+    Each data replica runs its part of the batch: a BatchNorm in train mode would
+    normalize each part by its own statistics (not the whole batch's) and update each
+    replica's running statistics from its own part, so the replicas drift apart.
+    """
+    if not isinstance(model, nn.Module):
+        return
+    found = [
+        name
+        for name, m in model.named_modules()
+        if m.training
+        and isinstance(m, _NormBase)
+        and (isinstance(m, _BatchNorm) or m.track_running_stats)
+    ]
+    if found:
+        layers = ", ".join(
+            f"{submodule(name)} ({type(model.get_submodule(name)).__name__})" for name in found
+        )
+        raise ValueError(
+            f"{where}: {layers} {'is' if len(found) == 1 else 'are'} in train mode, but "
+            f"with {shard.data_size} data replicas each runs its own part of the batch "
+            "(expected batch-statistics layers in eval mode, got train mode): each replica "
+            "would normalize by its part's statistics, not the whole batch's, and update "
+            "its own running statistics. Call model.eval() before predict (and "
+            "model.train() after), or predict on a shard without a data axis."
+        )
+
+
 def predict(
     model: Callable[..., Any],
     shard: MemberShard,
@@ -183,6 +215,11 @@ def predict(
     round otherwise than on the whole batch) and each reduction sees its replica's
     part: a reduction that draws per sample (``subset_min(..., per_sample=True)``)
     draws for that part, so it is not the draw one process makes on the whole batch.
+    For the same reason a ``model`` with a BatchNorm in train mode (or another norm
+    layer updating running statistics) is refused with data replicas, before anything
+    runs: each replica would normalize by its own part's statistics. Call
+    ``model.eval()`` first. A model that is not an ``nn.Module`` (a function calling
+    one) cannot be looked into: put its modules in eval mode yourself.
 
     Args:
         model: This rank's members, e.g. the ``Ensemble`` from
@@ -202,7 +239,8 @@ def predict(
 
     Raises:
         ValueError: An unknown reduction name, no reductions, a ``src`` that is not
-            a rank of the shard's group (checked before any communication), inputs
+            a rank of the shard's group (checked before any communication), a model
+            with a train-mode BatchNorm on a shard with data replicas, inputs
             of different batch sizes (or one not divisible by the data axis's size),
             or a model output whose leading size is not this rank's member count.
         TypeError: ``shard`` is not a ``MemberShard``, or ``reductions`` is malformed.
@@ -229,6 +267,8 @@ def predict(
             f"{type(model).__name__}). Pass this rank's ensemble or a function calling it."
         )
     chosen = _reductions(where, reductions)
+    if shard.data_size > 1:
+        _check_no_batch_statistics(where, model, shard)
     if src is not None:
         _, world, group = shard._all_ranks()
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
