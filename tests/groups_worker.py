@@ -15,6 +15,9 @@ launch:
 - ``batchnorm``: on a ``(2, 2)`` ``("member", "data")`` mesh, ``predict`` of members
   with BatchNorm in train mode (refused before anything runs: each replica would
   normalize its own half of the batch) and in eval mode (the whole batch's result).
+- ``bagging``: on the same mesh, SGD steps of members trained on Poisson bootstrap
+  weights (``fe.bootstrap_masks`` + ``fe.weighted_mean``), each replica on its half of
+  the batch, gradients combined by ``average_gradients(grads, shard, weights=...)``.
 
 Each rank writes what the test compares to ``OUTDIR/rankR.pt``; ``make_member``,
 ``batch`` and ``near_agreement`` are also what the test uses for the one-process
@@ -119,6 +122,45 @@ def batchnorm() -> dict[str, Any]:
     return out
 
 
+BAGGING_STEPS, BAGGING_BATCH = 3, 16
+
+
+def bagging_data(step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole batch and every member's Poisson bootstrap weights ``[N, B]``."""
+    g = torch.Generator().manual_seed(40 + step)
+    x = torch.randn(BAGGING_BATCH, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(BAGGING_BATCH, 2, generator=g, dtype=torch.float64)
+    w = fe.bootstrap_masks(
+        NUM_MEMBERS, BAGGING_BATCH, distribution="poisson", dtype=torch.float64, generator=g
+    )
+    return x, y, w
+
+
+def bagging() -> dict[str, Tensor]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("member", "data"))
+    shard = fe.distributed.MemberShard(NUM_MEMBERS, mesh=mesh)
+    ens = shard.from_factory(make_member, seed=0)
+    params = {k: v.detach() for k, v in ens.stacked_params().items()}
+    buffers = dict(ens.stacked_buffers())
+    opt = fe.optim.sgd(lr=0.1)
+    state = opt.init(params)
+    part = shard.batch_slice(BAGGING_BATCH)
+
+    def loss_fn(p, b, x, y, w):
+        per_sample = ((ens.fmodel(p, b, x) - y) ** 2).mean(-1)
+        return fe.weighted_mean(per_sample, w)
+
+    step = fe.value_and_grad(loss_fn, in_dims=(None, None, 0))
+    for t in range(BAGGING_STEPS):
+        x, y, w = bagging_data(t)
+        mine = w[shard.members][:, part]
+        _, grads, buffers = step(params, buffers, x[part], y[part], mine)
+        grads = fe.distributed.average_gradients(grads, shard, weights=mine)
+        updates, state = opt.update(grads, state, params)
+        params = fe.optim.apply_updates(params, updates)
+    return fe.distributed.all_gather(params, shard)
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
@@ -126,6 +168,7 @@ def main(out: Path) -> None:
         "subgroups": subgroups(rank),
         "structures": structures(rank),
         "batchnorm": batchnorm(),
+        "bagging": bagging(),
     }
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()

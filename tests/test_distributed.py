@@ -1338,6 +1338,55 @@ def test_predict_with_data_replicas_refuses_batchnorm_in_train_mode(four_ranks):
         )
 
 
+def _bagging_loop() -> dict[str, torch.Tensor]:
+    """``groups_worker.bagging`` as the plain loop: one module and torch.optim.SGD per
+    member, each on the whole batch with its own bootstrap weights."""
+    from funcensemble._core.seeding import member_seed, seeded_cpu_rng
+
+    modules = []
+    for i in range(groups_worker.NUM_MEMBERS):
+        with seeded_cpu_rng(member_seed(0, i)):
+            modules.append(groups_worker.make_member())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in modules]
+    for t in range(groups_worker.BAGGING_STEPS):
+        x, y, w = groups_worker.bagging_data(t)
+        for i, (m, o) in enumerate(zip(modules, opts, strict=True)):
+            o.zero_grad()
+            per_sample = ((m(x) - y) ** 2).mean(-1)
+            ((w[i] * per_sample).sum() / w[i].sum()).backward()
+            o.step()
+    return {
+        k: torch.stack([dict(m.named_parameters())[k] for m in modules])
+        for k in dict(modules[0].named_parameters())
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # four ranks start up on two shared cores
+def test_data_replicas_with_bagging_weights_train_as_the_whole_batch_loop(four_ranks):
+    # average_gradients alone averaged each replica's weighted mean, whose weight sums
+    # differ: 3.7e-2 off the loop after 3 SGD steps. With weights=, the weighted average.
+    want = _bagging_loop()
+    for results in four_ranks:
+        assert_trees_close(results["bagging"], want, rtol=0, atol=1e-14)
+
+
+def test_average_gradients_checks_its_weights():
+    shard = MemberShard(2)
+    grads = {"w": torch.ones(2, 3)}
+    average = fe.distributed.average_gradients
+    with pytest.raises(TypeError, match=r"weights must be this replica's floating-point"):
+        average(grads, shard, weights=torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"expected shape \(2, samples...\), got \(4,\)"):
+        average(grads, shard, weights=torch.ones(4))
+    with pytest.raises(ValueError, match=r"member 1's weights on this replica sum to 0"):
+        average(grads, shard, weights=torch.tensor([[1.0, 1.0], [1.0, -1.0]]))
+    with pytest.raises(ValueError, match=r"leaf 0 has leading size 3 \(expected this rank's 2"):
+        average({"w": torch.ones(3)}, shard, weights=torch.ones(2, 4))
+    # One replica: the weighted mean's gradient is already the whole batch's.
+    assert_trees_equal(average(grads, shard, weights=torch.ones(2, 4)), grads)
+
+
 @pytest.mark.multiprocess
 def test_example_runs_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -3,9 +3,12 @@
 Each data replica of a member slice computes its members' gradients of the mean loss
 over its equal part of the batch; the mean of those over the D replicas is the gradient
 of the mean over the whole batch, what one process computes
-(``DistributedDataParallel``'s semantics). Every tensor is packed into one flat buffer
-per dtype and device, so a step costs one all-reduce (two for mixed dtypes), not one
-per parameter, after one small exchange that checks the replicas passed alike trees.
+(``DistributedDataParallel``'s semantics). A weighted mean divides by each replica's
+own weight sum: with the weights given, the replicas' gradients are averaged weighted
+by those sums instead, which is the whole batch's weighted mean's gradient. Every
+tensor is packed into one flat buffer per dtype and device, so a step costs one
+all-reduce (two for mixed dtypes), not one per parameter, after one small exchange
+that checks the replicas passed alike trees.
 """
 
 import hashlib
@@ -32,7 +35,47 @@ def _check_shard(where: str, shard: object) -> MemberShard:
     return shard
 
 
-def average_gradients(grads: Any, shard: MemberShard) -> Any:
+def _replica_weights(where: str, weights: object, shard: MemberShard, leaves: list[Any]) -> Tensor:
+    """Each member's total weight on this replica, ``[n_r]``, from its sample weights."""
+    if not isinstance(weights, Tensor) or not weights.is_floating_point():
+        got = weights.dtype if isinstance(weights, Tensor) else type(weights).__name__
+        raise TypeError(
+            f"{where}: weights must be this replica's floating-point sample weights "
+            f"(expected a tensor [members, samples...], got {got}). Pass the weights "
+            "given to fe.weighted_mean."
+        )
+    if weights.dim() < 1 or weights.shape[0] != shard.size:
+        got = tuple(weights.shape)
+        raise ValueError(
+            f"{where}: weights must have this rank's {shard.size} members first (expected "
+            f"shape ({shard.size}, samples...), got {got}). Pass the member-first weights "
+            "given to fe.weighted_mean (expand weights shared by all members)."
+        )
+    flat = weights.detach().reshape(shard.size, -1)
+    totals = flat.sum(dim=1)
+    # weighted_mean gives 0 where a member's weights sum to 0: a replica whose weights
+    # cancel (mixed signs) would drop its samples' share, which the whole batch keeps.
+    cancelled = ((totals == 0) & (flat != 0).any(dim=1)).nonzero().flatten().tolist()
+    if cancelled:
+        raise ValueError(
+            f"{where}: member {shard.members.start + cancelled[0]}'s weights on this "
+            "replica sum to 0 but are not all 0 (expected weights >= 0, or a nonzero sum "
+            "on every replica): its weighted mean is 0 here, so its samples would drop "
+            "out of the average. Scale each replica's sum(w * loss) by the all-reduced "
+            "total weight instead (see the scale-out guide)."
+        )
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != shard.size):
+            got = leaf.shape[0] if leaf.dim() else "no member axis"
+            raise ValueError(
+                f"{where}: leaf {i} has leading size {got} (expected this rank's "
+                f"{shard.size} members first, got {got}): with weights every tensor is a "
+                "member's gradient, weighted by that member's total weight."
+            )
+    return totals
+
+
+def average_gradients(grads: Any, shard: MemberShard, *, weights: Tensor | None = None) -> Any:
     """The mean of every tensor of ``grads`` over the data replicas: DDP's gradient.
 
     With a ``("member", "data")`` mesh of D replicas, each replica computes its
@@ -48,11 +91,27 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
     any other per-replica means can be averaged the same way. Without a data axis
     (D = 1) the tensors are returned as they are (copies), with no communication.
 
+    This is exact when each replica's loss is a plain mean over its part (parts of
+    equal size), or ``fe.weighted_mean(..., normalize="samples")``. With
+    ``fe.weighted_mean``'s default ``normalize="weights"`` (bagging weights from
+    [`bootstrap_masks`][funcensemble.bootstrap_masks]) each replica's loss is
+    divided by its own weight sum, which differs between replicas, so the plain mean
+    of the replicas' gradients is *not* the whole batch's: pass the replica's sample
+    weights as ``weights`` and the result is the weighted average
+    ``sum_d W_d g_d / sum_d W_d`` (``W_d`` a member's total weight on replica d),
+    the gradient of the weighted mean over the whole batch, exactly as one process
+    computes it (0 for a member whose weights sum to 0 on every replica, as
+    ``fe.weighted_mean`` gives). The totals travel in the same all-reduce.
+
     Args:
         grads: A pytree of floating-point tensors (e.g. the gradients from
             [`value_and_grad`][funcensemble.value_and_grad]); ``None`` leaves and
             non-tensor leaves are kept as they are.
         shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
+        weights: This replica's sample weights ``[n_r, *part]``, members first, as
+            given to ``fe.weighted_mean`` (normalize="weights") for the loss; every
+            tensor of ``grads`` must then have the ``n_r`` members first. Weights
+            must be ``>= 0`` or sum to nonzero on every replica (checked).
 
     Returns:
         The same structure with the averaged tensors (new tensors, no autograd
@@ -62,7 +121,8 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
         TypeError: A tensor that is not floating-point (an average of integers is
             not an integer).
         ValueError: The data replicas passed trees of different structures, leaf
-            dtypes or shapes (raised on every replica, naming what differs).
+            dtypes or shapes (raised on every replica, naming what differs), or
+            ``weights`` not member-first, or cancelling on a replica.
         DistributedError: The collective failed (another rank crashed or timed out).
 
     Example:
@@ -83,17 +143,23 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
                 f"gradients, got {leaves[i].dtype}). Average other values yourself (their "
                 "mean is not of their dtype)."
             )
+    totals = None if weights is None else _replica_weights(where, weights, shard, leaves)
     out = list(leaves)
     with torch.no_grad():
         if shard.data_size == 1:
             for i in tensors:
                 out[i] = leaves[i].detach().clone()
             return _tree.unflatten(spec, out)
-        _check_replicas_alike(where, grads, shard)
+        _check_replicas_alike(
+            where, grads if weights is None else {"grads": grads, "weights": weights}, shard
+        )
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i in tensors:
             buckets.setdefault((leaves[i].dtype, leaves[i].device), []).append(i)
         for indices in buckets.values():
+            if totals is not None:
+                _weighted_sum(where, shard, leaves, indices, totals, out)
+                continue
             flat = torch.cat([leaves[i].detach().reshape(-1) for i in indices])
             with failures(
                 where,
@@ -109,6 +175,40 @@ def average_gradients(grads: Any, shard: MemberShard) -> Any:
             ):
                 out[i] = part.view(leaves[i].shape)
     return _tree.unflatten(spec, out)
+
+
+def _weighted_sum(
+    where: str,
+    shard: MemberShard,
+    leaves: list[Any],
+    indices: list[int],
+    totals: Tensor,
+    out: list[Any],
+) -> None:
+    """``sum_d W_d g_d / sum_d W_d`` per member, the totals in the same all-reduce."""
+    first = leaves[indices[0]]
+    w = totals.to(first.dtype).to(first.device)
+
+    def scaled(g: Tensor) -> Tensor:
+        wr = w.view(-1, *[1] * (g.dim() - 1))
+        # A replica with no weight adds nothing, even a NaN its loss did not mask.
+        return torch.where(wr == 0, torch.zeros_like(g), wr * g.detach()).reshape(-1)
+
+    flat = torch.cat([*[scaled(leaves[i]) for i in indices], w])
+    with failures(
+        where,
+        f"averaging gradients over {shard.data_size} data replicas",
+        shard.data_rank,
+        shard.data_size,
+        group=shard.data_group,
+    ):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=shard.data_group)
+    parts = flat.split([*[leaves[i].numel() for i in indices], w.numel()])
+    total = parts[-1]
+    for i, part in zip(indices, parts[:-1], strict=True):
+        t = total.view(-1, *[1] * (leaves[i].dim() - 1))
+        g = part.view(leaves[i].shape)
+        out[i] = torch.where(t == 0, torch.zeros_like(g), g / torch.where(t == 0, 1, t))
 
 
 def _layout(tree: Any) -> dict[str, str]:

@@ -291,7 +291,9 @@ class MemberShard:
         its part; [`average_gradients`][funcensemble.distributed.average_gradients]
         then gives each member the gradient of the mean over the whole batch, as one
         process computes it. Equal parts are required: with unequal ones the
-        average of the replicas' means is not the whole batch's mean.
+        average of the replicas' means is not the whole batch's mean. A loss
+        weighted by ``fe.weighted_mean`` (bagging) divides by each replica's own
+        weight sum: pass those weights to ``average_gradients(..., weights=...)``.
 
         Args:
             batch_size: B, the number of samples of the whole batch (of each member).
