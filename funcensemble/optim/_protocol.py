@@ -72,7 +72,9 @@ class GradientTransformation(NamedTuple):
         ``update``, so the two agree exactly; ``fe.optim.adam``'s own step runs
         torch's fused kernel or orders its last operations as torch.optim does for
         tensor hyperparameters, so it agrees with ``update`` up to float rounding
-        (see [`adam`][funcensemble.optim.adam]).
+        (see [`adam`][funcensemble.optim.adam]), and ``fe.optim.rmsprop`` with
+        momentum steps as torch.optim does, where its ``update`` may differ by a
+        rounding (see [`rmsprop`][funcensemble.optim.rmsprop]).
 
         The returned state holds the same tensors as ``state`` wherever their shapes
         allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need the
