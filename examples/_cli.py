@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-INSTALL = "pip install 'funcensemble[examples]'"
+INSTALL = "pip install '.[examples]'"
 # Import name -> the distribution that provides it, for the message.
 DISTRIBUTIONS = {"sklearn": "scikit-learn"}
 

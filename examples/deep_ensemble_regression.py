@@ -21,7 +21,7 @@ Run ``python examples/deep_ensemble_regression.py`` (``--quick`` for a seconds-l
 smoke run); it saves a plot as ``deep_ensemble.png`` in ``--out`` (default
 ``./out/deep_ensemble_regression/``) and checks that the average standard deviation
 outside the training range is several times the one inside. Needs matplotlib and tqdm
-(``pip install 'funcensemble[examples]'``) unless run with ``--no-plot --quiet``.
+(``pip install '.[examples]'``) unless run with ``--no-plot --quiet``.
 """
 
 import argparse

@@ -23,7 +23,7 @@ checks that they do), and that its predictive entropy tells noise from digits be
 than one model's does on average.
 
 Run ``python examples/digits_ensemble.py`` (``--quick`` for a seconds-long smoke run).
-Needs scikit-learn, matplotlib and tqdm (``pip install 'funcensemble[examples]'``);
+Needs scikit-learn, matplotlib and tqdm (``pip install '.[examples]'``);
 ``--no-plot --quiet`` needs only scikit-learn.
 """
 

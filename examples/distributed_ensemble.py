@@ -21,7 +21,7 @@ members train exactly as with one process on the whole batch (up to rounding)::
 
 or without torchrun, as one process holding every member. ``--quick`` is a seconds-long
 smoke run. The checkpoint goes to ``--out`` (default ``./out/distributed_ensemble/``).
-Rank 0's progress bar needs tqdm (``pip install 'funcensemble[examples]'``); ``--quiet``
+Rank 0's progress bar needs tqdm (``pip install '.[examples]'``); ``--quiet``
 runs without it.
 """
 

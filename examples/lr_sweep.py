@@ -13,7 +13,7 @@ relative ``RTOL``), and saves every member's training loss curve in one plot,
 ``lr_sweep.png`` in ``--out`` (default ``./out/lr_sweep/``).
 
 Run ``python examples/lr_sweep.py`` (``--quick`` for a seconds-long smoke run). Needs
-matplotlib and tqdm (``pip install 'funcensemble[examples]'``) unless run with
+matplotlib and tqdm (``pip install '.[examples]'``) unless run with
 ``--no-plot --quiet``.
 """
 

@@ -14,7 +14,7 @@ steps) three ways and checks that every head ends at the same loss:
   ``fe.optim.adam``.
 
 Run ``python examples/multihead.py`` (``--quick`` for a seconds-long smoke run). Its
-progress bars need tqdm (``pip install 'funcensemble[examples]'``); ``--quiet`` runs
+progress bars need tqdm (``pip install '.[examples]'``); ``--quiet`` runs
 without them.
 """
 

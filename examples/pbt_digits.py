@@ -20,7 +20,7 @@ rates get replaced). It saves the learning rate of every member over time and th
 populations' accuracy as ``pbt_digits.png`` in ``--out`` (default ``./out/pbt_digits/``).
 
 Run ``python examples/pbt_digits.py`` (``--quick`` for a seconds-long smoke run). Needs
-scikit-learn, matplotlib and tqdm (``pip install 'funcensemble[examples]'``);
+scikit-learn, matplotlib and tqdm (``pip install '.[examples]'``);
 ``--no-plot --quiet`` needs only scikit-learn.
 """
 

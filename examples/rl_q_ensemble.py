@@ -24,7 +24,7 @@ The actor (a tanh-squashed Gaussian) and the entropy temperature are plain PyTor
 Run ``python examples/rl_q_ensemble.py`` (``--quick`` for a seconds-long smoke run). It
 saves the learning curve as ``rl_q_ensemble.png`` in ``--out`` (default
 ``./out/rl_q_ensemble/``). Needs gymnasium, tqdm and matplotlib
-(``pip install 'funcensemble[examples]'``; ``funcensemble[rl]`` has gymnasium and tqdm
+(``pip install '.[examples]'``; ``.[rl]`` has gymnasium and tqdm
 for runs with ``--no-plot``; ``--quiet`` needs no tqdm).
 
 What a run checks. A full run must reach an evaluation return of -300 (the untrained

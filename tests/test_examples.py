@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
 OPTIONAL = ["matplotlib", "tqdm", "gymnasium", "sklearn"]  # what the examples extra brings
-INSTALL = "pip install 'funcensemble[examples]'"
+INSTALL = "pip install '.[examples]'"
 
 
 def load(name: str) -> ModuleType:
