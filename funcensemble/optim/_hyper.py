@@ -216,9 +216,12 @@ def schedule_value(where: str, name: str, value: object) -> Hyper:
             return Hyper(name, value)
     elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return Hyper(name, float(value))
-    desc = (
-        f"tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else _describe(value)
-    )
+    if isinstance(value, Tensor):
+        desc = f"tensor of shape {tuple(value.shape)}"
+    elif isinstance(value, float):
+        desc = repr(value)  # nan or inf
+    else:
+        desc = _describe(value)
     raise TypeError(
         f"{where}: the {name} schedule must return a finite float, a 0-dim tensor or a 1-D "
         f"floating-point tensor of per-member values (expected one of those, got {desc}). "
