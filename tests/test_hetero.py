@@ -567,6 +567,36 @@ def test_per_member_values_a_built_transform_hides_are_refused():
     fe.optim.EnsembleOptimizer(hens, fe.optim.adam(lr=functools.partial(lambda v, c: v, 0.1)))
 
 
+def test_a_transform_assigned_between_steps_runs_group_by_group():
+    """surgery.md's `opt.transform = fe.optim.adam(lr=...)` over a HeteroEnsemble: the
+    plain transform met the grouped state and step() raised 'the state is not this
+    transform's' without a word of what to do. It now runs group by group, as one given
+    when the optimizer was built, and the loop's Adam with the new lr is matched."""
+    dtype = torch.float64
+    modules = members(dtype)
+    hens = fe.HeteroEnsemble(copy.deepcopy(modules))
+    opt = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=LRS))
+    loop = [torch.optim.Adam(m.parameters(), lr=LRS[i].item()) for i, m in enumerate(modules)]
+    for step in range(4):
+        if step == 2:
+            opt.transform = fe.optim.adam(lr=0.003)  # shared: every group takes it
+            for o in loop:
+                o.param_groups[0]["lr"] = 0.003
+        x, y = batch(step, dtype)
+        loop_step(modules, loop, x, y)
+        opt.zero_grad()
+        F.mse_loss(hens(x, in_dims=0), y, reduction="none").mean(dim=(1, 2)).sum().backward()
+        opt.step()
+    assert_members_match(hens, modules, (loop, opt.state), TOLS[dtype])
+    kept = opt.transform
+    with pytest.raises(ValueError, match=r"holds per-member values.*hens\.optimizer"):
+        opt.transform = fe.optim.adam(lr=LRS)  # [N] values: routed only by hens.optimizer
+    assert opt.transform is kept
+    opt.transform = hens.optimizer(fe.optim.adam, lr=LRS * 0.5)  # which it takes as it is
+    with runtime_typecheck_off(), pytest.raises(TypeError, match=r"is not a GradientTransf"):
+        opt.transform = fe.optim.adam
+
+
 def test_bad_trees_refused_before_any_group_steps():
     hens = fe.HeteroEnsemble(members(torch.float64))
     opt = hens.optimizer(fe.optim.adam, lr=0.1)

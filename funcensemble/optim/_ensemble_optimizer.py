@@ -100,12 +100,30 @@ class EnsembleOptimizer:
                 f"fe.optim.adam(), got {type(transform).__name__}). Build one with fe.optim, "
                 "e.g. fe.optim.adam(1e-3)."
             )
-        # A HeteroEnsemble runs the transform group by group (see HeteroEnsemble.optimizer).
-        transform = adapted(params, transform)
+        self._over = params  # what a transform assigned later is adapted to, too
         self.params: dict[str, Tensor] = named
         self.transform = transform
         with torch.no_grad():
-            self.state: Any = transform.init(named)
+            self.state: Any = self.transform.init(named)
+
+    @property
+    def transform(self) -> GradientTransformation:
+        """The transform each ``step`` runs. Assign another to change hyperparameters
+        between steps (the state is kept): over a
+        [`HeteroEnsemble`][funcensemble.HeteroEnsemble] it runs group by group, as
+        the one given when the optimizer was built."""
+        return self._transform
+
+    @transform.setter
+    def transform(self, transform: GradientTransformation) -> None:
+        if not isinstance(transform, GradientTransformation):
+            raise TypeError(
+                f"EnsembleOptimizer: transform is not a GradientTransformation (expected one "
+                f"such as fe.optim.adam(), got {type(transform).__name__}). Build one with "
+                "fe.optim, e.g. fe.optim.adam(1e-3)."
+            )
+        # A HeteroEnsemble runs the transform group by group (see HeteroEnsemble.optimizer).
+        self._transform = adapted(self._over, transform)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
