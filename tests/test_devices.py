@@ -6,6 +6,8 @@ and torch.optim within float64 tolerances.
 """
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -613,6 +615,37 @@ def test_randomness_same_on_several_devices_is_refused():
     members = [nn.Linear(3, 2) for _ in range(2)]
     with pytest.raises(ValueError, match="randomness='same' shares one draw among all members"):
         ShardedEnsemble(members, ["cpu", "cuda:0"], randomness="same")
+
+
+_CUDA_SEED_SCRIPT = """
+import torch
+from torch import nn
+import funcensemble as fe
+
+def make():
+    return nn.Linear(5, 3, device="cuda")
+
+assert not torch.cuda.is_initialized()
+a = fe.Ensemble.from_factory(make, num_members=3, seed=1)  # the factory starts CUDA
+cuda = torch.cuda.get_rng_state()
+b = fe.Ensemble.from_factory(make, num_members=2, seed=1)  # CUDA already started
+assert torch.equal(torch.cuda.get_rng_state(), cuda)  # the global generator left alone
+assert torch.equal(a.stacked_params()["weight"][:2], b.stacked_params()["weight"])
+assert not torch.equal(a.member(0).weight, a.member(1).weight)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seeded_members_built_on_cuda_come_from_their_seed():
+    """from_factory(seed=) seeded only the CPU generator: a factory building on CUDA drew
+    from CUDA's, at torch's default seed in every process (MemberShard's ranks built the
+    same members), and members were not reproducible from (seed, i). In a fresh process:
+    CUDA must start inside the factory."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CUDA_SEED_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)

@@ -1341,12 +1341,12 @@ def test_predict_with_data_replicas_refuses_batchnorm_in_train_mode(four_ranks):
 def _bagging_loop() -> dict[str, torch.Tensor]:
     """``groups_worker.bagging`` as the plain loop: one module and torch.optim.SGD per
     member, each on the whole batch with its own bootstrap weights."""
-    from funcensemble._core.seeding import member_seed, seeded_cpu_rng
+    from funcensemble._core.seeding import build_seeded, member_seed
 
-    modules = []
-    for i in range(groups_worker.NUM_MEMBERS):
-        with seeded_cpu_rng(member_seed(0, i)):
-            modules.append(groups_worker.make_member())
+    modules = [
+        build_seeded(groups_worker.make_member, member_seed(0, i))
+        for i in range(groups_worker.NUM_MEMBERS)
+    ]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in modules]
     for t in range(groups_worker.BAGGING_STEPS):
         x, y, w = groups_worker.bagging_data(t)

@@ -17,7 +17,7 @@ from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
-from .seeding import check_seed, global_rng_restored_on_error, member_seed, seeded_cpu_rng
+from .seeding import build_seeded, check_seed, global_rng_restored_on_error, member_seed
 from .skeleton import meta_skeleton, replace_tensors
 from .stack import member_list, member_module, stack_as, stack_members
 from .tree_view import register_view
@@ -212,8 +212,7 @@ class Ensemble(nn.Module):
             base = check_seed(where, seed, none_ok=True)
 
             def build(i: int) -> object:  # checked by stack_members
-                with seeded_cpu_rng(member_seed(base, i)):
-                    return factory()
+                return build_seeded(factory, member_seed(base, i))
 
         # With seed=None the members draw from the global generators; a refused call
         # (a member that raises or differs from member 0) puts them back as they were.

@@ -2,11 +2,14 @@
 
 import contextlib
 import numbers
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 
 def check_seed(where: str, seed: object, *, none_ok: bool = False) -> int:
@@ -40,11 +43,29 @@ def member_seed(seed: int, index: int) -> int:
 
 
 @contextlib.contextmanager
-def seeded_cpu_rng(seed: int) -> Iterator[None]:
-    """Run a block with the global CPU generator seeded, then restore its state."""
-    with torch.random.fork_rng(devices=[]):
+def seeded_rng(seed: int) -> Iterator[None]:
+    """Run a block with the global CPU generator seeded, and every CUDA device's where
+    CUDA is initialized, then restore their states."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
         torch.random.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed_all(seed)
         yield
+
+
+def build_seeded(factory: Callable[[], T], seed: int) -> T:
+    """``factory()`` with the generators it draws from seeded from ``seed`` (see
+    [`seeded_rng`][]). A factory that starts CUDA itself drew there from torch's default
+    seed, the same in every process and for every member: it is called once more, now
+    with CUDA's generators seeded too."""
+    cuda_before = torch.cuda.is_initialized()
+    with seeded_rng(seed):
+        built = factory()
+    if not cuda_before and torch.cuda.is_initialized():
+        with seeded_rng(seed):
+            built = factory()
+    return built
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .. import _tree
 from .._core.ensemble import Ensemble
-from .._core.seeding import check_seed, member_seed, seeded_cpu_rng
+from .._core.seeding import build_seeded, check_seed, member_seed
 from .._core.vmap import Randomness
 from .._types import StackedTree
 from ..optim._protocol import leaf_name
@@ -428,13 +428,12 @@ class MemberShard:
         indices = iter(range(self.members.start, self.members.stop))
 
         def seeded() -> nn.Module:
-            # from_factory calls the factory once per member, in order, each under its
-            # own local seed; reseed with the member's global index instead.
-            with seeded_cpu_rng(member_seed(seed, next(indices))):
-                return factory()
+            # from_factory calls the factory once per member, in order: each is seeded
+            # from its global index here (seed=None there, which seeds nothing itself).
+            return build_seeded(factory, member_seed(seed, next(indices)))
 
         ens = Ensemble.from_factory(
-            seeded, self.size, seed=seed, randomness=randomness, chunk_size=chunk_size
+            seeded, self.size, seed=None, randomness=randomness, chunk_size=chunk_size
         )
         description = describe_ensemble(ens)
         description["the seed"] = repr(seed)
