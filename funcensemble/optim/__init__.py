@@ -15,6 +15,7 @@ from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._ensemble_optimizer import EnsembleOptimizer as EnsembleOptimizer
 from ._members import concat as concat
 from ._members import select as select
+from ._partition import partition as partition
 from ._polyak import polyak_update as polyak_update
 from ._polyak import polyak_update_ as polyak_update_
 from ._protocol import EmptyState as EmptyState
@@ -49,6 +50,7 @@ __all__ = [
     "concat",
     "cosine_decay",
     "linear_warmup",
+    "partition",
     "polyak_update",
     "polyak_update_",
     "rmsprop",

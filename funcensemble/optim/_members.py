@@ -56,6 +56,8 @@ def remap(where: str, t: GradientTransformation, fn: Callable[[str, Tensor], Ten
             return fn(label, value)
         if isinstance(value, (tuple, list)):
             return type(value)(arg(f"{label}[{k}]", v) for k, v in enumerate(value))
+        if isinstance(value, dict):  # partition's transforms, by label
+            return {k: arg(f"{label}[{k!r}]", v) for k, v in value.items()}
         if callable(value):  # a schedule lr(count): kept, unless its values are per member
             first = value(torch.zeros((), dtype=torch.int64))
             if isinstance(first, Tensor) and first.dim() == 1:

@@ -45,6 +45,12 @@ def rebuildable(factory: F) -> F:
     return build  # type: ignore[return-value]
 
 
+def record_recipe(t: Any, recipe: Recipe) -> None:
+    """Record how transform ``t`` was built, for one whose constructor records it
+    itself (see ``_partition``)."""
+    _RECIPES[t.update] = recipe
+
+
 def recipe_of(update: Callable[..., Any]) -> Recipe | None:
     """The recorded call that built the transform with this ``update``, or None."""
     try:
