@@ -199,3 +199,28 @@ def test_per_member_size_and_member_axis_are_checked():
         ),
     ):
         clip.update({"w": torch.zeros(2, 4), "b": torch.zeros(3)}, fe.optim.EmptyState())
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, float("inf")], ids=["l1", "l3", "inf"])
+def test_other_norms_match_clip_grad_norm_per_member(norm_type):
+    """clip_grad_norm_'s norm_type (the inf norm for one) had no counterpart."""
+    torch.manual_seed(3)
+    modules = [
+        nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double() for _ in range(N)
+    ]
+    x = torch.randn(N, 8, 4, dtype=torch.float64)
+    scales = torch.tensor([1e-3, 1.0, 1e3][:N] + [1.0] * max(0, N - 3), dtype=torch.float64)
+    for i, m in enumerate(modules):
+        (scales[i] * m(x[i]).pow(2).sum()).backward()
+    grads = {
+        k: torch.stack([dict(m.named_parameters())[k].grad for m in modules])
+        for k, _ in modules[0].named_parameters()
+    }
+    clip = fe.optim.clip_by_global_norm(0.5, norm_type=norm_type)
+    clipped, _ = clip.update(grads, clip.init(grads))
+    for i, m in enumerate(modules):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5, norm_type=norm_type)
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(clipped[k][i], p.grad, rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match=r"norm_type must be positive .*got 0\.0"):
+        fe.optim.clip_by_global_norm(1.0, norm_type=0.0)

@@ -20,8 +20,10 @@ from ._protocol import (
 from ._recipes import rebuildable
 
 
-def _member_norms(where: str, spec: Any, leaves: list[Any], active: list[int]) -> Tensor:
-    """Each member's L2 norm over all its ``active`` leaves: a ``[N]`` tensor.
+def _member_norms(
+    where: str, spec: Any, leaves: list[Any], active: list[int], norm_type: float = 2.0
+) -> Tensor:
+    """Each member's ``norm_type`` norm over all its ``active`` leaves: a ``[N]`` tensor.
 
     As ``torch.nn.utils.clip_grad_norm_`` computes it for one member: the norm of each
     leaf, then the norm of those norms, in the promoted dtype, on the first leaf's device.
@@ -37,18 +39,21 @@ def _member_norms(where: str, spec: Any, leaves: list[Any], active: list[int]) -
                 f"{leaf_name(spec, active[0])} (expected leading size {first.shape[0]}, got "
                 f"{got}). Every gradient needs the member axis first."
             )
-        per_member = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), 2, dim=1)
+        per_member = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), norm_type, dim=1)
         norms.append(per_member.to(first.device))
-    return torch.linalg.vector_norm(torch.stack(norms), 2, dim=0)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type, dim=0)
 
 
 @rebuildable
-def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
-    """Clip each member's gradients by that member's own L2 norm over all its leaves.
+def clip_by_global_norm(
+    max_norm: float | PerMember, norm_type: float = 2.0
+) -> GradientTransformation:
+    """Clip each member's gradients by that member's own norm over all its leaves.
 
     Member i's updates are multiplied by ``min(max_norm / (norm_i + 1e-6), 1)``, where
-    ``norm_i`` is the L2 norm of member i's slices of every floating-point leaf: what
-    ``torch.nn.utils.clip_grad_norm_(member_i.parameters(), max_norm)`` does to
+    ``norm_i`` is the ``norm_type`` norm (L2 by default) of member i's slices of every
+    floating-point leaf: what ``torch.nn.utils.clip_grad_norm_(member_i.parameters(),
+    max_norm, norm_type)`` does to
     member i alone, with the same arithmetic (norms of the leaves, then the norm of
     those; the factor in the promoted dtype of the leaves, cast to each leaf's dtype).
     Members never affect each other. Leaves whose update is None (no gradient, a
@@ -63,10 +68,13 @@ def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
     Args:
         max_norm: The largest norm a member's gradients keep: one float, or a ``[N]``
             tensor of per-member values.
+        norm_type: The norm's order, as ``clip_grad_norm_``'s: ``2.0`` (the L2 norm),
+            any positive float, or ``float("inf")`` (the largest absolute value).
 
     Raises:
         TypeError: ``max_norm`` is not a float or a floating-point tensor.
-        ValueError: A negative ``max_norm``, or a per-member tensor not shaped ``[N]``.
+        ValueError: A negative ``max_norm``, a per-member tensor not shaped ``[N]``, or
+            a ``norm_type`` that is not positive.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -78,6 +86,7 @@ def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
     """
     where = "clip_by_global_norm"
     limit = hyperparameter(where, "max_norm", max_norm, label="max_norm")
+    order = _norm_type(where, norm_type)
 
     def init(params: PyTree) -> EmptyState:
         leaves, spec = flatten(params)
@@ -96,7 +105,7 @@ def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
         if not active:
             return spec.unflatten(out), state
         with torch.no_grad():
-            total = _member_norms(where, spec, leaves, active)
+            total = _member_norms(where, spec, leaves, active, order)
             coef = _max_norm(limit, total) / (total + 1e-6)
             coef = torch.clamp(coef, max=1.0)
             new = []
@@ -108,6 +117,20 @@ def clip_by_global_norm(max_norm: float | PerMember) -> GradientTransformation:
 
     # Stateless, and `update` writes none of its inputs: it is its own in-place form.
     return GradientTransformation(init, update, update)
+
+
+def _norm_type(where: str, norm_type: object) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(
+            f"{where}: norm_type must be a float (expected e.g. 2.0 or float('inf'), got "
+            f"{type(norm_type).__name__}). Pass the norm's order as a number."
+        )
+    if not norm_type > 0:
+        raise ValueError(
+            f"{where}: norm_type must be positive (expected e.g. 2.0 or float('inf'), got "
+            f"{norm_type!r}). Pass a positive order, or float('inf') for the largest value."
+        )
+    return float(norm_type)
 
 
 def _max_norm(limit: Hyper, total: Tensor) -> float | Tensor:
