@@ -541,6 +541,19 @@ class _Scheduled:
         return self.lrs * 0.5**count
 
 
+def _member_shaped_mask(params: dict) -> fe.optim.GradientTransformation:
+    """Multiplies each update by a mask shaped like one member's leaf."""
+    masks = {k: torch.ones(v.shape[1:], dtype=v.dtype) for k, v in params.items()}
+
+    def init(params):
+        return fe.optim.EmptyState()
+
+    def update(updates, state, params=None):
+        return {k: None if u is None else u * masks[k] for k, u in updates.items()}, state
+
+    return fe.optim.GradientTransformation(init, update)
+
+
 def test_per_member_values_a_built_transform_hides_are_refused():
     """A schedule returning as many values as a group has members, held where the
     closure scan cannot see (a partial, a callable object, a default argument, a
@@ -559,11 +572,28 @@ def test_per_member_values_a_built_transform_hides_are_refused():
     }
     for schedule in hidden.values():
         before = copy.deepcopy(hens.state_dict())
-        with pytest.raises(ValueError, match=r"may hold per-member values.*lr=lrs"):
+        with pytest.raises(ValueError, match=r"holds per-member values.*lr=lrs"):
             fe.optim.EnsembleOptimizer(hens, fe.optim.sgd(lr=schedule))
         assert_trees_close(hens.state_dict(), before, rtol=0, atol=0)
-    # Shared values, a schedule's included, are still one transform for every group.
+        opt = fe.optim.EnsembleOptimizer(hens, fe.optim.sgd(lr=0.1))
+        with pytest.raises(ValueError, match=r"holds per-member values.*lr=lrs"):
+            opt.transform = fe.optim.sgd(lr=schedule)  # assigned later: checked alike
+    # In a partition's group whose parameters only another architecture group has.
+    labels = {k: ("odd" if k.startswith("groups.1.") else "rest") for k in hens.stacked_params()}
+    hidden_group = {
+        "odd": fe.optim.sgd(lr=functools.partial(lambda v, c: v, lrs)),
+        "rest": fe.optim.sgd(lr=0.1),
+    }
+    with pytest.raises(ValueError, match=r"holds per-member values"):
+        fe.optim.EnsembleOptimizer(hens, fe.optim.partition(hidden_group, labels))
+    # Shared values, a schedule's included, are still one transform for every group, and
+    # a transform of the user's own that the tiny probe tensors trip (a member-shaped
+    # mask) is not taken for one holding per-member values.
     fe.optim.EnsembleOptimizer(hens, fe.optim.sgd(lr=_Scheduled(0.1)))
+    masked = fe.optim.chain(
+        _member_shaped_mask(hens.stacked_params()), fe.optim.sgd(0.1, momentum=0.9)
+    )
+    fe.optim.EnsembleOptimizer(hens, masked)
     fe.optim.EnsembleOptimizer(hens, fe.optim.adam(lr=functools.partial(lambda v, c: v, 0.1)))
 
 

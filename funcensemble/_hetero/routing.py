@@ -109,35 +109,51 @@ def _holds_per_member(obj: Any, depth: int, seen: set[int]) -> bool:
         return obj.dim() > 0
     if isinstance(obj, (tuple, list)):  # transforms and Hyper values are tuples too
         return any(_holds_per_member(x, depth + 1, seen) for x in obj)
+    if isinstance(obj, dict):  # partition's transforms, by label (not a user's tensors)
+        return any(
+            _holds_per_member(x, depth + 1, seen)
+            for x in obj.values()
+            if isinstance(x, GradientTransformation)
+        )
     if isinstance(obj, types.FunctionType):
         return any(_holds_per_member(x, depth + 1, seen) for x in closure_values(obj))
     return False
 
 
 def _refuse_hidden_per_member(
-    where: str, transform: GradientTransformation, part: dict, members: Sequence[Sequence[int]]
+    where: str,
+    transform: GradientTransformation,
+    parts: list[dict],
+    members: Sequence[Sequence[int]],
 ) -> None:
     """Refuse a built transform that holds per-member values where ``_holds_per_member``
     cannot see them (a ``functools.partial``, a callable object, a schedule returning
-    them): it steps a few tiny tensors with a member count no group has, which a
-    per-member value of any group's length cannot fit."""
+    them): it steps, once and at count 0, a few tiny tensors shaped like each group's
+    with a member count no group has, which a per-member value of any group's length
+    cannot fit. Only a transform's own refusal of such a value counts: another error
+    (a transform of the user's own that needs the real shapes) proves nothing."""
     size = max(len(m) for m in members) + 1
-    probe = {
-        k: torch.zeros((size,) + (1,) * (v.dim() - 1), dtype=v.dtype, device=v.device)
-        for k, v in part.items()
-    }
-    grads = {k: torch.zeros_like(v) if v.is_floating_point() else None for k, v in probe.items()}
-    try:
-        transform.update(grads, transform.init(probe), probe)
-    except (ValueError, TypeError, RuntimeError) as error:
-        raise ValueError(
-            f"{where}: the transform may hold per-member values, which a built transform "
-            f"cannot route to this ensemble's {len(members)} groups: stepped with "
-            f"{size} members, it said: {error} (expected a transform with shared values "
-            "only, or the function that builds one). Pass the function and the values, "
-            "e.g. hens.optimizer(fe.optim.adam, lr=lrs), to give each group its members' "
-            "values."
-        ) from None
+    for part in parts:
+        probe = {
+            k: torch.zeros((size,) + (1,) * (v.dim() - 1), dtype=v.dtype, device=v.device)
+            for k, v in part.items()
+        }
+        grads = {
+            k: torch.zeros_like(v) if v.is_floating_point() else None for k, v in probe.items()
+        }
+        try:
+            transform.update(grads, transform.init(probe), probe)
+        except (ValueError, TypeError, RuntimeError) as error:
+            if "per-member value" not in str(error):
+                continue
+            raise ValueError(
+                f"{where}: the transform holds per-member values, which a built transform "
+                f"cannot route to this ensemble's {len(members)} groups: stepped with "
+                f"{size} members, it said: {error} (expected a transform with shared "
+                "values only, or the function that builds one). Pass the function and the "
+                "values, e.g. hens.optimizer(fe.optim.adam, lr=lrs), to give each group its "
+                "members' values."
+            ) from None
 
 
 def _in_group(where: str, message: str, g: int, group: Sequence[int], routed: set[str]) -> str:
@@ -230,7 +246,7 @@ def grouped(
         states = []
         parts = _split(where, "params", params, keys)
         if isinstance(transform, GradientTransformation) and len(keys) > 1:
-            _refuse_hidden_per_member(where, transform, parts[0], members)
+            _refuse_hidden_per_member(where, transform, parts, members)
         for g, (t, part) in enumerate(zip(per_group, parts, strict=True)):
             try:
                 states.append(t.init(part))

@@ -123,7 +123,11 @@ class EnsembleOptimizer:
                 "fe.optim, e.g. fe.optim.adam(1e-3)."
             )
         # A HeteroEnsemble runs the transform group by group (see HeteroEnsemble.optimizer).
-        self._transform = adapted(self._over, transform)
+        adapted_ = adapted(self._over, transform)
+        if adapted_ is not transform and hasattr(self, "_transform"):
+            with torch.no_grad():
+                adapted_.init(self.params)  # its checks, as at build (the state is kept)
+        self._transform = adapted_
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
