@@ -119,6 +119,12 @@ def batchnorm() -> dict[str, Any]:
         torch.equal(v, before[k]) for k, v in ens.stacked_buffers().items()
     )
     out["eval"] = fe.distributed.predict(ens.eval(), shard, halves(), reductions=names)
+    # Without running statistics BatchNorm takes the batch's in eval mode too.
+    untracked = shard.from_factory(
+        lambda: nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8, track_running_stats=False)),
+        seed=0,
+    ).eval()
+    out["untracked"] = error(lambda: fe.distributed.predict(untracked, shard, halves()))
     return out
 
 

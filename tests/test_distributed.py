@@ -1332,6 +1332,10 @@ def test_predict_with_data_replicas_refuses_batchnorm_in_train_mode(four_ranks):
             "without a data axis."
         )
         assert got["buffers unchanged"]
+        assert got["untracked"].startswith(  # 0.446 off the whole batch's mean before
+            "predict: submodule `stacked.1` (BatchNorm1d) normalizes by the batch's "
+            "statistics in eval mode too (track_running_stats=False)"
+        ), got["untracked"]
         assert_trees_close(got["eval"]["mean"], fe.reduce.mean(outputs), rtol=0, atol=1e-14)
         assert_trees_close(
             got["eval"]["mean_probs"], fe.reduce.mean_probs(outputs), rtol=0, atol=1e-14

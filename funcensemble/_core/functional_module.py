@@ -1,6 +1,7 @@
 """``FunctionalModule``: one member's module as a pure function of its tensors."""
 
 import re
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,15 +62,28 @@ def _stacked_given(skeleton: nn.Module, params: Any) -> Exception | None:
     return None
 
 
+def _named_tensors(skeleton: nn.Module) -> tuple[tuple[str, Tensor], ...]:
+    return (
+        *skeleton.named_parameters(remove_duplicate=False),
+        *skeleton.named_buffers(remove_duplicate=False),
+    )
+
+
 @torch.compiler.disable  # torch.compile cannot read a tensor's attributes
 def _tags_by_name(skeleton: nn.Module) -> dict[str, dict[str, Any]]:
     """The Python attributes set on the skeleton's tensors, by name (see
     ``_structure.attributes``: the stacked tensors carry the members' tags)."""
-    named = (
-        *skeleton.named_parameters(remove_duplicate=False),
-        *skeleton.named_buffers(remove_duplicate=False),
-    )
-    return {name: tags for name, t in named if (tags := tensor_tags(t))}
+    return {name: tags for name, t in _named_tensors(skeleton) if (tags := tensor_tags(t))}
+
+
+@torch.compiler.disable  # as _tags_by_name
+def _tags_and_tensors(
+    skeleton: nn.Module,
+) -> tuple[dict[str, dict[str, Any]], dict[str, "weakref.ref[Tensor]"]]:
+    """``_tags_by_name``, and the skeleton's tensors by name, weakly."""
+    named = _named_tensors(skeleton)
+    tags = {name: found for name, t in named if (found := tensor_tags(t))}
+    return tags, {name: weakref.ref(t) for name, t in named}
 
 
 @torch.compiler.assume_constant_result
@@ -114,7 +128,29 @@ class FunctionalModule:
 
     def __init__(self, skeleton: nn.Module) -> None:
         self.skeleton = skeleton
-        self._tags = _tags_by_name(skeleton)
+        self._keep_tensors()
+
+    def _keep_tensors(self) -> None:
+        """Keep (weakly) the skeleton's own tensors by name: torch.export's non-strict
+        tracing swaps them for fake ones, which hold no tags; the tags are read from
+        these, as they are then."""
+        self._tensors = _tags_and_tensors(self.skeleton)[1]
+
+    def __getstate__(self) -> dict[str, Any]:  # weak references neither copy nor pickle
+        return {"skeleton": self.skeleton}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.skeleton = state["skeleton"]
+        self._keep_tensors()
+
+    def _kept_tags(self) -> dict[str, dict[str, Any]]:
+        """The tags of the tensors ``_keep_tensors`` kept."""
+        out = {}
+        for name, ref in self._tensors.items():
+            t = ref()
+            if t is not None and (tags := tensor_tags(t)):
+                out[name] = tags
+        return out
 
     def __call__(
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
@@ -125,8 +161,10 @@ class FunctionalModule:
                 return fast
         _check_complete(self.skeleton, params, buffers)
         compiling = torch.compiler.is_compiling()
-        if compiling and torch.compiler.is_dynamo_compiling() and _tagged(self.skeleton):
+        dynamo = compiling and torch.compiler.is_dynamo_compiling()
+        if dynamo and _tagged(self.skeleton):
             return _eagerly(self, params, buffers, args, kwargs)
+        exporting = compiling and not dynamo  # torch.export's non-strict tracing
         if not compiling and _torch_compat.jit_tracing():
             raise RuntimeError(
                 "torch.jit.trace cannot trace this ensemble (expected a plain MLP of "
@@ -149,11 +187,11 @@ class FunctionalModule:
         # at the end, so re-assigned buffers show (see _forward_state).
         given = (params, buffers) if compiling else {**params, **buffers}
         if inside:  # read at every call: a tag set after the first call counts too
-            tagged = self._tags = _tags_by_name(self.skeleton)
-        elif compiling and _torch_compat.inside_transform():
+            tagged, self._tensors = _tags_and_tensors(self.skeleton)
+        elif exporting and _torch_compat.inside_transform():
             # torch.export's non-strict tracing runs this code on fake tensors, which
-            # hold no tags: those of the last eager call, or of the build.
-            tagged = self._tags
+            # hold no tags: read them from the tensors they stand for.
+            tagged = self._kept_tags()
         else:
             tagged = {}
         if tagged:

@@ -149,6 +149,23 @@ def _check_no_batch_statistics(where: str, model: object, shard: MemberShard) ->
     """
     if not isinstance(model, nn.Module):
         return
+    always = [  # no running statistics: the batch's, in eval mode too
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and m.running_mean is None and m.running_var is None
+    ]
+    if always:
+        layers = ", ".join(
+            f"{submodule(name)} ({type(model.get_submodule(name)).__name__})" for name in always
+        )
+        raise ValueError(
+            f"{where}: {layers} normalize{'s' if len(always) == 1 else ''} by the batch's "
+            "statistics in eval mode too (track_running_stats=False), but with "
+            f"{shard.data_size} data replicas each runs its own part of the batch (expected "
+            "layers whose output does not depend on the rest of the batch): each replica "
+            "would normalize by its part's statistics, not the whole batch's. Predict on a "
+            "shard without a data axis."
+        )
     found = [
         name
         for name, m in model.named_modules()
