@@ -417,6 +417,43 @@ def second_derivatives() -> None:
     torch.testing.assert_close(torch.compile(hessian)(params), hessian(params))
 
 
+def partition() -> None:
+    """compile.md's in-place step with param groups: fe.optim.partition of AdamW groups
+    (its rollback copies, which Dynamo cannot trace, are left out of the graph)."""
+    modules = make_members(3)
+    opt = fe.optim.chain(
+        fe.optim.clip_by_global_norm(0.5),
+        fe.optim.partition(
+            {
+                "decay": fe.optim.adamw(lr=torch.tensor([1e-2, 3e-3, 1e-3]), weight_decay=0.1),
+                "no_decay": fe.optim.adam(lr=1e-2),
+            },
+            lambda name: "no_decay" if name.endswith("bias") else "decay",
+        ),
+    )
+    fmodel, params, buffers = fe.stack(copy.deepcopy(modules))
+    _, ref_params, ref_buffers = fe.stack(copy.deepcopy(modules))
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    def train_step(params, buffers, state, x, y):
+        losses, grads, buffers = fe.value_and_grad(loss_fn)(params, buffers, x, y)
+        state = opt.update_(grads, state, params)
+        return buffers, state, losses
+
+    compiled = torch.compile(train_step, fullgraph=True)
+    x, y = torch.randn(32, 4), torch.randn(32, 2)
+    state, ref_state = opt.init(params), opt.init(ref_params)
+    for _ in range(3):
+        buffers, state, losses = compiled(params, buffers, state, x, y)
+        ref_buffers, ref_state, ref_losses = train_step(ref_params, ref_buffers, ref_state, x, y)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, want in ((params, ref_params), (buffers, ref_buffers), (state, ref_state)):
+        for g, w in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def polyak() -> None:
     """polyak_update_ compiled with fullgraph=True equals eager, with a float tau and
     with a [N] tensor of tau passed to the compiled step (its range check runs inside
@@ -472,6 +509,7 @@ if __name__ == "__main__":
         "functional_mlp_vmap": functional_mlp_vmap,
         "nested_vmap": nested_vmap,
         "polyak": polyak,
+        "partition": partition,
     }
     faces[sys.argv[1]]()
     print("OK")

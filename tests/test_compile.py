@@ -30,6 +30,7 @@ def run_check(face: str) -> None:
         "functional_mlp_vmap",
         "nested_vmap",
         "polyak",
+        "partition",
     ],
 )
 def test_compiled_training_step_matches_eager(face):

@@ -207,3 +207,45 @@ def test_bad_labels_and_transforms_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match="lr has 3 per-member values"):
         good.update_(grads, state, params)
     assert_trees_close((params, state), before, rtol=0, atol=0)
+
+
+def test_a_parameter_moved_to_another_group_is_refused_and_labels_are_copied():
+    """A state built with one labelling, stepped with another (opt.transform assigned),
+    and a later edit of the caller's labels dict: the parameter's new group had no state
+    for it and skipped it, so it stopped training (moved 0.0) without a word."""
+    ens = fe.Ensemble(members(torch.float64))
+    labels = {k: no_decay(k) for k in ens.stacked_params()}
+    parts = {"decay": fe.optim.adam(1e-2), "no_decay": fe.optim.sgd(1e-2, momentum=0.9)}
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.partition(parts, labels))
+    labels["2.bias"] = "decay"  # the partition keeps its own copy
+    x, y = batch(0, torch.float64)
+    for _ in range(2):
+        opt.zero_grad()
+        ((ens(x, in_dims=0) - y) ** 2).mean(dim=(1, 2)).sum().backward()
+        before = ens.stacked_params()["2.bias"].detach().clone()
+        opt.step()
+        assert not torch.equal(ens.stacked_params()["2.bias"], before)  # still training
+    opt.transform = fe.optim.partition(parts, lambda name: "decay")
+    kept = copy.deepcopy((ens.state_dict(), opt.state_dict()))
+    with pytest.raises(
+        ValueError, match=r"`2\.bias` has the label 'decay', but its optimizer state"
+    ):
+        opt.step()
+    assert_trees_close((ens.state_dict(), opt.state_dict()), kept, rtol=0, atol=0)
+
+
+def test_select_takes_groups_whose_step_counts_differ_in_shape():
+    """SGD with per-member momentum keeps [N] step counts, Adam 0-dim ones: select
+    expanded every count to [N] and refused Adam's."""
+    ens = fe.Ensemble([nn.Linear(3, 2).double() for _ in range(4)])
+    momentum = torch.tensor([0.0, 0.5, 0.9, 0.9], dtype=torch.float64)
+    parts = {"w": fe.optim.adam(1e-2), "b": fe.optim.sgd(0.1, momentum=momentum)}
+    opt = fe.optim.EnsembleOptimizer(
+        ens, fe.optim.partition(parts, lambda k: "b" if k.endswith("bias") else "w")
+    )
+    ens(torch.randn(4, 8, 3, dtype=torch.float64), in_dims=0).sum().backward()
+    opt.step()
+    sub = opt.select([1, 0], ens.select([1, 0]))
+    assert torch.equal(
+        sub.state["b"][0].momentum_buffer["bias"], opt.state["b"][0].momentum_buffer["bias"][[1, 0]]
+    )

@@ -193,9 +193,10 @@ def check_state_like(where: str, expected: Any, state: Any, fix: str) -> None:
     has them shared (0-dim).
     """
     per_member = [c.shape[0] for c in _counts(state) if isinstance(c, Tensor) and c.dim() == 1]
-    if per_member:
-        expected = _per_member_counts(expected, per_member[0])
     paths, want, spec = flatten_with_paths(expected, "state")
+    # Each count as it is, or per member: one transform's counts may be per member while
+    # another's are not (a partition's groups).
+    also = spec.flatten_up_to(_per_member_counts(expected, per_member[0])) if per_member else want
     try:
         got = spec.flatten_up_to(state)
     except (ValueError, TypeError) as error:
@@ -203,9 +204,11 @@ def check_state_like(where: str, expected: Any, state: Any, fix: str) -> None:
             f"{where}: the state does not match the transform's state for these parameters "
             f"(expected {spec}, got {optree.tree_structure(state, none_is_leaf=True)}). {fix}"
         ) from error
-    for path, w, g in zip(paths, want, got, strict=True):
+    for path, w, w_also, g in zip(paths, want, also, got, strict=True):
         if isinstance(w, Tensor) != isinstance(g, Tensor) or (
-            isinstance(w, Tensor) and (w.shape, w.dtype, w.device) != (g.shape, g.dtype, g.device)
+            isinstance(w, Tensor)
+            and (w.shape, w.dtype, w.device) != (g.shape, g.dtype, g.device)
+            and (w_also.shape, w_also.dtype, w_also.device) != (g.shape, g.dtype, g.device)
         ):
             raise ValueError(
                 f"{where}: {path} is {_describe(g)}; these parameters need {_describe(w)}. {fix}"

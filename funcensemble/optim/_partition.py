@@ -7,6 +7,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .._tree import leaves
 from ._protocol import GradientTransformation, PyTree, with_traits
 from ._recipes import Recipe, record_recipe
 
@@ -94,6 +95,8 @@ def partition(
             "name: 'no_decay' if name.endswith('bias') else 'decay'."
         )
     names = sorted(parts)
+    if isinstance(labels, Mapping):
+        labels = dict(labels)  # a later edit of the caller's dict would move parameters
 
     def label_of(name: str) -> str:
         if isinstance(labels, Mapping):
@@ -105,7 +108,7 @@ def partition(
             label = labels[name]
         else:
             label = labels(name)
-        if label not in parts:
+        if not isinstance(label, str) or label not in parts:
             raise ValueError(
                 f"{where}: the parameter `{name}` has the label {label!r}, which transforms "
                 f"lacks (expected one of {names}). Give that label a transform, or the "
@@ -125,6 +128,26 @@ def partition(
     def part(tree: PyTree, group: dict[str, str], label: str) -> dict[str, Any]:
         return {k: (v if group[k] == label else None) for k, v in tree.items()}
 
+    def check_grouping(state: dict[str, Any], group: dict[str, str], grads: PyTree) -> None:
+        """Refuse a parameter whose state another group holds: the labels changed since
+        the state was built (its new group has no state for it, and would skip it). Not
+        under torch.compile, which cannot trace the walk of the state's paths."""
+        if torch.compiler.is_compiling():
+            return
+        held = {label: _names_with_state(state[label]) for label in names}
+        for k, label in group.items():
+            if grads.get(k) is None or k in held[label]:
+                continue
+            for other in names:
+                if other != label and k in held[other]:
+                    raise ValueError(
+                        f"{where}: the parameter `{k}` has the label {label!r}, but its "
+                        f"optimizer state is group {other!r}'s (expected the labels the "
+                        "state was built with, got another labelling). Moving a parameter "
+                        "to another group is not supported: keep its label, or build a new "
+                        "optimizer state for the new groups."
+                    )
+
     def check_state(state: Any) -> None:
         if not isinstance(state, dict) or sorted(state) != names:
             raise ValueError(
@@ -141,6 +164,7 @@ def partition(
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         check_state(state)
         group = grouping(grads, "grads")
+        check_grouping(state, group, grads)
         out: dict[str, Any] = dict.fromkeys(grads)
         new_state = {}
         params_group = None if params is None else grouping(params, "params")
@@ -157,6 +181,7 @@ def partition(
     def update_inplace(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
         check_state(state)
         group = grouping(grads, "grads")
+        check_grouping(state, group, grads)
         if not isinstance(params, Mapping) or params.keys() != grads.keys():
             grouping(params, "params")
             raise ValueError(
@@ -169,10 +194,17 @@ def partition(
         # copied before they step (the last group's never need to be) and put back.
         saved: list[tuple[Tensor, Tensor]] = []
         new_state = dict(state)
+        # The largest group last: its parameters and state need no copy.
+        sizes = dict.fromkeys(names, 0)
+        for k, label in group.items():
+            if isinstance(params[k], Tensor):
+                sizes[label] += params[k].numel()
+        order = sorted(names, key=lambda label: sizes[label])
         try:
-            for k, label in enumerate(names):
+            for k, label in enumerate(order):
                 mine = part(params, group, label)
-                if k < len(names) - 1:
+                # Compiled, a refusal stops the tracing, before any step runs.
+                if k < len(order) - 1 and not torch.compiler.is_compiling():
                     tensors = [*_tensors(mine), *_tensors(state[label])]
                     saved += [(t, t.clone()) for t in tensors]
                 new_state[label] = parts[label].update_(
@@ -202,4 +234,15 @@ def _recipe(parts: dict[str, GradientTransformation], labels: Labels) -> Recipe:
 
 
 def _tensors(tree: Any) -> list[Tensor]:
-    return [x for x in optree.tree_leaves(tree, none_is_leaf=False) if isinstance(x, Tensor)]
+    return [x for x in leaves(tree) if isinstance(x, Tensor)]
+
+
+def _names_with_state(state: Any) -> set[str]:
+    """The parameter names a transform's state holds a tensor for (the dict keys its
+    tensors sit under)."""
+    paths, found = optree.tree_flatten_with_path(state, none_is_leaf=True)[:2]
+    return {
+        path[-1]
+        for path, x in zip(paths, found, strict=True)
+        if path and isinstance(path[-1], str) and x is not None
+    }
