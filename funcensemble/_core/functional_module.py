@@ -103,8 +103,8 @@ _eagerly = _torch_compat.compile_disabled(
     _call,
     reason="funcensemble: forward may read the Python attributes set on the members' "
     "parameters or buffers, which torch.compile cannot show it, so this call runs "
-    "eagerly. To compile it, delete those attributes before building the ensemble (keep, "
-    "e.g., a set of parameter names instead).",
+    "eagerly. To compile it, delete those attributes before building the ensemble (for "
+    "optimizer groups, name the parameters in fe.optim.partition instead of tagging them).",
 )
 
 
