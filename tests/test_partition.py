@@ -209,6 +209,10 @@ def test_bad_labels_and_transforms_are_refused_before_anything_changes():
     assert_trees_close((params, state), before, rtol=0, atol=0)
 
 
+def no_decay_ab(name: str) -> str:
+    return "b" if name.endswith("bias") else "a"
+
+
 def test_a_parameter_moved_to_another_group_is_refused_and_labels_are_copied():
     """A state built with one labelling, stepped with another (opt.transform assigned),
     and a later edit of the caller's labels dict: the parameter's new group had no state
@@ -227,11 +231,16 @@ def test_a_parameter_moved_to_another_group_is_refused_and_labels_are_copied():
         assert not torch.equal(ens.stacked_params()["2.bias"], before)  # still training
     opt.transform = fe.optim.partition(parts, lambda name: "decay")
     kept = copy.deepcopy((ens.state_dict(), opt.state_dict()))
-    with pytest.raises(
-        ValueError, match=r"`2\.bias` has the label 'decay', but its optimizer state"
-    ):
+    with pytest.raises(ValueError, match=r"`2\.bias` has the label 'decay', but group 'decay'"):
         opt.step()
     assert_trees_close((ens.state_dict(), opt.state_dict()), kept, rtol=0, atol=0)
+    # Out of a group that keeps no state per parameter (SGD without momentum) too.
+    stateless = {"a": fe.optim.sgd(1e-2), "b": fe.optim.adam(1e-2)}
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.partition(stateless, no_decay_ab))
+    opt.step()
+    opt.transform = fe.optim.partition(stateless, lambda name: "b")
+    with pytest.raises(ValueError, match=r"`0\.weight` has the label 'b', but group 'b'"):
+        opt.step()
 
 
 def test_select_takes_groups_whose_step_counts_differ_in_shape():

@@ -128,24 +128,36 @@ def partition(
     def part(tree: PyTree, group: dict[str, str], label: str) -> dict[str, Any]:
         return {k: (v if group[k] == label else None) for k, v in tree.items()}
 
+    held_by_structure: dict[Any, frozenset[str]] = {}
+
+    def held(substate: Any) -> frozenset[str]:
+        """``_names_with_state``, once per state structure (where its Nones are)."""
+        key = optree.tree_structure(substate, none_is_leaf=False)
+        found = held_by_structure.get(key)
+        if found is None:
+            found = held_by_structure[key] = frozenset(_names_with_state(substate))
+        return found
+
     def check_grouping(state: dict[str, Any], group: dict[str, str], grads: PyTree) -> None:
-        """Refuse a parameter whose state another group holds: the labels changed since
-        the state was built (its new group has no state for it, and would skip it). Not
-        under torch.compile, which cannot trace the walk of the state's paths."""
+        """Refuse a parameter with a gradient that its group keeps no state for while it
+        keeps state for its other parameters: the labels changed since the state was
+        built, and the group would skip it. (A group that keeps no state per parameter,
+        SGD without momentum, takes any.) Not under torch.compile, which cannot trace
+        the walk of the state's paths."""
         if torch.compiler.is_compiling():
             return
-        held = {label: _names_with_state(state[label]) for label in names}
-        for k, label in group.items():
-            if grads.get(k) is None or k in held[label]:
+        for label in names:
+            mine = held(state[label])
+            if not mine:
                 continue
-            for other in names:
-                if other != label and k in held[other]:
+            for k, g in grads.items():
+                if group[k] == label and g is not None and k not in mine:
                     raise ValueError(
-                        f"{where}: the parameter `{k}` has the label {label!r}, but its "
-                        f"optimizer state is group {other!r}'s (expected the labels the "
-                        "state was built with, got another labelling). Moving a parameter "
-                        "to another group is not supported: keep its label, or build a new "
-                        "optimizer state for the new groups."
+                        f"{where}: the parameter `{k}` has the label {label!r}, but group "
+                        f"{label!r}'s optimizer state has none for it (expected the labels "
+                        "the state was built with, got another labelling). Moving a "
+                        "parameter to another group is not supported: keep its label, or "
+                        "build a new optimizer state for the new groups."
                     )
 
     def check_state(state: Any) -> None:
