@@ -34,6 +34,23 @@ def built_for(transform: GradientTransformation) -> Any:
         return None
 
 
+# Each grouped transform's check of a built transform it runs (see check_assigned).
+_CHECKS: "weakref.WeakKeyDictionary[Callable[..., Any], Callable[[PyTree], None]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def check_assigned(transform: GradientTransformation, params: PyTree) -> None:
+    """What a grouped transform's ``init`` checks of the transform it runs, without
+    building a state: for a transform assigned to a running optimizer."""
+    try:
+        check = _CHECKS.get(transform.update)
+    except TypeError:  # an update that cannot be weakly referenced: the user's own
+        return
+    if check is not None:
+        check(params)
+
+
 def _route(where: str, name: str, value: Any, index: Tensor, n: int) -> Any:
     """``value`` for the members ``index``: ``[N]`` tensors (also inside tuples and lists,
     and returned by schedules) indexed, everything else as it is."""
@@ -242,11 +259,15 @@ def grouped(
                 f"{type(state).__name__}). Pass the state that init returned."
             )
 
+    def check_built(params: PyTree) -> None:
+        if isinstance(transform, GradientTransformation) and len(keys) > 1:
+            parts = _split(where, "params", params, keys)
+            _refuse_hidden_per_member(where, transform, parts, members)
+
     def init(params: PyTree) -> tuple[Any, ...]:
         states = []
         parts = _split(where, "params", params, keys)
-        if isinstance(transform, GradientTransformation) and len(keys) > 1:
-            _refuse_hidden_per_member(where, transform, parts, members)
+        check_built(params)
         for g, (t, part) in enumerate(zip(per_group, parts, strict=True)):
             try:
                 states.append(t.init(part))
@@ -298,6 +319,7 @@ def grouped(
 
     out = GradientTransformation(init, update, update_inplace)
     _BUILT_FOR[out.update] = layout
+    _CHECKS[out.update] = check_built
     # Each group's update_ adds its own step to its parameters, so the in-place form
     # applies the updates itself (and a chain runs it only last).
     return with_traits(out, applies=True)

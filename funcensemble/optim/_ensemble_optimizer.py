@@ -125,8 +125,9 @@ class EnsembleOptimizer:
         # A HeteroEnsemble runs the transform group by group (see HeteroEnsemble.optimizer).
         adapted_ = adapted(self._over, transform)
         if adapted_ is not transform and hasattr(self, "_transform"):
-            with torch.no_grad():
-                adapted_.init(self.params)  # its checks, as at build (the state is kept)
+            from .._hetero.routing import check_assigned  # (hetero imports this module)
+
+            check_assigned(adapted_, self.params)  # what its init checks (the state is kept)
         self._transform = adapted_
 
     @property
