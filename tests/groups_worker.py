@@ -90,6 +90,8 @@ def structures(rank: int) -> dict[str, Any]:
         "broadcast keys": error(lambda: d.broadcast(keys)),
         "gather tensor or dict": error(lambda: d.all_gather(ones if rank else {"x": ones}, shard)),
         "gather empty": error(lambda: d.all_gather({} if rank == 3 else {"x": ones}, shard)),
+        # Each rank its own src: each kept its own values, as if broadcast.
+        "broadcast src": error(lambda: d.broadcast({"x": ones}, src=rank % 2)),
     }
     # Insertion order is no structure: dicts are gathered key by key.
     ordered = {"a": ones, "b": 2 * ones} if rank % 2 else {"b": 2 * ones, "a": ones}

@@ -1280,7 +1280,8 @@ def test_ranks_passing_pytrees_of_other_structures_all_raise_naming_the_keys(fou
     # Checked leaf by leaf only, {"log_sigma", "mu"} on rank 1 was gathered into rank 0's
     # {"mu", "sigma"}: rank 1's log_sigma silently landed in mu.
     got = [results["structures"] for results in four_ranks]
-    for name in ("gather keys", "broadcast keys", "gather tensor or dict", "gather empty"):
+    names = ("gather keys", "broadcast keys", "gather tensor or dict", "gather empty")
+    for name in (*names, "broadcast src"):
         assert all(g[name] == got[0][name] for g in got), name  # the same error everywhere
     gather = got[0]["gather keys"]
     assert gather == (
@@ -1307,6 +1308,10 @@ def test_ranks_passing_pytrees_of_other_structures_all_raise_naming_the_keys(fou
         "(ranks 0, 1, 2: PyTreeSpec({'x': *}, NoneIsLeaf); rank 3: PyTreeSpec({},"
         in (got[0]["gather empty"])
     )
+    assert got[0]["broadcast src"].startswith(
+        "broadcast: the 4 ranks were not set up alike: they differ in src (ranks 0, 2: 0; "
+        "ranks 1, 3: 1)"
+    ), got[0]["broadcast src"]
     ranks = torch.arange(4.0).reshape(4, 1, 1).expand(4, 1, 3).reshape(4, 3)
     for g in got:
         assert_trees_equal(g["gathered"], {"a": ranks, "b": 2 * ranks})

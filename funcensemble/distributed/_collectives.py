@@ -105,9 +105,12 @@ class _Tree:
     """A pytree passed to a collective: a digest of its structure, and a description
     naming its keys and leaves for the message when the ranks' digests differ."""
 
-    def __init__(self, tree: Any, advice: str, *, member_first: bool) -> None:
+    def __init__(
+        self, tree: Any, advice: str, *, member_first: bool, also: dict[str, str] | None = None
+    ) -> None:
         paths, leaves, spec = _tree.flatten_with_paths(tree)
-        self.description = {"the pytree's structure": str(spec)}
+        # ``also``: what else every rank must agree on (broadcast's src), checked alike.
+        self.description = {**(also or {}), "the pytree's structure": str(spec)}
         words = "per-member shape" if member_first else "shape"
         for path, leaf in zip(paths, leaves, strict=True):
             shape = tuple(leaf.shape[1:] if member_first else leaf.shape)
@@ -118,7 +121,7 @@ class _Tree:
             )
         # Which leaves are tensors matters too (broadcast keeps the others as they are).
         kinds = "".join("t" if isinstance(x, Tensor) else "o" for x in leaves)
-        digest = hashlib.blake2b(f"{spec}|{kinds}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{spec}|{kinds}|{also}".encode(), digest_size=8).digest()
         self.digest = int.from_bytes(digest, "little", signed=True) or 1
         self.advice = advice
 
@@ -605,9 +608,11 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
     leaves, spec = _tree.flatten(tree)
     described = _Tree(
         tree,
-        "Every rank must pass a pytree of the same structure (the same keys, in any "
-        "order), with tensors of the same dtypes and shapes where src has tensors.",
+        "Every rank must pass the same src, and a pytree of the same structure (the same "
+        "keys, in any order), with tensors of the same dtypes and shapes where src has "
+        "tensors.",
         member_first=False,
+        also={"src": str(src)},
     )
     if world > 1 and not any(isinstance(x, Tensor) for x in leaves):
         described.check_empty(where, rank, world, group)
