@@ -801,9 +801,21 @@ def test_torch_tools_that_see_the_stacked_tensors_do_as_faces_md_says():
     scaler.step(opt)
     for k, v in ens.stacked_params().items():
         assert torch.equal(v, before[k]), k  # no member stepped
-    # A parametrization added after building takes the member axis as a weight dim.
+    # A parametrization added after building takes the member axis as a weight dim:
+    # refused at the next call (it gave outputs 0.31 off the loop, and member(i) then
+    # ran torch._weight_norm on mismatched shapes, corrupting the heap), and by
+    # member(i) and select; so is pruning added after building.
     torch.nn.utils.parametrizations.weight_norm(ens.stacked)
     assert ens.stacked.parametrizations.weight.original0.shape == (n, 1, 1)
+    added = r"a parametrization \(_WeightNorm\) was added to `weight` of the root module"
+    for call in (lambda: ens(x), lambda: ens.member(0), lambda: ens.select([0])):
+        with pytest.raises(ValueError, match=added):
+            call()
+    pruned = fe.Ensemble([nn.Sequential(nn.Linear(3, 5)) for _ in range(n)])
+    torch.nn.utils.prune.l1_unstructured(pruned.stacked[0], "weight", amount=0.3)
+    with pytest.raises(ValueError, match=r"pruning was added to `weight` of submodule `0`"):
+        pruned(torch.randn(4, 3))
+    torch.nn.utils.prune.remove(pruned.stacked[0], "weight")  # not seen once removed
     # A hook on a submodule of ens.stacked sees one member's tensor, no member axis.
     mlp = fe.Ensemble([nn.Sequential(nn.Linear(3, 5), nn.ReLU()) for _ in range(n)])
     seen = []
@@ -890,3 +902,27 @@ def test_outputs_that_are_the_members_state_or_input_come_back_as_copies():
     assert torch.equal(x, kept)
     for k, v in ens.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_class_whose_forward_was_patched_runs_the_patch(monkeypatch):
+    """The MLP fast path ran Linear and Tanh as torch defines them: after a notebook's
+    nn.Linear.forward = ..., the loop and member(i) ran the patch, ens(x) did not (1.56
+    off the loop)."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double() for _ in range(3)
+    ]
+    ens = fe.Ensemble(copy.deepcopy(members))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    plain = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, h: plain(self, h) * 2.0)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=0, atol=1e-14)
+
+
+def test_replacing_the_stacked_module_is_refused():
+    """ens.fmodel kept the module the ensemble was built with: a new ens.stacked ran with
+    the old one's settings (0.71 off the loop), and member(i) disagreed with ens(x)."""
+    ens = fe.Ensemble([nn.Sequential(nn.Linear(3, 2)) for _ in range(3)])
+    with pytest.raises(AttributeError, match=r"stacked cannot be replaced once the ensemble"):
+        ens.stacked = fe.Ensemble([nn.Sequential(nn.Linear(3, 2)) for _ in range(3)]).stacked
+    assert copy.deepcopy(ens).fmodel.skeleton is not ens.stacked  # copies still rebuild it

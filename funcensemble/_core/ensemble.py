@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from .._checkpoint.state_dict_checks import check_loadable
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
+from .._structure import weight_transforms as _weight_transforms
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
@@ -221,6 +222,18 @@ class Ensemble(nn.Module):
             first, params, buffers = stack_members(where, members, num_members, alive=False)
         return cls._from_stacked(meta_skeleton(first), params, buffers, randomness, chunk_size)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "stacked" and "fmodel" in self.__dict__:
+            # The function that runs the members keeps the module it was built with.
+            raise AttributeError(
+                "Ensemble: stacked cannot be replaced once the ensemble is built (expected "
+                f"the module it was built with, got a new {type(value).__name__}): its "
+                "calls would run the old module's settings on the new one's tensors. Build "
+                "a new fe.Ensemble from the members, e.g. fe.Ensemble(ens.unstack()) after "
+                "changing them."
+            )
+        super().__setattr__(name, value)
+
     def __len__(self) -> int:
         return self.num_members
 
@@ -292,6 +305,9 @@ class Ensemble(nn.Module):
                 f"Ensemble.member: index {index} is out of range for an ensemble of {n} "
                 f"members (valid: {-n} to {n - 1})."
             )
+        _weight_transforms.check_unchanged(
+            "Ensemble.member", self.stacked, self.fmodel._weight_transforms
+        )
         return member_module(self.stacked, self.stacked_params(), self.stacked_buffers(), index % n)
 
     def unstack(self) -> list[nn.Module]:
@@ -301,6 +317,7 @@ class Ensemble(nn.Module):
     def _with_tensors(self, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> "Ensemble":
         """A new ensemble of this one's architecture and options holding these tensors,
         with the forward and backward hooks registered on this ensemble itself."""
+        _weight_transforms.check_unchanged("Ensemble", self.stacked, self.fmodel._weight_transforms)
         skeleton = meta_skeleton(self.stacked)
         new = self._from_stacked(skeleton, params, buffers, self.randomness, self.chunk_size)
         _copy_call_hooks(self, new)

@@ -17,6 +17,7 @@ from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
 from .._structure import chunk_state as _chunk_state
 from .._structure import forward_state as _forward_state
+from .._structure import weight_transforms as _weight_transforms
 from .._structure.tensor_tags import tensor_tags
 from .diagnose import linear_width_error
 from .rollback import save_before_update
@@ -129,6 +130,7 @@ class FunctionalModule:
     def __init__(self, skeleton: nn.Module) -> None:
         self.skeleton = skeleton
         self._keep_tensors()
+        self._weight_transforms = _weight_transforms.of(skeleton)
 
     def _keep_tensors(self) -> None:
         """Keep (weakly) the skeleton's own tensors by name: torch.export's non-strict
@@ -137,11 +139,12 @@ class FunctionalModule:
         self._tensors = _tags_and_tensors(self.skeleton)[1]
 
     def __getstate__(self) -> dict[str, Any]:  # weak references neither copy nor pickle
-        return {"skeleton": self.skeleton}
+        return {"skeleton": self.skeleton, "weight_transforms": self._weight_transforms}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.skeleton = state["skeleton"]
         self._keep_tensors()
+        self._weight_transforms = state.get("weight_transforms", frozenset())
 
     def _kept_tags(self) -> dict[str, dict[str, Any]]:
         """The tags of the tensors ``_keep_tensors`` kept."""
@@ -155,6 +158,10 @@ class FunctionalModule:
     def __call__(
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
     ) -> Any:
+        if not torch.compiler.is_compiling():
+            # A parametrization or pruning added to the ensemble's module after it was
+            # built would act on all members' stacked tensor at once: refused.
+            _weight_transforms.check_unchanged("Ensemble", self.skeleton, self._weight_transforms)
         if len(args) == 1 and not kwargs:
             fast = fast_call(self.skeleton, params, args, kwargs, None)
             if fast is not None:

@@ -38,6 +38,13 @@ _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
 # A step is (module, weight name, bias name) for a Linear, or (module, None, None).
 Plan = list[tuple[nn.Module, str | None, str | None]]
 
+# The forward of each class the fast path runs without calling it, as torch defines it:
+# a class whose forward was replaced (nn.Linear.forward = ..., a patch in a notebook)
+# runs on the general path, which calls it.
+_TORCH_FORWARD = {
+    kind: kind.forward for kind in (nn.Sequential, nn.Linear, nn.Dropout, *_ELEMENTWISE)
+}
+
 
 def _has_hooks(module: nn.Module) -> bool:
     return bool(
@@ -54,6 +61,8 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
         # and ad-hoc patches do) is not the class's: the general path calls it.
         return False
     kind = type(module)
+    if _TORCH_FORWARD.get(kind) is not kind.forward:
+        return False
     if kind is nn.Sequential:
         # Sequential.forward runs _modules in order, repeats included (named_children
         # would skip a module instance used twice).
