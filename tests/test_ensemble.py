@@ -926,3 +926,20 @@ def test_replacing_the_stacked_module_is_refused():
     with pytest.raises(AttributeError, match=r"stacked cannot be replaced once the ensemble"):
         ens.stacked = fe.Ensemble([nn.Sequential(nn.Linear(3, 2)) for _ in range(3)]).stacked
     assert copy.deepcopy(ens).fmodel.skeleton is not ens.stacked  # copies still rebuild it
+
+
+def test_options_set_after_building_are_checked_and_member_checks_leading_sizes():
+    """chunk_size or randomness set on the attribute got torch's own messages at the next
+    call; a parameter of one member's shape assigned to ens.stacked was sliced by
+    member(i) as if stacked (1.87 off)."""
+    ens = fe.Ensemble([nn.Linear(3, 6) for _ in range(3)])
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match=r"chunk_size must be a positive int"):
+            ens.chunk_size = 0.5
+        with pytest.raises(ValueError, match=r"randomness"):
+            ens.randomness = "sometimes"
+    assert ens.chunk_size is None and ens.randomness == "different"
+    ens.chunk_size = 2  # a valid one is taken
+    ens.stacked.bias = nn.Parameter(torch.zeros(6))  # one member's shape
+    with pytest.raises(ValueError, match=r"`bias` has leading size 6, but `weight` has 3"):
+        ens.member(1)

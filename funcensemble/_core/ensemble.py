@@ -20,7 +20,7 @@ from .in_dims import InDims
 from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
 from .seeding import build_seeded, check_seed, global_rng_restored_on_error, member_seed
 from .skeleton import meta_skeleton, replace_tensors
-from .stack import member_list, member_module, stack_as, stack_members
+from .stack import _num_members, member_list, member_module, stack_as, stack_members
 from .tree_view import register_view
 from .vmap import Randomness, check_options, mapped_call
 
@@ -223,6 +223,12 @@ class Ensemble(nn.Module):
         return cls._from_stacked(meta_skeleton(first), params, buffers, randomness, chunk_size)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("randomness", "chunk_size") and "fmodel" in self.__dict__:
+            # Checked as when the ensemble is built (torch's own messages came at the
+            # next call otherwise).
+            options = {"randomness": self.randomness, "chunk_size": self.chunk_size}
+            options[name] = value
+            check_options("Ensemble", lambda p, b: None, **options)  # type: ignore[arg-type]
         if name == "stacked" and "fmodel" in self.__dict__:
             # The function that runs the members keeps the module it was built with.
             raise AttributeError(
@@ -294,7 +300,9 @@ class Ensemble(nn.Module):
             >>> torch.equal(ens.member(-1).weight, ens.stacked.weight[3])
             True
         """
-        n = self.num_members
+        # Every tensor's leading size (a tensor of one member's shape assigned after
+        # building would be sliced as if stacked).
+        n = _num_members("Ensemble.member", self.stacked_params(), self.stacked_buffers())
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(
                 f"Ensemble.member: index must be an int (expected a member index, got "
