@@ -71,17 +71,12 @@ def _named_tensors(skeleton: nn.Module) -> tuple[tuple[str, Tensor], ...]:
 
 
 @torch.compiler.disable  # torch.compile cannot read a tensor's attributes
-def _tags_by_name(skeleton: nn.Module) -> dict[str, dict[str, Any]]:
-    """The Python attributes set on the skeleton's tensors, by name (see
-    ``_structure.attributes``: the stacked tensors carry the members' tags)."""
-    return {name: tags for name, t in _named_tensors(skeleton) if (tags := tensor_tags(t))}
-
-
-@torch.compiler.disable  # as _tags_by_name
 def _tags_and_tensors(
     skeleton: nn.Module,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, "weakref.ref[Tensor]"]]:
-    """``_tags_by_name``, and the skeleton's tensors by name, weakly."""
+    """The Python attributes set on the skeleton's tensors, by name (see
+    ``_structure.attributes``: the stacked tensors carry the members' tags), and the
+    skeleton's tensors by name, weakly."""
     named = _named_tensors(skeleton)
     tags = {name: found for name, t in named if (found := tensor_tags(t))}
     return tags, {name: weakref.ref(t) for name, t in named}
@@ -91,7 +86,7 @@ def _tags_and_tensors(
 def _tagged(skeleton: nn.Module) -> bool:
     """Whether any of the skeleton's tensors has a tag, asked by torch.compile while it
     traces: a constant of the graph, evaluated at each compilation."""
-    return bool(_tags_by_name(skeleton))
+    return bool(_tags_and_tensors(skeleton)[0])
 
 
 def _call(fmodel: "FunctionalModule", params: Any, buffers: Any, args: Any, kwargs: Any) -> Any:
@@ -158,7 +153,8 @@ class FunctionalModule:
     def __call__(
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
     ) -> Any:
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             # A parametrization or pruning added to the ensemble's module after it was
             # built would act on all members' stacked tensor at once: refused.
             _weight_transforms.check_unchanged("Ensemble", self.skeleton, self._weight_transforms)
@@ -167,7 +163,6 @@ class FunctionalModule:
             if fast is not None:
                 return fast
         _check_complete(self.skeleton, params, buffers)
-        compiling = torch.compiler.is_compiling()
         dynamo = compiling and torch.compiler.is_dynamo_compiling()
         if dynamo and _tagged(self.skeleton):
             return _eagerly(self, params, buffers, args, kwargs)
