@@ -943,3 +943,20 @@ def test_options_set_after_building_are_checked_and_member_checks_leading_sizes(
     ens.stacked.bias = nn.Parameter(torch.zeros(6))  # one member's shape
     with pytest.raises(ValueError, match=r"`bias` has leading size 6, but `weight` has 3"):
         ens.member(1)
+
+
+def test_select_concat_and_copy_members_check_leading_sizes():
+    """select, concat and copy_members_ read N from the first tensor: a bias of one
+    member's shape assigned to ens.stacked was sliced (select) or copied row by row
+    (copy_members_) as if stacked, without a word."""
+    ens = fe.Ensemble([nn.Linear(3, 6) for _ in range(3)])
+    bias = torch.arange(6.0)
+    ens.stacked.bias = nn.Parameter(bias.clone())  # one member's shape
+    message = r"`bias` has leading size 6, but `weight` has 3"
+    with pytest.raises(ValueError, match=r"Ensemble.select: " + message):
+        ens.select([0, 2])
+    with pytest.raises(ValueError, match=r"Ensemble.copy_members_: " + message):
+        ens.copy_members_(0, 1)
+    with pytest.raises(ValueError, match=message):
+        ens.concat([nn.Linear(3, 6)])
+    assert torch.equal(ens.stacked.bias, bias)  # nothing was written

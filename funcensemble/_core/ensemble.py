@@ -252,6 +252,11 @@ class Ensemble(nn.Module):
             return t.shape[0]
         raise ValueError("Ensemble: the architecture has no parameters or buffers.")
 
+    def _checked_num_members(self, where: str) -> int:
+        """N, after checking every stacked tensor's leading size (a tensor of one
+        member's shape assigned after building would be sliced as if stacked)."""
+        return _num_members(where, self.stacked_params(), self.stacked_buffers())
+
     def stacked_params(self) -> StackedParameters:
         """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""
         return dict(self.stacked.named_parameters())
@@ -300,9 +305,7 @@ class Ensemble(nn.Module):
             >>> torch.equal(ens.member(-1).weight, ens.stacked.weight[3])
             True
         """
-        # Every tensor's leading size (a tensor of one member's shape assigned after
-        # building would be sliced as if stacked).
-        n = _num_members("Ensemble.member", self.stacked_params(), self.stacked_buffers())
+        n = self._checked_num_members("Ensemble.member")
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(
                 f"Ensemble.member: index must be an int (expected a member index, got "
@@ -358,7 +361,9 @@ class Ensemble(nn.Module):
             >>> len(best), torch.equal(best.member(0).weight, ens.member(4).weight)
             (2, True)
         """
-        idx = check_indices("Ensemble.select", indices, self.num_members)
+        idx = check_indices(
+            "Ensemble.select", indices, self._checked_num_members("Ensemble.select")
+        )
         return self._with_tensors(
             take(self.stacked_params(), idx), take(self.stacked_buffers(), idx)
         )
@@ -388,7 +393,7 @@ class Ensemble(nn.Module):
             (5, True)
         """
         where = "Ensemble.concat"
-        n = self.num_members
+        n = self._checked_num_members(where)
         ref = Architecture.of(self.member(0))
         if isinstance(modules, Ensemble):
             check_same_architecture(where, n, ref, modules.member(0))
@@ -427,7 +432,8 @@ class Ensemble(nn.Module):
             >>> torch.equal(ens.stacked.weight[3], ens.stacked.weight[0])
             True
         """
-        mapping = copy_mapping("Ensemble.copy_members_", src, dst, self.num_members)
+        where = "Ensemble.copy_members_"
+        mapping = copy_mapping(where, src, dst, self._checked_num_members(where))
         copy_leaves_([self.stacked_params(), self.stacked_buffers()], mapping)
 
     def extra_repr(self) -> str:
