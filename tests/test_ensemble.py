@@ -960,3 +960,51 @@ def test_select_concat_and_copy_members_check_leading_sizes():
     with pytest.raises(ValueError, match=message):
         ens.concat([nn.Linear(3, 6)])
     assert torch.equal(ens.stacked.bias, bias)  # nothing was written
+
+
+@pytest.mark.parametrize("path", ["mlp", "general"])
+@pytest.mark.parametrize(
+    ("attr", "shape"),
+    [
+        pytest.param("bias", (1, 4), id="bias-leading-1"),
+        pytest.param("bias", (4,), id="bias-one-member-N-equal-out"),
+        pytest.param("bias", (4, 1), id="bias-N-by-1"),
+        pytest.param("weight", (1, 4, 32), id="weight-leading-1"),
+        pytest.param("weight", (4, 32), id="weight-one-member"),
+    ],
+)
+def test_tensor_of_another_shape_assigned_after_building_is_refused(path, attr, shape):
+    """A [1, out] bias assigned to ens.stacked was broadcast to every member by the call
+    (its gradient the sum of all members'); one member's [out] bias with out == N was
+    sliced to one number per member by the call and by member(i) (1.6 off the loop).
+    Every face refuses them now, naming the tensor."""
+
+    def mid():
+        return nn.Tanh() if path == "mlp" else nn.LayerNorm(32)
+
+    ens = fe.Ensemble([nn.Sequential(nn.Linear(8, 32), mid(), nn.Linear(32, 4)) for _ in range(4)])
+    setattr(ens.stacked[2], attr, nn.Parameter(torch.randn(shape)))
+    x = torch.randn(5, 8)
+    name = rf"`2\.{attr}`|params\['2\.{attr}'\]"
+    with pytest.raises(ValueError, match=name):
+        ens(x)
+    with pytest.raises(ValueError, match=name):
+        ens.member(0)
+    with pytest.raises(ValueError, match=name):
+        fe.vmap(ens.fmodel)(ens.stacked_params(), ens.stacked_buffers(), x)
+
+
+def test_functional_params_of_another_member_shape_are_refused():
+    """fe.vmap and fe.value_and_grad took a params dict whose bias had another per-member
+    shape ([N] for [N, out]: one number per member, broadcast over its outputs)."""
+    members = [nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(4)]
+    fmodel, params, buffers = fe.stack(members)
+    params = {**params, "2.bias": torch.randn(4)}
+    x = torch.randn(5, 3)
+    message = (
+        r"params\['2.bias'\] has one member's shape \(\), but the members were built with \(4,\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        fe.vmap(fmodel)(params, buffers, x)
+    with pytest.raises(ValueError, match=message):
+        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(params, buffers, x)

@@ -385,7 +385,18 @@ def test_wrong_input_width_on_the_general_path_names_the_layer(in_dims, chunk_si
 def test_other_failures_keep_their_own_error() -> None:
     """The layer search only rewords a wrong Linear width."""
     fmodel, params, buffers = fe.stack([_Residual() for _ in range(2)])
-    with pytest.raises(RuntimeError, match="running_mean should contain 10 elements not 5"):
+    with pytest.raises(RuntimeError, match="expected scalar type Double but found Float"):
+        fe.vmap(fmodel)(params, buffers, torch.randn(8, 4, dtype=torch.float64))
+
+
+def test_a_buffer_of_another_member_shape_is_refused_before_it_runs() -> None:
+    """Refused by name before the member runs (torch's own message was BatchNorm's)."""
+    fmodel, params, buffers = fe.stack([_Residual() for _ in range(2)])
+    with pytest.raises(
+        ValueError,
+        match=r"vmap: buffers\['body.1.running_mean'\] has one member's shape \(5,\), but "
+        r"the members were built with \(10,\)",
+    ):
         fe.vmap(fmodel)(
             params, {**buffers, "body.1.running_mean": torch.zeros(2, 5)}, torch.randn(8, 4)
         )

@@ -135,7 +135,7 @@ class Ensemble(nn.Module):
         )
         self.randomness: Randomness = randomness
         self.chunk_size = chunk_size
-        self.fmodel = FunctionalModule(self.stacked)
+        self.fmodel = FunctionalModule._of_stacked(self.stacked)
         # Report the members' mode: an ensemble of eval-mode members is in eval mode.
         # (Not self.train(...): that would overwrite submodules' own, possibly mixed, flags.)
         self.training = skeleton.training
@@ -253,9 +253,22 @@ class Ensemble(nn.Module):
         raise ValueError("Ensemble: the architecture has no parameters or buffers.")
 
     def _checked_num_members(self, where: str) -> int:
-        """N, after checking every stacked tensor's leading size (a tensor of one
-        member's shape assigned after building would be sliced as if stacked)."""
-        return _num_members(where, self.stacked_params(), self.stacked_buffers())
+        """N, after checking every stacked tensor's shape: the member axis first, then
+        the member's shape as built (a tensor of another shape assigned after building
+        would be sliced as if stacked)."""
+        params, buffers = self.stacked_params(), self.stacked_buffers()
+        n = _num_members(where, params, buffers)
+        for name, t in (*params.items(), *buffers.items()):
+            kind, shape = self.fmodel._member_shapes.get(name, ("", t.shape[1:]))
+            if t.shape[1:] != shape:
+                want, got = (n, *shape), tuple(t.shape)
+                raise ValueError(
+                    f"{where}: stacked {kind} `{name}` has shape {got}, but the members "
+                    f"were built with {tuple(shape)} (expected {want}, got {got}). Keep "
+                    "the shapes the ensemble was built with; to change them, build a new "
+                    "ensemble from modules of the new shapes."
+                )
+        return n
 
     def stacked_params(self) -> StackedParameters:
         """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""
@@ -294,7 +307,10 @@ class Ensemble(nn.Module):
                 # (Checked here: a traced call must not enter not_saved as a new frame.)
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
         mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size)
-        return mapped(self.stacked_params(), self.stacked_buffers(), args, kwargs, dims)
+        params, buffers = self.stacked_params(), self.stacked_buffers()
+        if not torch.compiler.is_compiling():  # a tensor assigned after building
+            _num_members("Ensemble", params, buffers, checked=True)
+        return mapped(params, buffers, args, kwargs, dims)
 
     def member(self, index: int) -> nn.Module:
         """An independent ordinary module holding member ``index`` (negative counts back).

@@ -22,45 +22,70 @@ from .._structure.tensor_tags import tensor_tags
 from .diagnose import linear_width_error
 from .rollback import save_before_update
 
+MemberShapes = dict[str, tuple[str, torch.Size]]
 
-def _check_complete(skeleton: nn.Module, params: Any, buffers: Any) -> None:
-    """Refuse ``params`` and ``buffers`` that leave out a tensor of the module.
 
-    ``functional_call(strict=False)`` would use the skeleton's own tensor for it: a
-    meta tensor (``fe.stack``) or all members' stacked one (``Ensemble.fmodel``),
-    wrong numbers either way (or none at all).
+def member_shapes(skeleton: nn.Module, stacked: bool) -> MemberShapes:
+    """One member's shape of each of ``skeleton``'s tensors, by name, with its kind
+    (``"parameter"`` or ``"buffer"``); ``stacked``: the tensors have the member axis."""
+    return {
+        name: (kind, t.shape[1:] if stacked else t.shape)
+        for kind, named in (
+            ("parameter", skeleton.named_parameters()),
+            ("buffer", skeleton.named_buffers()),
+        )
+        for name, t in named
+    }
+
+
+def _check_given(shapes: MemberShapes, params: Any, buffers: Any) -> None:
+    """Refuse ``params`` and ``buffers`` that leave out a tensor of the module, or hold
+    one of another shape than the module's.
+
+    ``functional_call(strict=False)`` would use the skeleton's own tensor for a missing
+    one: a meta tensor (``fe.stack``) or all members' stacked one (``Ensemble.fmodel``),
+    wrong numbers either way (or none at all). A tensor of another shape may broadcast
+    where the member's would not (a ``[4]`` bias of an ``[N=4, 4]`` one, sliced to one
+    number per member): each member would compute another function, without a word.
     """
     if torch.compiler.is_compiling():
         return
-    given = (params, buffers)
-    for kind, named in (
-        ("parameter", skeleton.named_parameters()),
-        ("buffer", skeleton.named_buffers()),
-    ):
-        for name, _ in named:
-            if not any(isinstance(d, Mapping) and name in d for d in given):
-                where = "vmap" if _torch_compat.inside_transform() else "FunctionalModule"
-                raise ValueError(
-                    f"{where}: the module's {kind} `{name}` is in neither params nor "
-                    f"buffers (expected every parameter and buffer, as fe.stack returns "
-                    "them). Pass them all, the frozen ones too: value_and_grad "
-                    "differentiates only those that require grad."
-                )
-
-
-def _stacked_given(skeleton: nn.Module, params: Any) -> Exception | None:
-    """The error for stacked ``[N, ...]`` parameters given to one member's function
-    outside ``vmap`` (a call that failed), or ``None`` if they are not that."""
-    for name, p in skeleton.named_parameters():
-        given = params.get(name) if isinstance(params, Mapping) else None
-        if isinstance(given, Tensor) and given.dim() == p.dim() + 1 and given.shape[1:] == p.shape:
-            return ValueError(
-                f"FunctionalModule: params[{name!r}] has shape {tuple(given.shape)}, all "
-                f"members stacked (expected one member's {tuple(p.shape)}): fmodel computes "
-                "ONE member. Map it over the members with fe.vmap(fmodel)(params, buffers, "
-                "x), or pass one member's slice ({k: v[i] for k, v in params.items()})."
+    for name, (kind, shape) in shapes.items():
+        t = params.get(name) if isinstance(params, Mapping) else None
+        if t is None and isinstance(buffers, Mapping):
+            t = buffers.get(name)
+        if t is None:
+            raise ValueError(
+                f"{_where()}: the module's {kind} `{name}` is in neither params nor buffers "
+                "(expected every parameter and buffer, as fe.stack returns them). Pass them "
+                "all, the frozen ones too: value_and_grad differentiates only those that "
+                "require grad."
             )
-    return None
+        if isinstance(t, Tensor) and t.shape != shape:
+            raise _shape_error(name, kind, tuple(shape), tuple(t.shape))
+
+
+def _where() -> str:
+    return "vmap" if _torch_compat.inside_transform() else "FunctionalModule"
+
+
+def _shape_error(name: str, kind: str, want: tuple[int, ...], got: tuple[int, ...]) -> ValueError:
+    where = _where()
+    given = f"{'params' if kind == 'parameter' else 'buffers'}[{name!r}]"
+    if where == "FunctionalModule" and got[1:] == want:
+        return ValueError(
+            f"FunctionalModule: {given} has shape {got}, all members stacked "
+            f"(expected one member's {want}): fmodel computes ONE member. Map it over the "
+            "members with fe.vmap(fmodel)(params, buffers, x), or pass one member's slice "
+            "({k: v[i] for k, v in params.items()})."
+        )
+    return ValueError(
+        f"{where}: {given} has one member's shape {got}, but the members were "
+        f"built with {want} (expected {want}, got {got}): a tensor of another shape would "
+        "compute another function than each member's, or broadcast. Pass the tensors "
+        "fe.stack returned ([N, *shape] stacked); to change shapes, build a new ensemble "
+        "from modules of the new shapes."
+    )
 
 
 def _named_tensors(skeleton: nn.Module) -> tuple[tuple[str, Tensor], ...]:
@@ -126,6 +151,14 @@ class FunctionalModule:
         self.skeleton = skeleton
         self._keep_tensors()
         self._weight_transforms = _weight_transforms.of(skeleton)
+        self._member_shapes = member_shapes(skeleton, stacked=False)
+
+    @classmethod
+    def _of_stacked(cls, stacked: nn.Module) -> "FunctionalModule":
+        """The function of one member of ``stacked``, whose tensors are ``[N, ...]``."""
+        fmodel = cls(stacked)
+        fmodel._member_shapes = member_shapes(stacked, stacked=True)
+        return fmodel
 
     def _keep_tensors(self) -> None:
         """Keep (weakly) the skeleton's own tensors by name: torch.export's non-strict
@@ -134,12 +167,17 @@ class FunctionalModule:
         self._tensors = _tags_and_tensors(self.skeleton)[1]
 
     def __getstate__(self) -> dict[str, Any]:  # weak references neither copy nor pickle
-        return {"skeleton": self.skeleton, "weight_transforms": self._weight_transforms}
+        return {
+            "skeleton": self.skeleton,
+            "weight_transforms": self._weight_transforms,
+            "member_shapes": self._member_shapes,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.skeleton = state["skeleton"]
         self._keep_tensors()
         self._weight_transforms = state.get("weight_transforms", frozenset())
+        self._member_shapes = state.get("member_shapes", {})
 
     def _kept_tags(self) -> dict[str, dict[str, Any]]:
         """The tags of the tensors ``_keep_tensors`` kept."""
@@ -162,7 +200,7 @@ class FunctionalModule:
             fast = fast_call(self.skeleton, params, args, kwargs, None)
             if fast is not None:
                 return fast
-        _check_complete(self.skeleton, params, buffers)
+        _check_given(self._member_shapes, params, buffers)
         dynamo = compiling and torch.compiler.is_dynamo_compiling()
         if dynamo and _tagged(self.skeleton):
             return _eagerly(self, params, buffers, args, kwargs)
@@ -220,9 +258,7 @@ class FunctionalModule:
         except RuntimeError:
             if torch.compiler.is_compiling():
                 raise
-            clear = (None if inside else _stacked_given(self.skeleton, params)) or (
-                linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
-            )
+            clear = linear_width_error(where, self.skeleton, params, buffers, args, kwargs)
             if clear is None:
                 raise
             raise clear from None

@@ -140,21 +140,39 @@ def width_error(where: str, weight: str, shape: tuple[int, ...], got: int, *, fi
     )
 
 
-def check_widths(where: str, steps: Plan, params: dict[str, Tensor], width: int) -> None:
-    """Check each Linear's ``in_features`` against the width reaching it, before any GEMM.
+def check_widths(where: str, steps: Plan, params: dict[str, Tensor], n: int, width: int) -> None:
+    """Check each Linear's stacked shapes, and its ``in_features`` against the width
+    reaching it, before any GEMM.
 
     Otherwise a wrong input width surfaces as the shapes of our internal matrix
-    products (``(20x3 and 4x10)``), which name neither the input nor the layer.
+    products (``(20x3 and 4x10)``), which name neither the input nor the layer; and a
+    tensor assigned to the stacked module with another shape (a ``[1, out]`` or one
+    member's ``[out]`` bias) would broadcast over the members without a word.
     """
     first = True
-    for _, weight, _ in steps:
+    for _, weight, bias in steps:
         if weight is None:
             continue
         w = params[weight]
+        if w.dim() != 3 or w.shape[0] != n:
+            raise ValueError(_stacked_shape_error(where, weight, tuple(w.shape), n, "[N, out, in]"))
         if w.shape[-1] != width:
             raise ValueError(width_error(where, weight, tuple(w.shape[1:]), width, first=first))
         width = w.shape[-2]
         first = False
+        if bias is not None and params[bias].shape != (n, width):
+            got = tuple(params[bias].shape)
+            raise ValueError(_stacked_shape_error(where, bias, got, n, f"[N, {width}]"))
+
+
+def _stacked_shape_error(where: str, name: str, got: tuple[int, ...], n: int, want: str) -> str:
+    return (
+        f"{where}: stacked tensor `{name}` has shape {got} (expected {want} with N={n}: "
+        "the member axis first, then one member's shape as the members were built). A "
+        "tensor of another shape would broadcast over the members. Keep the shapes the "
+        "ensemble was built with; to change them, build a new ensemble from modules of "
+        "the new shapes."
+    )
 
 
 def check_dtype(where: str, steps: Plan, params: dict[str, Tensor], x: Tensor) -> None:
@@ -197,7 +215,7 @@ def run(
         x = x.movedim(member_dim, 0)
         if x.dim() < 2 or x.shape[0] != n:
             return None
-    check_widths(where, steps, params, x.shape[-1])
+    check_widths(where, steps, params, n, x.shape[-1])
     if not autocast:
         check_dtype(where, steps, params, x)
     if torch.compiler.is_compiling() and not autocast:
