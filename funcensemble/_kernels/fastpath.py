@@ -201,8 +201,8 @@ def run(
 
     Returns ``[N, *lead, out]``, or ``None`` if this call needs the general path.
     """
-    if _torch_compat.global_module_hooks() or x.dim() < 1:
-        return None
+    if _torch_compat.global_module_hooks() or x.dim() < 1 or x.shape[-1] == 0:
+        return None  # (no input features: rows cannot be told apart in a reshape)
     # Autocast casts the operands of the plain ops (addmm, baddbmm, bmm) as it casts
     # the loop's F.linear, but not those of an op writing into out= or of the compiled
     # MLP op: under it only the plain-op chain runs.
@@ -210,7 +210,10 @@ def run(
     for module, weight, _ in steps:
         if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
             return None  # random masks follow vmap's randomness rules: general path
-    n = next(params[w].shape[0] for _, w, _ in steps if w is not None)
+    first = next(params[w] for _, w, _ in steps if w is not None)
+    if first.is_complex():
+        return None  # our backward passes transpose without conjugating: general path
+    n = first.shape[0]
     if member_dim is not None:
         x = x.movedim(member_dim, 0)
         if x.dim() < 2 or x.shape[0] != n:
@@ -509,6 +512,8 @@ def _compiled_member_call(skeleton: nn.Module, params: dict[str, Any], x: Tensor
     present = [b for b in biases if b is not None]
     if any(not isinstance(params.get(name), Tensor) for name in (*weights, *present)):
         return None
+    if params[weights[0]].is_complex():
+        return None  # as in run()
     width = x.shape[-1]
     for i, name in enumerate(weights):
         shape = tuple(params[name].shape)
