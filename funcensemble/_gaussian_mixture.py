@@ -45,7 +45,10 @@ def gaussian_mixture(
     ``mean_i(var_i) + mean_i(mean_i**2) - mean**2``: the average noise the members
     expect (aleatoric) plus the spread of their means (epistemic, the population
     variance over the N members, ``correction=0``). One member gives an epistemic
-    part of 0. Gradients flow to ``mean`` and ``var``.
+    part of 0. The epistemic part is computed in float64 whatever the inputs' dtype
+    (float32 on MPS) and rounded back, so that members that nearly agree (a spread of
+    1e-3 around 1e4 in float32) keep its relative precision. Gradients flow to
+    ``mean`` and ``var``.
 
     Args:
         mean: The members' predicted means, member axis first.
@@ -95,5 +98,9 @@ def gaussian_mixture(
             )
     center = mean.mean(dim=0)
     aleatoric = var.mean(dim=0)
-    epistemic = (mean - center).square().mean(dim=0)
+    # torch.var in float64 (MPS has none): a spread taken around a mean rounded to
+    # float32 loses all its digits when the members nearly agree (a spread of 1e-3
+    # around 1e4), and float16's squared deviations overflow before their mean does.
+    wide = torch.float32 if mean.device.type == "mps" else torch.float64
+    epistemic = torch.var(mean.to(wide), dim=0, correction=0).to(mean.dtype)
     return GaussianMixture(center, aleatoric + epistemic, aleatoric, epistemic)

@@ -1,5 +1,6 @@
 """Per-member sample weights in a shared batch: bootstrap masks and the weighted mean."""
 
+import math
 from typing import Literal
 
 import torch
@@ -118,15 +119,16 @@ def _reduced_dims(where: str, dim: object, ndim: int) -> tuple[int, ...]:
             f"{where}: dim must be None, an int or a tuple of ints (expected e.g. -1 or (1, 2), "
             f"got {dim!r}). Name the dimensions to reduce over."
         )
+    # As torch's reductions do, a 0-dim tensor takes dim 0 or -1 (it counts as 1-dim).
+    rank = max(ndim, 1)
     out = []
     for d in dims:
-        if not -ndim <= d < max(ndim, 1):
+        if not -rank <= d < rank:
             raise ValueError(
                 f"{where}: dim {d} is out of range for values with {ndim} dimension(s) "
-                f"(expected a dim from {-max(ndim, 1)} to {max(ndim, 1) - 1}). Name "
-                "dimensions of values."
+                f"(expected a dim from {-rank} to {rank - 1}). Name dimensions of values."
             )
-        out.append(d % ndim if ndim else 0)
+        out.append(d % rank)
     if not out:
         raise ValueError(f"{where}: dim is an empty tuple; pass None to reduce every dim.")
     if len(set(out)) != len(out):
@@ -160,6 +162,13 @@ def weighted_mean(
     would), except that weights summing to exactly 0 give 0, whatever their signs,
     as an empty mask does: no value check runs, so that nothing syncs the device in
     a training step.
+
+    Gradients are the formula's, at a weight of 0 too: a weight's gradient is its
+    sample's value over the divisor (less ``result / sum(w)`` for ``"weights"``), the
+    signal that weights learned from 0 need. Besides the empty member above, one
+    exception: a sample of weight 0 whose loss is inf or NaN counts as a loss of 0,
+    so its weight's gradient is 0 (``-result / sum(w)`` for ``"weights"``) where the
+    formula's would be inf or NaN; its value's gradient is 0, as the formula's.
 
     Inside a one-member ``loss_fn`` (functional face) leave ``dim=None`` to reduce
     all of the member's samples; on stacked ``[N, batch]`` losses (module face) pass
@@ -215,12 +224,13 @@ def weighted_mean(
             f"{normalize!r}). Pass normalize='weights' or normalize='samples'."
         )
     dims = _reduced_dims(where, dim, values.dim())
-    kept = weights != 0
-    total = torch.where(kept, weights * values, 0).sum(dim=dims)
+    # Zero a value that is not finite where its weight is 0, so that 0 * inf does not
+    # make the sum NaN; mask the value, not the product, so that d/dweights stays the
+    # formula's (the value itself), also at a weight of 0.
+    used = (weights != 0) | values.isfinite()
+    total = (weights * torch.where(used, values, 0)).sum(dim=dims)
     if normalize == "samples":
-        count = 1
-        for d in dims:
-            count *= values.shape[d]
+        count = math.prod(values.shape[d] for d in dims) if values.dim() else 1
         return total / count
     weight = weights.sum(dim=dims)
     empty = weight == 0

@@ -70,6 +70,52 @@ def test_gradients_flow_to_means_and_variances():
     assert var.grad.tolist() == [[0.5], [0.5]]
 
 
+# One rounding to the dtype: half an ulp, relative (1% more for float64's own error).
+ROUNDING = {
+    torch.float32: 1.01 * 2.0**-24,
+    torch.float16: 1.01 * 2.0**-11,
+    torch.bfloat16: 1.01 * 2.0**-8,
+}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "offset", "spread"),
+    [
+        (torch.float32, 1e3, 1e-1),
+        (torch.float32, 1e4, 1e-2),
+        (torch.float32, 1e4, 1e-3),
+        (torch.float16, 100.0, 1.0),
+        (torch.bfloat16, 100.0, 1.0),
+    ]
+    + [(dtype, 0.0, 1.0) for dtype in (torch.float32, torch.float16, torch.bfloat16)],
+)
+def test_epistemic_keeps_its_precision_when_members_nearly_agree(dtype, offset, spread):
+    """The members' spread is rounded once to the dtype, not taken around a mean already
+    rounded to it (which gave 100% off at a spread of 1e-3 around 1e4 in float32)."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(16, 200, generator=g, dtype=torch.float64) * spread + offset
+    mean = raw.to(dtype).requires_grad_(True)
+    mix = fe.reduce.gaussian_mixture(mean, torch.ones_like(mean))
+    exact = mean.detach().double()  # the variance of the very inputs, in float64
+    want = exact.var(dim=0, correction=0)
+    assert mix.epistemic.dtype == dtype
+    torch.testing.assert_close(mix.epistemic.double(), want, rtol=ROUNDING[dtype], atol=0)
+    assert torch.equal(mix.var, mix.aleatoric + mix.epistemic)
+    # d/dmu_i of the epistemic part: 2 (mu_i - mu) / N, which also needs the exact mean.
+    (grad,) = torch.autograd.grad(mix.epistemic.sum(), mean)
+    want_grad = 2 * (exact - exact.mean(dim=0)) / 16
+    torch.testing.assert_close(grad.double(), want_grad, rtol=ROUNDING[dtype], atol=0)
+
+
+def test_float16_squares_do_not_overflow_before_their_mean():
+    """One member at 1000, 15 at 0: the squared deviation (1e6) overflows float16, the
+    variance (58593.75) does not."""
+    mean = torch.zeros(16, 1, dtype=torch.float16)
+    mean[0] = 1000
+    mix = fe.reduce.gaussian_mixture(mean, torch.zeros_like(mean))
+    assert mix.epistemic.item() == torch.tensor(58593.75).half().item() == mix.var.item()
+
+
 @pytest.mark.parametrize(
     ("mean", "var", "error", "match"),
     [

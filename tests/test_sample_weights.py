@@ -141,6 +141,83 @@ def test_a_left_out_sample_does_not_enter_the_value_even_if_not_finite():
     assert fe.weighted_mean(values, weights, normalize="samples").item() == 1.0
 
 
+def formula(values, weights, normalize, dim=None):
+    """weighted_mean's formula, written out (for members whose weights do not sum to 0)."""
+    dims = tuple(range(values.dim())) if dim is None else dim
+    total = (weights * values).sum(dim=dims)
+    if normalize == "samples":
+        return total / math.prod(values.shape[d] for d in dims)
+    return total / weights.sum(dim=dims)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("normalize", "w0"),
+    [
+        (normalize, w0)
+        for normalize in ("weights", "samples")
+        for w0 in ([1.0, 0.0, 1.0, 0.0], [0.0, 2.0, 0.0, 0.5], [0.3, 1.0, 2.0, 0.7])
+    ]
+    # all zero: "weights" gives an empty member 0, not the formula's 0 / 0 (tested above)
+    + [("samples", [0.0, 0.0, 0.0, 0.0])],
+)
+def test_gradients_are_the_formulas_also_at_zero_weights(dtype, normalize, w0):
+    """Learning to reweight starts weights at 0: d/dweights there is the value's signal."""
+    values = torch.tensor([1.0, 2.0, 5.0, -4.0], dtype=dtype, requires_grad=True)
+    weights = torch.tensor(w0, dtype=dtype, requires_grad=True)
+    out = fe.weighted_mean(values, weights, normalize=normalize)
+    got = torch.autograd.grad(out, (values, weights))
+    want = torch.autograd.grad(formula(values, weights, normalize), (values, weights))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOLS[dtype])
+
+
+@pytest.mark.parametrize("normalize", ["weights", "samples"])
+def test_gradients_over_several_dims_match_the_formula(normalize):
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weights = fe.bootstrap_masks(12, 5, dtype=torch.float64, generator=g).view(3, 4, 5)
+    weights[:, 0] = 0  # ensure zeros, but no empty member
+    weights[:, 1, 0] = 1
+    weights.requires_grad_(True)
+    got = torch.autograd.grad(
+        fe.weighted_mean(values, weights, dim=(1, 2), normalize=normalize).sum(), (values, weights)
+    )
+    want = torch.autograd.grad(
+        formula(values, weights, normalize, dim=(1, 2)).sum(), (values, weights)
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("normalize", ["weights", "samples"])
+def test_a_not_finite_loss_at_zero_weight_counts_as_a_zero_loss(normalize):
+    """The docstring's one exception: an inf/NaN loss at weight 0 counts as a loss of 0,
+    for the value and every gradient (its weight's: 0, or -result / sum(w))."""
+    values = torch.tensor([1.0, math.inf, 5.0, math.nan], dtype=torch.float64, requires_grad=True)
+    weights = torch.tensor([1.0, 0.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    out = fe.weighted_mean(values, weights, normalize=normalize)
+    got_v, got_w = torch.autograd.grad(out, (values, weights))
+    finite = values.detach().nan_to_num(0.0, 0.0, 0.0).requires_grad_(True)
+    w = weights.detach().requires_grad_(True)
+    ref = formula(finite, w, normalize)
+    want_v, want_w = torch.autograd.grad(ref, (finite, w))
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_v, want_v, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dim", [None, 0, -1, (0,), (-1,)])
+@pytest.mark.parametrize("normalize", ["weights", "samples"])
+def test_a_0_dim_loss_takes_the_dims_torch_does(dim, normalize):
+    """As torch.sum, a 0-dim tensor takes dim 0 and -1."""
+    values, weights = torch.tensor(3.0), torch.tensor(2.0)
+    want = values if normalize == "weights" else weights * values
+    assert torch.equal(fe.weighted_mean(values, weights, dim=dim, normalize=normalize), want)
+    kwargs = {} if dim is None else {"dim": dim}
+    assert values.sum(**kwargs).shape == ()
+
+
 def test_weighted_mean_matches_the_formula_over_several_dims():
     g = torch.Generator().manual_seed(0)
     values = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
@@ -231,6 +308,9 @@ def test_bootstrap_masks_refuses_bad_arguments(kwargs, error, match):
         ([1.0], torch.ones(1), {}, TypeError, "values must be a tensor"),
         (torch.ones(3), torch.ones(3), {"dim": 1}, ValueError, "dim 1 is out of range"),
         (torch.ones(3), torch.ones(3), {"dim": ()}, ValueError, "empty tuple"),
+        (torch.tensor(1.0), torch.tensor(1.0), {"dim": 1}, ValueError, r"from -1 to 0\)"),
+        (torch.tensor(1.0), torch.tensor(1.0), {"dim": -2}, ValueError, "dim -2 is out of"),
+        (torch.tensor(1.0), torch.tensor(1.0), {"dim": (0, -1)}, ValueError, "twice"),
         (torch.ones(2, 3), torch.ones(2, 3), {"dim": (1, -1)}, ValueError, "twice"),
         (torch.ones(3), torch.ones(3), {"dim": 0.5}, TypeError, "dim must be None"),
         (torch.ones(3), torch.ones(3), {"normalize": "sum"}, ValueError, "normalize must be"),
