@@ -289,3 +289,26 @@ def test_ensemble_state_dict_with_extra_state_loads_back(strict) -> None:
     x = torch.randn(4, 3)
     torch.testing.assert_close(other(x), ens(x), rtol=0, atol=0)
     assert other.stacked.temperature == 2.0
+
+
+def test_import_refuses_a_meta_tensor_before_writing_any_member():
+    """Members 0 and 1 were written before torch's 'Cannot copy out of meta tensor'."""
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    good = [nn.Linear(3, 2).state_dict() for _ in range(3)]
+    state_dicts = [good[0], good[1], {k: v.to("meta") for k, v in good[2].items()}]
+    with pytest.raises(ValueError, match=r"member 2 has `weight` on the meta device"):
+        fe.import_state_dicts(ens, state_dicts)
+    assert all(torch.equal(before[k], v) for k, v in ens.state_dict().items())
+
+
+def test_export_and_unstack_refuse_tensors_of_another_member_shape():
+    """A (3, 5) bias for Linear(3, 4) members exported a dict that the architecture's
+    load_state_dict then refused elsewhere."""
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 4) for _ in range(3)])
+    params = {**params, "bias": torch.zeros(3, 5)}
+    message = r"parameter `bias` has shape \(3, 5\), but the members were built with \(4,\)"
+    with pytest.raises(ValueError, match=message):
+        fe.export_state_dicts(fmodel, params, buffers)
+    with pytest.raises(ValueError, match=message):
+        fe.unstack(fmodel, params, buffers)

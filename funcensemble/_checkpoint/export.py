@@ -118,7 +118,11 @@ def import_state_dicts(
             f"{where}: expected a sequence of state_dicts, one per member, got a "
             f"{type(state_dicts).__name__}. Wrap a single state_dict in a list."
         )
-    n = ensemble.num_members
+    n = (
+        ensemble.num_members
+        if isinstance(ensemble, HeteroEnsemble)
+        else ensemble._checked_num_members(where)
+    )
     if len(state_dicts) != n:
         raise ValueError(
             f"{where}: got {len(state_dicts)} state_dicts; the ensemble has {n} members. "
@@ -302,6 +306,12 @@ def _check_member(
                 f"{where}: member {i} has `{key}` as a {value.layout} tensor (expected a "
                 f"dense (strided) tensor, got {value.layout}). Convert it first "
                 "(value.to_dense())."
+            )
+        if value.is_meta:
+            raise ValueError(
+                f"{where}: member {i} has `{key}` on the meta device, which holds no values "
+                "(expected a tensor with values, got a meta tensor). Pass state_dicts of "
+                "materialized modules (module.to_empty(...) and load or initialize them)."
             )
         if value.shape != target.shape[1:]:
             raise ValueError(

@@ -255,6 +255,15 @@ def unstack(
                 f"Pass the {kind} that fe.stack returned with this fmodel."
             )
     n = _num_members("unstack", params, buffers)
+    for name, t in (*params.items(), *buffers.items()):
+        kind, shape = fmodel._member_shapes.get(name, ("", t.shape[1:]))
+        if t.shape[1:] != shape:
+            want, got = (n, *shape), tuple(t.shape)
+            raise ValueError(
+                f"unstack: {kind} `{name}` has shape {got}, but the members were built "
+                f"with {tuple(shape)} (expected {want}, got {got}). Pass the tensors "
+                "fe.stack returned with this fmodel, or stack modules of the new shapes."
+            )
     return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]
 
 
