@@ -661,3 +661,21 @@ def test_a_narrow_linear_member_agrees_with_the_whole_to_rounding(dtype):
     for devices in (["cpu"] * 2, CPU3, ["cpu"] * 7):
         torch.testing.assert_close(ShardedEnsemble(ens, devices)(x), whole, **tol)
     torch.testing.assert_close(ens.select([0, 1])(x), whole[:2], **tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_same_randomness_with_chunks_replays_the_cuda_draw():
+    """torch's chunked vmap replays only the CPU generator: with randomness="same" and
+    chunk_size, a CUDA ensemble's dropout drew a new mask for every chunk, so members
+    did not share one draw (fe.value_and_grad, which replays CUDA's, shared it)."""
+    members = [nn.Sequential(nn.Linear(6, 64), nn.Dropout(0.5)).cuda() for _ in range(5)]
+    for m in members[1:]:
+        m.load_state_dict(members[0].state_dict())
+    x = torch.randn(8, 6, device="cuda")
+    outs = {}
+    for chunk_size in (None, 2):
+        ens = fe.Ensemble(members, randomness="same", chunk_size=chunk_size)
+        torch.manual_seed(0)
+        outs[chunk_size] = ens(x)
+    assert torch.equal(outs[2], outs[None])
+    assert all(torch.equal(outs[2][i], outs[2][0]) for i in range(5))

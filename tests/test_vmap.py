@@ -155,6 +155,23 @@ def test_dropout_reproducible_under_manual_seed(randomness: str) -> None:
     assert not torch.equal(runs[0], other)
 
 
+def test_same_randomness_on_per_member_values_says_what_to_do() -> None:
+    """torch.bernoulli of a layer's output under randomness="same" got torch's "please
+    file an issue with functorch", naming neither the cause nor a way out."""
+
+    class Stochastic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.bernoulli(torch.sigmoid(self.lin(x)))
+
+    ens = fe.Ensemble([Stochastic() for _ in range(3)], randomness="same")
+    with pytest.raises(RuntimeError, match=r"samples from a tensor that differs between the "):
+        ens(torch.randn(2, 3))
+
+
 @pytest.mark.parametrize("nested", [False, True])
 def test_randomness_error_gives_own_message(nested: bool) -> None:
     fmodel, params, buffers = _dropout_members(2)

@@ -20,6 +20,7 @@ from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .rollback import rollback_on_error
+from .seeding import rng_state, set_rng_state
 from .stack import _num_members
 
 Randomness = Literal["different", "same", "error"]
@@ -143,6 +144,16 @@ def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | N
             "vmap: the model draws random numbers (e.g. Dropout in train mode) but "
             "randomness='error'. Pass randomness='different' for independent draws per "
             "member, randomness='same' to share one draw across members, or call .eval()."
+        )
+    if "same randomness with a batched tensor" in message:
+        return RuntimeError(
+            "vmap: randomness='same' shares one draw among all members, but this random "
+            "op samples from a tensor that differs between the members, such as "
+            "torch.bernoulli(p) of a layer's output (expected random ops whose inputs all "
+            "members share, got one of per-member values). Pass randomness='different' "
+            "for independent draws per member, or draw the random numbers outside the "
+            "members and give them as an input. Torch's "
+            "message: " + message.splitlines()[0]
         )
     return None
 
@@ -333,6 +344,8 @@ def mapped_call(
 
         else:
             chunks = [0]  # torch.func.vmap maps the chunks in order, one call each
+            device = state[0].device if state else torch.device("cpu")
+            draws: list[Any] = [None]
 
             def flat_member(*flat: Any) -> Any:
                 p = dict(zip(names[:n_params], flat[:n_params], strict=True))
@@ -342,6 +355,14 @@ def mapped_call(
                 start = chunks[0] * chunk_size  # for messages naming a member
                 if chunks[0] and replay is not None:  # each chunk from the call's attributes
                     replay.next_chunk()
+                if randomness == "same":
+                    # One draw shared by all members: every chunk replays it. torch's
+                    # chunked vmap replays the CPU generator only; a CUDA ensemble's
+                    # dropout draws from its device's (as fe.value_and_grad replays it).
+                    if chunks[0]:
+                        set_rng_state(device, draws[0])
+                    else:
+                        draws[0] = rng_state(device)
                 chunks[0] += 1
                 with _member_offset.starting_at(start):
                     return one_member(p, b, flat[-2], flat[-1])
