@@ -1191,3 +1191,32 @@ def test_scheduler_entries_load_as_torch_loads_them_either_way(tmp_path):
             if key != "params":
                 assert target.param_groups[0][key] == value, key
         assert_trees_equal(target.state_dict()["state"], source.state_dict()["state"])
+
+
+@pytest.mark.parametrize(
+    ("saved", "into"),
+    [
+        pytest.param(dict(lr=1), dict(lr=0.1), id="int-lr-into-float"),
+        pytest.param(dict(lr=0.1), dict(lr=0.1, momentum=0.9), id="momentum-0-into-0.9"),
+        pytest.param(dict(lr=0.1, foreach=None), dict(lr=0.1, foreach=False), id="None-into-False"),
+        pytest.param(dict(lr=0.1, foreach=False), dict(lr=0.1), id="False-into-None"),
+        pytest.param(dict(lr=0.5), dict(lr=0.1, nesterov=False), id="other-lr"),
+    ],
+)
+def test_a_torch_optim_file_loads_with_its_own_hyperparameters_as_torch_does(tmp_path, saved, into):
+    """fe.load compared the groups' values by Python type: SGD(lr=1) refused into
+    SGD(lr=0.1), default momentum=0 into momentum=0.9, foreach=None into False, all of
+    which torch's load_state_dict takes, putting the file's values in place. The
+    checkpoints.md claim: the saved hyperparameters replace the optimizer's."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    opt = torch.optim.SGD(ens.parameters(), **saved)
+    ens(torch.randn(4, 3)).square().sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.st", opt)
+    ours = torch.optim.SGD(ens.parameters(), **into)
+    torchs = torch.optim.SGD(ens.parameters(), **into)
+    fe.load(tmp_path / "opt.st", ours)
+    torchs.load_state_dict(opt.state_dict())
+    assert ours.state_dict()["param_groups"] == torchs.state_dict()["param_groups"]
+    assert ours.param_groups[0]["lr"] == saved["lr"]

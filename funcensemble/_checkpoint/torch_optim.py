@@ -6,7 +6,9 @@ checks a file against. Here each parameter's missing state takes the saved entri
 shapes and dtypes, once every saved state tensor with dimensions has the shape of the
 parameter it belongs to, for the optimizers whose state is elementwise (torch's own
 ``load_state_dict`` checks only the groups' sizes: state from another model with as
-many parameters would load, and fail, or broadcast, at the next step).
+many parameters would load, and fail, or broadcast, at the next step). The groups'
+hyperparameters are the file's, as torch's ``load_state_dict`` takes them: only the
+entries each group has are checked.
 """
 
 import re
@@ -17,6 +19,7 @@ from torch import Tensor
 
 _STATE_ENTRY = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]$")
 _GROUP_ENTRY = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]$")
+_GROUP_PREFIX = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]")  # betas' too
 
 # The entries torch's learning-rate schedulers add to an optimizer's groups (LRScheduler:
 # initial_lr; OneCycleLR: max_lr, min_lr and, cycling momentum, max_momentum and
@@ -67,6 +70,11 @@ def template(
         entry = _GROUP_ENTRY.match(key)
         if entry and int(entry[1]) < len(groups) and entry[2] in _SCHEDULER_ENTRIES:
             groups[int(entry[1])].setdefault(entry[2], value)
+        elif entry and int(entry[1]) < len(groups) and entry[2] in groups[int(entry[1])]:
+            # torch's load_state_dict puts the file's hyperparameters in place of the
+            # optimizer's (lr=1 for lr=0.1, momentum=0 for 0.9, foreach=None for False):
+            # only which entries each group has is this optimizer's to match.
+            groups[int(entry[1])][entry[2]] = value
         if match:
             found.setdefault(int(match[1]), {})[match[2]] = value
         elif key.startswith("['state']") and not state:
@@ -77,11 +85,16 @@ def template(
                 "optimizer after one step, or keep such an optimizer's state_dict with "
                 "torch.save and torch.load."
             )
-    saved = {(int(m[1]), m[2]) for m in map(_GROUP_ENTRY.match, (*tensors, *values)) if m}
+    saved = {(int(m[1]), m[2]) for m in map(_GROUP_PREFIX.match, (*tensors, *values)) if m}
     for g, group in enumerate(groups):
         for entry in _SCHEDULER_ENTRIES & group.keys():
             if (g, entry) not in saved:
                 del group[entry]
+        for entry in group.keys() - _SCHEDULER_ENTRIES - {"params"}:
+            if (g, entry) not in saved:
+                # A None in the file (foreach=None) is structure, not a leaf; a group
+                # without the entry at all fails the comparison of structures.
+                group[entry] = None
     for i, entries in sorted(found.items()):
         p = params.get(i)
         if p is None:
