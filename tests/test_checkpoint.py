@@ -1220,3 +1220,22 @@ def test_a_torch_optim_file_loads_with_its_own_hyperparameters_as_torch_does(tmp
     torchs.load_state_dict(opt.state_dict())
     assert ours.state_dict()["param_groups"] == torchs.state_dict()["param_groups"]
     assert ours.param_groups[0]["lr"] == saved["lr"]
+
+
+def test_a_torch_optim_file_of_another_dtype_is_refused_by_a_fresh_optimizer_too(tmp_path):
+    """A float32 Adam file loaded into a fresh Adam over float64 parameters (torch cast
+    it), but was refused by one that had stepped: load's 'dtypes must match exactly'."""
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(2)])
+    opt = torch.optim.Adam(ens.parameters(), lr=1e-2)
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.st", opt)
+    wide = fe.Ensemble([nn.Linear(3, 1).double() for _ in range(2)])
+    fresh = torch.optim.Adam(wide.parameters(), lr=1e-2)
+    with pytest.raises(
+        ValueError,
+        match=r"float32 tensor .* in the file; .* has a float64 .*"
+        r"Build the optimizer over parameters of the saved dtype",
+    ):
+        fe.load(tmp_path / "opt.st", fresh)
+    assert not fresh.state

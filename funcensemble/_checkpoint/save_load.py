@@ -12,6 +12,7 @@ differs; a member class is compared by name, not module (see ``_check_ensemble``
 """
 
 import os
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -379,7 +380,13 @@ def load(path: str | os.PathLike, obj: T) -> T:
             loaded = load(path, own)
         except ValueError as error:
             this = f"this {type(obj).__name__} optimizer"
-            raise ValueError(str(error).replace("the template", this)) from None
+            message = re.sub(  # an optimizer has no .to(): its parameters' dtype decides
+                r"Convert the template to (\w+) before loading .*",
+                r"Build the optimizer over parameters of the saved dtype (\1), load, and "
+                r"convert the model afterwards if needed.",
+                str(error),
+            )
+            raise ValueError(message.replace("the template", this)) from None
         obj.load_state_dict(loaded)
         return obj
     contents = _contents(where, obj)

@@ -111,8 +111,17 @@ def template(
                     "was saved from."
                 )
         if i not in state:
+            # What the first step makes: a tensor shaped like its parameter (an
+            # elementwise optimizer's) has the parameter's dtype, so that a file of
+            # another dtype is refused, as by an optimizer that has stepped.
             state[i] = {
-                entry: torch.zeros_like(v) if isinstance(v, Tensor) else v
+                entry: (
+                    torch.zeros_like(v, dtype=p.dtype)
+                    if isinstance(opt, _ELEMENTWISE) and v.dim() > 0 and v.is_floating_point()
+                    else torch.zeros_like(v)
+                )
+                if isinstance(v, Tensor)
+                else v
                 for entry, v in entries.items()
             }
     return {"state": state, "param_groups": groups}
