@@ -495,6 +495,55 @@ def polyak() -> None:
             assert torch.equal(compiled[k], before[k]), k
 
 
+class _RunningMean(nn.Module):
+    """buffers.md's member whose forward re-assigns a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.register_buffer("avg", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.avg = 0.9 * self.avg + 0.1 * y.detach().mean(0)
+        return y - self.avg
+
+
+def rebound_buffer() -> None:
+    """A buffer the forward re-assigns lands in its member's slice when compiled, as
+    eagerly (it stayed as it was: 0.05 off the loop), with fullgraph=True too; one
+    re-assigned with another shape is refused, as eagerly."""
+    torch.manual_seed(0)
+    members = [_RunningMean().double() for _ in range(3)]
+    x = torch.randn(16, 4, dtype=torch.float64)
+    loop = copy.deepcopy(members)
+    for m in loop:
+        m(x)
+    want = torch.stack([m.avg for m in loop])
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+    step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
+    _, _, new = torch.compile(step, backend="aot_eager", fullgraph=True)(params, buffers, x)
+    torch.testing.assert_close(new["avg"], want, rtol=0, atol=1e-15)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    torch.compile(ens, backend="aot_eager")(x)
+    torch.testing.assert_close(ens.stacked_buffers()["avg"], want, rtol=0, atol=1e-15)
+
+    class Reshaped(_RunningMean):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.avg = self.lin(x).detach()  # [16, 2] for a [2] buffer
+            return self.avg
+
+    fmodel, params, buffers = fe.stack([Reshaped() for _ in range(3)])
+    step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())
+    try:
+        torch.compile(step, backend="aot_eager")(params, buffers, x.float())
+    except ValueError as error:
+        assert "re-assigned the buffer `avg` with shape (16, 2)" in str(error), error
+    else:
+        raise AssertionError("a compiled step took a buffer re-assigned with another shape")
+    assert torch.equal(buffers["avg"], torch.zeros(3, 2))
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
@@ -510,6 +559,7 @@ if __name__ == "__main__":
         "nested_vmap": nested_vmap,
         "polyak": polyak,
         "partition": partition,
+        "rebound_buffer": rebound_buffer,
     }
     faces[sys.argv[1]]()
     print("OK")

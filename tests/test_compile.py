@@ -31,6 +31,7 @@ def run_check(face: str) -> None:
         "nested_vmap",
         "polyak",
         "partition",
+        "rebound_buffer",
     ],
 )
 def test_compiled_training_step_matches_eager(face):

@@ -484,3 +484,27 @@ def test_gradients_come_in_the_parameters_layout_and_update_in_place_as_the_modu
         ens_opt.step()
     for k, v in ens.stacked.named_parameters():
         assert torch.equal(v.detach(), params[k]), k
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_a_complex_loss_is_refused_as_torch_autograd_refuses_it(chunk_size):
+    """A complex loss was differentiated as its real part (torch.autograd.grad refuses
+    it: 'grad can be implicitly created only for real scalar outputs')."""
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 2) for _ in range(3)])
+    step = fe.value_and_grad(
+        lambda p, b, x: fmodel(p, b, x).sum() * (1 + 2j), chunk_size=chunk_size
+    )
+    with pytest.raises(ValueError, match=r"returned a complex64 loss .* \(\.abs\(\), \.real\)"):
+        step(params, buffers, torch.randn(4, 3))
+
+
+def test_an_integer_loss_is_refused_inside_a_transform_too():
+    """Inside torch.func.vmap (and under torch.compile) an integer loss (a count of
+    errors) came back with all-zero gradients; eagerly it was refused."""
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 2) for _ in range(3)])
+    step = fe.value_and_grad(lambda p, b, x: (fmodel(p, b, x).argmax(-1) != 0).sum())
+    xs = torch.randn(2, 4, 3)  # two data sets
+    with pytest.raises(ValueError, match=r"returned a int64 loss .* has no gradient"):
+        torch.func.vmap(lambda x: step(params, buffers, x)[0])(xs)
+    with pytest.raises(ValueError, match=r"returned a int64 loss"):
+        step(params, buffers, xs[0])

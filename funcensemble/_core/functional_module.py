@@ -225,7 +225,7 @@ class FunctionalModule:
         before = _forward_state.kept_tensors(self.skeleton) if inside else None
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).
-        given = (params, buffers) if compiling else {**params, **buffers}
+        given = {**params, **buffers}
         if inside:  # read at every call: a tag set after the first call counts too
             tagged, self._tensors = _tags_and_tensors(self.skeleton)
         elif exporting and _torch_compat.inside_transform():
@@ -273,8 +273,7 @@ class FunctionalModule:
             raise clear from error
         if before is not None:
             _forward_state.check_kept(where, self.skeleton, before)
-        if not compiling:
-            _forward_state.carry_rebound(where, params, buffers, given)  # type: ignore[arg-type]
+        _forward_state.carry_rebound(where, params, buffers, given)
         return out
 
     def __repr__(self) -> str:

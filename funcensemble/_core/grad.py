@@ -60,6 +60,18 @@ def _check_losses(losses: Any) -> Tensor:
             f"per member, got {shape} per member). Reduce the loss (e.g. .mean()) inside "
             "loss_fn; with has_aux=True return (loss, aux)."
         )
+    if not losses.is_floating_point():
+        raise ValueError(
+            f"value_and_grad: loss_fn returned a {str(losses.dtype).removeprefix('torch.')} "
+            "loss (expected a real floating-point loss, which torch.autograd.grad "
+            f"differentiates, got {str(losses.dtype).removeprefix('torch.')}). "
+            + (
+                "Reduce a complex value to a real loss (.abs(), .real) inside loss_fn."
+                if losses.is_complex()
+                else "An integer loss (argmax, a count) has no gradient: compute the loss "
+                "from the outputs' values (e.g. cross-entropy), not from a count."
+            )
+        )
     return losses
 
 
