@@ -633,3 +633,9 @@ def grads_of(losses: Tensor, inputs: list[Tensor]) -> tuple[Tensor | None, ...]:
     ):
         return torch.autograd.grad(losses, inputs, grad_outputs=ones, allow_unused=True)
     return _run_backward((losses,), (ones,), False, False, tuple(inputs), True, False)
+
+
+def overlaps_itself(t: Tensor) -> bool:
+    """Whether ``t``'s elements share memory (an expanded view): an in-place write
+    into it fails. Unknown layouts count as not overlapping (torch decides then)."""
+    return torch._debug_has_internal_overlap(t) == 1

@@ -120,7 +120,9 @@ class ShardedEnsemble:
                 "shard). Put every shard on one device, or pass randomness='different'."
             )
         n = _num_members(where, params, buffers)
-        self.fmodel = FunctionalModule(skeleton)
+        # An Ensemble's skeleton holds its stacked shapes, fe.stack's one member's.
+        stacked = isinstance(members, Ensemble)
+        self.fmodel = (FunctionalModule._of_stacked if stacked else FunctionalModule)(skeleton)
         self.randomness: Randomness = randomness
         self.chunk_size = chunk_size
         self.devices = found

@@ -6,6 +6,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .. import _torch_compat
 from .._core.tree_view import Stacked, state_view
 from .._types import StackedTree
 from ._hyper import (
@@ -19,7 +20,7 @@ from ._protocol import PyTree, flatten, leaf_name
 
 
 def _check(
-    where: str, target: PyTree, online: PyTree, tau: object
+    where: str, target: PyTree, online: PyTree, tau: object, *, in_place: bool
 ) -> tuple[list[Any], list[Any], optree.PyTreeSpec, Hyper]:
     """Validate everything up front; return aligned leaves and tau."""
     # An Ensemble stands for its stacked parameters and buffers (its registered view).
@@ -65,16 +66,58 @@ def _check(
                 f"{t.device} in target but {tuple(o.shape)} {o.dtype} on {o.device} in "
                 "online; they must match."
             )
-        if t.is_floating_point():
+        if _averaged(t):
             floats.append(i)
+        if in_place and not torch.compiler.is_compiling():
+            _check_writable(where, leaf_name(spec, i, "target"), t)
     check_members(tau_, where, spec, targets, floats, "target")
     return targets, onlines, spec, tau_
 
 
+def _averaged(t: Tensor) -> bool:
+    """Floating-point and complex leaves are averaged; the others copied."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def _check_writable(where: str, name: str, t: Tensor) -> None:
+    """Refuse, before any leaf changes, a target leaf an in-place write would fail on."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        problem, fix = "an inference tensor", "clone it outside torch.inference_mode()"
+    elif _torch_compat.overlaps_itself(t):
+        problem, fix = "an expanded view whose elements share memory", "pass a .clone()"
+    else:
+        return
+    raise ValueError(
+        f"{where}: {name} is {problem}, which cannot be updated in place (expected a "
+        f"tensor that owns its elements, got {problem}). Make the target writable: {fix}."
+    )
+
+
 def _split(targets: list[Any]) -> tuple[list[int], list[int]]:
-    floats = [i for i, t in enumerate(targets) if t is not None and t.is_floating_point()]
-    others = [i for i, t in enumerate(targets) if t is not None and not t.is_floating_point()]
+    floats = [i for i, t in enumerate(targets) if t is not None and _averaged(t)]
+    others = [i for i, t in enumerate(targets) if t is not None and not _averaged(t)]
     return floats, others
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _lerped(ts: list[Tensor], os: list[Tensor], tau: Hyper) -> list[Tensor]:
+    """``ts[k].lerp(os[k], tau)``, with a per-member ``tau`` in float32 for half-precision
+    leaves, as the loop's ``t.lerp_(o, float(tau[i]))`` computes (a tau cast to the
+    leaf's dtype would be rounded: 0.3 becomes 0.30078125 in bfloat16)."""
+    if not isinstance(tau.value, Tensor) or not any(t.dtype in _HALF for t in ts):
+        return list(torch._foreach_lerp(ts, os, per_leaf(tau, ts)))
+    out = []
+    for t, o, w in zip(ts, os, per_leaf(tau, ts, [_wide(t) for t in ts]), strict=True):
+        out.append(
+            t.to(w.dtype).lerp(o.to(w.dtype), w).to(t.dtype) if t.dtype in _HALF else t.lerp(o, w)
+        )
+    return out
+
+
+def _wide(t: Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in _HALF else t.dtype
 
 
 def polyak_update_(
@@ -86,8 +129,10 @@ def polyak_update_(
     ``torch._foreach_lerp_`` kernel). With Ensembles, their stacked parameters and
     floating-point buffers (e.g. BatchNorm running statistics) are averaged. Leaves
     that are not floating point (e.g. BatchNorm's ``num_batches_tracked``) cannot be
-    averaged: they are copied from ``online``, whatever ``tau``. Everything is checked
-    before anything changes; no autograd history is recorded.
+    averaged: they are copied from ``online``, whatever ``tau``; complex leaves are
+    averaged. Everything is checked before anything changes (a target that cannot be
+    written in place, such as an expanded view or an inference tensor, is refused);
+    no autograd history is recorded.
 
     Args:
         target: The tree updated in place: an [`Ensemble`][funcensemble.Ensemble] or a
@@ -108,12 +153,15 @@ def polyak_update_(
         >>> torch.allclose(target["w"], torch.full((2, 3), 0.1))
         True
     """
-    targets, onlines, _, tau_ = _check("polyak_update_", target, online, tau)
+    targets, onlines, _, tau_ = _check("polyak_update_", target, online, tau, in_place=True)
     floats, others = _split(targets)
     with torch.no_grad():
         if floats:
             ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
-            torch._foreach_lerp_(ts, os, per_leaf(tau_, ts))
+            if isinstance(tau_.value, Tensor) and any(t.dtype in _HALF for t in ts):
+                torch._foreach_copy_(ts, _lerped(ts, os, tau_))
+            else:
+                torch._foreach_lerp_(ts, os, per_leaf(tau_, ts))
         if others:
             torch._foreach_copy_([targets[i] for i in others], [onlines[i] for i in others])
 
@@ -151,13 +199,13 @@ def polyak_update(target: StackedTree, online: StackedTree, tau: float | PerMemb
             f"{where}: got an Ensemble; use polyak_update_ to update an Ensemble in place, "
             "or pass pytrees such as ens.stacked_params()."
         )
-    targets, onlines, spec, tau_ = _check(where, target, online, tau)
+    targets, onlines, spec, tau_ = _check(where, target, online, tau, in_place=False)
     floats, others = _split(targets)
     out = list(targets)
     with torch.no_grad():
         if floats:
             ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
-            for i, new in zip(floats, torch._foreach_lerp(ts, os, per_leaf(tau_, ts)), strict=True):
+            for i, new in zip(floats, _lerped(ts, os, tau_), strict=True):
                 out[i] = new.requires_grad_(targets[i].requires_grad)
         for i in others:
             out[i] = onlines[i].clone()
