@@ -3,13 +3,17 @@
 
 torch's batching rules for the LayerNorm/BatchNorm backward kernels give wrong second
 derivatives under vmap (pytorch/functorch#534); funcensemble runs those norms as
-elementary ops there (``_kernels/norm_decomposed.py``).
+elementary ops there (``_kernels/norm_decomposed.py``). Those agree with the loop in
+float16 and bfloat16 too (outputs and gradients), and refuse what the loop refuses.
 """
+
+import copy
 
 import pytest
 import torch
 from torch import nn
 from torch.func import grad
+from torch.nn import functional as F
 
 import funcensemble as fe
 
@@ -54,3 +58,122 @@ def test_gradient_penalty_through_a_norm_matches_the_loops_double_backward(name,
         for (k, _), w in zip(m.named_parameters(), want, strict=True):
             scale = w.abs().max().clamp(min=1.0)
             torch.testing.assert_close(got[k][i] / scale, w / scale, **tol)
+
+
+def _per_member_grads_and_outputs(fmodel, params, buffers, x):
+    """Each member's output and the gradient of its summed squares, with ``torch.func.grad``
+    inside ``fe.vmap`` (where the norms run decomposed)."""
+
+    def one(p, b):
+        def loss(q):
+            out = fmodel(q, b, x)
+            return out.float().square().sum(), out
+
+        return grad(loss, has_aux=True)(p)
+
+    return fe.vmap(one)(params, buffers)
+
+
+def _low_precision_net(kind: str, dtype: torch.dtype, float32_norm: bool) -> nn.Module:
+    if kind == "layernorm":
+        norm = nn.LayerNorm(16)
+    else:
+        norm = nn.BatchNorm1d(16, track_running_stats=False)
+    net = nn.Sequential(nn.Linear(8, 16, bias=False), norm, nn.Linear(16, 4)).to(dtype)
+    if float32_norm:  # the parameter dtype torch's kernels also take for these inputs
+        net[1].float()
+    return net
+
+
+@pytest.mark.parametrize("float32_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["layernorm", "batchnorm"])
+def test_low_precision_norms_compute_in_float32_as_the_loop(kind, dtype, float32_norm):
+    # torch's norm kernels normalize a float16/bfloat16 input in float32; squaring the
+    # centered input in float16 overflows past |x - mean| ~ 256.
+    torch.manual_seed(0)
+    members = [_low_precision_net(kind, dtype, float32_norm) for _ in range(N)]
+    x = (torch.randn(32, 8) * 1000).to(dtype)
+    h = members[0][0](x).float()
+    assert (h - h.mean(-1 if kind == "layernorm" else 0, keepdim=True)).abs().max() > 1000
+
+    fmodel, params, buffers = fe.stack(members)
+    grads, outs = _per_member_grads_and_outputs(fmodel, params, buffers, x)
+
+    ulp = torch.finfo(dtype).eps
+    for i, m in enumerate(members):
+        want = m(x)
+        assert outs[i].dtype == want.dtype == dtype
+        atol = 2 * ulp * want.float().abs().max().item()
+        torch.testing.assert_close(outs[i].float(), want.float(), rtol=0, atol=atol)
+        loop = torch.autograd.grad(want.float().square().sum(), list(m.parameters()))
+        for (name, p), w in zip(m.named_parameters(), loop, strict=True):
+            assert grads[name][i].dtype == p.dtype, name
+            atol = 4 * ulp * w.float().abs().max().item()
+            torch.testing.assert_close(grads[name][i].float(), w.float(), rtol=0, atol=atol)
+
+
+def _raises_as_the_loop(members, x, error, match):
+    """The loop raises ``error``; so does each member's ``torch.func.grad`` inside
+    ``fe.vmap``, with a message matching ``match``."""
+    with pytest.raises(error):
+        members[0](x)
+    fmodel, params, buffers = fe.stack(members)
+
+    def per_member(p, b):
+        return grad(lambda q: fmodel(q, b, x).sum())(p)
+
+    with pytest.raises(error, match=match):
+        fe.vmap(per_member)(params, buffers)
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        lambda: nn.LayerNorm(1),
+        lambda: nn.LayerNorm(1, elementwise_affine=False),
+        lambda: nn.LayerNorm((7,), elementwise_affine=False),
+        lambda: nn.LayerNorm((2, 5)),
+    ],
+)
+def test_layer_norm_of_another_shape_than_the_input_is_refused_as_in_the_loop(norm):
+    members = [nn.Sequential(nn.Linear(4, 5), norm(), nn.Linear(5, 1)).double() for _ in range(N)]
+    x = torch.randn(6, 4, dtype=torch.float64)
+    match = r"LayerNorm `1`: the input does not end in normalized_shape=.*got \[6, 5\]"
+    _raises_as_the_loop(members, x, RuntimeError, match)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "batchnorm"])
+def test_norm_parameters_of_another_dtype_than_the_input_are_refused_as_in_the_loop(kind):
+    norm = nn.LayerNorm(5) if kind == "layernorm" else nn.BatchNorm1d(5, track_running_stats=False)
+    members = [nn.Sequential(copy.deepcopy(norm), nn.Linear(5, 1).double()) for _ in range(N)]
+    x = torch.randn(6, 5, dtype=torch.float64)  # float32 norm parameters
+    match = r"weight of dtype torch.float32 does not go with an input of dtype torch.float64"
+    _raises_as_the_loop(members, x, RuntimeError, match)
+
+
+def test_batch_norm_of_one_value_per_channel_in_training_is_refused_as_in_the_loop():
+    members = [
+        nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5, track_running_stats=False)).double()
+        for _ in range(N)
+    ]
+    x = torch.randn(1, 4, dtype=torch.float64)
+    match = r"Expected more than 1 value per channel when training, got input size "
+    _raises_as_the_loop(members, x, ValueError, match + r"torch.Size\(\[1, 5\]\)")
+
+
+class _EvalWithoutStatistics(nn.Module):
+    """``F.batch_norm`` in eval mode without running statistics, which torch refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(5, track_running_stats=False)
+
+    def forward(self, x):
+        return F.batch_norm(x, None, None, self.bn.weight, self.bn.bias, training=False)
+
+
+def test_batch_norm_in_eval_mode_without_statistics_is_refused_as_in_the_loop():
+    members = [_EvalWithoutStatistics().double() for _ in range(N)]
+    x = torch.randn(6, 5, dtype=torch.float64)
+    _raises_as_the_loop(members, x, RuntimeError, "running_mean must be defined in evaluation")

@@ -174,6 +174,22 @@ def test_global_average_pool_of_channels_last_matches_the_loop(
     _train_both(modules, inputs, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("rank", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("pool", [nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d])
+def test_global_average_pool_takes_the_input_ranks_the_loop_takes(pool: type, rank: int) -> None:
+    # adaptive_avg_pool1d takes [C, L] or [N, C, L]; the 2d/3d kinds to size 1, any more dims.
+    torch.manual_seed(0)
+    modules = [nn.Sequential(nn.Linear(6, 6), pool(1)).double() for _ in range(3)]
+    x = torch.randn(*(2, 4, 3, 2, 3)[: rank - 1], 6, dtype=torch.float64)
+    try:
+        expected = torch.stack([m(x) for m in modules])
+    except (RuntimeError, IndexError) as error:
+        with pytest.raises(type(error)):
+            fe.Ensemble(modules)(x)
+        return
+    torch.testing.assert_close(fe.Ensemble(modules)(x), expected, rtol=1e-12, atol=1e-12)
+
+
 class FunctionalPool(nn.Module):
     def __init__(self, use_mean: bool) -> None:
         super().__init__()

@@ -67,6 +67,15 @@ def cumulative(norms: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     ]
 
 
+def check_values_per_channel(size: torch.Size) -> None:
+    """``F.batch_norm``'s own check in training, in one member's ``size``."""
+    if size[0] * math.prod(size[2:]) == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {size} "
+            "(per member)"
+        )
+
+
 def _fold(
     input: Tensor,
     running_mean: Tensor | None,
@@ -106,12 +115,8 @@ def _fold(
     if any(t is not None and not t.is_contiguous() for t in stats):
         return None  # a copy would not receive the in-place statistics update
     flat = [None if t is None else t.reshape(n * c) for t in per_member]
-    if training and b * math.prod(spatial) == 1:
-        # F.batch_norm's own check, in one member's sizes (not the folded N * C channels).
-        raise ValueError(
-            "Expected more than 1 value per channel when training, got input size "
-            f"{torch.Size([b, c, *spatial])} (per member)"
-        )
+    if training:
+        check_values_per_channel(torch.Size([b, c, *spatial]))  # not the folded N * C channels
     with _torch_compat.lower_transform():
         out = F.batch_norm(h.reshape(b, n * c, *spatial), *flat, training, momentum, eps)
     return _torch_compat.add_batch_dim(out.view(b, n, c, *spatial), 1, level)

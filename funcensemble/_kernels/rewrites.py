@@ -17,6 +17,8 @@ functional calls:
   the spatial dims and then, for a ``channels_last`` input, restrides the result in
   place (``as_strided_``), which has no batching rule. The mean is computed here
   directly (the same values; only the output's memory layout can differ);
+- ``F.layer_norm``, and ``F.batch_norm`` with batch statistics none kept, under a grad
+  transform: as elementary ops, with torch's checks (see ``_norm_decomposed``);
 - ``F.embedding`` of an ``nn.Embedding``: vmap's rule checks no index against the
   member's own table (one member's out-of-range index reads another member's row),
   keeps only member 0's padding row out of the gradient and cannot renormalise in
@@ -60,6 +62,10 @@ def _global_pool(spatial: int, input: Tensor, output_size: Any) -> Tensor | None
     sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,) * spatial
     if not isinstance(input, Tensor) or input.dim() < spatial + 1 or len(sizes) != spatial:
         return None
+    if spatial == 1 and input.dim() > 3:
+        # torch's adaptive_avg_pool1d takes [C, L] or [N, C, L] only (and refuses this, as
+        # in the loop); the 2d and 3d kinds, to size 1, take any leading dims.
+        return None
     dims = tuple(range(-spatial, 0))
     if any(
         not (s == 1 or (s is None and input.shape[d] == 1))
@@ -67,6 +73,12 @@ def _global_pool(spatial: int, input: Tensor, output_size: Any) -> Tensor | None
     ):
         return None
     return input.mean(dims, keepdim=True)
+
+
+def _autocast_fp32(t: Any) -> Any:
+    """``t`` as autocast's float32 policy casts it: a float tensor other than float64."""
+    eligible = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+    return t.float() if eligible else t
 
 
 def _autocast_linear(
@@ -97,19 +109,52 @@ class VmapRewrites(TorchFunctionMode):
         autocast: tuple[str, ...] = (),
         *,
         decompose_norms: bool = False,
+        skeleton: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.batch_norm = batch_norm
         self.autocast = autocast  # the device types torch.autocast is on for
         self.decompose_norms = decompose_norms  # under a grad transform (_norm_decomposed)
+        self.skeleton = skeleton  # to name a LayerNorm in messages
+
+    def _layer_norm(
+        self,
+        input: Tensor,
+        normalized_shape: Any,
+        weight: Tensor | None = None,
+        bias: Tensor | None = None,
+        eps: float = 1e-5,
+    ) -> Tensor:
+        wrong = _norm_decomposed.layer_norm_mismatch(input, normalized_shape, weight, bias)
+        if wrong is not None:
+            raise RuntimeError(f"{self._layer_norm_name(normalized_shape, weight)}: {wrong}")
+        if input.device.type == "cuda" and "cuda" in self.autocast:
+            # CUDA autocast runs layer_norm in float32 (CPU autocast leaves its dtype be).
+            input, weight, bias = (_autocast_fp32(t) for t in (input, weight, bias))
+        return _norm_decomposed.layer_norm(input, normalized_shape, weight, bias, eps)
+
+    def _layer_norm_name(self, normalized_shape: Any, weight: Tensor | None) -> str:
+        """The ``nn.LayerNorm`` that passed ``weight`` (the module holds it during the call),
+        or the only one without a weight of this shape; else ``layer_norm``."""
+        found = [
+            name
+            for name, m in (self.skeleton.named_modules() if self.skeleton is not None else ())
+            if isinstance(m, nn.LayerNorm)
+            and m.weight is weight
+            and list(m.normalized_shape) == list(normalized_shape)
+        ]
+        if len(found) != 1:
+            return "layer_norm"
+        return f"LayerNorm `{found[0]}`" if found[0] else "LayerNorm"
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.decompose_norms and func is F.layer_norm:
-            return _norm_decomposed.layer_norm(*args, **kwargs)
+            return self._layer_norm(*args, **kwargs)
         if self.decompose_norms and func is F.batch_norm:
             bound = _batch_norm_arguments(*args, **kwargs)
-            if bound[1] is None and bound[2] is None:  # batch statistics, none kept
+            # Batch statistics, none kept (in eval mode torch refuses that, as in the loop).
+            if bound[5] and bound[1] is None and bound[2] is None:
                 return _norm_decomposed.batch_norm(*bound)
         if func is F.batch_norm:
             out = self.batch_norm.batch_norm(args, kwargs) if self.batch_norm else None
@@ -170,5 +215,7 @@ def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
         isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)) for m in skeleton.modules()
     )
     if fold or other or autocast or decompose:
-        return VmapRewrites(rule if fold else None, autocast, decompose_norms=decompose)
+        return VmapRewrites(
+            rule if fold else None, autocast, decompose_norms=decompose, skeleton=skeleton
+        )
     return contextlib.nullcontext()
