@@ -258,3 +258,18 @@ def test_select_takes_groups_whose_step_counts_differ_in_shape():
     assert torch.equal(
         sub.state["b"][0].momentum_buffer["bias"], opt.state["b"][0].momentum_buffer["bias"][[1, 0]]
     )
+
+
+def test_a_label_function_over_a_hetero_ensemble_gets_the_stacked_names():
+    """partition's docstring: over a HeteroEnsemble the label function is called with
+    hens.stacked_params()'s names, groups.<g>.stacked.<member's name>."""
+    hens = fe.HeteroEnsemble([nn.Linear(3, 2), nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))])
+    seen = []
+
+    def label(name: str) -> str:
+        seen.append(name)
+        return "all"
+
+    fe.optim.EnsembleOptimizer(hens, fe.optim.partition({"all": fe.optim.sgd(0.1)}, label))
+    assert set(seen) == set(hens.stacked_params())
+    assert "groups.1.stacked.0.weight" in seen

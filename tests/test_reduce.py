@@ -492,3 +492,11 @@ def test_mutual_information_of_identical_members_is_zero_up_to_rounding(dtype):
         same = fe.reduce.mutual_information(one.expand(n, 64, 10))
         assert (same >= 0).all()
         assert same.max() <= 4 * torch.finfo(dtype).eps  # the entropies are ~log(10)
+
+
+def test_subset_min_shares_the_gradient_among_tied_members():
+    """subset_min's docstring: members tying for the minimum share its gradient evenly
+    (torch.amin's rule)."""
+    q = torch.ones(3, 2, requires_grad=True)
+    fe.reduce.subset_min(q, 3).sum().backward()
+    assert torch.allclose(q.grad, torch.full((3, 2), 1 / 3))

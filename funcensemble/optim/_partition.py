@@ -53,8 +53,12 @@ def partition(
     function of the name (``lambda name: "no_decay" if name.endswith("bias") else
     "decay"``); ``transforms`` gives each label its transform. The parameters are the
     flat dict an ensemble's optimizer steps (``ens.stacked_params()``, ``fe.stack``'s
-    ``params``; over a [`HeteroEnsemble`][funcensemble.HeteroEnsemble], each group's
-    names). Each transform sees only its own group's leaves (the others are None to
+    ``params``). Over a [`HeteroEnsemble`][funcensemble.HeteroEnsemble] these are
+    ``hens.stacked_params()``'s names, ``groups.<g>.stacked.<member's name>`` (e.g.
+    ``groups.0.stacked.0.weight``), not the members' own ``0.weight``: a function that
+    tests the start of a member's name (``name.startswith("0.")``) must strip
+    ``name.split(".stacked.", 1)[1]`` first, while one that tests the end works on
+    either. Each transform sees only its own group's leaves (the others are None to
     it), keeps its own state, and steps its leaves as ``torch.optim`` steps a param
     group with those hyperparameters. The state is a dict of label to that transform's
     state. A transform that looks across leaves sees its group's only: chain
