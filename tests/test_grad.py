@@ -508,3 +508,18 @@ def test_an_integer_loss_is_refused_inside_a_transform_too():
         torch.func.vmap(lambda x: step(params, buffers, x)[0])(xs)
     with pytest.raises(ValueError, match=r"returned a int64 loss"):
         step(params, buffers, xs[0])
+
+
+@pytest.mark.parametrize(("chunk_size", "runs"), [(None, 1), (2, 2), (3, 2)])
+def test_side_effects_of_the_mapped_loss_run_once_per_call_or_chunk(chunk_size, runs):
+    """chunking.md: a closure's side effects run once per call, or once per chunk, not
+    once per member."""
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 2) for _ in range(4)])
+    calls = []
+
+    def loss_fn(p, b, x):
+        calls.append(1)
+        return fmodel(p, b, x).sum()
+
+    fe.value_and_grad(loss_fn, chunk_size=chunk_size)(params, buffers, torch.randn(5, 3))
+    assert len(calls) == runs
