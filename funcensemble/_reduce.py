@@ -221,9 +221,10 @@ def subset_min(
     Each subset is drawn uniformly among all sets of ``k`` distinct members. The
     gradient flows only to the selected members (to the minimizing one of each
     element; members that tie for the minimum share it evenly, as ``torch.amin``'s
-    gradient does, where ``.min(dim=0).values`` gives it all to one). The draw depends only on N, ``k``, the size of dim 1 (when
-    ``per_sample``) and the generator's state, so the same seed selects the same
-    members whatever the trailing shape.
+    gradient does, where ``.min(dim=0).values`` gives it all to one). The draw
+    depends only on N, ``k``, the size of dim 1 (when ``per_sample``) and the
+    generator's state, so the same seed selects the same members whatever the
+    trailing shape.
 
     Args:
         values: Stacked outputs, member axis first (e.g. target Q-values ``[N, batch]``).
