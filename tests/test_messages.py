@@ -107,7 +107,7 @@ def test_a_loss_using_no_parameter_is_refused_naming_likely_causes():
     fmodel, params, buffers = fe.stack([torch.nn.Linear(3, 1) for _ in range(2)])
     for loss_fn, message in (
         (lambda p, b, x: fmodel(p, b, x).detach().sum(), "the loss depends on no trainable"),
-        (lambda p, b, x: fmodel(p, b, x).argmax(), "returned a int64 loss .* has no gradient"),
+        (lambda p, b, x: fmodel(p, b, x).argmax(), "loss_fn returned a int64 loss .* no gradient"),
     ):
         with pytest.raises(ValueError, match=rf"value_and_grad: {message}"):
             fe.value_and_grad(loss_fn)(params, buffers, torch.ones(4, 3))
