@@ -217,6 +217,65 @@ def test_sparse_gradients_are_refused():
         opt.step()
 
 
+@pytest.mark.parametrize(
+    "alias",
+    [lambda p: p, lambda p: p.detach(), lambda p: nn.Parameter(p)],
+    ids=["same", "detached", "parameter-over-it"],
+)
+def test_one_tensor_under_two_names_is_refused(alias):
+    """It was stepped twice a step, with two states (-0.2 after one step of lr 0.1 on a
+    gradient of 1, where torch.optim steps a parameter listed once to -0.1)."""
+    p = nn.Parameter(torch.zeros(N, 3))
+    with pytest.raises(ValueError, match=r"`a` and `b` are the same tensor \(expected each"):
+        fe.optim.EnsembleOptimizer(
+            {"a": p, "w": torch.zeros(N, 3), "b": alias(p)}, fe.optim.sgd(0.1)
+        )
+    fe.optim.EnsembleOptimizer({"a": p, "b": p[1:].detach()}, fe.optim.sgd(0.1))  # other views
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(i)))
+
+
+@pytest.mark.parametrize("face", ["Ensemble", "stack"])
+def test_tied_weights_are_one_parameter_and_step_as_the_loop(face):
+    torch.manual_seed(0)
+    members = [Tied().double() for _ in range(N)]
+    loop = copy.deepcopy(members)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in loop]
+    idx, target = torch.tensor([1, 2, 3, 4]), torch.randn(4, 10, dtype=torch.float64)
+    if face == "Ensemble":
+        ens = fe.Ensemble(members)
+        opt = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(0.1, momentum=0.9))
+        forward = ens
+    else:
+        fmodel, params, buffers = fe.stack(members)
+        params = {k: nn.Parameter(v) for k, v in params.items()}
+        opt = fe.optim.EnsembleOptimizer(params, fe.optim.sgd(0.1, momentum=0.9))
+
+        def forward(i: torch.Tensor) -> torch.Tensor:
+            return torch.func.vmap(fmodel, in_dims=(0, 0, None))(params, buffers, i)
+
+    assert list(opt.params) == ["emb.weight"]
+    for _ in range(5):
+        for m, o in zip(loop, opts, strict=True):
+            o.zero_grad()
+            ((m(idx) - target) ** 2).mean().backward()
+            o.step()
+        opt.zero_grad()
+        ((forward(idx) - target) ** 2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+    expected = torch.stack([m.emb.weight.detach() for m in loop])
+    torch.testing.assert_close(opt.params["emb.weight"].detach(), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_repr():
     ens = fe.Ensemble([nn.Linear(2, 2) for _ in range(N)])
     assert repr(fe.optim.EnsembleOptimizer(ens, fe.optim.adam())) == (

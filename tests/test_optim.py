@@ -789,3 +789,54 @@ def test_a_nested_chain_given_another_optimizers_state_names_what_it_got() -> No
     state = fe.optim.rmsprop(0.1).init(params)
     with pytest.raises(ValueError, match=r"got EmptyState, another transform's state"):
         opt.update({"w": torch.ones(3, 2)}, state, params)
+
+
+SPARSE_CASES = {
+    "sgd": lambda: fe.optim.sgd(0.1),
+    "sgd-momentum": lambda: fe.optim.sgd(0.1, momentum=0.9, weight_decay=0.1),
+    "adam": lambda: fe.optim.adam(1e-2),
+    "adamw-per-member": lambda: fe.optim.adamw(torch.tensor([1e-2, 2e-2, 3e-2, 4e-2])),
+    "rmsprop": lambda: fe.optim.rmsprop(1e-2),
+    "rmsprop-momentum": lambda: fe.optim.rmsprop(1e-2, momentum=0.9, centered=True),
+    "clip-adam": lambda: fe.optim.chain(fe.optim.clip_by_global_norm(1.0), fe.optim.adam(1e-2)),
+    "scale_by_adam": lambda: fe.optim.scale_by_adam(),
+    "decay-rate": lambda: fe.optim.chain(
+        fe.optim.add_decayed_weights(0.1), fe.optim.scale_by_learning_rate(0.1)
+    ),
+}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+@pytest.mark.parametrize("make", list(SPARSE_CASES))
+def test_a_sparse_gradient_is_refused_before_anything_changes(make, in_place):
+    """torch's kernels refused a sparse gradient midway (adam, rmsprop: after earlier
+    leaves had stepped and counts had moved) or with their own messages (clip, SGD with
+    momentum). Every transform now names the leaf first. Plain SGD ran, torch.optim's
+    result (param.add_(sparse, alpha=-lr)); it is refused as well, as
+    EnsembleOptimizer.step refuses sparse gradients: one rule for fe.optim."""
+    opt = SPARSE_CASES[make]()
+    params = {"a": torch.randn(4, 3), "b": torch.randn(4, 64)}
+    state = opt.init(params)
+    for _ in range(2):  # a started state, with moments and buffers to keep
+        grads = {"a": torch.randn(4, 3), "b": torch.randn(4, 64)}
+        if in_place:
+            state = opt.update_(grads, state, params)
+        else:
+            state = opt.update(grads, state, params)[1]
+    before = [t.clone() for t in optree.tree_leaves((params, state))]
+    grads = {"a": torch.randn(4, 3), "b": torch.randn(4, 64).to_sparse()}
+    with pytest.raises(RuntimeError, match=r"params\['b'\] is not a dense tensor .*to_dense"):
+        if in_place:
+            opt.update_(grads, state, params)
+        else:
+            opt.update(grads, state, params)
+    for a, b in zip(before, optree.tree_leaves((params, state)), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_csr_gradient_is_refused_too():
+    opt = fe.optim.sgd(0.1)
+    params = {"w": torch.randn(4, 3)}
+    with pytest.raises(RuntimeError, match=r"got torch.sparse_csr\)"):
+        opt.update_({"w": torch.randn(4, 3).to_sparse_csr()}, opt.init(params), params)

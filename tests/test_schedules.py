@@ -193,6 +193,22 @@ def test_zero_start_and_zero_warmup():
     ]
 
 
+def test_zero_warmup_is_no_warmup_where_linear_lr_holds_its_start_factor():
+    """The one documented difference from LinearLR: warmup_steps=0 gives peak_lr from the
+    first update on, with any start_factor; LinearLR(total_iters=0) keeps start_factor *
+    lr for good (the docstring called the schedule LinearLR's without saying so)."""
+    sched = fe.optim.linear_warmup(1e-3, 0, start_factor=0.1)
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1e-3)
+    linear = lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=0)
+    for t in range(4):
+        assert sched(t).item() == 1e-3
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-12)  # torch's quirk
+        opt.step()
+        linear.step()
+    assert "LinearLR(total_iters=0)" in fe.optim.linear_warmup.__doc__  # the difference told
+
+
 def test_after_the_decay_the_rate_stays_at_the_floor():
     sched = fe.optim.warmup_cosine(1.0, 2, 6, min_lr=torch.tensor([0.0, 0.1]))
     for t in (6, 7, 100):

@@ -5,7 +5,7 @@ import copy
 import optree
 import pytest
 import torch
-from helpers import runtime_typecheck_off
+from helpers import runtime_typecheck_off, skip_unless_dynamo_traces_optree
 from torch import nn
 
 import funcensemble as fe
@@ -137,6 +137,8 @@ def test_matches_torch_sgd_per_member(case, in_place):
 
 
 def test_update_and_update_agree_exactly():
+    # Exactly while each step keeps the parameters within a factor 2, as here (see
+    # test_update_adds_back_torchs_step_exactly_within_a_factor_2 for elsewhere).
     opt = fe.optim.sgd(lr=torch.tensor([0.1, 0.2]), momentum=0.9, weight_decay=0.1)
     torch.manual_seed(0)
     p1 = {"w": torch.randn(2, 3, dtype=torch.float64)}
@@ -440,3 +442,184 @@ def test_a_float_zero_momentum_phase_leaves_unstarted_buffers_unstarted():
     want = torch.stack([p.detach() for p in loop])
     torch.testing.assert_close(params["w"], want, rtol=1e-12, atol=1e-14)
     assert state[0].count["w"].tolist() == [2.0, 4.0]  # momentum updates each member took
+
+
+# torch.optim.SGD's keyword arguments per member (four members), for the bit-for-bit tests.
+M = 4
+GRID = {
+    "plain": [{"lr": 0.01}] * M,
+    "momentum": [{"lr": 0.01, "momentum": 0.9}] * M,
+    "dampening_decay": [{"lr": 0.01, "momentum": 0.8, "dampening": 0.3, "weight_decay": 0.1}] * M,
+    "nesterov_decay_maximize": [
+        {"lr": 0.01, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "maximize": True}
+    ]
+    * M,
+    "per_member": [
+        {"lr": lr, "momentum": m, "dampening": d, "weight_decay": wd}
+        for lr, m, d, wd in (
+            (0.01, 0.0, 0.5, 0.0),
+            (0.03, 0.9, 0.5, 0.2),
+            (0.003, 0.5, 0.0, 0.01),
+            (0.0, 0.99, 0.1, 0.1),
+        )
+    ],
+    "per_member_nesterov": [
+        {"lr": lr, "momentum": m, "nesterov": True}
+        for lr, m in ((0.01, 0.9), (0.02, 0.5), (0.005, 0.1), (0.013, 0.99))
+    ],
+}
+
+
+def grid_sgd(case: str, lr: object = None) -> fe.optim.GradientTransformation:
+    kws = GRID[case]
+    out = {}
+    for key in ("lr", "momentum", "dampening", "weight_decay"):
+        values = [kw.get(key, 0.0) for kw in kws]
+        out[key] = torch.tensor(values, dtype=torch.float64) if len(set(values)) > 1 else values[0]
+    if lr is not None:
+        out["lr"] = lr
+    return fe.optim.sgd(
+        **out, nesterov=kws[0].get("nesterov", False), maximize=kws[0].get("maximize", False)
+    )
+
+
+def grad_of(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """An elementwise gradient of the parameter (exact ops only: alike in both runs while
+    the parameters agree); its ascent under ``maximize`` stays bounded as well."""
+    return (p - c) * (1.0 + 0.1 * p * p)
+
+
+def run_torch(case, start, c, steps, schedule=None):
+    loop = [torch.nn.Parameter(start[i].clone()) for i in range(M)]
+    opts = [torch.optim.SGD([p], **kw) for p, kw in zip(loop, GRID[case], strict=True)]
+    for t in range(steps):
+        for i, (p, o) in enumerate(zip(loop, opts, strict=True)):
+            if schedule is not None:
+                o.param_groups[0]["lr"] = float(schedule(t))
+            sign = -1.0 if GRID[case][i].get("maximize", False) else 1.0
+            p.grad = sign * grad_of(p.detach(), c[i])
+            o.step()
+    bufs = [o.state[p].get("momentum_buffer") for o, p in zip(opts, loop, strict=True)]
+    return torch.stack([p.detach() for p in loop]), bufs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", [*GRID, "schedule"])
+@pytest.mark.parametrize("face", ["update_", "EnsembleOptimizer"])
+def test_steps_bit_for_bit_as_torch_sgd_given_the_same_gradients(face, case, dtype):
+    """fe scaled the direction by -lr and then added it (two roundings), where torch.optim
+    steps with param.add_(direction, alpha=-lr), one: 20 to 36 float32 ulps apart after
+    300 steps. The rate now folds into torch's own operation, per-member rates by addcmul_
+    (which rounds alike), schedules' values too."""
+    torch.manual_seed(0)
+    steps, schedule = 300, None
+    if case == "schedule":
+        schedule = fe.optim.warmup_cosine(0.03, 20, 250, start_factor=0.1, min_lr=1e-3)
+    start = torch.randn(M, 257, dtype=torch.float64).to(dtype)
+    c = torch.randn(M, 257, dtype=torch.float64).to(dtype)
+    grid = "momentum" if case == "schedule" else case
+    expected, bufs = run_torch(grid, start, c, steps, schedule)
+    opt = grid_sgd(grid, schedule)
+    sign = -1.0 if GRID[grid][0].get("maximize", False) else 1.0
+    if face == "update_":
+        params = {"w": start.clone()}
+        state = opt.init(params)
+        for _ in range(steps):
+            state = opt.update_({"w": sign * grad_of(params["w"], c)}, state, params)
+    else:
+        params = {"w": torch.nn.Parameter(start.clone())}
+        eo = fe.optim.EnsembleOptimizer(params, opt)
+        for _ in range(steps):
+            params["w"].grad = sign * grad_of(params["w"].detach(), c)
+            eo.step()
+        state = eo.state
+    assert torch.isfinite(expected).all()
+    assert torch.equal(params["w"].detach(), expected)
+    for i, buf in enumerate(bufs):
+        if buf is not None:
+            assert torch.equal(state[0].momentum_buffer["w"][i], buf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["plain", "nesterov_decay_maximize", "per_member"])
+def test_update_adds_back_torchs_step_exactly_within_a_factor_2(case, dtype):
+    """The pure update returns what torch's step makes the parameters less the parameters:
+    apply_updates adds it back exactly wherever a step keeps a parameter within a factor
+    2 of where it was (300 steps bit for bit with torch.optim, parameters near 3), and
+    elsewhere (near zero, crossing it) to an ulp of the larger of the two values."""
+    torch.manual_seed(0)
+    start = (3.0 + torch.rand(M, 257, dtype=torch.float64)).to(dtype)
+    c = (3.0 + torch.randn(M, 257, dtype=torch.float64)).to(dtype)
+    expected, _ = run_torch(case, start, c, 300)
+    opt = grid_sgd(case)
+    sign = -1.0 if GRID[case][0].get("maximize", False) else 1.0
+    params = {"w": start.clone()}
+    state = opt.init(params)
+    for _ in range(300):
+        updates, state = opt.update({"w": sign * grad_of(params["w"], c)}, state, params)
+        params = fe.optim.apply_updates(params, updates)
+    assert torch.equal(params["w"], expected)
+
+    # Step by step from update_'s parameters (torch's, by the test above), with random
+    # gradients that move parameters about zero.
+    params = {"w": torch.randn(M, 257, dtype=torch.float64).to(dtype)}
+    state = opt.init(params)
+    outside = 0
+    for _ in range(50):
+        grads = {"w": 3 * torch.randn(M, 257, dtype=torch.float64).to(dtype)}
+        updates, _ = opt.update(grads, state, params)
+        pure = fe.optim.apply_updates(params, updates)["w"]
+        old = params["w"].clone()
+        state = opt.update_(grads, state, params)
+        new = params["w"]
+        within = (new / old >= 0.5) & (new / old <= 2)
+        assert torch.equal(pure[within], new[within])
+        ulp = torch.finfo(dtype).eps * torch.maximum(old.abs(), new.abs())
+        assert ((pure - new).abs() <= ulp).all()
+        outside += int((~within).sum())
+    assert outside > 100  # the second claim was exercised
+
+
+def test_update_without_the_parameters_is_one_rounding_from_torch():
+    torch.manual_seed(0)
+    start, c = torch.randn(M, 257, dtype=torch.float64), torch.randn(M, 257, dtype=torch.float64)
+    expected, _ = run_torch("momentum", start, c, 100)
+    opt = grid_sgd("momentum")
+    params = {"w": start.clone()}
+    state = opt.init(params)
+    for _ in range(100):
+        updates, state = opt.update({"w": grad_of(params["w"], c)}, state)
+        params = fe.optim.apply_updates(params, updates)
+    torch.testing.assert_close(params["w"], expected, rtol=0, atol=1e-13)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "lr",
+    [0.1, torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64), fe.optim.linear_warmup(0.1, 3)],
+    ids=["float", "per_member", "schedule"],
+)
+def test_update_and_update_in_place_under_torch_compile_fullgraph(lr):
+    """The folded step compiles whole, in place too (returning all-None updates from it
+    did not: Dynamo's optree unflatten refused them)."""
+    skip_unless_dynamo_traces_optree()
+    opt = fe.optim.sgd(lr, momentum=0.9, weight_decay=0.01)
+
+    def step(grads, state, params):
+        updates, state = opt.update(grads, state, params)
+        return fe.optim.apply_updates(params, updates), state
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled_ = torch.compile(opt.update_, backend="aot_eager", fullgraph=True)
+    start = torch.randn(3, 4, dtype=torch.float64)
+    eager, traced, in_place = ({"w": start.clone()} for _ in range(3))
+    eager_state, traced_state, in_place_state = (opt.init(p) for p in (eager, traced, in_place))
+    # The test run's beartype wrappers cannot be traced by dynamo; users have none.
+    with runtime_typecheck_off():
+        for k in range(4):
+            grads = {"w": start.cos() * (k + 1)}
+            eager, eager_state = step(grads, eager_state, eager)
+            traced, traced_state = compiled(grads, traced_state, traced)
+            in_place_state = compiled_(grads, in_place_state, in_place)
+    assert torch.equal(traced["w"], eager["w"])
+    torch.testing.assert_close(in_place["w"], eager["w"], rtol=0, atol=1e-15)

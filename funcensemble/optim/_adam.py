@@ -365,7 +365,7 @@ def _steps(
         active = []
         for i, g in enumerate(gs):
             if g is not None:
-                if not isinstance(g, Tensor):
+                if not isinstance(g, Tensor) or g.layout is not torch.strided:
                     check_tensors(where, gradient, spec, gs)
                 if counts[i] is not None:
                     active.append(i)

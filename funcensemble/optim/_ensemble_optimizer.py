@@ -34,6 +34,28 @@ def _describe(value: object) -> str:
     return a(type(value).__name__)
 
 
+def _check_distinct(where: str, named: Mapping[str, Any]) -> None:
+    """Refuse one tensor under two names: each step would update it twice, with two
+    states (torch.optim warns of duplicate parameters, and steps them twice too)."""
+    seen: dict[Any, str] = {}
+    for name, p in named.items():
+        if not isinstance(p, Tensor) or p.numel() == 0:
+            continue
+        key: Any = id(p)
+        if type(p) in (Tensor, torch.nn.Parameter) and p.device.type != "meta":
+            # Another tensor over the same memory (p.detach(), nn.Parameter(p)) too.
+            ptr = p.untyped_storage().data_ptr()
+            key = (p.device, ptr, p.storage_offset(), p.shape, p.stride())
+        if key in seen:
+            raise ValueError(
+                f"{where}: `{seen[key]}` and `{name}` are the same tensor (expected each "
+                "parameter once, got one under two names); every step would update it twice, "
+                "with two states. Pass it under one name (as named_parameters() lists tied "
+                "weights once)."
+            )
+        seen[key] = name
+
+
 class EnsembleOptimizer:
     """Step stacked parameters in place, for a training loop that calls ``loss.backward()``.
 
@@ -54,6 +76,12 @@ class EnsembleOptimizer:
             [`optimizer`][funcensemble.HeteroEnsemble.optimizer]) or a mapping of names
             to parameter tensors (e.g. the ``params`` of [`stack`][funcensemble.stack]).
         transform: The optimizer, e.g. ``fe.optim.adam(lr=1e-3)``.
+
+    Raises:
+        TypeError: ``params`` or ``transform`` of the wrong type, or a parameter that
+            is not a leaf tensor.
+        ValueError: One tensor under two names (it would be stepped twice a step);
+            tied weights are one parameter, as ``named_parameters()`` lists them.
 
     Example:
         >>> import torch, funcensemble as fe
@@ -100,6 +128,7 @@ class EnsembleOptimizer:
                 f"fe.optim.adam(), got {type(transform).__name__}). Build one with fe.optim, "
                 "e.g. fe.optim.adam(1e-3)."
             )
+        _check_distinct(where, named)
         self._over = params  # what a transform assigned later is adapted to, too
         self.params: dict[str, Tensor] = named
         self.transform = transform

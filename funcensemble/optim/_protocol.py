@@ -72,16 +72,19 @@ class GradientTransformation(NamedTuple):
         ``update``, so the two agree exactly; ``fe.optim.adam``'s own step runs
         torch's fused kernel or orders its last operations as torch.optim does for
         tensor hyperparameters, so it agrees with ``update`` up to float rounding
-        (see [`adam`][funcensemble.optim.adam]), and ``fe.optim.rmsprop`` with
-        momentum steps as torch.optim does, where its ``update`` may differ by a
-        rounding (see [`rmsprop`][funcensemble.optim.rmsprop]).
+        (see [`adam`][funcensemble.optim.adam]); ``fe.optim.sgd``, and
+        ``fe.optim.rmsprop`` with momentum, step as torch.optim does, where their
+        ``update`` may differ by a rounding (see [`sgd`][funcensemble.optim.sgd] and
+        [`rmsprop`][funcensemble.optim.rmsprop]).
 
         The returned state holds the same tensors as ``state`` wherever their shapes
         allow; keep a copy (``optree.tree_map(torch.clone, state)``) if you need the
         old values. A transform checks everything before it writes anything, and
         ``update_`` checks ``grads`` against ``params`` first: a call that raises
         leaves ``params`` and ``state`` as they were, in a
-        [`chain`][funcensemble.optim.chain] too.
+        [`chain`][funcensemble.optim.chain] too. ``params`` must hold each tensor
+        once: one under two names is stepped twice (not checked here, on every step;
+        [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] refuses it).
 
         Args:
             grads: Gradients shaped like ``params``; None for a leaf without one.
@@ -94,6 +97,8 @@ class GradientTransformation(NamedTuple):
         Raises:
             ValueError: ``grads`` or ``state`` do not match ``params``, with the
                 messages of ``update``.
+            RuntimeError: A gradient is sparse (or of another layout than dense);
+                ``update`` refuses it too.
 
         Example:
             >>> import torch, funcensemble as fe
@@ -322,13 +327,24 @@ def check_one_member_axis(
 
 
 def check_tensors(where: str, what: str, spec: optree.PyTreeSpec, xs: list[Any]) -> None:
-    """Check that every leaf is a tensor or None."""
+    """Check that every leaf is a dense tensor or None."""
     for index, x in enumerate(xs):
-        if x is not None and not isinstance(x, Tensor):
+        if x is None:
+            continue
+        if not isinstance(x, Tensor):
             raise TypeError(
                 f"{where}: {what} for {leaf_name(spec, index)} is not a tensor (expected a "
                 f"tensor or None, got {type(x).__name__}). Pass one tensor per parameter, "
                 "or None for no gradient."
+            )
+        if x.layout is not torch.strided:
+            # torch's kernels would refuse it midway, after earlier leaves had stepped.
+            raise RuntimeError(
+                f"{where}: {what} for {leaf_name(spec, index)} is not a dense tensor "
+                f"(expected layout torch.strided, got {x.layout}); fe.optim steps dense "
+                "gradients only. Convert it with .to_dense(), or train a parameter with "
+                "sparse gradients by torch.optim on a plain module (torch.optim.SparseAdam, "
+                "or SGD)."
             )
 
 
@@ -437,7 +453,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     [`scale_by_learning_rate`][funcensemble.optim.scale_by_learning_rate] fold into
     one step, [`adam`][funcensemble.optim.adam]'s, which computes torch.optim's
     arithmetic in both and runs its fused kernel in ``update_`` (equal up to
-    rounding, as ``adam``'s own ``update`` and ``update_`` are).
+    rounding, as ``adam``'s own ``update`` and ``update_`` are). The chains
+    [`sgd`][funcensemble.optim.sgd] and [`rmsprop`][funcensemble.optim.rmsprop] fold
+    their direction and rate likewise into torch.optim's step.
 
     Example:
         >>> import torch, funcensemble as fe

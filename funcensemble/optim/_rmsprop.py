@@ -12,27 +12,22 @@ from ._hyper import (
     hyperparameter,
     is_per_member,
     one_minus,
-    schedule_value,
 )
 from ._protocol import (
     GradientTransformation,
     PyTree,
     chain,
     check_like,
-    check_state_type,
     flatten,
     leaves_like,
-    not_the_chains_state,
-    refill,
     scatter,
     state_leaves,
     trainable,
-    traits,
     with_traits,
 )
 from ._recipes import rebuildable
 from ._sgd import _flag
-from ._transforms import Schedule, ScheduleState, checked_learning_rate, learning_rate
+from ._transforms import Schedule, checked_learning_rate, fold_learning_rate, learning_rate
 
 
 class RMSpropState(NamedTuple):
@@ -207,39 +202,7 @@ def _rmsprop_direction(
 
     def fold(rate: GradientTransformation) -> GradientTransformation | None:
         """This direction and the learning rate after it, as one exact step."""
-        found = traits(rate).learning_rate
-        if found is None:
-            return None
-        lr_where, lr = found
-        constant = isinstance(lr, Hyper)
-
-        def pair_init(params: PyTree) -> tuple[Any, Any]:
-            return init(params), rate.init(params)
-
-        def pair_update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-            if not isinstance(state, tuple) or len(state) != 2:
-                raise ValueError(not_the_chains_state(state, 2))
-            if not constant:
-                check_state_type(lr_where, state[1], ScheduleState)
-            value = lr if constant else schedule_value(lr_where, "lr", lr(state[1].count))
-            out, new = step(grads, state[0], params, (lr_where, value))
-            return out, (new, state[1] if constant else ScheduleState(state[1].count + 1))
-
-        def pair_update_(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
-            """In place, as torch.optim steps: the parameters too (checks first)."""
-            if not isinstance(state, tuple) or len(state) != 2:
-                raise ValueError(not_the_chains_state(state, 2))
-            if not constant:
-                check_state_type(lr_where, state[1], ScheduleState)
-            value = lr if constant else schedule_value(lr_where, "lr", lr(state[1].count))
-            _, new = step(grads, state[0], params, (lr_where, value), apply=True)
-            if not constant:
-                state[1].count.add_(1)
-            return None, (refill(state[0], new), state[1])
-
-        return with_traits(
-            GradientTransformation(pair_init, pair_update, pair_update_), applies=True
-        )
+        return fold_learning_rate(init, step, rate)
 
     # The in-place form is derived: the same arithmetic, the new state copied into the old.
     return with_traits(GradientTransformation(init, update), fold=fold)

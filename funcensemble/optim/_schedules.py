@@ -116,10 +116,13 @@ def linear_warmup(
     ``warmup_steps`` and ``peak_lr`` from there on, what ``torch.optim.lr_scheduler.LinearLR(
     opt, start_factor, total_iters=warmup_steps)`` gives an optimizer with ``lr=peak_lr``
     when stepped once per update (``LinearLR`` takes ``start_factor > 0`` only; the
-    default 0 here starts the warm-up from a rate of 0). Each argument may be one number
-    for all members or a ``[N]`` tensor, one per member; ``warmup_steps=0`` means no
-    warm-up. Pass the schedule as the ``lr`` of ``fe.optim.adam``, ``adamw``, ``sgd``,
-    ``rmsprop`` or ``scale_by_learning_rate``.
+    default 0 here starts the warm-up from a rate of 0). One difference: here
+    ``warmup_steps=0`` means no warm-up, ``peak_lr`` from the first update on, where
+    ``LinearLR(total_iters=0)`` holds ``start_factor * lr`` for good (its factor never
+    reaches 1); in torch, leave ``LinearLR`` out for no warm-up. Each argument may be
+    one number for all members or a ``[N]`` tensor, one per member. Pass the schedule
+    as the ``lr`` of ``fe.optim.adam``, ``adamw``, ``sgd``, ``rmsprop`` or
+    ``scale_by_learning_rate``.
 
     Args:
         peak_lr: The rate reached at the end of the warm-up, ``>= 0``.

@@ -26,8 +26,11 @@ from ._protocol import (
     check_tensors,
     flatten,
     leaves_like,
+    not_the_chains_state,
+    refill,
     scatter,
     trainable,
+    traits,
     with_traits,
 )
 from ._recipes import rebuildable
@@ -197,6 +200,53 @@ def learning_rate(where: str, lr: Hyper | Schedule) -> GradientTransformation:
 
     out = GradientTransformation(init_schedule, update_schedule, update_schedule_)
     return with_traits(out, learning_rate=(where, schedule))
+
+
+# A direction's step, given the rate: step(updates, state, params, (where, lr) or None,
+# apply=...) -> (updates, new state), the parameters stepped in place with apply=True.
+Step = Callable[..., tuple[PyTree, Any]]
+
+
+def fold_learning_rate(
+    init: Callable[[PyTree], Any], step: Step, rate: GradientTransformation
+) -> GradientTransformation | None:
+    """A direction and the learning rate ``rate`` after it as one step (see ``chain``),
+    which takes the rate into torch.optim's own operations (SGD, RMSprop); None where
+    ``rate`` is not a learning rate. Its state is the pair (direction's, rate's).
+    """
+    found = traits(rate).learning_rate
+    if found is None:
+        return None
+    lr_where, lr = found
+    constant = isinstance(lr, Hyper)
+
+    def value(state: Any) -> tuple[str, Hyper]:
+        """The pair's state checked, and the rate of this step (a schedule's value)."""
+        if not isinstance(state, tuple) or len(state) != 2:
+            raise ValueError(not_the_chains_state(state, 2))
+        if constant:
+            return lr_where, lr
+        check_state_type(lr_where, state[1], ScheduleState)
+        return lr_where, schedule_value(lr_where, "lr", lr(state[1].count))
+
+    def pair_init(params: PyTree) -> tuple[Any, Any]:
+        return init(params), rate.init(params)
+
+    def pair_update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        lr_ = value(state)
+        out, new = step(grads, state[0], params, lr_)
+        return out, (new, state[1] if constant else ScheduleState(state[1].count + 1))
+
+    def pair_update_(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+        """In place, as torch.optim steps: the parameters too (checks first)."""
+        lr_ = value(state)
+        _, new = step(grads, state[0], params, lr_, apply=True)
+        if not constant:
+            state[1].count.add_(1)
+        return None, (refill(state[0], new), state[1])
+
+    out = GradientTransformation(pair_init, pair_update, pair_update_)
+    return with_traits(out, applies=True)
 
 
 @rebuildable
