@@ -5,7 +5,13 @@ import io
 
 import pytest
 import torch
-from helpers import optim_batch, optim_loss, optim_net_members, runtime_typecheck_off
+from helpers import (
+    assert_trees_equal,
+    optim_batch,
+    optim_loss,
+    optim_net_members,
+    runtime_typecheck_off,
+)
 from torch import nn
 
 import funcensemble as fe
@@ -150,12 +156,15 @@ def test_load_state_dict_rejects_a_mismatch_before_changing_anything():
     train(ens, opt, range(2))
     before = opt.state
     other = fe.optim.EnsembleOptimizer(fe.Ensemble(optim_net_members(N)), fe.optim.adam())
+    with pytest.raises(ValueError, match=r"(?s)amsgrad=False.*amsgrad=True"):
+        opt.load_state_dict(other.state_dict())  # the transforms' records differ
+    unrecorded = {k: v for k, v in other.state_dict().items() if k != "transform"}
     with pytest.raises(
         ValueError,
         match=r"`.*` does not match this optimizer's state \(expected a tensor of shape "
         r"\(3, .*\), got None\)\. It was saved from a different transform",
     ):
-        opt.load_state_dict(other.state_dict())
+        opt.load_state_dict(unrecorded)  # the state's own structure differs too
     bigger = fe.optim.EnsembleOptimizer(
         fe.Ensemble(optim_net_members(N + 1)), fe.optim.adam(amsgrad=True)
     )
@@ -177,7 +186,7 @@ def test_load_state_dict_rejects_a_mismatch_before_changing_anything():
         ValueError,
         match=r"the state does not match this optimizer: it is missing `.*` and has extra `.*`",
     ):
-        opt.load_state_dict(chained.state_dict())
+        opt.load_state_dict({"state": chained.state_dict()["state"]})
     corrupt = opt.state_dict()
     corrupt["state"] = {k: 1.0 if v is not None else v for k, v in corrupt["state"].items()}
     with pytest.raises(ValueError, match=r"\(expected a tensor of shape \(.*\), got a float\)"):
@@ -285,13 +294,19 @@ def test_repr():
 
 def test_state_dict_loads_into_an_optimizer_with_another_weight_decay():
     # One state layout whatever the hyperparameter values: changing weight_decay (or
-    # maximize) on resume keeps the moments.
+    # maximize) on resume keeps the moments, as load_state_dict's docstring says: load
+    # into the saved transform, then assign the new one (or drop the record).
     ens = fe.Ensemble(optim_net_members(N))
     opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, weight_decay=0.1))
     train(ens, opt, range(2))
-    resumed = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, weight_decay=0.0, maximize=True))
+    resumed = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, weight_decay=0.1))
     resumed.load_state_dict(opt.state_dict())
+    resumed.transform = fe.optim.adamw(1e-2, weight_decay=0.0, maximize=True)
     torch.testing.assert_close(resumed.state, opt.state, rtol=0, atol=0)
+    assert "weight_decay=0.0" in resumed.state_dict()["transform"]
+    again = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(1e-2, weight_decay=0.0, maximize=True))
+    again.load_state_dict({"state": opt.state_dict()["state"]})  # no record: not compared
+    torch.testing.assert_close(again.state, opt.state, rtol=0, atol=0)
 
 
 def test_a_torch_optim_state_dict_is_refused_as_such_before_anything_changes():
@@ -304,7 +319,7 @@ def test_a_torch_optim_state_dict_is_refused_as_such_before_anything_changes():
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(TypeError, match=r"this is a torch\.optim optimizer's state_dict"):
         opt.load_state_dict(plain.state_dict())
-    torch.testing.assert_close(opt.state_dict(), before, rtol=0, atol=0)
+    torch.testing.assert_close(opt.state_dict()["state"], before["state"], rtol=0, atol=0)
 
 
 def test_grad_scaler_given_an_ensemble_optimizer_says_what_to_do() -> None:
@@ -318,3 +333,55 @@ def test_grad_scaler_given_an_ensemble_optimizer_says_what_to_do() -> None:
         scaler.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(before, ens.parameters(), strict=True))
     assert not hasattr(opt, "param_groups")  # probing tools see no groups
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading"),
+    [
+        pytest.param(lambda: fe.optim.adam(1e-2), lambda: fe.optim.adam(1e-3), id="lr"),
+        pytest.param(lambda: fe.optim.adam(), lambda: fe.optim.adamw(), id="adam-adamw"),
+        pytest.param(
+            lambda: fe.optim.sgd(0.1, momentum=0.9),
+            lambda: fe.optim.sgd(0.1, momentum=0.8),
+            id="momentum",
+        ),
+        pytest.param(
+            lambda: fe.optim.adam(torch.tensor([1e-2, 2e-2, 3e-2])),
+            lambda: fe.optim.adam(torch.tensor([1e-2, 3e-2, 2e-2])),
+            id="per-member-order",
+        ),
+        pytest.param(
+            lambda: fe.optim.adam(fe.optim.warmup_cosine(1e-2, 2, 10)),
+            lambda: fe.optim.adam(fe.optim.warmup_cosine(1e-2, 3, 10)),
+            id="schedule",
+        ),
+    ],
+)
+def test_a_state_saved_with_other_hyperparameters_is_refused(saved, loading):
+    """The state held no hyperparameters: loaded into an optimizer built with others it
+    continued with those (0.09 off the torch.optim loop, whose load_state_dict puts
+    the saved lr back). The record of the transform is compared; popping it is the
+    explicit way to change hyperparameters on resume."""
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    opt = fe.optim.EnsembleOptimizer(ens, saved())
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    other = fe.optim.EnsembleOptimizer(ens, loading())
+    before = copy.deepcopy(other.state)
+    with pytest.raises(ValueError, match=r"expected the same transform and hyperparameters"):
+        other.load_state_dict(state)
+    assert_trees_equal(other.state, before)
+    fe.optim.EnsembleOptimizer(ens, saved()).load_state_dict(state)  # the same: loads
+    other.load_state_dict({k: v for k, v in state.items() if k != "transform"})
+
+
+def test_the_transform_record_survives_fe_save_and_is_compared_by_fe_load(tmp_path):
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.st", opt)
+    fe.load(tmp_path / "opt.st", fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2)))
+    with pytest.raises(ValueError, match=r"(?s)adam\(lr=0.01.*adam\(lr=0.001"):
+        fe.load(tmp_path / "opt.st", fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-3)))

@@ -81,8 +81,9 @@ class _Flat:
 
 def _flatten(where: str, obj: Any) -> _Flat:
     if isinstance(obj, EnsembleOptimizer):
-        # Stored as its state_dict(), as fe.save stores it.
-        return _flatten(where, obj.state_dict())
+        # Stored as its state_dict()'s state, as fe.save stores it (the transform's
+        # record is a string, which DCP's shards do not hold: not compared here).
+        return _flatten(where, {"state": obj.state_dict()["state"]})
     if isinstance(obj, Ensemble):
         kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
         leaves = dict(obj.state_dict(keep_vars=True))

@@ -20,6 +20,7 @@ from .._messages import a, expected_got, key_difference
 from .._types import StackedTensor
 from ._members import check_state_like, count_mask, count_sizes, grown, selected
 from ._protocol import GradientTransformation, PyTree, flatten
+from ._recipes import describe
 
 
 def _state_keys(spec: optree.PyTreeSpec) -> list[str]:
@@ -54,6 +55,11 @@ def _check_distinct(where: str, named: Mapping[str, Any]) -> None:
                 "weights once)."
             )
         seen[key] = name
+
+
+def _shown(described: object, limit: int = 600) -> str:
+    text = str(described)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class EnsembleOptimizer:
@@ -153,11 +159,13 @@ class EnsembleOptimizer:
             )
         # A HeteroEnsemble runs the transform group by group (see HeteroEnsemble.optimizer).
         adapted_ = adapted(self._over, transform)
+        described = describe(transform)
         if adapted_ is not transform and hasattr(self, "_transform"):
             from .._hetero.routing import check_assigned  # (hetero imports this module)
 
             check_assigned(adapted_, self.params)  # what its init checks (the state is kept)
         self._transform = adapted_
+        self._described = described  # what state_dict() records of it
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -206,15 +214,20 @@ class EnsembleOptimizer:
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state as ``{"state": {path: tensor or None}}``.
+        """The optimizer state as ``{"state": {path: tensor or None}, "transform": str}``.
 
-        Plain dicts and tensors only, so ``torch.save`` and ``torch.load(...,
-        weights_only=True)`` take it. As with ``torch.optim``, the tensors are the live
-        state's, not copies: ``step()`` updates them in place, so clone them to keep a
-        snapshot of this step's values.
+        ``"transform"`` records the transform with its hyperparameters, as the call
+        that built it (``"adam(lr=0.01, betas=(0.9, 0.999), ...)"``; per-member
+        tensors of more than 8 values by a digest): the state holds no hyperparameters,
+        so [`load_state_dict`][funcensemble.optim.EnsembleOptimizer.load_state_dict]
+        compares it with the loading optimizer's. Plain dicts, strings and tensors
+        only, so ``torch.save`` and ``torch.load(..., weights_only=True)`` take it. As
+        with ``torch.optim``, the tensors are the live state's, not copies: ``step()``
+        updates them in place, so clone them to keep a snapshot of this step's values.
         """
         leaves, spec = flatten(self.state)
-        return {"state": dict(zip(_state_keys(spec), leaves, strict=True))}
+        state = dict(zip(_state_keys(spec), leaves, strict=True))
+        return {"state": state, "transform": self._described}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state saved by [`state_dict`][funcensemble.optim.EnsembleOptimizer.state_dict].
@@ -224,9 +237,18 @@ class EnsembleOptimizer:
         members or one per member (after [`concat`][funcensemble.optim.EnsembleOptimizer.concat]):
         a fresh optimizer resumes from a state saved after members joined.
 
+        The transform and hyperparameters recorded with the state must be this
+        optimizer's: ``torch.optim`` restores the saved hyperparameters on load, while
+        this state holds none, so resuming with others is refused (a transform or
+        schedule of your own is recorded by its kind only, and not compared). To
+        change hyperparameters on purpose, load into the saved transform and then
+        assign the new one (``opt.transform = ...``, as ``torch.optim`` users set
+        ``param_groups`` after loading), or ``state_dict.pop("transform")`` first.
+
         Raises:
-            ValueError: Keys, shapes or missing tensors that do not match this optimizer
-                (a different transform or parameter set).
+            ValueError: Another transform or other hyperparameters than the saved ones;
+                keys, shapes or missing tensors that do not match this optimizer (a
+                different transform or parameter set).
         """
         where = "EnsembleOptimizer.load_state_dict"
         if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
@@ -244,6 +266,19 @@ class EnsembleOptimizer:
                 "parameters (expected what EnsembleOptimizer.state_dict() returned). "
                 "Stack the members' optimizer states yourself, or start the ensemble's "
                 "optimizer fresh."
+            )
+        saved = state_dict.get("transform")
+        if saved is not None and saved != self._described:
+            raise ValueError(
+                f"{where}: the state was saved by an optimizer whose transform was\n  "
+                f"{_shown(saved)}\nand this one's is\n  {_shown(self._described)}\n"
+                "(expected the same transform and hyperparameters, got others): "
+                "torch.optim's load_state_dict would put the saved hyperparameters back, "
+                "while this state holds none and would continue with these. Build the "
+                "optimizer with the saved transform and load; to change hyperparameters "
+                "on purpose, assign the new one afterwards (opt.transform = ..., as "
+                "torch.optim users set param_groups after loading), or drop the record "
+                "(state_dict.pop('transform'))."
             )
         leaves, spec = flatten(self.state)
         keys = _state_keys(spec)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._tree import leaves
 from ._protocol import GradientTransformation, PyTree, with_traits
-from ._recipes import Recipe, record_recipe
+from ._recipes import Recipe, describe, record_recipe
 
 Labels = Mapping[str, str] | Callable[[str], str]
 
@@ -20,6 +20,9 @@ class _LabelsOf:
 
     def __init__(self, labels: Labels) -> None:
         self.labels = labels
+
+    def __repr__(self) -> str:  # as a recipe's record shows it (see _recipes.describe)
+        return describe(self.labels)
 
 
 def _check_transforms(where: str, transforms: object) -> dict[str, GradientTransformation]:
@@ -243,6 +246,9 @@ def partition(
 def _rebuilt(transforms: dict[str, GradientTransformation], labels: _LabelsOf) -> Any:
     """``partition`` called again by member surgery, with the transforms rebuilt."""
     return partition(transforms, labels.labels)
+
+
+_rebuilt.__name__ = "partition"  # (what messages and records call it)
 
 
 def _recipe(parts: dict[str, GradientTransformation], labels: Labels) -> Recipe:

@@ -7,10 +7,13 @@ per-member values (``_members.remap``).
 """
 
 import functools
+import hashlib
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -39,7 +42,8 @@ def rebuildable(factory: F) -> F:
     @functools.wraps(factory)
     def build(*args: Any, **kwargs: Any) -> Any:
         out = factory(*args, **kwargs)
-        _RECIPES[out.update] = (build, _snapshot(args), _snapshot(kwargs))
+        # A transform by its update function; a schedule (a function) by itself.
+        _RECIPES[getattr(out, "update", out)] = (build, _snapshot(args), _snapshot(kwargs))
         return out
 
     return build  # type: ignore[return-value]
@@ -57,3 +61,47 @@ def recipe_of(update: Callable[..., Any]) -> Recipe | None:
         return _RECIPES.get(update)
     except TypeError:  # an update that cannot be weakly referenced: the user's own
         return None
+
+
+def describe(value: Any) -> str:
+    """A transform (or hyperparameter) as the call that built it, with every value:
+    ``adam(lr=0.01, betas=(0.9, 0.999), ...)``. Two transforms with one description
+    step alike. A transform or schedule of the user's own, whose call was not recorded,
+    is described by its kind only."""
+    if hasattr(value, "update") and hasattr(value, "init"):
+        return _call(recipe_of(value.update), "<a transform of your own>")
+    if isinstance(value, Tensor):
+        if value.numel() <= 8:
+            shown = value.tolist()
+        else:
+            data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+            shown = f"sha256:{hashlib.sha256(data.tobytes()).hexdigest()[:16]}"
+        return (
+            f"tensor({shown}, shape={list(value.shape)}, {str(value.dtype).removeprefix('torch.')})"
+        )
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(describe(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in value.items()) + "}"
+    if callable(value):
+        return _call(recipe_of(value), "<a function of your own>")
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return repr(value)
+    if type(value).__module__.startswith("funcensemble."):
+        return repr(value)  # our own records (a partition's labels)
+    return f"<a {type(value).__qualname__}>"  # (a repr may hold an address)
+
+
+def _call(recipe: Recipe | None, unknown: str) -> str:
+    if recipe is None:
+        return unknown
+    build, args, kwargs = recipe
+    try:  # one description however the arguments were passed
+        bound = inspect.signature(build).bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+    except (TypeError, ValueError):
+        named = {**dict(enumerate(args)), **kwargs}
+    shown = ", ".join(f"{k}={describe(v)}" for k, v in named.items())
+    return f"{getattr(build, '__name__', 'transform')}({shown})"

@@ -8,6 +8,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ._hyper import hyperparameter
+from ._recipes import rebuildable
 
 # What a schedule is called with: the number of previous updates (ScheduleState.count).
 Count = Int[Tensor, ""] | int
@@ -106,6 +107,7 @@ def _cosine(t: Tensor, peak: Tensor, steps: Tensor, floor: Tensor) -> Tensor:
     return floor + (peak - floor) * (1 + torch.cos(math.pi * phase)) / 2
 
 
+@rebuildable
 def linear_warmup(
     peak_lr: PerMember, warmup_steps: Steps, *, start_factor: PerMember = 0.0
 ) -> Callable[[Count], LearningRate]:
@@ -161,6 +163,7 @@ def linear_warmup(
     return schedule
 
 
+@rebuildable
 def cosine_decay(
     peak_lr: PerMember, decay_steps: Steps, *, min_lr: PerMember = 0.0
 ) -> Callable[[Count], LearningRate]:
@@ -208,6 +211,7 @@ def cosine_decay(
     return schedule
 
 
+@rebuildable
 def warmup_cosine(
     peak_lr: PerMember,
     warmup_steps: Steps,
