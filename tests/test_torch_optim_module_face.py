@@ -2,7 +2,8 @@
 
 An optimizer whose step acts element by element (plus per-tensor step counts) steps
 each member as its own optimizer would: the docs list those. One that looks across a
-whole tensor (Adafactor's factored second moment, LBFGS's line search) mixes the
+whole tensor (Adafactor's factored second moment, LBFGS's line search, Muon's
+orthogonalization) mixes the
 members, and the docs say so; both claims are checked here.
 """
 
@@ -85,6 +86,28 @@ def test_a_whole_tensor_torch_optim_mixes_members(name: str) -> None:
         for k, v in m.state_dict().items()
     ]
     assert any(differ)
+
+
+def test_muon_on_stacked_biases_mixes_members() -> None:
+    """training.md: Muon takes 2-D parameters, which a stacked bias [N, out] is (a
+    member's own 1-D bias is refused); it orthogonalizes across the member axis, so
+    scaling only member 2's loss moves member 0's step."""
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon is not in this torch")
+    torch.manual_seed(0)
+    members = [torch.nn.Linear(8, 4) for _ in range(3)]
+    x = torch.randn(16, 8)
+    steps = []
+    for scale in (1.0, 100.0):
+        ens = fe.Ensemble(copy.deepcopy(members))
+        opt = torch.optim.Muon([ens.stacked.bias], lr=0.02)
+        weights = torch.tensor([1.0, 1.0, scale])
+        (weights * ens(x).pow(2).mean(dim=(1, 2))).sum().backward()
+        opt.step()
+        steps.append(ens.stacked.bias.detach()[0].clone())
+    assert not torch.allclose(steps[0], steps[1], rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="2D"):
+        torch.optim.Muon([members[0].bias], lr=0.02)
 
 
 def test_a_member_left_out_of_the_loss_gets_zero_gradients_and_still_steps() -> None:
