@@ -6,6 +6,7 @@ Dynamo cannot trace; users compile the plain library, as this script does.
 
 import copy
 import sys
+from collections.abc import Callable
 
 import optree
 import torch
@@ -544,6 +545,33 @@ def rebound_buffer() -> None:
     assert torch.equal(buffers["avg"], torch.zeros(3, 2))
 
 
+def wrong_shape() -> None:
+    """One member's [4] bias assigned to ens.stacked (N = 4) is refused compiled as
+    eagerly, on the general path and the MLP one (compiled, it ran sliced to one
+    number per member: 0.94 off the loop)."""
+    _refused_compiled(lambda: nn.LayerNorm(32))
+    _refused_compiled(nn.Tanh)
+
+
+def _refused_compiled(mid: Callable[[], nn.Module]) -> None:
+    ens = fe.Ensemble([nn.Sequential(nn.Linear(8, 32), mid(), nn.Linear(32, 4)) for _ in range(4)])
+    ens.stacked[2].bias = nn.Parameter(torch.randn(4))
+    x = torch.randn(5, 8)
+    params, buffers = ens.stacked_params(), ens.stacked_buffers()
+    step = fe.value_and_grad(lambda p, b, x: ens.fmodel(p, b, x).sum())
+    for call in (
+        lambda: torch.compile(ens, backend="aot_eager")(x),
+        lambda: torch.compile(step, backend="aot_eager")(params, buffers, x),
+    ):
+        torch._dynamo.reset()
+        try:
+            call()
+        except ValueError as error:
+            assert "2.bias" in str(error), error
+        else:
+            raise AssertionError("a compiled call took a bias of one member's shape")
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
@@ -560,6 +588,7 @@ if __name__ == "__main__":
         "polyak": polyak,
         "partition": partition,
         "rebound_buffer": rebound_buffer,
+        "wrong_shape": wrong_shape,
     }
     faces[sys.argv[1]]()
     print("OK")

@@ -32,6 +32,7 @@ def run_check(face: str) -> None:
         "polyak",
         "partition",
         "rebound_buffer",
+        "wrong_shape",
     ],
 )
 def test_compiled_training_step_matches_eager(face):

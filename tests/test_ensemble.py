@@ -1008,3 +1008,44 @@ def test_functional_params_of_another_member_shape_are_refused():
         fe.vmap(fmodel)(params, buffers, x)
     with pytest.raises(ValueError, match=message):
         fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(params, buffers, x)
+
+
+@pytest.mark.parametrize("mid", [nn.Tanh, lambda: nn.LayerNorm(32)], ids=["mlp", "general"])
+def test_a_tensor_of_another_shape_is_refused_by_export_and_sharding_too(mid):
+    """The re-audit: torch.export and ShardedEnsemble ran one member's [4] bias (N = 4)
+    sliced to one number per member (0.94 off the loop); ShardedEnsemble compared the
+    tensor with itself."""
+    from funcensemble.distributed import ShardedEnsemble
+
+    ens = fe.Ensemble([nn.Sequential(nn.Linear(8, 32), mid(), nn.Linear(32, 4)) for _ in range(4)])
+    ens.stacked[2].bias = nn.Parameter(torch.randn(4))
+    x = torch.randn(5, 8)
+    with pytest.raises(ValueError, match=r"`2\.bias`|params\['2\.bias'\]"):
+        torch.export.export(ens, (x,))
+    with pytest.raises(ValueError, match=r"`2\.bias`|params\['2\.bias'\]"):
+        ShardedEnsemble(ens, ["cpu", "cpu"])(x)
+
+
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
+def test_a_functional_module_of_a_lazy_module_still_builds_and_runs():
+    """Recording member shapes read an uninitialized parameter's shape: torch's 'Can't
+    access the shape of an uninitialized parameter' at FunctionalModule(LazyLinear)."""
+    lazy = nn.LazyLinear(3)
+    fmodel = fe.FunctionalModule(lazy)
+    plain = nn.Linear(4, 3)
+    params = {k: torch.stack([v, v + 1]) for k, v in plain.state_dict().items()}
+    out = fe.vmap(fmodel)(params, {}, torch.randn(5, 4))
+    assert out.shape == (2, 5, 3)
+
+
+def test_a_pickle_without_recorded_shapes_still_refuses_a_missing_tensor():
+    """A FunctionalModule pickled before shapes were recorded loaded with no check at
+    all: a missing tensor silently took the skeleton's stacked one (0.55 off)."""
+    ens = fe.Ensemble([nn.Linear(3, 3) for _ in range(3)])
+    state = ens.fmodel.__getstate__()
+    del state["member_shapes"]
+    fmodel = fe.FunctionalModule.__new__(fe.FunctionalModule)
+    fmodel.__setstate__(state)
+    params = {k: v for k, v in ens.stacked_params().items() if k != "bias"}
+    with pytest.raises(ValueError, match=r"parameter `bias` is in neither params nor buffers"):
+        fe.vmap(fmodel)(params, {}, torch.randn(4, 3))

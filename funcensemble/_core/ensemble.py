@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import _torch_compat
 from .._checkpoint.state_dict_checks import check_loadable
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
@@ -260,13 +261,13 @@ class Ensemble(nn.Module):
         n = _num_members(where, params, buffers)
         for name, t in (*params.items(), *buffers.items()):
             kind, shape = self.fmodel._member_shapes.get(name, ("", t.shape[1:]))
-            if t.shape[1:] != shape:
+            if shape is not None and t.shape[1:] != shape:
                 want, got = (n, *shape), tuple(t.shape)
                 raise ValueError(
-                    f"{where}: stacked {kind} `{name}` has shape {got}, but the members "
-                    f"were built with {tuple(shape)} (expected {want}, got {got}). Keep "
-                    "the shapes the ensemble was built with; to change them, build a new "
-                    "ensemble from modules of the new shapes."
+                    f"{where}: stacked {kind} `{name}` has shape {got} (expected {want}: "
+                    f"the member axis N={n}, then the shape {tuple(shape)} the members were "
+                    f"built with; got {got}). Keep the shapes the ensemble was built with; "
+                    "to change them, build a new ensemble from modules of the new shapes."
                 )
         return n
 
@@ -308,8 +309,8 @@ class Ensemble(nn.Module):
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
         mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size)
         params, buffers = self.stacked_params(), self.stacked_buffers()
-        if not torch.compiler.is_compiling():  # a tensor assigned after building
-            _num_members("Ensemble", params, buffers, checked=True)
+        if not _torch_compat.jit_tracing():  # (which refuses below, saying why)
+            _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building
         return mapped(params, buffers, args, kwargs, dims)
 
     def member(self, index: int) -> nn.Module:

@@ -22,14 +22,22 @@ from .._structure.tensor_tags import tensor_tags
 from .diagnose import linear_width_error
 from .rollback import save_before_update
 
-MemberShapes = dict[str, tuple[str, torch.Size]]
+MemberShapes = dict[str, tuple[str, torch.Size | None]]
 
 
-def member_shapes(skeleton: nn.Module, stacked: bool) -> MemberShapes:
+def member_shapes(skeleton: nn.Module, stacked: bool | None) -> MemberShapes:
     """One member's shape of each of ``skeleton``'s tensors, by name, with its kind
-    (``"parameter"`` or ``"buffer"``); ``stacked``: the tensors have the member axis."""
+    (``"parameter"`` or ``"buffer"``); ``stacked``: the tensors have the member axis
+    (``None``: not known, the shapes are not recorded, only the names). A lazy
+    module's uninitialized tensor has no shape yet: None."""
+
+    def shape(t: Tensor) -> torch.Size | None:
+        if stacked is None or nn.parameter.is_lazy(t):
+            return None
+        return t.shape[1:] if stacked else t.shape
+
     return {
-        name: (kind, t.shape[1:] if stacked else t.shape)
+        name: (kind, shape(t))
         for kind, named in (
             ("parameter", skeleton.named_parameters()),
             ("buffer", skeleton.named_buffers()),
@@ -48,8 +56,6 @@ def _check_given(shapes: MemberShapes, params: Any, buffers: Any) -> None:
     where the member's would not (a ``[4]`` bias of an ``[N=4, 4]`` one, sliced to one
     number per member): each member would compute another function, without a word.
     """
-    if torch.compiler.is_compiling():
-        return
     for name, (kind, shape) in shapes.items():
         t = params.get(name) if isinstance(params, Mapping) else None
         if t is None and isinstance(buffers, Mapping):
@@ -61,7 +67,7 @@ def _check_given(shapes: MemberShapes, params: Any, buffers: Any) -> None:
                 "all, the frozen ones too: value_and_grad differentiates only those that "
                 "require grad."
             )
-        if isinstance(t, Tensor) and t.shape != shape:
+        if shape is not None and isinstance(t, Tensor) and t.shape != shape:
             raise _shape_error(name, kind, tuple(shape), tuple(t.shape))
 
 
@@ -82,9 +88,10 @@ def _shape_error(name: str, kind: str, want: tuple[int, ...], got: tuple[int, ..
     return ValueError(
         f"{where}: {given} has one member's shape {got}, but the members were "
         f"built with {want} (expected {want}, got {got}): a tensor of another shape would "
-        "compute another function than each member's, or broadcast. Pass the tensors "
-        "fe.stack returned ([N, *shape] stacked); to change shapes, build a new ensemble "
-        "from modules of the new shapes."
+        "compute another function than each member's, or broadcast. Keep every stacked "
+        "tensor [N, *shape] with the member's shape as built (the tensors fe.stack "
+        "returned, or an ensemble's own); to change shapes, build a new ensemble from "
+        "modules of the new shapes."
     )
 
 
@@ -177,7 +184,8 @@ class FunctionalModule:
         self.skeleton = state["skeleton"]
         self._keep_tensors()
         self._weight_transforms = state.get("weight_transforms", frozenset())
-        self._member_shapes = state.get("member_shapes", {})
+        # (A pickle from before shapes were recorded: its tensors' names only.)
+        self._member_shapes = state.get("member_shapes") or member_shapes(self.skeleton, None)
 
     def _kept_tags(self) -> dict[str, dict[str, Any]]:
         """The tags of the tensors ``_keep_tensors`` kept."""
@@ -196,15 +204,12 @@ class FunctionalModule:
             # A parametrization or pruning added to the ensemble's module after it was
             # built would act on all members' stacked tensor at once: refused.
             _weight_transforms.check_unchanged("Ensemble", self.skeleton, self._weight_transforms)
+        if compiling:  # traced once: no cost per call (eagerly, the fast path checks)
+            _check_given(self._member_shapes, params, buffers)
         if len(args) == 1 and not kwargs:
             fast = fast_call(self.skeleton, params, args, kwargs, None)
             if fast is not None:
                 return fast
-        _check_given(self._member_shapes, params, buffers)
-        dynamo = compiling and torch.compiler.is_dynamo_compiling()
-        if dynamo and _tagged(self.skeleton):
-            return _eagerly(self, params, buffers, args, kwargs)
-        exporting = compiling and not dynamo  # torch.export's non-strict tracing
         if not compiling and _torch_compat.jit_tracing():
             raise RuntimeError(
                 "torch.jit.trace cannot trace this ensemble (expected a plain MLP of "
@@ -212,6 +217,12 @@ class FunctionalModule:
                 "functional_call, which runs every other member architecture, refuses "
                 "TorchScript tracing. Use torch.export.export or torch.compile instead."
             )
+        if not compiling:
+            _check_given(self._member_shapes, params, buffers)
+        dynamo = compiling and torch.compiler.is_dynamo_compiling()
+        if dynamo and _tagged(self.skeleton):
+            return _eagerly(self, params, buffers, args, kwargs)
+        exporting = compiling and not dynamo  # torch.export's non-strict tracing
         if not compiling:
             _chunk_state.seen(self.skeleton)  # a chunked call replays each chunk alike
         inside = not compiling and _torch_compat.inside_transform()

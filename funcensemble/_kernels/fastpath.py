@@ -512,7 +512,7 @@ def _compiled_member_call(skeleton: nn.Module, params: dict[str, Any], x: Tensor
     present = [b for b in biases if b is not None]
     if any(not isinstance(params.get(name), Tensor) for name in (*weights, *present)):
         return None
-    if params[weights[0]].is_complex():
+    if params[weights[0]].is_complex() or x.dim() < 1 or x.shape[-1] == 0:
         return None  # as in run()
     width = x.shape[-1]
     for i, name in enumerate(weights):

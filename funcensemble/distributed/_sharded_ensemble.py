@@ -120,9 +120,9 @@ class ShardedEnsemble:
                 "shard). Put every shard on one device, or pass randomness='different'."
             )
         n = _num_members(where, params, buffers)
-        # An Ensemble's skeleton holds its stacked shapes, fe.stack's one member's.
-        stacked = isinstance(members, Ensemble)
-        self.fmodel = (FunctionalModule._of_stacked if stacked else FunctionalModule)(skeleton)
+        self.fmodel = FunctionalModule(skeleton)
+        if isinstance(members, Ensemble):  # the shapes its members were built with
+            self.fmodel._member_shapes = dict(members.fmodel._member_shapes)
         self.randomness: Randomness = randomness
         self.chunk_size = chunk_size
         self.devices = found
