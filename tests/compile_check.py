@@ -572,6 +572,36 @@ def _refused_compiled(mid: Callable[[], nn.Module]) -> None:
             raise AssertionError("a compiled call took a bias of one member's shape")
 
 
+def optimizer_limits() -> None:
+    """compile.md: adam's in-place step compiles whole; sgd without momentum and rmsprop
+    stop with Dynamo's error under fullgraph=True."""
+    fmodel, params, buffers = fe.stack(make_members(3))
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+
+    def loss_fn(p, b, x, y):
+        return F.mse_loss(fmodel(p, b, x), y)
+
+    for name, transform, compiles in (
+        ("adam", fe.optim.adam(1e-2), True),
+        ("sgd", fe.optim.sgd(0.1), False),
+        ("rmsprop", fe.optim.rmsprop(1e-2), False),
+    ):
+        state = transform.init(params)
+
+        def step(params, state, transform=transform):
+            _, grads, _ = fe.value_and_grad(loss_fn)(params, buffers, x, y)
+            return transform.update_(grads, state, params)
+
+        torch._dynamo.reset()
+        try:
+            torch.compile(step, fullgraph=True)(params, state)
+        except Exception as error:  # Dynamo's own error classes differ between versions
+            assert not compiles, (name, error)
+            assert "torch._dynamo" in type(error).__module__, (name, type(error))
+        else:
+            assert compiles, f"{name} compiled whole: update compile.md"
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
@@ -589,6 +619,7 @@ if __name__ == "__main__":
         "partition": partition,
         "rebound_buffer": rebound_buffer,
         "wrong_shape": wrong_shape,
+        "optimizer_limits": optimizer_limits,
     }
     faces[sys.argv[1]]()
     print("OK")

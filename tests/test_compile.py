@@ -33,6 +33,7 @@ def run_check(face: str) -> None:
         "partition",
         "rebound_buffer",
         "wrong_shape",
+        "optimizer_limits",
     ],
 )
 def test_compiled_training_step_matches_eager(face):
