@@ -523,3 +523,14 @@ def test_side_effects_of_the_mapped_loss_run_once_per_call_or_chunk(chunk_size, 
 
     fe.value_and_grad(loss_fn, chunk_size=chunk_size)(params, buffers, torch.randn(5, 3))
     assert len(calls) == runs
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_has_aux_with_three_values_says_to_return_a_pair(chunk_size):
+    """(loss, aux, 1) was blamed on vmap's 'returned a int among its outputs'."""
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 1) for _ in range(3)])
+    step = fe.value_and_grad(
+        lambda p, b, x: (fmodel(p, b, x).sum(), x, 1), has_aux=True, chunk_size=chunk_size
+    )
+    with pytest.raises(ValueError, match=r"must return a pair \(loss, aux\), got a tuple of 3"):
+        step(params, buffers, torch.randn(4, 3))

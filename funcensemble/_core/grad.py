@@ -305,6 +305,16 @@ def _value_and_grad(
     # arguments against in_dims once (_in_dims.per_argument), and nothing below again.
     check_options("vmap", loss_fn, randomness, chunk_size, name="loss_fn")
     _in_dims.check_type("vmap", in_dims)
+    if has_aux:
+        given_loss = loss_fn
+
+        def loss_fn(*args: Any, **kwargs: Any) -> Any:
+            # Checked per member, before vmap's own check of the outputs (which would
+            # blame a non-tensor in a third value, not the missing pair).
+            out = given_loss(*args, **kwargs)
+            _split_aux(where, out, True)
+            return out
+
     mapped_loss = mapped_call(loss_fn, randomness, chunk_size)
 
     def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:
