@@ -385,3 +385,43 @@ def test_the_transform_record_survives_fe_save_and_is_compared_by_fe_load(tmp_pa
     fe.load(tmp_path / "opt.st", fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2)))
     with pytest.raises(ValueError, match=r"(?s)adam\(lr=0.01.*adam\(lr=0.001"):
         fe.load(tmp_path / "opt.st", fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-3)))
+
+
+def test_the_transform_record_does_not_depend_on_dict_order_and_covers_hetero_groups():
+    """The re-audit: a partition's labels dict built in another order was refused on
+    resume (its description followed insertion order); hens.optimizer(fe.optim.adam,
+    lr=lrs) was recorded as a transform of one's own, so other rates loaded silently
+    (0.62 off the loop)."""
+    ens = fe.Ensemble([nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)) for _ in range(3)])
+    names = list(ens.stacked_params())
+    forward = {k: ("a" if k.endswith("bias") else "b") for k in names}
+    backward = {k: forward[k] for k in reversed(names)}
+    parts = {"a": fe.optim.sgd(0.1), "b": fe.optim.adam(1e-2)}
+    saved = fe.optim.EnsembleOptimizer(ens, fe.optim.partition(parts, forward)).state_dict()
+    fe.optim.EnsembleOptimizer(ens, fe.optim.partition(parts, backward)).load_state_dict(saved)
+
+    hens = fe.HeteroEnsemble([nn.Linear(3, 2), nn.Linear(3, 4), nn.Linear(3, 2)])
+    rates = torch.tensor([0.1, 0.2, 0.3])
+    saved = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=rates)).state_dict()
+    same = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=rates.clone()))
+    same.load_state_dict(saved)
+    other = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=rates / 10))
+    with pytest.raises(ValueError, match=r"expected the same transform and hyperparameters"):
+        other.load_state_dict(saved)
+    plain = fe.optim.EnsembleOptimizer(hens, fe.optim.adam(1e-2))  # one transform, every group
+    fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam(1e-2))).load_state_dict(
+        plain.state_dict()
+    )
+
+
+def test_an_optimizer_file_from_before_the_transform_record_still_loads(tmp_path):
+    """fe.load refused a file without the record ('the file is missing leaf
+    ['transform']'), which load_state_dict takes."""
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(3)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "old.st", {"state": opt.state_dict()["state"]})  # the old layout
+    fresh = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    fe.load(tmp_path / "old.st", fresh)
+    assert_trees_equal(fresh.state, opt.state)

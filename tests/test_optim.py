@@ -432,7 +432,9 @@ def test_apply_updates_returns_fresh_leaves_with_the_params_requires_grad():
 
 def test_bfloat16_keeps_dtypes():
     params = {"w": torch.randn(N, 4, dtype=torch.bfloat16)}
-    opt = fe.optim.adam(torch.tensor([1e-2, 1e-3, 1e-4]), betas=(torch.tensor([0.9] * 3), 0.99))
+    # Per-member values bfloat16 holds exactly (others are refused, see below).
+    lrs, b1 = torch.tensor([2.0**-7, 2.0**-10, 2.0**-13]), torch.tensor([0.875] * 3)
+    opt = fe.optim.adam(lrs, betas=(b1, 0.99))
     state = opt.init(params)
     for _ in range(3):
         updates, state = opt.update({"w": torch.randn(N, 4, dtype=torch.bfloat16)}, state, params)
@@ -840,3 +842,25 @@ def test_a_sparse_csr_gradient_is_refused_too():
     params = {"w": torch.randn(4, 3)}
     with pytest.raises(RuntimeError, match=r"got torch.sparse_csr\)"):
         opt.update_({"w": torch.randn(4, 3).to_sparse_csr()}, opt.init(params), params)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fe.optim.sgd(0.1, momentum=torch.tensor([0.99, 0.9, 0.5])),
+        lambda: fe.optim.adam(1e-3, betas=(torch.tensor([0.9, 0.8, 0.7]), 0.999)),
+        lambda: fe.optim.rmsprop(1e-3, alpha=torch.tensor([0.99, 0.9, 0.95])),
+    ],
+    ids=["sgd-momentum", "adam-beta1", "rmsprop-alpha"],
+)
+def test_per_member_values_a_half_dtype_would_round_are_refused(dtype, make):
+    """Per-member values were viewed in a float16/bfloat16 parameter's dtype (bf16(0.99)
+    is 0.98828125), where torch.optim computes with the member's float in float32: 22
+    off after 200 bfloat16 SGD steps. Refused before anything changes."""
+    params = {"w": torch.randn(N, 4, dtype=dtype)}
+    opt = make()
+    with pytest.raises(ValueError, match=r"would be rounded to .* Keep the parameters in float32"):
+        opt.init(params)  # refused when the state is built, before any step
+    with pytest.raises(ValueError, match=r"would be rounded to"):
+        fe.optim.EnsembleOptimizer(params, make())

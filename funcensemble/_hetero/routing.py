@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .._structure.same_value import closure_values
 from ..optim._protocol import GradientTransformation, PyTree, with_traits
+from ..optim._recipes import record_parts
 
 # What each grouped transform was built for (its ensemble's layout), keyed by its
 # `update` function, so an EnsembleOptimizer can tell it from a plain transform.
@@ -320,6 +321,7 @@ def grouped(
     out = GradientTransformation(init, update, update_inplace)
     _BUILT_FOR[out.update] = layout
     _CHECKS[out.update] = check_built
+    record_parts(out, "groups", per_group)  # what a checkpoint records of it
     # Each group's update_ adds its own step to its parameters, so the in-place form
     # applies the updates itself (and a chain runs it only last).
     return with_traits(out, applies=True)

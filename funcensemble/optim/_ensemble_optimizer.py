@@ -57,9 +57,15 @@ def _check_distinct(where: str, named: Mapping[str, Any]) -> None:
         seen[key] = name
 
 
-def _shown(described: object, limit: int = 600) -> str:
-    text = str(described)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _shown(described: object, other: object, limit: int = 600) -> str:
+    """``described``, around where it first differs from ``other`` if it is long."""
+    text, other = str(described), str(other)
+    if len(text) <= limit:
+        return text
+    pairs = enumerate(zip(text, other, strict=False))
+    first = next((i for i, (a, b) in pairs if a != b), min(len(text), len(other)))
+    start = max(0, min(first - limit // 3, len(text) - limit))
+    return ("..." if start else "") + text[start : start + limit] + "..."
 
 
 class EnsembleOptimizer:
@@ -271,7 +277,8 @@ class EnsembleOptimizer:
         if saved is not None and saved != self._described:
             raise ValueError(
                 f"{where}: the state was saved by an optimizer whose transform was\n  "
-                f"{_shown(saved)}\nand this one's is\n  {_shown(self._described)}\n"
+                f"{_shown(saved, self._described)}\nand this one's is\n  "
+                f"{_shown(self._described, saved)}\n"
                 "(expected the same transform and hyperparameters, got others): "
                 "torch.optim's load_state_dict would put the saved hyperparameters back, "
                 "while this state holds none and would continue with these. Build the "

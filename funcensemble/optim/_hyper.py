@@ -46,13 +46,18 @@ def check_members(
     leaves: list,
     indices: list[int],
     root: str = "params",
+    *,
+    exact: bool = True,
 ) -> None:
-    """Check that a per-member value has one entry per member of every leaf."""
+    """Check that a per-member value has one entry per member of every leaf (and, with
+    ``exact``, that a float16/bfloat16 leaf's dtype holds each value exactly)."""
     if not isinstance(h.value, Tensor) or h.value.dim() == 0:
         return
     n = h.value.shape[0]
     for i in indices:
         leaf = leaves[i]
+        if exact and leaf.dtype in _HALF and not torch.compiler.is_compiling():
+            _check_exact(where, h, leaf.dtype)
         size = leaf.shape[0] if leaf.dim() else None
         if size != n:
             got = f"leading size {size}" if size is not None else "no member axis (0-dim)"
@@ -78,6 +83,29 @@ def check_members(
         "P" + _group_values_advice(h.name)[1:],
         root,
     )
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _check_exact(where: str, h: Hyper, dtype: torch.dtype) -> None:
+    """Refuse per-member values that a float16/bfloat16 leaf's dtype would round: they
+    are viewed in the leaf's dtype, where torch.optim computes with the member's Python
+    float in float32 (bf16(0.99) is 0.98828125: 22 off after 200 SGD steps)."""
+    value = h.value
+    assert isinstance(value, Tensor)
+    rounded = value.to(dtype).to(value.dtype)
+    if not torch.equal(rounded, value):
+        k = int((rounded != value).nonzero()[0, 0])
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"{where}: per-member {h.name} for {name} parameters would be rounded to "
+            f"{name} (expected values {name} holds exactly, got {value[k].item()!r} for "
+            f"member {k}, which it rounds to {rounded[k].item()!r}), where torch.optim "
+            "computes with each member's value in float32. Keep the parameters in "
+            "float32 (torch.autocast computes in half precision), or give one value for "
+            "all members."
+        )
 
 
 def _group_values_advice(name: str) -> str:

@@ -63,12 +63,30 @@ def recipe_of(update: Callable[..., Any]) -> Recipe | None:
         return None
 
 
+# Transforms made of others without a call to record (a HeteroEnsemble's groups), by
+# their update function: a name and the parts, described in turn.
+_PARTS: "weakref.WeakKeyDictionary[Callable[..., Any], tuple[str, list[Any]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def record_parts(t: Any, name: str, parts: list[Any]) -> None:
+    """Record that transform ``t`` runs ``parts`` (for [`describe`][] only)."""
+    _PARTS[t.update] = (name, list(parts))
+
+
 def describe(value: Any) -> str:
     """A transform (or hyperparameter) as the call that built it, with every value:
     ``adam(lr=0.01, betas=(0.9, 0.999), ...)``. Two transforms with one description
     step alike. A transform or schedule of the user's own, whose call was not recorded,
     is described by its kind only."""
     if hasattr(value, "update") and hasattr(value, "init"):
+        parts = _PARTS.get(value.update)
+        if parts is not None:
+            each = [describe(p) for p in parts[1]]
+            if len(set(each)) == 1:  # one transform in every group: as the plain one
+                return each[0]
+            return f"{parts[0]}({', '.join(each)})"
         return _call(recipe_of(value.update), "<a transform of your own>")
     if isinstance(value, Tensor):
         if value.numel() <= 8:
@@ -82,8 +100,9 @@ def describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         inner = ", ".join(describe(v) for v in value)
         return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, dict):  # in key order: the order it was built in does not count
+        items = sorted(value.items(), key=lambda kv: repr(kv[0]))
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in items) + "}"
     if callable(value):
         return _call(recipe_of(value), "<a function of your own>")
     if value is None or isinstance(value, (bool, int, float, complex, str)):
