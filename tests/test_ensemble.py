@@ -1021,7 +1021,7 @@ def test_a_tensor_of_another_shape_is_refused_by_export_and_sharding_too(mid):
     ens.stacked[2].bias = nn.Parameter(torch.randn(4))
     x = torch.randn(5, 8)
     with pytest.raises(ValueError, match=r"`2\.bias`|params\['2\.bias'\]"):
-        torch.export.export(ens, (x,))
+        torch.export.export(ens, (x,), strict=False)  # (strict is Dynamo: compile_check)
     with pytest.raises(ValueError, match=r"`2\.bias`|params\['2\.bias'\]"):
         ShardedEnsemble(ens, ["cpu", "cpu"])(x)
 
