@@ -21,7 +21,14 @@ from .in_dims import InDims
 from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
 from .seeding import build_seeded, check_seed, global_rng_restored_on_error, member_seed
 from .skeleton import meta_skeleton, replace_tensors
-from .stack import _num_members, member_list, member_module, stack_as, stack_members
+from .stack import (
+    _num_members,
+    checked_num_members,
+    member_list,
+    member_module,
+    stack_as,
+    stack_members,
+)
 from .tree_view import register_view
 from .vmap import Randomness, check_options, mapped_call
 
@@ -254,22 +261,10 @@ class Ensemble(nn.Module):
         raise ValueError("Ensemble: the architecture has no parameters or buffers.")
 
     def _checked_num_members(self, where: str) -> int:
-        """N, after checking every stacked tensor's shape: the member axis first, then
-        the member's shape as built (a tensor of another shape assigned after building
-        would be sliced as if stacked)."""
-        params, buffers = self.stacked_params(), self.stacked_buffers()
-        n = _num_members(where, params, buffers)
-        for name, t in (*params.items(), *buffers.items()):
-            kind, shape = self.fmodel._member_shapes.get(name, ("", t.shape[1:]))
-            if shape is not None and t.shape[1:] != shape:
-                want, got = (n, *shape), tuple(t.shape)
-                raise ValueError(
-                    f"{where}: stacked {kind} `{name}` has shape {got} (expected {want}: "
-                    f"the member axis N={n}, then the shape {tuple(shape)} the members were "
-                    f"built with; got {got}). Keep the shapes the ensemble was built with; "
-                    "to change them, build a new ensemble from modules of the new shapes."
-                )
-        return n
+        """N, after checking every stacked tensor's shape (see ``checked_num_members``)."""
+        return checked_num_members(
+            where, self.fmodel, self.stacked_params(), self.stacked_buffers()
+        )
 
     def stacked_params(self) -> StackedParameters:
         """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""

@@ -254,17 +254,26 @@ def unstack(
                 f"unstack: the {kind} do not match the architecture: the dict {difference}. "
                 f"Pass the {kind} that fe.stack returned with this fmodel."
             )
-    n = _num_members("unstack", params, buffers)
+    n = checked_num_members("unstack", fmodel, params, buffers)
+    return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]
+
+
+def checked_num_members(where: str, fmodel: FunctionalModule, params: Any, buffers: Any) -> int:
+    """N, after checking every stacked tensor's shape: the member axis first, then the
+    member's shape ``fmodel`` recorded at build (a tensor of another shape would be
+    sliced as if stacked)."""
+    n = _num_members(where, params, buffers)
     for name, t in (*params.items(), *buffers.items()):
-        kind, shape = fmodel._member_shapes.get(name, ("", t.shape[1:]))
-        if t.shape[1:] != shape:
+        kind, shape = fmodel._member_shapes.get(name, ("tensor", None))
+        if shape is not None and t.shape[1:] != shape:
             want, got = (n, *shape), tuple(t.shape)
             raise ValueError(
-                f"unstack: {kind} `{name}` has shape {got}, but the members were built "
-                f"with {tuple(shape)} (expected {want}, got {got}). Pass the tensors "
-                "fe.stack returned with this fmodel, or stack modules of the new shapes."
+                f"{where}: {kind} `{name}` has shape {got}, but the members were built with "
+                f"{tuple(shape)} (expected {want}: the member axis N={n}, then that shape; "
+                f"got {got}). Keep the shapes the members were built with; to change them, "
+                "build a new ensemble from modules of the new shapes."
             )
-    return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]
+    return n
 
 
 def member_module(
