@@ -177,3 +177,89 @@ def test_batch_norm_in_eval_mode_without_statistics_is_refused_as_in_the_loop():
     members = [_EvalWithoutStatistics().double() for _ in range(N)]
     x = torch.randn(6, 5, dtype=torch.float64)
     _raises_as_the_loop(members, x, RuntimeError, "running_mean must be defined in evaluation")
+
+
+_LOW = [torch.float16, torch.bfloat16]
+
+
+def _norm(kind: str, track: bool) -> nn.Module:
+    if kind == "layernorm":
+        return nn.LayerNorm(5)
+    return nn.BatchNorm1d(5, track_running_stats=track)
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize(
+    ("kind", "track"), [("layernorm", True), ("batchnorm", True), ("batchnorm", False)]
+)
+@pytest.mark.parametrize(
+    ("norm_dtype", "input_dtype"),
+    [
+        (torch.float32, torch.float64),
+        (torch.float64, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_norm_dtypes_the_loop_refuses_are_refused_by_a_plain_forward(
+    kind, track, train, norm_dtype, input_dtype
+):
+    # Without a gradient transform vmap's own rules promote (a float64 result where
+    # the loop raises "mixed dtype"); the kernels' rule is applied instead.
+    members = [_norm(kind, track).to(norm_dtype).train(train) for _ in range(N)]
+    x = torch.randn(6, 5, dtype=input_dtype)
+    with pytest.raises(RuntimeError):
+        members[0](x)
+    ens = fe.Ensemble(members)
+    before = copy.deepcopy(ens.stacked.state_dict())
+    layer = "LayerNorm" if kind == "layernorm" else "BatchNorm1d"
+    with pytest.raises(RuntimeError, match=rf"{layer}: \w+ of dtype .* does not go with an input"):
+        ens(x)
+    fmodel, params, buffers = fe.stack(members)
+    with pytest.raises(RuntimeError, match="does not go with an input"):
+        fe.vmap(fmodel)(params, buffers, x)
+    for k, v in ens.stacked.state_dict().items():
+        assert torch.equal(v, before[k]), k  # nothing updated before the error
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize(
+    ("kind", "track"), [("layernorm", True), ("batchnorm", True), ("batchnorm", False)]
+)
+@pytest.mark.parametrize("dtype", _LOW)
+def test_float32_norms_of_a_low_precision_input_run_as_the_loop(kind, track, train, dtype):
+    # The loop's kernels compute in float32 and return the input's dtype, updating
+    # float32 running statistics; vmap's rules returned float32 (or raised).
+    torch.manual_seed(0)
+    members = [_norm(kind, track).train(train) for _ in range(N)]
+    for m in members:
+        for p in m.parameters():
+            p.data.normal_()
+        if kind == "batchnorm" and track:
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    x = (torch.randn(6, 5) * 3 + 1).to(dtype)
+    loop = copy.deepcopy(members)
+    want = torch.stack([m(x) for m in loop])
+    ens = fe.Ensemble(members)
+    got = ens(x)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    state = ens.stacked.state_dict()
+    for i, m in enumerate(loop):
+        for k, v in m.state_dict().items():
+            assert state[k][i].dtype == v.dtype, k
+            torch.testing.assert_close(state[k][i], v, rtol=1e-6, atol=1e-7)
+
+
+def test_norm_tensors_of_two_dtypes_are_refused_as_in_the_loop():
+    # float16 input: a float32 weight and a float16 bias are each allowed, not together.
+    ln = nn.LayerNorm(5)
+    ln.bias.data = ln.bias.data.half()
+    members = [copy.deepcopy(ln) for _ in range(N)]
+    x = torch.randn(6, 5, dtype=torch.float16)
+    with pytest.raises(RuntimeError):
+        members[0](x)
+    match = r"LayerNorm: bias of dtype torch.float16 does not go with weight of dtype torch.float32"
+    with pytest.raises(RuntimeError, match=match):
+        fe.Ensemble(members)(x)
+    _raises_as_the_loop(members, x, RuntimeError, "does not go with weight")

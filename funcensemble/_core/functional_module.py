@@ -259,7 +259,7 @@ class FunctionalModule:
             # Inside parametrize.cached(), the skeleton's parametrized tensors are cached
             # for this call only: they are one member's, or batched.
             with (
-                vmap_rewrites(self.skeleton),
+                vmap_rewrites(self.skeleton, (given, args, kwargs)),
                 _aliases.kept(self.skeleton),
                 _torch_compat.own_parametrize_cache(),
             ):

@@ -35,18 +35,30 @@ def _compute_dtype(input: Tensor) -> torch.dtype:
     return torch.float32 if input.dtype in _REDUCED else input.dtype
 
 
-def _dtype_mismatch(input: Tensor, weight: Tensor | None, bias: Tensor | None) -> str | None:
-    """What the norm kernels refuse in the parameters' dtypes, or ``None``: the input's
-    dtype, or float32 with a float16 or bfloat16 input."""
+def dtype_mismatch(input: Tensor, **params: Tensor | None) -> str | None:
+    """What the norm kernels refuse in the dtypes of ``params`` (weight, bias, running
+    statistics), or ``None``: one dtype for all, the input's or float32 with a float16
+    or bfloat16 input."""
     reduced = input.dtype in _REDUCED
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and p.dtype != input.dtype and not (reduced and p.dtype == torch.float32):
-            allowed = f"{input.dtype} or torch.float32" if reduced else str(input.dtype)
+    allowed = f"{input.dtype} or torch.float32" if reduced else str(input.dtype)
+    given = [(name, p) for name, p in params.items() if p is not None]
+    for name, p in given:
+        if p.dtype != input.dtype and not (reduced and p.dtype == torch.float32):
             return (
                 f"{name} of dtype {p.dtype} does not go with an input of dtype "
                 f"{input.dtype} (expected {allowed}, got {p.dtype}). Convert the input or "
                 "the layer to one dtype."
             )
+    if len({p.dtype for _, p in given}) > 1:
+        (first, a), (second, b) = (
+            given[0],
+            next((n, p) for n, p in given if p.dtype != given[0][1].dtype),
+        )
+        return (
+            f"{second} of dtype {b.dtype} does not go with {first} of dtype {a.dtype} "
+            f"(expected one dtype for the layer's tensors, got {a.dtype} and {b.dtype}). "
+            "Convert the layer to one dtype."
+        )
     return None
 
 
@@ -69,7 +81,7 @@ def layer_norm_mismatch(
             f"[*, {', '.join(map(str, shape))}], got {list(input.shape)}). Set "
             "normalized_shape to the input's last sizes, or reshape the input."
         )
-    return _dtype_mismatch(input, weight, bias)
+    return dtype_mismatch(input, weight=weight, bias=bias)
 
 
 def layer_norm(
@@ -118,7 +130,7 @@ def batch_norm(
 ) -> Tensor:
     """Train-mode ``F.batch_norm`` without running statistics: normalized by the batch's own."""
     check_values_per_channel(input.shape)
-    wrong = _dtype_mismatch(input, weight, bias)
+    wrong = dtype_mismatch(input, weight=weight, bias=bias)
     if wrong is not None:
         raise RuntimeError(f"batch_norm: {wrong}")
     dtype = _compute_dtype(input)

@@ -19,6 +19,11 @@ functional calls:
   directly (the same values; only the output's memory layout can differ);
 - ``F.layer_norm``, and ``F.batch_norm`` with batch statistics none kept, under a grad
   transform: as elementary ops, with torch's checks (see ``_norm_decomposed``);
+- ``F.layer_norm`` and ``F.batch_norm`` in a call whose tensors (inputs, parameters,
+  buffers) have more than one floating dtype: vmap's rules promote parameters or
+  statistics of another dtype than the input, where torch's kernels (the loop) refuse
+  them or, for float32 ones with a float16/bfloat16 input, return the input's dtype;
+  here they are refused, or computed, as the kernels do;
 - ``F.embedding`` of an ``nn.Embedding``: vmap's rule checks no index against the
   member's own table (one member's out-of-range index reads another member's row),
   keeps only member 0's padding row out of the gradient and cannot renormalise in
@@ -37,7 +42,7 @@ from torch.nn import functional as F
 from torch.nn.utils import parametrizations
 from torch.overrides import TorchFunctionMode
 
-from .. import _torch_compat
+from .. import _torch_compat, _tree
 from . import batchnorm as _batchnorm
 from . import norm_decomposed as _norm_decomposed
 from .embedding import PerMemberEmbedding, embedding_per_member, needs_embedding_rule
@@ -109,12 +114,14 @@ class VmapRewrites(TorchFunctionMode):
         autocast: tuple[str, ...] = (),
         *,
         decompose_norms: bool = False,
+        check_dtypes: bool = False,
         skeleton: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.batch_norm = batch_norm
         self.autocast = autocast  # the device types torch.autocast is on for
         self.decompose_norms = decompose_norms  # under a grad transform (_norm_decomposed)
+        self.check_dtypes = check_dtypes  # the norms' dtypes, which vmap's rules promote
         self.skeleton = skeleton  # to name a LayerNorm in messages
 
     def _layer_norm(
@@ -133,6 +140,51 @@ class VmapRewrites(TorchFunctionMode):
             input, weight, bias = (_autocast_fp32(t) for t in (input, weight, bias))
         return _norm_decomposed.layer_norm(input, normalized_shape, weight, bias, eps)
 
+    def _in_kernel_dtypes(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """``F.layer_norm`` or ``F.batch_norm`` in the dtypes their kernels take: one
+        dtype for the layer's tensors, the input's or float32 with a float16/bfloat16
+        input, whose result is rounded to the input's dtype (vmap's rules promote the
+        one and return float32 for the other)."""
+        layer = func is F.layer_norm
+        bound = (_layer_norm_arguments if layer else _batch_norm_arguments)(*args, **kwargs)
+        input = bound[0]
+        named = (
+            {"weight": bound[2], "bias": bound[3]}
+            if layer
+            else dict(
+                zip(("running_mean", "running_var", "weight", "bias"), bound[1:5], strict=True)
+            )
+        )
+        tensors = [t for t in named.values() if t is not None]
+        if not isinstance(input, Tensor) or not all(isinstance(t, Tensor) for t in tensors):
+            return self._rewritten(func, args, kwargs)  # torch's own errors
+        wrong = _norm_decomposed.dtype_mismatch(input, **named)
+        if wrong is not None:
+            name = (
+                self._layer_norm_name(bound[1], bound[2]) if layer else self._batch_norm_name(bound)
+            )
+            raise RuntimeError(f"{name}: {wrong}")
+        if any(t.dtype != input.dtype for t in tensors):
+            # The kernels' own float32 arithmetic, rounded as they round (bit for bit).
+            out = self._rewritten(func, (input.float(), *bound[1:]), {})
+            return out.to(input.dtype)
+        return self._rewritten(func, args, kwargs)
+
+    def _batch_norm_name(self, bound: tuple[Any, ...]) -> str:
+        """The BatchNorm layer holding these statistics or this weight, else ``batch_norm``."""
+        found = [
+            name
+            for name, m in (self.skeleton.named_modules() if self.skeleton is not None else ())
+            if isinstance(m, nn.modules.batchnorm._NormBase)
+            and any(
+                t is not None and t is u for t, u in zip(bound[1:5], _norm_tensors(m), strict=True)
+            )
+        ]
+        if len(found) != 1:
+            return "batch_norm"
+        kind = type(self.skeleton.get_submodule(found[0])).__name__
+        return f"{kind} `{found[0]}`" if found[0] else kind
+
     def _layer_norm_name(self, normalized_shape: Any, weight: Tensor | None) -> str:
         """The ``nn.LayerNorm`` that passed ``weight`` (the module holds it during the call),
         or the only one without a weight of this shape; else ``layer_norm``."""
@@ -149,6 +201,12 @@ class VmapRewrites(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.check_dtypes and func in (F.layer_norm, F.batch_norm):
+            return self._in_kernel_dtypes(func, args, kwargs)
+        return self._rewritten(func, args, kwargs)
+
+    def _rewritten(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """``func(*args, **kwargs)``, or the rewrite this mode runs instead."""
         if self.decompose_norms and func is F.layer_norm:
             return self._layer_norm(*args, **kwargs)
         if self.decompose_norms and func is F.batch_norm:
@@ -181,6 +239,20 @@ class VmapRewrites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _layer_norm_arguments(
+    input: Tensor,
+    normalized_shape: Any,
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+) -> tuple[Any, ...]:
+    return input, normalized_shape, weight, bias, eps
+
+
+def _norm_tensors(m: nn.Module) -> tuple[Any, ...]:
+    return m.running_mean, m.running_var, m.weight, m.bias
+
+
 def _batch_norm_arguments(
     input: Tensor,
     running_mean: Any,
@@ -194,8 +266,17 @@ def _batch_norm_arguments(
     return input, running_mean, running_var, weight, bias, training, momentum, eps
 
 
-def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
-    """``VmapRewrites`` for a call of ``skeleton`` under a transform, if it needs one."""
+def _float_dtypes(tensors: Any) -> set[torch.dtype]:
+    return {
+        t.dtype
+        for t in _tree.flatten(tensors)[0]
+        if isinstance(t, Tensor) and t.is_floating_point()
+    }
+
+
+def vmap_rewrites(skeleton: nn.Module, tensors: Any = ()) -> contextlib.AbstractContextManager:
+    """``VmapRewrites`` for a call of ``skeleton`` under a transform, if it needs one;
+    ``tensors``: the call's inputs, parameters and buffers (a pytree)."""
     # A plain nullcontext otherwise, which torch.compile traces without a graph break.
     if not _torch_compat.inside_transform():
         return contextlib.nullcontext()
@@ -214,8 +295,15 @@ def vmap_rewrites(skeleton: nn.Module) -> contextlib.AbstractContextManager:
     decompose = _torch_compat.grad_innermost() and any(
         isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)) for m in skeleton.modules()
     )
-    if fold or other or autocast or decompose:
+    # Floating tensors of several dtypes: the norms' dtypes are checked as their
+    # kernels check them (a call of one dtype cannot mix them, so pays nothing).
+    check = not decompose and len(_float_dtypes(tensors)) > 1
+    if fold or other or autocast or decompose or check:
         return VmapRewrites(
-            rule if fold else None, autocast, decompose_norms=decompose, skeleton=skeleton
+            rule if fold else None,
+            autocast,
+            decompose_norms=decompose,
+            check_dtypes=check,
+            skeleton=skeleton,
         )
     return contextlib.nullcontext()
