@@ -929,16 +929,15 @@ def test_legacy_hook_based_reparametrizations_are_refused_with_what_to_use(legac
     # weight_norm and prune keep `weight` computed from parameters (requires grad): found
     # on member 0 already, so a one-member ensemble is refused as well.
     first = r"member 0 \(Linear\) holds a tensor that requires grad in `weight`"
-    later = r"member 1 has the root module \(Linear\) with `weight` = a tensor of shape \(3, 3\)"
+    # spectral_norm's `weight` attribute starts as an alias of `weight_orig`'s memory.
+    alias = r"member 0 \(Linear\) holds a tensor sharing memory with its parameter `weight_orig`"
     hint = (
         r".*use torch\.nn\.utils\.parametrizations\.weight_norm / spectral_norm instead, or "
         r"call prune\.remove"
     )
     for stacked in (members, members[:1]):
-        if legacy is nn.utils.spectral_norm and len(stacked) == 1:
-            continue  # its `weight` attribute is a detached copy: a value like any other
         with pytest.raises(
-            ValueError, match=(later if legacy is nn.utils.spectral_norm else first) + hint
+            ValueError, match=(alias if legacy is nn.utils.spectral_norm else first) + hint
         ):
             fe.stack(stacked)
 
@@ -1801,3 +1800,58 @@ def test_marks_torch_sets_on_tensors_are_not_the_members_tags() -> None:
         p._dynamo_static_input_type = "unguarded"
     ens = fe.Ensemble(members)
     assert all(not vars(p) for p in ens.parameters())
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_gradient_hook_on_a_members_tensor_is_refused(kind, which) -> None:
+    # The loop's hook (a per-parameter clip) acts on that member's gradient; the
+    # ensemble's stacked copy would never run it (13.1 off the loop's clipped gradient).
+    members = [lin(4, 3) for _ in range(3)]
+    hook = (lambda g: g.clamp(-0.01, 0.01)) if kind == "register_hook" else (lambda p: None)
+    getattr(members[which].weight, kind)(hook)
+    match = rf"member {which}'s tensor `weight` \(Linear\) has a gradient hook"
+    with pytest.raises(ValueError, match=match):
+        fe.Ensemble(members)
+    with pytest.raises(ValueError, match=match):
+        fe.stack(members)
+
+
+class _AliasNet(nn.Module):
+    def __init__(self, alias) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.w = alias(self)
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.w.T
+
+
+@pytest.mark.parametrize(
+    ("alias", "noun", "name"),
+    [
+        (lambda m: m.lin.weight.data, "parameter", "lin.weight"),
+        (lambda m: m.lin.weight.detach(), "parameter", "lin.weight"),
+        (lambda m: m.lin.weight.detach()[:, :4], "parameter", "lin.weight"),
+        (lambda m: m.scale.view(1, 4).expand(4, 4), "buffer", "scale"),
+    ],
+    ids=["data", "detach", "view", "buffer-view"],
+)
+def test_an_attribute_aliasing_a_members_own_tensor_is_refused(alias, noun, name) -> None:
+    # The loop's alias follows its parameter as it trains; the ensemble's copy of it
+    # would stay member 0's initial values (216 off the loop after two SGD steps).
+    torch.manual_seed(0)
+    members = [_AliasNet(alias) for _ in range(2)]
+    match = rf"member 0 \(_AliasNet\) holds a tensor sharing memory with its {noun} `{name}` in `w`"
+    for stacked in (members, members[:1]):
+        with pytest.raises(ValueError, match=match):
+            fe.Ensemble(stacked)
+
+
+def test_a_constant_attribute_of_its_own_memory_still_stacks() -> None:
+    torch.manual_seed(0)
+    members = [_AliasNet(lambda m: torch.eye(4)) for _ in range(3)]
+    ens = fe.Ensemble(members)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))

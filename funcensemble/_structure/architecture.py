@@ -99,6 +99,11 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
             if isinstance(t, Tensor) and t.requires_grad:
                 _buffer_requires_grad(where, index, f"{name}.{slot}" if name else slot, t)
         for slot, t in (*sub._parameters.items(), *sub._buffers.items()):
+            if isinstance(t, Tensor) and (
+                getattr(t, "_backward_hooks", None)
+                or getattr(t, "_post_accumulate_grad_hooks", None)
+            ):
+                _tensor_hook(where, index, f"{name}.{slot}" if name else slot, sub)
             if isinstance(t, UninitializedTensorMixin):
                 full = f"{name}.{slot}" if name else slot
                 raise ValueError(
@@ -109,6 +114,17 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                 )
     check_no_hidden_tensors(where, index, module)
     return module
+
+
+def _tensor_hook(where: str, index: int, full: str, sub: nn.Module) -> None:
+    raise ValueError(
+        f"{where}: member {index}'s tensor `{full}` ({type(sub).__name__}) has a gradient "
+        "hook (register_hook or register_post_accumulate_grad_hook; expected none). The "
+        "ensemble trains stacked copies of the members' tensors, whose gradients the "
+        "member's hooks would never see. Build the ensemble from members without them, "
+        "then hook the stacked tensor (e.g. ens.stacked.<layer>.weight.register_hook) or "
+        "transform the stacked gradients (e.g. fe.optim.clip_by_global_norm, per member)."
+    )
 
 
 def _check_no_cycle(where: str, index: int, module: nn.Module) -> None:

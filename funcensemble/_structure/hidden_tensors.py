@@ -7,7 +7,9 @@ captured values) would then silently compute something the loop does not:
 
 - a reference to one of the member's own parameters or buffers (``self.watch =
   [self.lin.weight]``): in the copy it reaches the stacked ``[N, ...]`` tensor, so every
-  member would read all members' values;
+  member would read all members' values; an alias of one's memory (``.data``,
+  ``.detach()``, a view) would be copied as a constant, frozen at member 0's values
+  while the loop's alias follows its parameter as it trains;
 - a tensor that requires grad and is not registered, or a module holding one (a shared
   encoder kept in a list to hide it from ``parameters()``): the copy runs on a copy of
   it, so the gradient the loop gives it would be lost.
@@ -48,15 +50,19 @@ def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
     """Raise if a submodule's attributes or hooks reach a registered tensor of ``module``
     or an unregistered tensor (or foreign module) that requires grad."""
     registered: dict[int, tuple[str, str]] = {}
+    storages: dict[int, tuple[str, str]] = {}  # by the address of their memory
     for noun, named in (
         ("parameter", module.named_parameters()),
         ("buffer", module.named_buffers()),
     ):
         for name, t in named:
             registered.setdefault(id(t), (noun, name))
+            address = _storage_address(t)
+            if address:
+                storages.setdefault(address, (noun, name))
     own_modules = {id(m) for m in module.modules()}
     # The members' modules' __dict__ ids: a weak proxy shows its target's.
-    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()})
+    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()}, storages)
     for path, sub in module.named_modules():
         entries = [(k, v) for k, v in vars(sub).items() if k not in BOOKKEEPING]
         for table, noun in HOOKS.items():
@@ -78,6 +84,17 @@ class _Own(NamedTuple):
     registered: dict[int, tuple[str, str]]  # its parameters and buffers: (noun, name)
     modules: set[int]
     dicts: set[int]  # its modules' __dict__s
+    storages: dict[int, tuple[str, str]]  # its tensors' memory, by address: (noun, name)
+
+
+def _storage_address(t: Tensor) -> int:
+    """The address of ``t``'s memory, or 0 where it has none to share (empty, meta)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a subclass or wrapper without storage
+        return 0
 
 
 def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None:
@@ -94,6 +111,9 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
     if isinstance(value, Tensor):
         if id(value) in own.registered or value.requires_grad:
             raise _Found(path, value)
+        address = _storage_address(value)
+        if address and address in own.storages:
+            raise _Found(path, _Alias(value, own.storages[address]))
         return
     if isinstance(value, nn.Module):
         if id(value) in own.modules:
@@ -147,6 +167,13 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
             _visit(getattr(value, name), f"{path}.{name}", own, seen, step)
 
 
+class _Alias(NamedTuple):
+    """An unregistered tensor sharing memory with the member's own ``(noun, name)``."""
+
+    tensor: Tensor
+    of: tuple[str, str]
+
+
 class _WeakToOwn:
     """What a weak reference to the member's own module or tensor was found to hold."""
 
@@ -174,6 +201,18 @@ def _error(
             "0's original, and every member would compute with member 0's tensors. Hold a "
             "plain reference that torch does not register "
             "(object.__setattr__(self, name, module)), or reach the module through the tree."
+        )
+    if isinstance(value, _Alias):
+        noun, name = value.of
+        return ValueError(
+            f"{where}: {holder} holds a tensor sharing memory with its {noun} `{name}` in "
+            f"`{found.path}` (an alias such as .data, .detach() or a view; expected "
+            f"`{name}` read through its module only). An ensemble runs every member through "
+            "one copy of member 0 with each member's tensors swapped into the registered "
+            f"slots: `{found.path}` would be a copy of member 0's values, frozen while the "
+            f"loop's alias follows its {noun} as it trains. Read it through the module in "
+            f"forward (e.g. self.{name}, or a view of it computed there)."
+            + (f" {LEGACY_HINT}" if name.endswith("_orig") else "")
         )
     if isinstance(value, Tensor) and id(value) in registered:
         noun, name = registered[id(value)]
