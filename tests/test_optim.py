@@ -864,3 +864,26 @@ def test_per_member_values_a_half_dtype_would_round_are_refused(dtype, make):
         opt.init(params)  # refused when the state is built, before any step
     with pytest.raises(ValueError, match=r"would be rounded to"):
         fe.optim.EnsembleOptimizer(params, make())
+
+
+@pytest.mark.parametrize("given", ["module", "generator"])
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda: fe.optim.adam(1e-3),
+        lambda: fe.optim.sgd(0.1),  # keeps no state: init passed without a word
+        lambda: fe.optim.rmsprop(1e-3),
+        lambda: fe.optim.chain(fe.optim.clip_by_global_norm(1.0), fe.optim.adam(1e-3)),
+    ],
+)
+def test_init_of_a_module_or_a_generator_is_refused(transform, given):
+    # Each was one leaf without state: init returned an all-None state, and the mistake
+    # surfaced (if at all) at update_ as a pytree-structure error.
+    ens = fe.Ensemble([torch.nn.Linear(3, 1) for _ in range(2)])
+    params = ens if given == "module" else ens.parameters()
+    with pytest.raises(
+        TypeError, match=r"expected a pytree of stacked tensors.*ens.stacked_params"
+    ):
+        transform().init(params)
+    transform().init(ens.stacked_params())
+    transform().init(list(ens.parameters()))

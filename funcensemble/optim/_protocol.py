@@ -8,7 +8,7 @@ leaf's state) keeps its slot and nothing downstream misaligns.
 import functools
 import re
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import optree
@@ -200,6 +200,8 @@ def trainable(leaves: list[Any]) -> list[int]:
     out = []
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
+            if isinstance(leaf, torch.nn.Module | Iterator):
+                _not_a_tree(leaf)
             continue
         if leaf.is_complex():
             raise TypeError(
@@ -209,6 +211,17 @@ def trainable(leaves: list[Any]) -> list[int]:
         if leaf.is_floating_point():
             out.append(i)
     return out
+
+
+def _not_a_tree(leaf: Any) -> None:
+    kind = "module" if isinstance(leaf, torch.nn.Module) else "iterator"
+    raise TypeError(
+        f"funcensemble.optim: got {a(type(leaf).__name__)} {kind} where the parameters "
+        "should be (expected a pytree of stacked tensors, such as fe.stack's params, "
+        f"got {type(leaf).__name__}): a transform would see it as one leaf without "
+        "state. Pass ens.stacked_params() (the live stacked tensors, for "
+        "update_), or step an Ensemble with fe.optim.EnsembleOptimizer(ens, transform)."
+    )
 
 
 def leaves_like(where: str, what: str, spec: optree.PyTreeSpec, tree: PyTree) -> list[Any]:
