@@ -141,10 +141,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     opt = fe.optim.adam(1e-2)
     run = {"params": params, "opt": opt.init(params), "step": 0}
     steps = complete_steps(args.out)
-    if steps:
+    newest = [steps[-1] if steps else None]
+    if dist.is_initialized():
+        # Rank 0's choice for all: another machine's stale listing must not pick
+        # another step (load refuses ranks that read different checkpoints).
+        dist.broadcast_object_list(newest, src=0)
+    if newest[0] is not None:
         # Every rank reads its own members' rows, whatever world size wrote them.
-        run = fe.distributed.load(checkpoint(args.out, steps[-1]), run, shard)
-        say(f"resumed from step {run['step']} ({checkpoint(args.out, steps[-1])})")
+        run = fe.distributed.load(checkpoint(args.out, newest[0]), run, shard)
+        say(f"resumed from step {run['step']} ({checkpoint(args.out, newest[0])})")
     say(f"{args.members} members on {shard.world_size} rank(s), from step {run['step']}")
 
     x, y = dataset()

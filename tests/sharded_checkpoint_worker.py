@@ -3,7 +3,10 @@
 ``python sharded_checkpoint_worker.py DIR`` with MASTER_ADDR, MASTER_PORT, RANK and
 WORLD_SIZE=2 set: both ranks save 5 members (3 + 2) to ``DIR``, rank 0 flips one bit in
 the middle of rank 1's data file, and both load. Rank 1 reads that file and rank 0 does
-not; each prints ``loaded`` or ``ERROR <message>``.
+not; each prints ``loaded`` or ``ERROR <message>``. Then both save two intact
+checkpoints beside it (steps 3 and 6) and each rank loads another one (as a stale
+directory listing on one machine would make them), printing ``loaded apart`` or
+``APART <message>``.
 """
 
 import os
@@ -36,6 +39,15 @@ def main() -> None:
         print("loaded", flush=True)
     except ValueError as error:
         print(f"ERROR {error}", flush=True)
+    for step in (3, 6):
+        saved = {k: v + step for k, v in params.items()}
+        fe.distributed.save(path.parent / f"step-{step}", {"params": saved, "step": step}, shard)
+    mine = path.parent / ("step-6" if int(os.environ["RANK"]) == 0 else "step-3")
+    try:
+        fe.distributed.load(mine, template, shard)
+        print("loaded apart", flush=True)
+    except ValueError as error:
+        print(f"APART {error}", flush=True)
     dist.destroy_process_group()
 
 

@@ -269,7 +269,9 @@ def test_entries_stored_as_pickled_objects_are_refused(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
-    """Rank 1 alone reads the damaged file; rank 0 must fail too, not wait inside DCP."""
+    """Rank 1 alone reads the damaged file; rank 0 must fail too, not wait inside DCP.
+    Then ranks loading two different intact checkpoints (steps 6 and 3, same structure)
+    are refused on every rank: each loaded its own without a word."""
     import sharded_checkpoint_worker as worker
 
     with socket.socket() as s:
@@ -307,4 +309,10 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
             and "is corrupt: the bytes of `params.weight` (chunk at [3, 0, 0]) in __1_0.distcp"
             in output
             and "(found by rank 1 of 2)" in output
+        ), output
+        assert (
+            "APART distributed.load: the 2 ranks were not set up alike: they differ in the "
+            "checkpoint found (rank 0: SHA-256 "
+            in output
+            and "read the same checkpoint: one directory all ranks share" in output
         ), output

@@ -282,13 +282,23 @@ def describe_state(where: str, value: Any) -> Description:
 
 
 def agree_to_write(
-    where: str, path: str, leaves: Mapping[str, Any], shard: Any, *, values: bool
+    where: str,
+    path: str,
+    leaves: Mapping[str, Any],
+    shard: Any,
+    *,
+    values: bool,
+    checkpoint: str | None = None,
 ) -> None:
-    """Before a sharded save or load: every rank passes the same structure (and values)."""
+    """Before a sharded save or load: every rank passes the same structure (and values);
+    for a load, ``checkpoint`` identifies what this rank found at ``path``."""
     rank, world, group = shard._all_ranks()
+    description = describe_leaves(leaves, values=values)
+    if checkpoint is not None:
+        description["the checkpoint found"] = checkpoint
     agree(
         where,
-        describe_leaves(leaves, values=values),
+        description,
         rank,
         world,
         group,
@@ -297,6 +307,7 @@ def agree_to_write(
         + (
             ", and equal values for the leaves written once, such as a step count)."
             if values
-            else ")."
+            else "), and read the same checkpoint: one directory all ranks share, chosen "
+            "once (e.g. by rank 0, then broadcast), not listed by each rank on its own."
         ),
     )

@@ -220,6 +220,18 @@ def read_metadata(where: str, name: str) -> tuple[Metadata, Checksums | None]:
     return metadata, checksums
 
 
+def identity(name: str) -> str:
+    """What tells one checkpoint from another: the SHA-256 of its ``.metadata`` and of its
+    checksum file (the digests of everything saved), read as they are on this rank."""
+    parts = []
+    for file in (".metadata", CHECKSUM_FILE):
+        full = os.path.join(name, file)
+        if os.path.isfile(full):
+            with open(full, "rb") as f:
+                parts.append(f.read())
+    return "SHA-256 " + digest(b"\0".join(parts))[:16]
+
+
 def reads_of(metadata: Metadata, keys: dict[str, slice | None]) -> list[Key]:
     """The stored chunks a load of ``keys`` reads: all of a key's, or those meeting its rows."""
     found = []

@@ -45,6 +45,7 @@ from ._dcp_checksums import (
     ChecksummingWriter,
     Corrupt,
     VerifiedReader,
+    identity,
     read_metadata,
     reads_of,
     verify_reads,
@@ -495,7 +496,8 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             )
         elif key in sharded and cut:
             plan[key] = rows.new_empty((shard.num_members, *rows.shape[1:]))
-    agree_to_write(where, name, flat.leaves, shard, values=False)
+    found = identity(name)
+    agree_to_write(where, name, flat.leaves, shard, values=False, checkpoint=found)
     if checksums is None:
         warnings.warn(
             f"{where}: '{name}' has no {CHECKSUM_FILE} file (written by plain "
