@@ -1855,3 +1855,35 @@ def test_a_constant_attribute_of_its_own_memory_still_stacks() -> None:
     ens = fe.Ensemble(members)
     x = torch.randn(5, 4)
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+class _Plain(torch.Tensor):
+    pass
+
+
+class _Clipped(torch.Tensor):
+    """Every op with this tensor clips its result to [-0.1, 0.1]."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out.clamp(-0.1, 0.1) if isinstance(out, torch.Tensor) else out
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("slot", ["buffer", "parameter"])
+def test_a_tensor_subclass_in_a_member_is_refused(slot, which) -> None:
+    # Stacked into a plain tensor, the subclass's behaviour was dropped (2.92 off the loop).
+    members = [lin(4, 4) for _ in range(3)]
+    target = members[which]
+    if slot == "buffer":
+        target.register_buffer("scale", torch.ones(4).as_subclass(_Clipped))
+        name = "scale"
+    else:
+        target.weight = nn.Parameter(target.weight.detach().as_subclass(_Plain))
+        name = "weight"
+    kind = "_Clipped" if slot == "buffer" else "_Plain"
+    match = rf"member {which}'s tensor `{name}` \(Linear\) is a {kind}, a subclass of torch.Tensor"
+    with pytest.raises(TypeError, match=match):
+        fe.Ensemble(members)

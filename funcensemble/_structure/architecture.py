@@ -104,6 +104,12 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                 or getattr(t, "_post_accumulate_grad_hooks", None)
             ):
                 _tensor_hook(where, index, f"{name}.{slot}" if name else slot, sub)
+            if (
+                isinstance(t, Tensor)
+                and type(t) not in _PLAIN
+                and not isinstance(t, UninitializedTensorMixin)
+            ):
+                _tensor_subclass(where, index, f"{name}.{slot}" if name else slot, sub, t)
             if isinstance(t, UninitializedTensorMixin):
                 full = f"{name}.{slot}" if name else slot
                 raise ValueError(
@@ -114,6 +120,21 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
                 )
     check_no_hidden_tensors(where, index, module)
     return module
+
+
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def _tensor_subclass(where: str, index: int, full: str, sub: nn.Module, t: Tensor) -> None:
+    kind = type(t).__name__
+    raise TypeError(
+        f"{where}: member {index}'s tensor `{full}` ({type(sub).__name__}) is {a(kind)}, a "
+        f"subclass of torch.Tensor (expected a plain Tensor or nn.Parameter, got {kind}). "
+        "The ensemble stacks the members' tensors into plain tensors, so what the subclass "
+        "changes (its __torch_function__ or __torch_dispatch__) would be dropped. Store a "
+        "plain tensor (t.as_subclass(torch.Tensor)) and apply the subclass's behaviour in "
+        "forward."
+    )
 
 
 def _tensor_hook(where: str, index: int, full: str, sub: nn.Module) -> None:
