@@ -30,6 +30,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import _cli
 import torch
@@ -110,6 +111,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
+def remove_previous_checkpoint(out: Path) -> None:
+    """Remove a previous run's checkpoint from ``out`` (or what a killed save left of
+    one): all of its files, and only those.
+
+    fe.distributed.save never overwrites a checkpoint in place (a crash mid-save would
+    corrupt it). The checksum file goes first, so that no removal or save cut short
+    leaves it beside files it does not describe (load would call them corrupt).
+    """
+    for old in [out / ".funcensemble-checksums", out / ".metadata", *sorted(out.glob("*.distcp"))]:
+        old.unlink(missing_ok=True)
+
+
 def train(args: argparse.Namespace, device: torch.device) -> None:
     if dist.is_initialized():
         # The ranks as a (members, data) mesh: members split over the first axis, each
@@ -123,12 +136,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     else:
         shard, first = fe.distributed.MemberShard(args.members), True
     say = print if first else (lambda *a, **k: None)
-    if first and (args.out / ".metadata").is_file():
-        # fe.distributed.save never overwrites a checkpoint in place (a crash mid-save
-        # would corrupt it): remove this example's previous one, and only its files.
+    if first:
         # The other ranks look at --out only when they save, many collectives later.
-        for old in [args.out / ".metadata", *args.out.glob("*.distcp")]:
-            old.unlink()
+        remove_previous_checkpoint(args.out)
     say(
         f"{args.members} members on {shard.world_size} ranks "
         f"({', '.join(map(str, shard.sizes))} members each), device {device.type}"

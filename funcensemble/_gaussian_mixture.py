@@ -19,13 +19,18 @@ class GaussianMixture(NamedTuple):
         var: The mixture's total variance, ``aleatoric + epistemic``.
         aleatoric: The members' mean of variances: the noise each member expects.
         epistemic: The variance of the members' means (over N, not N - 1): their
-            disagreement.
+            disagreement. It is [`fe.reduce.var`][funcensemble.reduce.var] of the means
+            with ``correction=0``; ``fe.reduce.var``'s default, ``correction=1``, gives
+            ``N / (N - 1)`` times it.
 
     Example:
         >>> import torch, funcensemble as fe
-        >>> mix = fe.reduce.gaussian_mixture(torch.tensor([[0.0], [2.0]]), torch.ones(2, 1))
+        >>> means = torch.tensor([[0.0], [2.0]])  # 2 members, 1 output
+        >>> mix = fe.reduce.gaussian_mixture(means, torch.ones(2, 1))
         >>> mix.mean.tolist(), mix.var.tolist(), mix.aleatoric.tolist(), mix.epistemic.tolist()
         ([1.0], [2.0], [1.0], [1.0])
+        >>> fe.reduce.var(means, correction=0).tolist(), fe.reduce.var(means).tolist()
+        ([1.0], [2.0])
     """
 
     mean: Float[Tensor, "*batch"]

@@ -34,13 +34,25 @@ def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> 
     return check_floating(where, values) if floating else values
 
 
+def to_real_advice(values: Tensor) -> str:
+    """What to do with values of a dtype the reductions refuse: ``.float()`` would drop
+    a complex number's imaginary part (also ``fe.distributed``'s advice)."""
+    if values.is_complex():
+        return (
+            "Reduce their real and imaginary parts as real numbers: "
+            "torch.view_as_real(values) puts them on a last axis of 2 (or pass values.real "
+            "or values.abs(), if only that is wanted); .float() would drop the imaginary "
+            "part."
+        )
+    return "Convert them with .float() first."
+
+
 def check_floating(where: str, values: Tensor) -> Tensor:
     """``values`` if floating point (also ``fe.distributed``'s reductions' check)."""
     if not values.is_floating_point():
         raise TypeError(
             f"{where}: the values are not floating point "
-            f"{expected_got('a floating-point dtype', values.dtype)}. Convert them with "
-            ".float() first."
+            f"{expected_got('a floating-point dtype', values.dtype)}. " + to_real_advice(values)
         )
     return values
 
@@ -84,7 +96,9 @@ def var(
     As in ``torch.var``, ``correction=1`` (the default) gives the unbiased sample
     variance: the usual choice when the members are draws from a distribution of
     models. It needs at least two members; a single member raises rather than
-    returning NaN. ``correction=0`` gives the population variance (0 for one member).
+    returning NaN. ``correction=0`` gives the population variance (0 for one member):
+    the ``epistemic`` part of [`gaussian_mixture`][funcensemble.reduce.gaussian_mixture],
+    which divides by N.
 
     Args:
         values: Stacked outputs, member axis first.
@@ -109,7 +123,9 @@ def std(
 ) -> Float[Tensor, "*rest"]:
     """The standard deviation over members: the square root of [`var`][funcensemble.reduce.var].
 
-    For a regression ensemble this is its disagreement (epistemic uncertainty). Where
+    For a regression ensemble this is its disagreement (epistemic uncertainty); with
+    ``correction=0`` it is the square root of
+    [`gaussian_mixture`][funcensemble.reduce.gaussian_mixture]'s ``epistemic``. Where
     all members agree exactly its gradient is 0, not the NaN of ``torch.std``; a NaN or
     inf among the values gives NaN, as ``torch.std`` does.
 

@@ -234,9 +234,25 @@ def test_check_agreement_in_one_process_checks_its_arguments():
     ):
         shard.check_agreement(torch.nn.Linear(2, 1))
     with pytest.raises(
-        TypeError, match=r"optimizer must be an fe\.optim transformation .* got str"
+        TypeError,
+        match=r"optimizer must be an fe\.optim transformation, an fe\.optim\.EnsembleOptimizer "
+        r"or a torch\.optim\.Optimizer \(expected e\.g\. fe\.optim\.adam\(1e-3\), got str\)\. "
+        r"Pass the optimizer this rank trains with\.",
     ):
         shard.check_agreement(optimizer="adam")
+
+
+def test_check_agreement_compares_an_ensemble_optimizer_by_its_transform():
+    from funcensemble.distributed._agreement import describe_optimizer
+
+    shard = MemberShard(3)
+    ens = shard.from_factory(lambda: torch.nn.Linear(2, 1))
+    transform = fe.optim.adamw(1e-3, weight_decay=torch.tensor([0.0, 0.1, 0.2]))
+    opt = fe.optim.EnsembleOptimizer(ens, transform)
+    shard.check_agreement(ens, optimizer=opt)  # the library's own optimizer: accepted
+    assert describe_optimizer("f", opt) == describe_optimizer("f", transform)
+    other = fe.optim.EnsembleOptimizer(ens, fe.optim.adamw(2e-3, weight_decay=0.1))
+    assert describe_optimizer("f", other) != describe_optimizer("f", opt)
 
 
 # --- collectives in one process ----------------------------------------------------------
@@ -382,6 +398,13 @@ def test_collective_errors():
             match=r"not floating point \(expected a floating-point dtype, got torch\.int64\)",
         ):
             d.mean(torch.zeros(4, 2, dtype=torch.int64), shard)
+        for reduce in (d.mean, d.var, d.min):  # .float() would drop the imaginary part
+            with pytest.raises(
+                TypeError,
+                match=r"got torch\.complex64\)\. Reduce their real and imaginary parts as "
+                r"real numbers: torch\.view_as_real\(values\)",
+            ):
+                reduce(torch.zeros(4, 2, dtype=torch.complex64), shard)
         with pytest.raises(
             TypeError, match=r"shard is not a MemberShard \(expected a fe\.distributed\.MemberShard"
         ):
@@ -1468,6 +1491,28 @@ def test_example_with_data_parallel_replicas_trains_as_one_process(tmp_path):
     fe.distributed.load(tmp_path / "alone", alone)
     # float32, gradients summed in another order: equal up to rounding, over 20 Adam steps.
     assert_trees_close(dict(alone.stacked_params()), dict(ens.stacked_params()), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("left", ["a whole checkpoint", "a save killed before .metadata"])
+def test_example_removes_every_file_of_its_previous_checkpoint(tmp_path, monkeypatch, left):
+    example = _load_example()
+    out = tmp_path / "ckpt"
+    fe.distributed.save(out, fe.Ensemble.from_factory(example.make_member, num_members=2))
+    if left != "a whole checkpoint":
+        (out / ".metadata").unlink()  # the checksums and data files stay
+    (out / "notes.txt").write_text("not the checkpoint's")
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed  # the new save dies before it writes anything
+
+    monkeypatch.setattr(fe.distributed, "save", killed)
+    with pytest.raises(Killed):
+        example.main(["--quick", "--quiet", "--out", str(out)])
+    # No checksum file is left to call the next checkpoint written here corrupt.
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def _load_example():

@@ -90,6 +90,15 @@ def run_page(page: Path) -> list[int]:
     return not_run
 
 
+def test_every_editable_install_keeps_the_package_visible_to_type_checkers():
+    # The default editable install of this layout is an import hook, which mypy and
+    # pyright do not run: an install guide whose commands use it contradicts the README.
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))):
+        for line in page.read_text().splitlines():
+            if re.match(r"\s*pip install -e\b", line):  # a command, in a shell block
+                assert "editable_mode=compat" in line, f"{page.relative_to(ROOT)}: {line}"
+
+
 def test_block_extraction():
     text = "\n".join(
         [

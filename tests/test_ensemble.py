@@ -361,6 +361,15 @@ def _one_member_state(ens: fe.Ensemble) -> dict:
     return {k.removeprefix("stacked."): v[0] for k, v in _shifted_state(ens).items()}
 
 
+def _module_list_state(ens: fe.Ensemble) -> dict:
+    """The state_dict of an nn.ModuleList of the members: `<i>.<member key>`."""
+    return {
+        f"{i}.{k.removeprefix('stacked.')}": v[i]
+        for k, v in _shifted_state(ens).items()
+        for i in range(len(ens))
+    }
+
+
 def _with(key: str, value) -> Callable:
     return lambda state, ens: {**state, key: value}
 
@@ -400,7 +409,7 @@ _BAD_STATES = [
         lambda state, ens: {k: v[0] for k, v in state.items()}, {}, ValueError,
         r"has shape \(2, 3\) in the state_dict, one member's shape with no member axis; this "
         r"ensemble has \(3, 2, 3\) \(3 members\) \(expected \(3, 2, 3\), got \(2, 3\)\)\. To "
-        r"load N single-module state_dicts, stack",
+        r"load N single-module state_dicts, pass them all to fe\.import_state_dicts",
         id="one member's shapes",
     ),
     pytest.param(
@@ -441,8 +450,17 @@ _BAD_STATES = [
         lambda state, ens: _one_member_state(ens), {}, ValueError,
         r"has extra `0\.bias`.*`\. `0.bias`, `0.weight`, .* are keys of one member "
         r"module's state_dict; this ensemble holds them as `stacked.<key>` with a leading "
-        r"member axis of 3",
+        r"member axis of 3\. To load N single-module state_dicts, pass them all to "
+        r"fe\.import_state_dicts\(ensemble, state_dicts\)",
         id="one member module",
+    ),
+    pytest.param(
+        lambda state, ens: _module_list_state(ens), {}, ValueError,
+        r"has extra `0\.0\.bias`.*`\. Keys like `0\.0\.bias` are `<i>\.<key>`, member i's "
+        r"`<key>`: the state_dict of a container of the members \(an nn\.ModuleList of them\)"
+        r".*Load it with fe\.import_state_dicts\(ensemble, \[m\.state_dict\(\) for m in "
+        r"modules\]\)",
+        id="an nn.ModuleList of the members",
     ),
     pytest.param(
         lambda state, ens: _one_member_state(ens), {"strict": False}, ValueError,
@@ -474,6 +492,26 @@ def test_load_state_dict_refuses_before_changing_anything(build, kwargs, error, 
         ens.load_state_dict(state, **kwargs)
     assert_trees_equal(ens.stacked_params(), params)
     assert_trees_equal(ens.stacked_buffers(), buffers)
+
+
+def test_module_list_state_dict_loads_as_the_error_says() -> None:
+    # The advice for an nn.ModuleList's state_dict, followed: every member as in the loop.
+    ens = fe.Ensemble(_bn_members())
+    saved = nn.ModuleList(_bn_members())
+    for i, m in enumerate(saved):
+        m[0].weight.data += i + 1
+        m[1].running_mean += i
+    state = saved.state_dict()
+    with pytest.raises(ValueError, match=r"fe\.import_state_dicts\(ensemble, \[m\.state_dict"):
+        ens.load_state_dict(state)
+    modules = nn.ModuleList(_bn_members())
+    modules.load_state_dict(state)
+    fe.import_state_dicts(ens, [m.state_dict() for m in modules])
+    for i, m in enumerate(saved):
+        assert_trees_equal(
+            {k.removeprefix("stacked."): v[i] for k, v in ens.state_dict().items()},
+            dict(m.state_dict()),
+        )
 
 
 @pytest.mark.parametrize("strict", [True, False])

@@ -550,6 +550,16 @@ def test_invalid_hyperparameters_raise_value_error(make, kwargs, match):
             r"adam: lr must be a float, a 1-D tensor .* \(expected a number, got str\)",
         ),
         ({"lr": True}, r"lr must be a float"),
+        (
+            {"lr": [1e-3, 1e-2]},
+            r"\(expected a number, got list\)\. Give per-member values as a 1-D tensor, one "
+            r"value per member in member order: torch\.tensor\(\[\.\.\.\], "
+            r"dtype=torch\.float64\) .*, or pass lr as one float shared by all members\.$",
+        ),
+        (
+            {"weight_decay": (0.0, 0.1)},
+            r"got tuple\)\. Give per-member values as a 1-D tensor.*pass weight_decay as one",
+        ),
         ({"lr": torch.tensor([1, 2])}, r"lr as a tensor must be floating point"),
         ({"betas": 0.9}, r"betas must be a pair \(beta1, beta2\) \(expected .*, got float\)"),
         ({"amsgrad": 1}, r"amsgrad must be a bool \(expected True or False, got int\)"),

@@ -420,6 +420,22 @@ def test_rejects_integer_tensors_where_floats_are_needed(fn: Callable[..., Tenso
         fn(torch.ones(2, 3, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("fn", [fe.reduce.mean, fe.reduce.var, fe.reduce.std, *CLASSIFIER_FNS])
+def test_complex_values_are_refused_with_advice_that_keeps_the_imaginary_part(fn) -> None:
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match=r"Convert them with \.float\(\) first\.$"):
+            fn(torch.ones(2, 3, dtype=torch.int64))  # for integers, .float() loses nothing
+        with pytest.raises(
+            TypeError,
+            match=r"got torch\.complex64\)\. Reduce their real and imaginary parts as real "
+            r"numbers: torch\.view_as_real\(values\) .* \.float\(\) would drop the imaginary part",
+        ):
+            fn(torch.ones(2, 3, dtype=torch.complex64))
+    # The advice, followed: the complex mean, exactly.
+    z = torch.randn(4, 3, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.view_as_complex(fe.reduce.mean(torch.view_as_real(z))), z.mean(0))
+
+
 @pytest.mark.parametrize("fn", CLASSIFIER_FNS)
 def test_classifiers_need_a_class_axis(fn: Callable[..., Tensor]) -> None:
     with runtime_typecheck_off(), pytest.raises(ValueError, match=r"classes last.*shape \(3,\)"):

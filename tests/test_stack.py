@@ -152,6 +152,23 @@ def test_functional_module_computes_one_member() -> None:
     assert repr(fmodel).startswith("FunctionalModule(Sequential(")
 
 
+@pytest.mark.parametrize("switch", ["train", "eval"])
+def test_functional_module_mode_switch_points_to_the_skeleton(switch: str) -> None:
+    fmodel, _, _ = fe.stack([nn.Dropout(0.5) for _ in range(2)])
+    with pytest.raises(
+        AttributeError,
+        match=rf"'FunctionalModule' object has no attribute '{switch}': .* \(expected "
+        rf"fmodel\.skeleton\.{switch}\(\), got fmodel\.{switch}\(\)\)\. Call "
+        rf"fmodel\.skeleton\.{switch}\(\)\.$",
+    ):
+        getattr(fmodel, switch)
+    getattr(fmodel.skeleton, switch)()  # the documented switch
+    assert fmodel.skeleton.training == (switch == "train")
+    with pytest.raises(AttributeError, match=r"^'FunctionalModule' object has no attribute 'x'$"):
+        fmodel.x  # noqa: B018  (any other attribute: the usual error)
+    assert not hasattr(fmodel, switch)
+
+
 def test_unstack_keeps_hooks_and_attributes() -> None:
     calls = []
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ dtype, one member's state_dict given to the stacked ensemble) is found before th
 value is copied.
 """
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,9 +18,11 @@ from torch import Tensor
 from .._messages import key_difference, names
 
 STACK_HINT = (
-    "To load N single-module state_dicts, stack them under `stacked.` names: "
-    "{'stacked.' + k: torch.stack([sd[k] for sd in state_dicts]) for k in state_dicts[0]}."
+    "To load N single-module state_dicts, pass them all to "
+    "fe.import_state_dicts(ensemble, state_dicts), which stacks them member by member."
 )
+# A container of the members (an nn.ModuleList's state_dict): `<i>.<member key>`.
+LIST_KEY = re.compile(r"(\d+)\.(.+)")
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -28,6 +31,28 @@ def _kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
     return "floating-point" if dtype.is_floating_point else "integer"
+
+
+def _list_hint(own: Mapping[str, Any], state_dict: Mapping[Any, Any], n: int) -> str:
+    """Advice for the state_dict of a container of the members (``0.weight`` for
+    member 0's ``weight``, as an ``nn.ModuleList`` of them saves it); empty otherwise."""
+    listed = sorted(
+        k
+        for k in state_dict
+        if isinstance(k, str)
+        and k not in own
+        and (found := LIST_KEY.fullmatch(k)) is not None
+        and f"stacked.{found[2]}" in own
+    )
+    if not listed:
+        return ""
+    return (
+        f" Keys like `{listed[0]}` are `<i>.<key>`, member i's `<key>`: the state_dict of a "
+        "container of the members (an nn.ModuleList of them), where this ensemble holds "
+        f"`stacked.<key>` with a leading member axis of {n}. Load it with "
+        "fe.import_state_dicts(ensemble, [m.state_dict() for m in modules]), `modules` being "
+        "that container (load this state_dict into it first)."
+    )
 
 
 def check_loadable(
@@ -58,7 +83,7 @@ def check_loadable(
         if difference:
             raise ValueError(
                 f"{where}: the state_dict does not match this ensemble's architecture: it "
-                f"{difference}." + (member_hint if one_member else "")
+                f"{difference}." + (member_hint if one_member else _list_hint(own, state_dict, n))
             )
     elif one_member:
         raise ValueError(

@@ -3,7 +3,7 @@
 import re
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -144,7 +144,9 @@ class FunctionalModule:
     [`funcensemble.vmap`][]. The wrapped ``skeleton`` holds no weights of its own (its
     tensors are on the meta device, or are the stacked tensors of an
     [`Ensemble`][funcensemble.Ensemble]); its ``training`` flags decide train/eval
-    behaviour.
+    behaviour: switch them with ``fmodel.skeleton.train()`` and
+    ``fmodel.skeleton.eval()`` (a FunctionalModule has no ``train`` or ``eval`` of its
+    own).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -289,6 +291,20 @@ class FunctionalModule:
 
     def __repr__(self) -> str:
         return f"FunctionalModule({self.skeleton!r})"
+
+    if not TYPE_CHECKING:  # type checkers go on reporting every unknown attribute
+
+        def __getattr__(self, name: str) -> Any:
+            # Reached only for an attribute the object lacks: nn.Module's two mode
+            # switches, looked for here first, get a pointer to the skeleton's.
+            message = f"'{type(self).__name__}' object has no attribute '{name}'"
+            if name in ("train", "eval"):
+                message += (
+                    ": a FunctionalModule is a function, and its skeleton's training flags "
+                    f"decide train/eval behaviour (expected fmodel.skeleton.{name}(), got "
+                    f"fmodel.{name}()). Call fmodel.skeleton.{name}()."
+                )
+            raise AttributeError(message, name=name, obj=self)
 
 
 def _tensor_attribute(where: str, skeleton: nn.Module, error: AttributeError) -> ValueError | None:

@@ -24,6 +24,7 @@ from .._core.ensemble import Ensemble
 from .._core.skeleton import replace_tensors
 from .._messages import submodule
 from .._structure.architecture import Architecture
+from ..optim._ensemble_optimizer import EnsembleOptimizer
 from ..optim._protocol import GradientTransformation
 from ._errors import failures
 
@@ -240,7 +241,10 @@ def _constants(obj: Any, owner: str, depth: int, seen: set[int]) -> Iterator[tup
 
 
 def describe_optimizer(where: str, optimizer: Any) -> Description:
-    """An ``fe.optim`` transformation or a ``torch.optim`` optimizer, by hyperparameters."""
+    """An ``fe.optim`` transformation or a ``torch.optim`` optimizer, by hyperparameters
+    (an ``EnsembleOptimizer`` by its transformation)."""
+    if isinstance(optimizer, EnsembleOptimizer):
+        optimizer = optimizer.transform
     if isinstance(optimizer, torch.optim.Optimizer):
         out = {"the optimizer": type(optimizer).__qualname__}
         for i, group in enumerate(optimizer.param_groups):
@@ -250,9 +254,10 @@ def describe_optimizer(where: str, optimizer: Any) -> Description:
         return out
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
-            f"{where}: optimizer must be an fe.optim transformation "
-            f"(e.g. fe.optim.adam(1e-3)) or a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}."
+            f"{where}: optimizer must be an fe.optim transformation, an "
+            "fe.optim.EnsembleOptimizer or a torch.optim.Optimizer (expected e.g. "
+            f"fe.optim.adam(1e-3), got {type(optimizer).__name__}). Pass the optimizer "
+            "this rank trains with."
         )
     out: Description = {}
     counts: dict[str, int] = {}

@@ -310,8 +310,8 @@ def _real(where: str, values: Tensor) -> None:
     if values.dtype == torch.bool or values.is_complex():
         raise TypeError(
             f"{where}: the values are not real numbers "
-            f"{expected_got('a real dtype (not bool or complex)', values.dtype)}. Convert "
-            "them first (e.g. .float())."
+            f"{expected_got('a real dtype (not bool or complex)', values.dtype)}. "
+            + _reduce.to_real_advice(values)
         )
 
 

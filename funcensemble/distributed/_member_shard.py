@@ -464,8 +464,10 @@ class MemberShard:
                 dimensions, and the values of other leaves such as step counts).
             optimizer: An ``fe.optim`` transformation (compared by the settings its
                 functions hold: ``lr``, ``betas``, ...; per-member hyperparameter
-                tensors by dtype, since each rank holds its own members' values) or a
-                ``torch.optim.Optimizer`` (by its param groups' hyperparameters).
+                tensors by dtype, since each rank holds its own members' values), an
+                [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] (by its
+                ``transform``, the same way) or a ``torch.optim.Optimizer`` (by its
+                param groups' hyperparameters).
             **settings: Anything else that must be equal on every rank, compared by
                 ``repr`` (e.g. ``batch_size=64, data="v2"``).
 

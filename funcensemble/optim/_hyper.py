@@ -183,7 +183,15 @@ def hyperparameter(
                 if schedule_ok
                 else " or a 1-D tensor of per-member values"
             )
-            + f" (expected a number, got {_describe(value)}). Pass {name} as a float."
+            + f" (expected a number, got {_describe(value)}). "
+            + (
+                "Give per-member values as a 1-D tensor, one value per member in member "
+                "order: torch.tensor([...], dtype=torch.float64) (float64 holds each value "
+                f"as torch.optim's Python float does), or pass {name} as one float shared "
+                "by all members."
+                if isinstance(value, (list, tuple))
+                else f"Pass {name} as a float."
+            )
         )
     if isinstance(value, Tensor):
         if value.is_meta:
