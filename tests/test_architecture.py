@@ -1934,3 +1934,37 @@ def test_objects_each_member_holds_on_its_own_are_copied() -> None:
     single = fe.Ensemble(members[:1])  # one member: its own object is every member's
     members[0].temperature.value = 0.5
     assert single.stacked.temperature is members[0].temperature
+
+
+class _TemperedList(nn.Module):
+    def __init__(self, temperatures: dict) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.settings = {"temperatures": [temperatures["t"]], "scale": 2.0}
+
+    def forward(self, x):
+        return self.lin(x) / self.settings["temperatures"][0].value
+
+
+def test_an_object_every_member_holds_in_a_container_is_held_by_the_ensemble_too() -> None:
+    torch.manual_seed(0)
+    shared = _Temperature(1.0)
+    loop = [_TemperedList({"t": shared}) for _ in range(3)]
+    ens = fe.Ensemble(loop)
+    shared.value = 0.1
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
+    assert ens.stacked.settings is not loop[0].settings  # the containers are copies
+
+
+def test_concat_keeps_only_the_objects_the_added_members_hold_too() -> None:
+    # The grown ensemble gave the added members this ensemble's object, although they
+    # hold their own (equal) one: annealing it changed them too (8.1 off the loop).
+    torch.manual_seed(0)
+    first, second = _Temperature(1.0), _Temperature(1.0)
+    ens = fe.Ensemble([_Tempered(first) for _ in range(2)])
+    grown = ens.concat([_Tempered(second) for _ in range(2)])
+    assert grown.stacked.temperature is not first and grown.stacked.temperature.value == 1.0
+    same = ens.concat([_Tempered(first)])
+    assert same.stacked.temperature is first
+    assert ens.concat(fe.Ensemble([_Tempered(first)])).stacked.temperature is first

@@ -20,7 +20,7 @@ from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
 from .seeding import build_seeded, check_seed, global_rng_restored_on_error, member_seed
-from .skeleton import meta_skeleton, replace_tensors
+from .skeleton import Location, held_by_all, meta_skeleton, replace_tensors, shared
 from .stack import (
     _num_members,
     checked_num_members,
@@ -309,7 +309,8 @@ class Ensemble(nn.Module):
         return mapped(params, buffers, args, kwargs, dims)
 
     def member(self, index: int) -> nn.Module:
-        """An independent ordinary module holding member ``index`` (negative counts back).
+        """An independent ordinary module holding member ``index`` (negative counts back);
+        objects of your own classes that every member holds stay shared, as in the loop.
 
         Example:
             >>> import torch, funcensemble as fe
@@ -337,11 +338,17 @@ class Ensemble(nn.Module):
         """All members as independent ordinary modules (see [`unstack`][funcensemble.unstack])."""
         return [self.member(i) for i in range(self.num_members)]
 
-    def _with_tensors(self, params: dict[str, Tensor], buffers: dict[str, Tensor]) -> "Ensemble":
+    def _with_tensors(
+        self,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        kept: dict[Location, object] | None = None,
+    ) -> "Ensemble":
         """A new ensemble of this one's architecture and options holding these tensors,
-        with the forward and backward hooks registered on this ensemble itself."""
+        with the forward and backward hooks registered on this ensemble itself;
+        ``kept``: the objects its members all hold (by default, this one's)."""
         _weight_transforms.check_unchanged("Ensemble", self.stacked, self.fmodel._weight_transforms)
-        skeleton = meta_skeleton(self.stacked)
+        skeleton = meta_skeleton(self.stacked, kept)
         new = self._from_stacked(skeleton, params, buffers, self.randomness, self.chunk_size)
         _copy_call_hooks(self, new)
         return new
@@ -410,14 +417,18 @@ class Ensemble(nn.Module):
         if isinstance(modules, Ensemble):
             check_same_architecture(where, n, ref, modules.member(0))
             params, buffers = modules.stacked_params(), modules.stacked_buffers()
+            added = [modules.stacked]
         else:
             modules = member_list(where, modules, "a list, or an Ensemble")
             for k, module in enumerate(modules):
                 check_same_architecture(where, n + k, ref, check_is_module(where, n + k, module))
             _, params, buffers = stack_as(where, modules)
+            added = modules
         return self._with_tensors(
             join(where, [self.stacked_params(), params], "params"),
             join(where, [self.stacked_buffers(), buffers], "buffers"),
+            # The objects every member holds: those the added members hold too.
+            kept=held_by_all(shared(self.stacked), added),
         )
 
     def copy_members_(self, src: int | Indices, dst: int | Indices) -> None:

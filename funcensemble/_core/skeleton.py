@@ -16,10 +16,12 @@ import functools
 import types
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .._structure.attributes import TORCH_OWN
 from .._structure.tensor_tags import tensor_tags
 
 
@@ -28,9 +30,12 @@ def named_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tenso
     return dict(module.named_parameters()), dict(module.named_buffers())
 
 
-# For each skeleton, the attributes (submodule path, name) holding objects every member
-# holds, kept by reference in every copy made of it here.
-_SHARED: "weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[str, str]]]" = (
+# Where an object sits in a module: submodule path, attribute, then the keys or
+# indices of the lists, tuples and dicts it is nested in.
+Location = tuple[Any, ...]
+# For each skeleton, the objects every member holds, by location: kept by reference in
+# every copy made of it here.
+_SHARED: "weakref.WeakKeyDictionary[nn.Module, dict[Location, object]]" = (
     weakref.WeakKeyDictionary()
 )
 _COPIED_ANYWAY = (
@@ -43,6 +48,7 @@ _COPIED_ANYWAY = (
     functools.partial,
     weakref.ref,
 )
+_DEPTH = 8  # how deep lists, tuples and dicts are followed
 
 
 def shareable(value: object) -> bool:
@@ -51,40 +57,54 @@ def shareable(value: object) -> bool:
     return type(value).__module__ != "builtins" and not isinstance(value, _COPIED_ANYWAY)
 
 
-def user_objects(module: nn.Module, own: frozenset[str]) -> dict[tuple[str, str], object]:
-    """The module's attributes holding ``shareable`` objects, by (submodule path, name);
-    ``own``: nn.Module's own entries, never the user's."""
-    return {
-        (path, key): value
-        for path, sub in module.named_modules()
-        for key, value in vars(sub).items()
-        if key not in own and shareable(value)
-    }
+def user_objects(module: nn.Module) -> dict[Location, object]:
+    """The ``shareable`` objects in the module's attributes (nn.Module's own entries
+    aside), followed into lists, tuples and dicts, by location."""
+    found: dict[Location, object] = {}
+
+    def visit(value: Any, where: Location, depth: int) -> None:
+        if shareable(value):
+            found[where] = value
+        elif depth < _DEPTH and type(value) in (list, tuple):
+            for i, v in enumerate(value):
+                visit(v, (*where, i), depth + 1)
+        elif depth < _DEPTH and type(value) is dict:
+            for k, v in value.items():
+                visit(v, (*where, k), depth + 1)
+
+    for path, sub in module.named_modules():
+        for key, value in vars(sub).items():
+            if key not in TORCH_OWN:
+                visit(value, (path, key), 0)
+    return found
 
 
-def keep_shared(module: nn.Module, names: Iterable[tuple[str, str]]) -> None:
-    """Keep the objects ``module`` holds in these attributes by reference in its copies."""
-    names = frozenset(names)
-    if names:
-        _SHARED[module] = names
+def held_by_all(objects: dict[Location, object], modules: Iterable[nn.Module]) -> dict:
+    """Those of ``objects`` (by location) that each of ``modules`` holds there too."""
+    for module in modules:
+        theirs = user_objects(module)
+        objects = {k: v for k, v in objects.items() if theirs.get(k) is v}
+    return objects
+
+
+def keep_shared(module: nn.Module, objects: dict[Location, object]) -> None:
+    """Keep these objects (every member holds them) by reference in copies of ``module``."""
+    if objects:
+        _SHARED[module] = dict(objects)
     else:
         _SHARED.pop(module, None)
 
 
-def _kept(module: nn.Module) -> dict[int, object]:
-    found = {}
-    for path, key in _SHARED.get(module, ()):
-        sub = module.get_submodule(path) if path else module
-        if key in vars(sub):
-            value = vars(sub)[key]
-            found[id(value)] = value
-    return found
+def shared(module: nn.Module) -> dict[Location, object]:
+    """The objects kept by reference in copies of ``module``, by location."""
+    return dict(_SHARED.get(module, {}))
 
 
 def replace_tensors(
     module: nn.Module,
     make_param: Callable[[str, Tensor], Tensor],
     make_buffer: Callable[[str, Tensor], Tensor],
+    kept: dict[Location, object] | None = None,
 ) -> nn.Module:
     """Deep-copy ``module``, building each parameter and buffer with the callables.
 
@@ -93,7 +113,8 @@ def replace_tensors(
     of the original's storage is copied.
     """
     params, buffers = named_tensors(module)
-    memo: dict[int, object] = _kept(module)  # deepcopy keeps what its memo maps to itself
+    kept = shared(module) if kept is None else kept
+    memo: dict[int, object] = {id(v): v for v in kept.values()}  # deepcopy keeps these
     for name, param in params.items():
         new = make_param(name, param)
         if not isinstance(new, nn.Parameter):
@@ -108,17 +129,18 @@ def replace_tensors(
         new = memo[id(t)]
         if new is not t:
             vars(new).update(copy.deepcopy(tensor_tags(t), memo))
-    keep_shared(copied, _SHARED.get(module, ()))
+    keep_shared(copied, kept)
     return copied
 
 
-def meta_skeleton(module: nn.Module) -> nn.Module:
-    """A weightless copy of ``module`` whose tensors live on the meta device."""
+def meta_skeleton(module: nn.Module, kept: dict[Location, object] | None = None) -> nn.Module:
+    """A weightless copy of ``module`` whose tensors live on the meta device; ``kept``:
+    the objects it holds by reference (by default those ``module`` keeps)."""
 
     def to_meta(_: str, t: Tensor) -> Tensor:
         return torch.empty_like(t, device="meta")
 
-    return replace_tensors(module, to_meta, to_meta)
+    return replace_tensors(module, to_meta, to_meta, kept)
 
 
 def modes(module: nn.Module) -> dict[str, bool]:

@@ -14,10 +14,9 @@ from .._structure.architecture import (
     check_same_architecture,
     check_unshared,
 )
-from .._structure.attributes import TORCH_OWN
 from .._types import StackedTensors
 from .functional_module import FunctionalModule
-from .skeleton import keep_shared, meta_skeleton, replace_tensors, user_objects
+from .skeleton import held_by_all, keep_shared, meta_skeleton, replace_tensors, user_objects
 
 
 def stack(
@@ -134,16 +133,15 @@ def stack_members(
     put_member(params, 0, dict(first.named_parameters()))
     put_member(buffers, 0, dict(first.named_buffers()))
     # Objects every member holds (one object, not equal ones): kept, not copied.
-    common = user_objects(first, TORCH_OWN)
+    common = user_objects(first)
     for i in range(1, num_members):
         member = check_is_module(where, i, next(members))
         check_same_architecture(where, i, ref, member)
         check_unshared(where, i, member, owners, add=alive)
         put_member(params, i, dict(member.named_parameters()))
         put_member(buffers, i, dict(member.named_buffers()))
-        theirs = user_objects(member, TORCH_OWN)
-        common = {k: v for k, v in common.items() if theirs.get(k) is v}
-        del member, theirs
+        common = held_by_all(common, [member])
+        del member
     for k, s in ref.params.items():
         params[k].requires_grad_(s.requires_grad)
     keep_shared(first, common)
