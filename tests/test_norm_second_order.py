@@ -185,12 +185,15 @@ _LOW = [torch.float16, torch.bfloat16]
 def _norm(kind: str, track: bool) -> nn.Module:
     if kind == "layernorm":
         return nn.LayerNorm(5)
+    if kind == "groupnorm":
+        return nn.GroupNorm(1, 5)
     return nn.BatchNorm1d(5, track_running_stats=track)
 
 
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize(
-    ("kind", "track"), [("layernorm", True), ("batchnorm", True), ("batchnorm", False)]
+    ("kind", "track"),
+    [("layernorm", True), ("groupnorm", True), ("batchnorm", True), ("batchnorm", False)],
 )
 @pytest.mark.parametrize(
     ("norm_dtype", "input_dtype"),
@@ -211,7 +214,7 @@ def test_norm_dtypes_the_loop_refuses_are_refused_by_a_plain_forward(
         members[0](x)
     ens = fe.Ensemble(members)
     before = copy.deepcopy(ens.stacked.state_dict())
-    layer = "LayerNorm" if kind == "layernorm" else "BatchNorm1d"
+    layer = {"layernorm": "LayerNorm", "groupnorm": "GroupNorm"}.get(kind, "BatchNorm1d")
     with pytest.raises(RuntimeError, match=rf"{layer}: \w+ of dtype .* does not go with an input"):
         ens(x)
     fmodel, params, buffers = fe.stack(members)
@@ -223,7 +226,8 @@ def test_norm_dtypes_the_loop_refuses_are_refused_by_a_plain_forward(
 
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize(
-    ("kind", "track"), [("layernorm", True), ("batchnorm", True), ("batchnorm", False)]
+    ("kind", "track"),
+    [("layernorm", True), ("groupnorm", True), ("batchnorm", True), ("batchnorm", False)],
 )
 @pytest.mark.parametrize("dtype", _LOW)
 def test_float32_norms_of_a_low_precision_input_run_as_the_loop(kind, track, train, dtype):

@@ -19,11 +19,11 @@ functional calls:
   directly (the same values; only the output's memory layout can differ);
 - ``F.layer_norm``, and ``F.batch_norm`` with batch statistics none kept, under a grad
   transform: as elementary ops, with torch's checks (see ``_norm_decomposed``);
-- ``F.layer_norm`` and ``F.batch_norm`` in a call whose tensors (inputs, parameters,
-  buffers) have more than one floating dtype: vmap's rules promote parameters or
-  statistics of another dtype than the input, where torch's kernels (the loop) refuse
-  them or, for float32 ones with a float16/bfloat16 input, return the input's dtype;
-  here they are refused, or computed, as the kernels do;
+- ``F.layer_norm``, ``F.batch_norm`` and ``F.group_norm`` in a call whose tensors
+  (inputs, parameters, buffers) have more than one floating dtype: vmap's rules promote
+  parameters or statistics of another dtype than the input, where torch's kernels (the
+  loop) refuse them or, for float32 ones with a float16/bfloat16 input, return the
+  input's dtype; here they are refused, or computed, as the kernels do;
 - ``F.embedding`` of an ``nn.Embedding``: vmap's rule checks no index against the
   member's own table (one member's out-of-range index reads another member's row),
   keeps only member 0's padding row out of the gradient and cannot renormalise in
@@ -141,27 +141,28 @@ class VmapRewrites(TorchFunctionMode):
         return _norm_decomposed.layer_norm(input, normalized_shape, weight, bias, eps)
 
     def _in_kernel_dtypes(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """``F.layer_norm`` or ``F.batch_norm`` in the dtypes their kernels take: one
-        dtype for the layer's tensors, the input's or float32 with a float16/bfloat16
-        input, whose result is rounded to the input's dtype (vmap's rules promote the
-        one and return float32 for the other)."""
-        layer = func is F.layer_norm
-        bound = (_layer_norm_arguments if layer else _batch_norm_arguments)(*args, **kwargs)
-        input = bound[0]
-        named = (
-            {"weight": bound[2], "bias": bound[3]}
-            if layer
-            else dict(
+        """``F.layer_norm``, ``F.batch_norm`` or ``F.group_norm`` in the dtypes their
+        kernels take: one dtype for the layer's tensors, the input's or float32 with a
+        float16/bfloat16 input, whose result is rounded to the input's dtype (vmap's
+        rules promote the one and return float32 for the other)."""
+        if func is F.batch_norm:
+            bound = _batch_norm_arguments(*args, **kwargs)
+            named = dict(
                 zip(("running_mean", "running_var", "weight", "bias"), bound[1:5], strict=True)
             )
-        )
+        else:  # layer_norm and group_norm: (input, shape or groups, weight, bias, eps)
+            bound = _layer_norm_arguments(*args, **kwargs)
+            named = {"weight": bound[2], "bias": bound[3]}
+        input = bound[0]
         tensors = [t for t in named.values() if t is not None]
         if not isinstance(input, Tensor) or not all(isinstance(t, Tensor) for t in tensors):
             return self._rewritten(func, args, kwargs)  # torch's own errors
         wrong = _norm_decomposed.dtype_mismatch(input, **named)
         if wrong is not None:
             name = (
-                self._layer_norm_name(bound[1], bound[2]) if layer else self._batch_norm_name(bound)
+                self._layer_norm_name(bound[1], bound[2])
+                if func is F.layer_norm
+                else self._norm_name(bound)
             )
             raise RuntimeError(f"{name}: {wrong}")
         if any(t.dtype != input.dtype for t in tensors):
@@ -170,18 +171,19 @@ class VmapRewrites(TorchFunctionMode):
             return out.to(input.dtype)
         return self._rewritten(func, args, kwargs)
 
-    def _batch_norm_name(self, bound: tuple[Any, ...]) -> str:
-        """The BatchNorm layer holding these statistics or this weight, else ``batch_norm``."""
+    def _norm_name(self, bound: tuple[Any, ...]) -> str:
+        """The BatchNorm or GroupNorm layer holding these statistics or this weight, else
+        ``batch_norm``/``group_norm``."""
         found = [
             name
             for name, m in (self.skeleton.named_modules() if self.skeleton is not None else ())
-            if isinstance(m, nn.modules.batchnorm._NormBase)
+            if isinstance(m, nn.modules.batchnorm._NormBase | nn.GroupNorm)
             and any(
                 t is not None and t is u for t, u in zip(bound[1:5], _norm_tensors(m), strict=True)
             )
         ]
         if len(found) != 1:
-            return "batch_norm"
+            return "group_norm" if isinstance(bound[1], int) else "batch_norm"
         kind = type(self.skeleton.get_submodule(found[0])).__name__
         return f"{kind} `{found[0]}`" if found[0] else kind
 
@@ -201,7 +203,7 @@ class VmapRewrites(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.check_dtypes and func in (F.layer_norm, F.batch_norm):
+        if self.check_dtypes and func in (F.layer_norm, F.batch_norm, F.group_norm):
             return self._in_kernel_dtypes(func, args, kwargs)
         return self._rewritten(func, args, kwargs)
 
@@ -250,6 +252,10 @@ def _layer_norm_arguments(
 
 
 def _norm_tensors(m: nn.Module) -> tuple[Any, ...]:
+    """A norm layer's tensors in ``_batch_norm_arguments``' order after the input
+    (``_layer_norm_arguments``' for a GroupNorm: its weight and bias at the same places)."""
+    if isinstance(m, nn.GroupNorm):
+        return None, m.weight, m.bias, None
     return m.running_mean, m.running_var, m.weight, m.bias
 
 
