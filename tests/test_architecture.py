@@ -1835,8 +1835,9 @@ class _AliasNet(nn.Module):
         (lambda m: m.lin.weight.detach(), "parameter", "lin.weight"),
         (lambda m: m.lin.weight.detach()[:, :4], "parameter", "lin.weight"),
         (lambda m: m.scale.view(1, 4).expand(4, 4), "buffer", "scale"),
+        (lambda m: torch.from_numpy(m.lin.weight.detach().numpy()), "parameter", "lin.weight"),
     ],
-    ids=["data", "detach", "view", "buffer-view"],
+    ids=["data", "detach", "view", "buffer-view", "through-numpy"],
 )
 def test_an_attribute_aliasing_a_members_own_tensor_is_refused(alias, noun, name) -> None:
     # The loop's alias follows its parameter as it trains; the ensemble's copy of it
@@ -1847,6 +1848,25 @@ def test_an_attribute_aliasing_a_members_own_tensor_is_refused(alias, noun, name
     for stacked in (members, members[:1]):
         with pytest.raises(ValueError, match=match):
             fe.Ensemble(stacked)
+
+
+class _NumpyAliasNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bias_np = self.lin.bias.detach()[1:].numpy()  # a view, at an offset
+
+    def forward(self, x):
+        return self.lin(x) + torch.from_numpy(self.bias_np).sum()
+
+
+def test_a_numpy_view_of_a_members_own_tensor_is_refused() -> None:
+    # Copied as a constant, it stayed member 0's initial values (34.4 off the loop
+    # after two SGD steps, the biases starting equal).
+    members = [_NumpyAliasNet() for _ in range(2)]
+    match = r"holds an array sharing memory with its parameter `lin.bias` in `bias_np`"
+    with pytest.raises(ValueError, match=match):
+        fe.Ensemble(members)
 
 
 def test_a_constant_attribute_of_its_own_memory_still_stacks() -> None:

@@ -876,7 +876,7 @@ def test_per_member_values_a_half_dtype_would_round_are_refused(dtype, make):
         fe.optim.EnsembleOptimizer(params, make())
 
 
-@pytest.mark.parametrize("given", ["module", "generator"])
+@pytest.mark.parametrize("given", ["module", "generator", "dict values"])
 @pytest.mark.parametrize(
     "transform",
     [
@@ -890,7 +890,11 @@ def test_init_of_a_module_or_a_generator_is_refused(transform, given):
     # Each was one leaf without state: init returned an all-None state, and the mistake
     # surfaced (if at all) at update_ as a pytree-structure error.
     ens = fe.Ensemble([torch.nn.Linear(3, 1) for _ in range(2)])
-    params = ens if given == "module" else ens.parameters()
+    params = {
+        "module": ens,
+        "generator": ens.parameters(),
+        "dict values": ens.stacked_params().values(),
+    }[given]
     with pytest.raises(
         TypeError, match=r"expected a pytree of stacked tensors.*ens.stacked_params"
     ):

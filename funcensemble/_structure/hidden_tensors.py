@@ -28,6 +28,7 @@ import types
 import weakref
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -51,6 +52,7 @@ def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
     or an unregistered tensor (or foreign module) that requires grad."""
     registered: dict[int, tuple[str, str]] = {}
     storages: dict[int, tuple[str, str]] = {}  # by the address of their memory
+    extents: dict[int, tuple[int, str, str]] = {}
     for noun, named in (
         ("parameter", module.named_parameters()),
         ("buffer", module.named_buffers()),
@@ -60,9 +62,11 @@ def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
             address = _storage_address(t)
             if address:
                 storages.setdefault(address, (noun, name))
+                end = address + t.untyped_storage().nbytes()
+                extents.setdefault(address, (end, noun, name))
     own_modules = {id(m) for m in module.modules()}
     # The members' modules' __dict__ ids: a weak proxy shows its target's.
-    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()}, storages)
+    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()}, storages, extents)
     for path, sub in module.named_modules():
         entries = [(k, v) for k, v in vars(sub).items() if k not in BOOKKEEPING]
         for table, noun in HOOKS.items():
@@ -85,6 +89,7 @@ class _Own(NamedTuple):
     modules: set[int]
     dicts: set[int]  # its modules' __dict__s
     storages: dict[int, tuple[str, str]]  # its tensors' memory, by address: (noun, name)
+    extents: dict[int, tuple[int, str, str]]  # the same memory: address -> (end, noun, name)
 
 
 def _storage_address(t: Tensor) -> int:
@@ -114,6 +119,13 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
         address = _storage_address(value)
         if address and address in own.storages:
             raise _Found(path, _Alias(value, own.storages[address]))
+        return
+    if isinstance(value, np.ndarray):
+        # A NumPy view of a member's tensor (t.numpy()): memory inside one of its storages.
+        start = value.__array_interface__["data"][0]
+        for base, (end, noun, name) in own.extents.items():
+            if value.nbytes and base <= start < end:
+                raise _Found(path, _Alias(value, (noun, name)))
         return
     if isinstance(value, nn.Module):
         if id(value) in own.modules:
@@ -168,9 +180,9 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
 
 
 class _Alias(NamedTuple):
-    """An unregistered tensor sharing memory with the member's own ``(noun, name)``."""
+    """An unregistered tensor or array sharing memory with the member's own ``(noun, name)``."""
 
-    tensor: Tensor
+    tensor: Any
     of: tuple[str, str]
 
 
@@ -204,9 +216,10 @@ def _error(
         )
     if isinstance(value, _Alias):
         noun, name = value.of
+        kind = "an array" if isinstance(value.tensor, np.ndarray) else "a tensor"
         return ValueError(
-            f"{where}: {holder} holds a tensor sharing memory with its {noun} `{name}` in "
-            f"`{found.path}` (an alias such as .data, .detach() or a view; expected "
+            f"{where}: {holder} holds {kind} sharing memory with its {noun} `{name}` in "
+            f"`{found.path}` (an alias such as .data, .detach(), .numpy() or a view; expected "
             f"`{name}` read through its module only). An ensemble runs every member through "
             "one copy of member 0 with each member's tensors swapped into the registered "
             f"slots: `{found.path}` would be a copy of member 0's values, frozen while the "

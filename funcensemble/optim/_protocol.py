@@ -8,7 +8,7 @@ leaf's state) keeps its slot and nothing downstream misaligns.
 import functools
 import re
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MappingView
 from typing import Any, NamedTuple
 
 import optree
@@ -200,7 +200,7 @@ def trainable(leaves: list[Any]) -> list[int]:
     out = []
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
-            if isinstance(leaf, torch.nn.Module | Iterator):
+            if isinstance(leaf, torch.nn.Module | Iterator | MappingView):
                 _not_a_tree(leaf)
             continue
         if leaf.is_complex():
@@ -214,7 +214,13 @@ def trainable(leaves: list[Any]) -> list[int]:
 
 
 def _not_a_tree(leaf: Any) -> None:
-    kind = "module" if isinstance(leaf, torch.nn.Module) else "iterator"
+    kind = (
+        "module"
+        if isinstance(leaf, torch.nn.Module)
+        else "view of a dict"
+        if isinstance(leaf, MappingView)
+        else "iterator"
+    )
     raise TypeError(
         f"funcensemble.optim: got {a(type(leaf).__name__)} {kind} where the parameters "
         "should be (expected a pytree of stacked tensors, such as fe.stack's params, "
