@@ -1087,3 +1087,27 @@ def test_a_pickle_without_recorded_shapes_still_refuses_a_missing_tensor():
     params = {k: v for k, v in ens.stacked_params().items() if k != "bias"}
     with pytest.raises(ValueError, match=r"parameter `bias` is in neither params nor buffers"):
         fe.vmap(fmodel)(params, {}, torch.randn(4, 3))
+
+
+def test_torch_swap_of_module_tensors_is_refused_before_anything_is_converted():
+    # torch's swap_tensors refuses the stacked tensors (weakly referenced) after
+    # converting some: the ensemble was left half float64 and every call then failed.
+    members = [nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)) for _ in range(2)]
+    ens = fe.Ensemble(members)
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    state = {k: v + 1 for k, v in before.items()}
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for convert in (
+            lambda: ens.double(),
+            lambda: ens.cpu(),
+            lambda: ens.load_state_dict(state),
+        ):
+            with pytest.raises(RuntimeError, match="set_swap_module_params_on_conversion"):
+                convert()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    for k, v in ens.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+    ens.double()  # with the flag off, as usual
+    assert ens.stacked[0].weight.dtype == torch.float64

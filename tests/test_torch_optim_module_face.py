@@ -135,3 +135,24 @@ def test_a_member_left_out_of_the_loss_gets_zero_gradients_and_still_steps() -> 
             assert p.grad is not None and torch.all(p.grad[2] == 0), name
         moved = any(not torch.equal(v.detach()[2], before[k]) for k, v in ens.named_parameters())
         assert moved is moves, name
+
+
+def test_tools_that_look_across_a_tensor_see_all_members_as_faces_md_says() -> None:
+    # faces.md: parameters_to_vector is laid out parameter after parameter, one
+    # member's vector is torch.cat([p[i].flatten() for p in ens.parameters()]); a
+    # ReduceLROnPlateau on the summed loss gives every member one rate.
+    torch.manual_seed(0)
+    members = [nn.Linear(3, 2) for _ in range(3)]
+    ens = fe.Ensemble(members)
+    for i, m in enumerate(members):
+        own = torch.nn.utils.parameters_to_vector(m.parameters())
+        torch.testing.assert_close(torch.cat([p[i].flatten() for p in ens.parameters()]), own)
+    whole = torch.nn.utils.parameters_to_vector(ens.parameters())
+    assert not torch.equal(
+        whole.view(3, -1)[1], torch.nn.utils.parameters_to_vector(members[1].parameters())
+    )
+    opt = torch.optim.SGD(ens.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    for loss in (3.0, 4.0, 5.0):
+        sched.step(loss)
+    assert [g["lr"] for g in opt.param_groups] == [0.25]  # one rate for every member

@@ -462,6 +462,11 @@ class Ensemble(nn.Module):
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}"
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "Ensemble":
+        # .to(), .double(), .cpu(), share_memory(), ...: all of nn.Module's conversions.
+        _check_no_swap("Ensemble.to/.double/.half/.cpu/.cuda/share_memory (nn.Module._apply)")
+        return super()._apply(fn, recurse)
+
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
@@ -481,6 +486,7 @@ class Ensemble(nn.Module):
                 match this ensemble; a tensor on the meta device; or a dtype of
                 another kind (floating-point, integer, complex, bool).
         """
+        _check_no_swap("Ensemble.load_state_dict")
         check_loadable(
             "Ensemble.load_state_dict",
             self.state_dict(keep_vars=True),
@@ -489,6 +495,21 @@ class Ensemble(nn.Module):
             strict=strict,
         )
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _check_no_swap(where: str) -> None:
+    """Refuse, before anything is converted, torch's swap of module tensors: it refuses
+    the ensemble's live stacked tensors (funcensemble keeps weak references to them)
+    after converting some, which would leave the ensemble half-converted."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        raise RuntimeError(
+            f"{where}: torch.__future__.set_swap_module_params_on_conversion(True) is on "
+            "(expected it off for an Ensemble): torch's swap_tensors refuses the "
+            "ensemble's stacked tensors, which funcensemble keeps weak references to, "
+            "and would fail after converting some of them. Turn it off around the call "
+            "(torch.__future__.set_swap_module_params_on_conversion(False)), or convert "
+            "the members before building the ensemble."
+        )
 
 
 # The optimizer layer works on pytrees and knows nothing of Ensemble: it sees one as
