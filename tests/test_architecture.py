@@ -1988,3 +1988,26 @@ def test_concat_keeps_only_the_objects_the_added_members_hold_too() -> None:
     same = ens.concat([_Tempered(first)])
     assert same.stacked.temperature is first
     assert ens.concat(fe.Ensemble([_Tempered(first)])).stacked.temperature is first
+
+
+def test_shared_objects_in_namedtuples_and_ordered_dicts_are_held_too() -> None:
+    import collections
+
+    pair = collections.namedtuple("Pair", "temperature other")
+
+    class Net(nn.Module):
+        def __init__(self, t):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.settings = collections.OrderedDict(pair=pair(t, 1))
+
+        def forward(self, x):
+            return self.lin(x) / self.settings["pair"].temperature.value
+
+    torch.manual_seed(0)
+    shared = _Temperature(1.0)
+    loop = [Net(shared) for _ in range(3)]
+    ens = fe.Ensemble(loop)
+    shared.value = 0.1
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))

@@ -914,3 +914,18 @@ def test_group_naming_leaves_other_errors_and_names_a_group_once() -> None:
         with pytest.raises(ValueError) as info:
             hens(torch.randn(5, 3))
     assert str(info.value) == "HeteroEnsemble: in group 0 (members [0]): budget exhausted"
+
+
+def test_torch_swap_of_module_tensors_is_refused_by_a_hetero_ensemble() -> None:
+    hens = fe.HeteroEnsemble([torch.nn.Linear(3, 2), torch.nn.Linear(3, 4)])
+    state = {k: v + 1 for k, v in hens.state_dict().items()}
+    before = {k: v.clone() for k, v in hens.state_dict().items()}
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for convert in (lambda: hens.double(), lambda: hens.load_state_dict(state)):
+            with pytest.raises(RuntimeError, match="set_swap_module_params_on_conversion"):
+                convert()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    for k, v in hens.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k

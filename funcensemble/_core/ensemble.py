@@ -464,7 +464,7 @@ class Ensemble(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Ensemble":
         # .to(), .double(), .cpu(), share_memory(), ...: all of nn.Module's conversions.
-        _check_no_swap("Ensemble.to/.double/.half/.cpu/.cuda/share_memory (nn.Module._apply)")
+        check_no_swap("Ensemble.to/.double/.half/.cpu/.cuda/share_memory (nn.Module._apply)")
         return super()._apply(fn, recurse)
 
     def load_state_dict(
@@ -486,7 +486,7 @@ class Ensemble(nn.Module):
                 match this ensemble; a tensor on the meta device; or a dtype of
                 another kind (floating-point, integer, complex, bool).
         """
-        _check_no_swap("Ensemble.load_state_dict")
+        check_no_swap("Ensemble.load_state_dict")
         check_loadable(
             "Ensemble.load_state_dict",
             self.state_dict(keep_vars=True),
@@ -497,7 +497,7 @@ class Ensemble(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def _check_no_swap(where: str) -> None:
+def check_no_swap(where: str) -> None:
     """Refuse, before anything is converted, torch's swap of module tensors: it refuses
     the ensemble's live stacked tensors (funcensemble keeps weak references to them)
     after converting some, which would leave the ensemble half-converted."""

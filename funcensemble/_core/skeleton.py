@@ -63,14 +63,19 @@ def user_objects(module: nn.Module) -> dict[Location, object]:
     found: dict[Location, object] = {}
 
     def visit(value: Any, where: Location, depth: int) -> None:
-        if shareable(value):
+        if isinstance(value, list | tuple | dict):
+            if depth >= _DEPTH:
+                return
+            if isinstance(value, dict):  # OrderedDict, defaultdict too
+                for k, v in value.items():
+                    # Keys that compare as plain values only: no user __eq__ is called.
+                    if type(k) in (str, int, bool) or k is None:
+                        visit(v, (*where, k), depth + 1)
+            else:  # namedtuples too
+                for i, v in enumerate(value):
+                    visit(v, (*where, i), depth + 1)
+        elif shareable(value):
             found[where] = value
-        elif depth < _DEPTH and type(value) in (list, tuple):
-            for i, v in enumerate(value):
-                visit(v, (*where, i), depth + 1)
-        elif depth < _DEPTH and type(value) is dict:
-            for k, v in value.items():
-                visit(v, (*where, k), depth + 1)
 
     for path, sub in module.named_modules():
         for key, value in vars(sub).items():

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from .._checkpoint.state_dict_checks import check_groups_loadable
 from .._core import in_dims as _in_dims
 from .._core import wrapper_call
-from .._core.ensemble import Ensemble
+from .._core.ensemble import Ensemble, check_no_swap
 from .._core.in_dims import InDims
 from .._core.stack import member_list
 from .._core.tree_view import register_view
@@ -405,8 +405,13 @@ class HeteroEnsemble(nn.Module):
             TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
             ValueError: Keys, shapes or dtypes that do not match (naming the group).
         """
+        check_no_swap("HeteroEnsemble.load_state_dict")
         check_groups_loadable("HeteroEnsemble.load_state_dict", self.groups, state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "HeteroEnsemble":
+        check_no_swap("HeteroEnsemble.to/.double/.half/.cpu/.cuda/share_memory")
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}, group_members={self.group_members}"

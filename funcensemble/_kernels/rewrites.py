@@ -86,12 +86,23 @@ def _autocast_fp32(t: Any) -> Any:
     return t.float() if eligible else t
 
 
-def _autocast_linear(
-    device_types: tuple[str, ...], input: Tensor, weight: Tensor, bias: Any = None
-) -> Tensor:
-    """``F.linear`` with its operands cast as autocast casts them (float tensors other
-    than float64, on a device it is on for, to its dtype there): under ``vmap`` torch's
-    rule for a batched linear with a bias runs below autocast, in the operands' dtype."""
+# Layers whose batching rules under vmap run below autocast, in the operands' dtype:
+# their operands (input, weight, bias) are cast here as autocast casts the loop's.
+_AUTOCAST_CAST = (
+    F.linear,
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+)
+_OPERANDS = ("input", "weight", "bias")
+
+
+def _autocast_cast(device_types: tuple[str, ...], func: Any, args: Any, kwargs: Any) -> Tensor:
+    """``func`` (one of ``_AUTOCAST_CAST``) with its operands cast as autocast casts them
+    (float tensors other than float64, on a device it is on for, to its dtype there)."""
 
     def cast(t: Any) -> Any:
         eligible = (
@@ -102,7 +113,19 @@ def _autocast_linear(
         )
         return t.to(_torch_compat.autocast_dtype(t.device.type)) if eligible else t
 
-    return F.linear(cast(input), cast(weight), cast(bias))
+    args = tuple(cast(a) if i < len(_OPERANDS) else a for i, a in enumerate(args))
+    kwargs = {k: cast(v) if k in _OPERANDS else v for k, v in kwargs.items()}
+    return func(*args, **kwargs)
+
+
+def _no_autocast_attention(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "MultiheadAttention under torch.autocast: inside vmap its matrix products run "
+        "below autocast, in float32, where the loop's run in the autocast dtype "
+        "(expected no autocast around an ensemble with attention layers). Run the "
+        "ensemble outside torch.autocast, or convert its members to the low-precision "
+        "dtype (.to(torch.bfloat16)) instead."
+    )
 
 
 class VmapRewrites(TorchFunctionMode):
@@ -226,8 +249,10 @@ class VmapRewrites(TorchFunctionMode):
                 return count
         elif func is F.embedding:
             return embedding_per_member(*args, **kwargs)
-        elif func is F.linear and self.autocast:
-            return _autocast_linear(self.autocast, *args, **kwargs)
+        elif func in _AUTOCAST_CAST and self.autocast:
+            return _autocast_cast(self.autocast, func, args, kwargs)
+        elif func is F.multi_head_attention_forward and self.autocast:
+            _no_autocast_attention()
         elif func is torch._weight_norm:
             return _weight_norm(*args, **kwargs)
         elif func is F.normalize and kwargs.get("out") is not None:
@@ -303,7 +328,8 @@ def vmap_rewrites(skeleton: nn.Module, tensors: Any = ()) -> contextlib.Abstract
     )
     # Floating tensors of several dtypes: the norms' dtypes are checked as their
     # kernels check them (a call of one dtype cannot mix them, so pays nothing).
-    check = not decompose and len(_float_dtypes(tensors)) > 1
+    # Under autocast too: it casts a layer's input and not the norm's parameters.
+    check = not decompose and (bool(autocast) or len(_float_dtypes(tensors)) > 1)
     if fold or other or autocast or decompose or check:
         return VmapRewrites(
             rule if fold else None,
