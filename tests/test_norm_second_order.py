@@ -267,3 +267,14 @@ def test_norm_tensors_of_two_dtypes_are_refused_as_in_the_loop():
     with pytest.raises(RuntimeError, match=match):
         fe.Ensemble(members)(x)
     _raises_as_the_loop(members, x, RuntimeError, "does not go with weight")
+
+
+def test_a_group_norm_beside_decomposed_norms_is_checked_too():
+    # With a LayerNorm decomposed under the grad transform, the dtype check was skipped
+    # for the other norm layers: a float64 GroupNorm ran where the loop raises.
+    members = [
+        nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4), nn.GroupNorm(1, 4).double())
+        for _ in range(N)
+    ]
+    x = torch.randn(6, 5)
+    _raises_as_the_loop(members, x, RuntimeError, r"GroupNorm `2`: weight of dtype torch.float64")

@@ -118,7 +118,7 @@ def _autocast_cast(device_types: tuple[str, ...], func: Any, args: Any, kwargs: 
     return func(*args, **kwargs)
 
 
-def _no_autocast_attention(*args: Any, **kwargs: Any) -> None:
+def _no_autocast_attention() -> None:
     raise RuntimeError(
         "MultiheadAttention under torch.autocast: inside vmap its matrix products run "
         "below autocast, in float32, where the loop's run in the autocast dtype "
@@ -329,7 +329,8 @@ def vmap_rewrites(skeleton: nn.Module, tensors: Any = ()) -> contextlib.Abstract
     # Floating tensors of several dtypes: the norms' dtypes are checked as their
     # kernels check them (a call of one dtype cannot mix them, so pays nothing).
     # Under autocast too: it casts a layer's input and not the norm's parameters.
-    check = not decompose and (bool(autocast) or len(_float_dtypes(tensors)) > 1)
+    # (With decomposed norms too: a GroupNorm, or a BatchNorm keeping statistics, is not.)
+    check = bool(autocast) or len(_float_dtypes(tensors)) > 1
     if fold or other or autocast or decompose or check:
         return VmapRewrites(
             rule if fold else None,
