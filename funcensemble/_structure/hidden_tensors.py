@@ -51,8 +51,7 @@ def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
     """Raise if a submodule's attributes or hooks reach a registered tensor of ``module``
     or an unregistered tensor (or foreign module) that requires grad."""
     registered: dict[int, tuple[str, str]] = {}
-    storages: dict[int, tuple[str, str]] = {}  # by the address of their memory
-    extents: dict[int, tuple[int, str, str]] = {}
+    storages: dict[int, tuple[int, str, str]] = {}  # address -> (end, noun, name)
     for noun, named in (
         ("parameter", module.named_parameters()),
         ("buffer", module.named_buffers()),
@@ -61,12 +60,11 @@ def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
             registered.setdefault(id(t), (noun, name))
             address = _storage_address(t)
             if address:
-                storages.setdefault(address, (noun, name))
                 end = address + t.untyped_storage().nbytes()
-                extents.setdefault(address, (end, noun, name))
+                storages.setdefault(address, (end, noun, name))
     own_modules = {id(m) for m in module.modules()}
     # The members' modules' __dict__ ids: a weak proxy shows its target's.
-    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()}, storages, extents)
+    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()}, storages)
     for path, sub in module.named_modules():
         entries = [(k, v) for k, v in vars(sub).items() if k not in BOOKKEEPING]
         for table, noun in HOOKS.items():
@@ -88,8 +86,7 @@ class _Own(NamedTuple):
     registered: dict[int, tuple[str, str]]  # its parameters and buffers: (noun, name)
     modules: set[int]
     dicts: set[int]  # its modules' __dict__s
-    storages: dict[int, tuple[str, str]]  # its tensors' memory, by address: (noun, name)
-    extents: dict[int, tuple[int, str, str]]  # the same memory: address -> (end, noun, name)
+    storages: dict[int, tuple[int, str, str]]  # its tensors' memory: address -> (end, noun, name)
 
 
 def _storage_address(t: Tensor) -> int:
@@ -118,12 +115,12 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
             raise _Found(path, value)
         address = _storage_address(value)
         if address and address in own.storages:
-            raise _Found(path, _Alias(value, own.storages[address]))
+            raise _Found(path, _Alias(value, own.storages[address][1:]))
         return
     if isinstance(value, np.ndarray):
         # A NumPy view of a member's tensor (t.numpy()): memory inside one of its storages.
         start = value.__array_interface__["data"][0]
-        for base, (end, noun, name) in own.extents.items():
+        for base, (end, noun, name) in own.storages.items():
             if value.nbytes and base <= start < end:
                 raise _Found(path, _Alias(value, (noun, name)))
         return
