@@ -6,7 +6,8 @@ the middle of rank 1's data file, and both load. Rank 1 reads that file and rank
 not; each prints ``loaded`` or ``ERROR <message>``. Then both save two intact
 checkpoints beside it (steps 3 and 6) and each rank loads another one (as a stale
 directory listing on one machine would make them), printing ``loaded apart`` or
-``APART <message>``.
+``APART <message>``. Last, each rank saves to a path of its own, printing ``saved split``
+or ``SPLIT <message> written=<files in its path>``.
 """
 
 import os
@@ -48,6 +49,12 @@ def main() -> None:
         print("loaded apart", flush=True)
     except ValueError as error:
         print(f"APART {error}", flush=True)
+    split = path.parent / f"step-9-rank{os.environ['RANK']}"
+    try:
+        fe.distributed.save(split, {"params": params, "step": 9}, shard)
+        print("saved split", flush=True)
+    except ValueError as error:
+        print(f"SPLIT {error} written={sorted(os.listdir(split)) if split.exists() else []}")
     dist.destroy_process_group()
 
 
