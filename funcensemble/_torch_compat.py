@@ -475,6 +475,17 @@ def compile_disabled(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     return torch.compiler.disable(fn)
 
 
+def compiled_module(module: torch.nn.Module) -> str | None:
+    """How ``module`` was compiled: ``"torch.compile"`` for the wrapper it returns (an
+    ``OptimizedModule``), ``"Module.compile()"`` for a module compiled in place, else
+    ``None``."""
+    if type(module).__module__.startswith("torch._dynamo") and hasattr(module, "_orig_mod"):
+        return "torch.compile"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "Module.compile()"
+    return None
+
+
 def jit_tracing() -> bool:
     """Whether ``torch.jit.trace`` is tracing the current call."""
     return torch._C._get_tracing_state() is not None

@@ -2011,3 +2011,21 @@ def test_shared_objects_in_namedtuples_and_ordered_dicts_are_held_too() -> None:
     shared.value = 0.1
     x = torch.randn(5, 4)
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
+
+
+# (importing torch._dynamo warns that torch.jit.script_method is deprecated)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("how", ["Module.compile()", "torch.compile"])
+@pytest.mark.parametrize("build", ["Ensemble", "stack", "HeteroEnsemble"])
+def test_compiled_members_are_refused_with_what_to_do(how, build) -> None:
+    """A member compiled on its own (in place, or wrapped by torch.compile) was refused
+    with a message about a captured tensor or a differing attribute; the ensemble never
+    runs a member's compiled call, so it says to compile the ensemble instead."""
+    members = [nn.Sequential(nn.Linear(3, 4), nn.Tanh()) for _ in range(2)]
+    if how == "torch.compile":
+        members[1] = torch.compile(members[1])
+    else:
+        members[1][0].compile()
+    make = {"Ensemble": fe.Ensemble, "stack": fe.stack, "HeteroEnsemble": fe.HeteroEnsemble}
+    with pytest.raises(ValueError, match=rf"member 1 has .* compiled with {re.escape(how)} "):
+        make[build](members)

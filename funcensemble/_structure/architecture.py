@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import UninitializedTensorMixin
 
+from .. import _torch_compat
 from .._core.skeleton import modes, named_tensors
 from .._messages import a, key_difference, submodule
 from . import backward_hooks as _backward_hooks
@@ -91,6 +92,16 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
             raise TypeError(
                 f"{where}: member {index} contains {type(sub).__name__} at {submodule(name)}. "
                 + _UNBATCHABLE_HINT
+            )
+        compiled = _torch_compat.compiled_module(sub)
+        if compiled is not None:
+            raise ValueError(
+                f"{where}: member {index} has {submodule(name)} ({type(sub).__name__}) "
+                f"compiled with {compiled} (expected plain modules: the ensemble runs "
+                "its own stacked copy, never the member's compiled call). Build the "
+                "ensemble from modules not compiled, then compile the ensemble "
+                "(torch.compile(ens) or torch.compile of the training step; see the "
+                "compile how-to)."
             )
         kind = _backward_hooks.kind_on(sub)
         if kind is not None:
