@@ -542,7 +542,7 @@ def _item_in_loss() -> None:
 register_simple(
     "value_and_grad-item-in-loss",
     RuntimeError,
-    r"vmap: the function calls \.item\(\) .* Keep the value a tensor",
+    r"value_and_grad: the function calls \.item\(\) .* Keep the value a tensor",
     _item_in_loss,
 )
 
@@ -562,9 +562,9 @@ register_simple(
 
 
 register_simple(
-    "vmap-data-dependent-branch",
+    "Ensemble-data-dependent-branch",
     RuntimeError,
-    "vmap: the function branches on a tensor's value .* pick with torch.where",
+    "Ensemble: the function branches on a tensor's value .* pick with torch.where",
     lambda: fe.Ensemble([_Branches(), _Branches()])(torch.randn(4, 3)),
 )
 

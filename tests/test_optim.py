@@ -876,6 +876,23 @@ def test_per_member_values_a_half_dtype_would_round_are_refused(dtype, make):
         fe.optim.EnsembleOptimizer(params, make())
 
 
+def test_a_per_member_schedule_a_half_dtype_would_round_is_refused_at_its_step():
+    """training.md: a schedule's per-member values cannot be checked when the state is
+    built; the first step returning one bfloat16 would round is refused, and nothing
+    changes (warmup's first rate, 0, is exact, so step 0 runs)."""
+    schedule = fe.optim.linear_warmup(torch.tensor([0.1, 0.01], dtype=torch.float64), 3)
+    opt = fe.optim.adam(lr=schedule)
+    params = {"w": torch.ones(2, 64, dtype=torch.bfloat16)}
+    grads = {"w": torch.ones(2, 64, dtype=torch.bfloat16)}
+    state = opt.init(params)
+    state = opt.update_(grads, state, params)
+    before = [t.clone() for t in optree.tree_leaves((params, state))]
+    with pytest.raises(ValueError, match=r"per-member lr for bfloat16 parameters would be"):
+        opt.update_(grads, state, params)
+    for a, b in zip(before, optree.tree_leaves((params, state)), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("given", ["module", "generator", "dict values"])
 @pytest.mark.parametrize(
     "transform",

@@ -156,3 +156,44 @@ def test_tools_that_look_across_a_tensor_see_all_members_as_faces_md_says() -> N
     for loss in (3.0, 4.0, 5.0):
         sched.step(loss)
     assert [g["lr"] for g in opt.param_groups] == [0.25]  # one rate for every member
+
+
+def test_ema_with_averaged_model_gives_each_member_the_loops_average() -> None:
+    """faces.md: EMA with torch.optim.swa_utils.AveragedModel (parameters and, with
+    use_buffers=True, BatchNorm statistics) on an Ensemble averages each member as the
+    loop's AveragedModel of that member does."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).double()
+        for _ in range(3)
+    ]
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    ema = AveragedModel(ens, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    loop_ema = [
+        AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True) for m in loop
+    ]
+    opt = torch.optim.Adam(ens.parameters(), lr=1e-2)
+    loop_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in loop]
+    for _ in range(4):
+        x = torch.randn(8, 3, dtype=torch.float64)
+        opt.zero_grad()
+        ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+        ema.update_parameters(ens)
+        for m, o, e in zip(loop, loop_opts, loop_ema, strict=True):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+            e.update_parameters(m)
+    averaged = {**ema.module.stacked_params(), **ema.module.stacked_buffers()}
+    for name, got in averaged.items():
+        want = torch.stack([e.module.state_dict()[name] for e in loop_ema])
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    ema.eval()
+    for e in loop_ema:
+        e.eval()
+    torch.testing.assert_close(ema(x), torch.stack([e(x) for e in loop_ema]))

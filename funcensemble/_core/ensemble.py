@@ -302,7 +302,7 @@ class Ensemble(nn.Module):
             if fast is not None:
                 # (Checked here: a traced call must not enter not_saved as a new frame.)
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
-        mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size)
+        mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size, where="Ensemble")
         params, buffers = self.stacked_params(), self.stacked_buffers()
         if not _torch_compat.jit_tracing():  # (which refuses below, saying why)
             _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building

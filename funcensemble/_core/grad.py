@@ -303,8 +303,8 @@ def _value_and_grad(
     """[`value_and_grad`][funcensemble.value_and_grad], with errors naming ``where``."""
     # The options and in_dims' type are checked here, once; each call checks its
     # arguments against in_dims once (_in_dims.per_argument), and nothing below again.
-    check_options("vmap", loss_fn, randomness, chunk_size, name="loss_fn")
-    _in_dims.check_type("vmap", in_dims)
+    check_options(where, loss_fn, randomness, chunk_size, name="loss_fn")
+    _in_dims.check_type(where, in_dims)
     if has_aux:
         given_loss = loss_fn
 
@@ -315,7 +315,7 @@ def _value_and_grad(
             _split_aux(where, out, True)
             return out
 
-    mapped_loss = mapped_call(loss_fn, randomness, chunk_size)
+    mapped_loss = mapped_call(loss_fn, randomness, chunk_size, where=where)
 
     def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:
         # buffers go in as an argument, not a closure: torch.func.grad forbids in-place
@@ -327,8 +327,8 @@ def _value_and_grad(
 
         return torch.func.grad_and_value(loss_and_aux, has_aux=True)(params, buffers)
 
-    chunk_loss = mapped_call(loss_fn, randomness, None)
-    mapped_grad = mapped_call(one_member, randomness, chunk_size)
+    chunk_loss = mapped_call(loss_fn, randomness, None, where=where)
+    mapped_grad = mapped_call(one_member, randomness, chunk_size, where=where)
 
     def with_grads(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         check_state_dicts(where, params, buffers)

@@ -97,12 +97,12 @@ def _on_cpu(params: Any, buffers: Any) -> bool:
     return True
 
 
-def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | None:
+def _explain(error: RuntimeError | ValueError, randomness: str, where: str) -> Exception | None:
     message = str(error)
     op = _torch_compat.missing_batching_rule(message)
     if op is not None:
         return RuntimeError(
-            f"vmap: the operator {op} has no vmap batching rule, so the members "
+            f"{where}: the operator {op} has no vmap batching rule, so the members "
             "cannot run as one vectorized call (funcensemble does not silently loop over "
             "them). "
             + _HINTS.get(
@@ -116,7 +116,7 @@ def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | N
         found = re.search(r"got type <class '([^']+)'>", message)
         kind = found.group(1) if found else "non-tensor"
         return ValueError(
-            f"vmap: the function returned a {kind} among its outputs (expected tensors "
+            f"{where}: the function returned a {kind} among its outputs (expected tensors "
             "only: every output is stacked along a new member axis, and a Python value "
             "or None has none). nn.MultiheadAttention(need_weights=False) returns (out, "
             "None): keep [0] of it in the member's forward (or in a small wrapper module); "
@@ -124,14 +124,14 @@ def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | N
         )
     if "calling .item() on a Tensor" in message:
         return RuntimeError(
-            "vmap: the function calls .item() (or float(), int(), bool()) on a tensor, "
+            f"{where}: the function calls .item() (or float(), int(), bool()) on a tensor, "
             "which holds one value per member here, not one Python number. Keep the value "
             "a tensor (compute with it, or return it as aux with has_aux=True and read it "
             "after the call). Torch's message: " + message.splitlines()[0]
         )
     if "data-dependent control flow" in message:
         return RuntimeError(
-            "vmap: the function branches on a tensor's value (an `if` on a tensor, "
+            f"{where}: the function branches on a tensor's value (an `if` on a tensor, "
             "torch.any(...), .item(), a data-dependent shape), which one vectorized call "
             "cannot do for every member at once (loss modules such as nn.GaussianNLLLoss "
             "check their inputs this way). Compute both branches and pick with "
@@ -141,13 +141,13 @@ def _explain(error: RuntimeError | ValueError, randomness: str) -> Exception | N
         )
     if "randomness" in message and randomness == "error":
         return RuntimeError(
-            "vmap: the model draws random numbers (e.g. Dropout in train mode) but "
+            f"{where}: the model draws random numbers (e.g. Dropout in train mode) but "
             "randomness='error'. Pass randomness='different' for independent draws per "
             "member, randomness='same' to share one draw across members, or call .eval()."
         )
     if "same randomness with a batched tensor" in message:
         return RuntimeError(
-            "vmap: randomness='same' shares one draw among all members, but this random "
+            f"{where}: randomness='same' shares one draw among all members, but this random "
             "op samples from a tensor that differs between the members, such as "
             "torch.bernoulli(p) of a layer's output (expected random ops whose inputs all "
             "members share, got one of per-member values). Pass randomness='different' "
@@ -213,7 +213,7 @@ def vmap(
     """
     check_options("vmap", fn, randomness, chunk_size)
     _in_dims.check_type("vmap", in_dims)
-    run = mapped_call(fn, randomness, chunk_size)
+    run = mapped_call(fn, randomness, chunk_size, where="vmap")
 
     @functools.wraps(fn)
     def mapped(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
@@ -273,7 +273,7 @@ def _shared_inputs(
     return out
 
 
-def _check_unchanged(shared: list[tuple[str, Tensor, int]]) -> None:
+def _check_unchanged(shared: list[tuple[str, Tensor, int]], where: str) -> None:
     """Refuse a call that modified an input shared by all members in place.
 
     The loop's members modify it in turn, each seeing the changes of the members
@@ -282,7 +282,7 @@ def _check_unchanged(shared: list[tuple[str, Tensor, int]]) -> None:
     for what, tensor, version in shared:
         if tensor._version != version:
             raise ValueError(
-                f"vmap: the function modified {what}, an input shared by all members, "
+                f"{where}: the function modified {what}, an input shared by all members, "
                 "in place (expected inputs left as they are: the loop's members would "
                 "each modify it in turn, every member seeing the changes of those before "
                 "it, where one vectorized call modifies it once). The input has been "
@@ -292,13 +292,14 @@ def _check_unchanged(shared: list[tuple[str, Tensor, int]]) -> None:
 
 
 def mapped_call(
-    fn: Callable[..., Any], randomness: Randomness, chunk_size: int | None
+    fn: Callable[..., Any], randomness: Randomness, chunk_size: int | None, *, where: str
 ) -> Callable[[Any, Any, tuple[Any, ...], dict[str, Any], tuple[Any, ...]], Any]:
     """``fn`` mapped over members, taking ``(params, buffers, args, kwargs, dims)``.
 
     The layer under the public entry points: options checked by
     [`check_options`][], ``dims`` by ``_in_dims.per_argument``, and the stacked state by
-    ``_num_members``; nothing is checked again here.
+    ``_num_members``; nothing is checked again here. Errors name ``where``, the entry
+    point the user called.
     """
 
     def one_member(params: Any, buffers: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -389,13 +390,13 @@ def mapped_call(
             # A call that raises leaves the buffers as they were (see _rollback).
             with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
                 out = call()
-                _check_unchanged(shared)
+                _check_unchanged(shared, where)
                 if torch.compiler.is_compiling():
                     return out
                 # An output may be a member's parameter, buffer or input itself.
                 return not_saved(out, params, buffers, args, kwargs)
         except (RuntimeError, ValueError) as error:
-            clear = _explain(error, randomness)
+            clear = _explain(error, randomness, where)
             if clear is None:
                 raise
             # Keep the frames down to the offending op, but not torch's internal wording.
