@@ -918,3 +918,44 @@ def test_init_of_a_module_or_a_generator_is_refused(transform, given):
         transform().init(params)
     transform().init(ens.stacked_params())
     transform().init(list(ens.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("reference", "make", "options"),
+    [
+        (torch.optim.SGD, fe.optim.sgd, {"lr": 0.1}),
+        (torch.optim.SGD, fe.optim.sgd, {"lr": 0.1, "momentum": 0.9}),
+        (torch.optim.RMSprop, fe.optim.rmsprop, {"lr": 0.01, "momentum": 0.9}),
+        (torch.optim.RMSprop, fe.optim.rmsprop, {"lr": 0.01}),
+        (torch.optim.Adam, fe.optim.adam, {"lr": 0.01}),
+        (torch.optim.AdamW, fe.optim.adamw, {"lr": 0.01, "weight_decay": 0.01}),
+    ],
+    ids=["sgd", "sgd-momentum", "rmsprop-momentum", "rmsprop", "adam", "adamw"],
+)
+def test_an_infinite_parameter_stays_infinite_on_every_face(reference, make, options):
+    """A diverged member's parameter at -inf with a finite gradient: torch.optim keeps it
+    at -inf. The pure update returned new - params, -inf - -inf = NaN, which
+    apply_updates wrote (sgd, rmsprop with momentum, adamw with weight decay)."""
+    params = torch.tensor([[-math.inf, 2.0], [1.0, 2.0]], dtype=torch.float64)
+    grads = torch.tensor([[0.5, 1.0], [0.5, 1.0]], dtype=torch.float64)
+    loop = []
+    for i in range(2):
+        p = nn.Parameter(params[i].clone())
+        opt = reference([p], **options)
+        for _ in range(2):
+            p.grad = grads[i].clone()
+            opt.step()
+        loop.append(p.detach())
+    want = torch.stack(loop)
+    opt = make(**options)
+    pure = {"w": params.clone()}
+    state = opt.init(pure)
+    stepped = {"w": params.clone()}
+    in_place = opt.init(stepped)
+    for _ in range(2):
+        updates, state = opt.update({"w": grads.clone()}, state, pure)
+        pure = fe.optim.apply_updates(pure, updates)
+        in_place = opt.update_({"w": grads.clone()}, in_place, stepped)
+    assert want[0, 0] == -math.inf
+    torch.testing.assert_close(pure["w"], want, rtol=1e-15, atol=0)
+    torch.testing.assert_close(stepped["w"], want, rtol=1e-15, atol=0)

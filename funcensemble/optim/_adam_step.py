@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .. import _torch_compat
 from ._hyper import Hyper, is_per_member, one_minus, per_leaf
+from ._protocol import updates_to_
 
 # The dtypes torch.optim.Adam(fused=True) accepts.
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -330,7 +331,7 @@ def _fused_fresh(
             for ts in (mu, nu, nu_max, out) if o.amsgrad else (mu, nu, out):
                 ts[k] = ts[k][:n].view(shape)
     if decays:
-        torch._foreach_sub_(out, params)
+        updates_to_(out, params)
     return Moments(mu, nu, nu_max, counts), out
 
 
@@ -436,5 +437,5 @@ def foreach_adam(
     torch._foreach_div_(step, denom)
     if base is not params:
         torch._foreach_add_(step, base)
-        torch._foreach_sub_(step, params)
+        updates_to_(step, params)
     return new_state, step

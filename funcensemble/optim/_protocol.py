@@ -609,6 +609,22 @@ def refill(state: Any, new_state: Any) -> Any:
     return spec.unflatten(out)
 
 
+def updates_to_(new: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+    """``new - params`` in place on ``new`` (returned): what ``apply_updates`` adds to
+    ``params`` to give ``new``.
+
+    Exact wherever the two are within a factor 2 of each other (Sterbenz), so the sum
+    gives ``new`` back there. Where they are equal the update is 0, also for a parameter
+    already infinite that the step leaves so (a diverged member): ``inf - inf`` would be
+    NaN, and the sum NaN where torch.optim keeps the infinity.
+    """
+    same = [n == p for n, p in zip(new, params, strict=True)]
+    torch._foreach_sub_(new, params)
+    for u, equal in zip(new, same, strict=True):
+        u.masked_fill_(equal, 0.0)
+    return new
+
+
 def apply_updates(params: StackedTree, updates: StackedTree) -> StackedTree:
     """Add updates to parameters, returning new tensors; the inputs are untouched.
 

@@ -23,6 +23,7 @@ from ._protocol import (
     scatter,
     state_leaves,
     trainable,
+    updates_to_,
     with_traits,
 )
 from ._recipes import rebuildable
@@ -236,7 +237,7 @@ def _scaled(buf: Tensor, neg: float | Tensor, param: Tensor | None) -> Tensor:
     while the two are within a factor 2 (``buf * -lr`` alone rounds once more)."""
     if param is None or isinstance(neg, Tensor):
         return buf * neg
-    return param.add(buf, alpha=neg).sub_(param)
+    return updates_to_([param.add(buf, alpha=neg)], [param])[0]
 
 
 @rebuildable

@@ -26,6 +26,7 @@ from ._protocol import (
     scatter,
     state_leaves,
     trainable,
+    updates_to_,
     with_traits,
 )
 from ._recipes import rebuildable
@@ -236,8 +237,7 @@ def _add_rate(
         new = torch._foreach_add(params, direction, alpha=neg)
     else:
         new = torch._foreach_addcmul(params, direction, neg)
-    torch._foreach_sub_(new, params)
-    return list(new)
+    return updates_to_(list(new), params)
 
 
 @rebuildable
@@ -273,7 +273,8 @@ def sgd(
     tensors or a schedule's values (tested on the CPU over 300 steps, float32 and
     float64). ``update`` given the parameters returns what that step makes them less
     the parameters, which ``apply_updates`` adds back exactly wherever a step keeps a
-    parameter within a factor 2 of where it was; elsewhere (near zero) the sum may be
+    parameter within a factor 2 of where it was (or infinite, where it stays so);
+    elsewhere (near zero) the sum may be
     an ulp of the larger of the two values off, and without the parameters the updates
     are ``direction * -lr``, one rounding more than torch.optim.
 
