@@ -19,6 +19,7 @@ from .._structure import chunk_state as _chunk_state
 from .._structure import forward_state as _forward_state
 from .._structure import weight_transforms as _weight_transforms
 from .._structure.tensor_tags import tensor_tags
+from . import turns as _turns
 from .diagnose import linear_width_error
 from .rollback import save_before_update
 
@@ -219,6 +220,22 @@ class FunctionalModule:
                 "functional_call, which runs every other member architecture, refuses "
                 "TorchScript tracing. Use torch.export.export or torch.compile instead."
             )
+        if compiling:  # (Dynamo cannot trace a lock; a compiled graph borrows nothing)
+            return self._borrowing_call(params, buffers, args, kwargs, compiling=True)
+        with _turns.LOCK:  # (see _turns: concurrent calls would swap each other's tensors)
+            return self._borrowing_call(params, buffers, args, kwargs, compiling=False)
+
+    def _borrowing_call(
+        self,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        compiling: bool,
+    ) -> Any:
+        """The call off the fast path: ``forward`` on the skeleton, with this call's
+        tensors swapped in by ``functional_call``."""
         if not compiling:
             _check_given(self._member_shapes, params, buffers)
         dynamo = compiling and torch.compiler.is_dynamo_compiling()

@@ -186,7 +186,8 @@ def vmap(
             entry names the argument's leaves by key, in any key order). Keyword
             arguments are always shared. Argument pytrees are read as optree reads
             them: tuples, lists, dicts, namedtuples, ``OrderedDict``, ``deque``; any
-            other object is one leaf. Calls from several threads at once are safe.
+            other object is one leaf. Calls from several threads at once are safe
+            (off the fast path they take turns: each borrows the one skeleton module).
         randomness: ``"different"``: each member draws its own random numbers
             (independent dropout masks); ``"same"``: one draw shared by all members;
             ``"error"``: refuse random operations.
