@@ -560,3 +560,33 @@ def test_a_large_collection_is_put_back_as_a_whole():
     x = torch.randn(6, 4, dtype=torch.float64)
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), rtol=1e-12, atol=1e-14)
     assert len(ens.stacked.buffer) == len(loop[0].buffer) == 5001
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+@pytest.mark.parametrize("face", ["vmap", "value_and_grad", "Ensemble"])
+def test_a_shared_input_changed_in_place_is_refused_after_one_change(face, chunk_size):
+    """The message says the input "has been modified once": a chunked fe.vmap ran every
+    chunk before checking, doubling the input once per chunk (x16 with chunk_size=1)."""
+
+    class Doubles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2.0)
+            return self.lin(x)
+
+    members = [Doubles() for _ in range(4)]
+    fmodel, params, buffers = fe.stack(members)
+    x = torch.ones(5, 4)
+    call = {
+        "vmap": lambda: fe.vmap(fmodel, chunk_size=chunk_size)(params, buffers, x),
+        "value_and_grad": lambda: fe.value_and_grad(
+            lambda p, b, x: fmodel(p, b, x).sum(), chunk_size=chunk_size
+        )(params, buffers, x),
+        "Ensemble": lambda: fe.Ensemble(members, chunk_size=chunk_size)(x),
+    }[face]
+    with pytest.raises(ValueError, match=r"an input shared by all members.* modified once"):
+        call()
+    assert torch.equal(x, torch.full((5, 4), 2.0))

@@ -367,7 +367,11 @@ def mapped_call(
                         draws[0] = rng_state(device)
                 chunks[0] += 1
                 with _member_offset.starting_at(start):
-                    return one_member(p, b, flat[-2], flat[-1])
+                    out = one_member(p, b, flat[-2], flat[-1])
+                # After each chunk: a shared input changed in place is refused once it
+                # has been changed once, not once per chunk.
+                _check_unchanged(shared, where)
+                return out
 
             vmapped = torch.func.vmap(
                 flat_member,
