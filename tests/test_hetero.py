@@ -929,3 +929,20 @@ def test_torch_swap_of_module_tensors_is_refused_by_a_hetero_ensemble() -> None:
         torch.__future__.set_swap_module_params_on_conversion(False)
     for k, v in hens.state_dict().items():
         assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+
+
+def test_a_group_left_out_of_the_loss_gets_zeros_when_stacked_and_none_from_the_list():
+    """hetero.md: the stacked output joins every group's, so a group the loss leaves out
+    gets zero gradients; from stack=False's list it gets none, as the loop's members."""
+    torch.manual_seed(0)
+    members = [nn.Linear(3, 2), nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))]
+    x = torch.randn(5, 3)
+    for stack in (True, False):
+        hens = fe.HeteroEnsemble(copy.deepcopy(members))
+        hens(x, stack=stack)[0].sum().backward()
+        assert all(p.grad is not None for p in hens.groups[0].parameters())
+        left_out = [p.grad for p in hens.groups[1].parameters()]
+        if stack:
+            assert all(g is not None and not g.any() for g in left_out)
+        else:
+            assert all(g is None for g in left_out)

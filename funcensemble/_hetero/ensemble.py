@@ -40,8 +40,8 @@ class HeteroEnsemble(nn.Module):
     else speaks in the members' original order: calling it returns ``[N, ...]``
     outputs, ``value_and_grad`` returns ``[N]`` losses, and per-member hyperparameters
     of ``optimizer`` are ``[N]`` tensors. Its parameters are the groups' stacked
-    parameters, so ``torch.optim`` optimizers, ``state_dict``, ``.to()``, ``.train()``
-    and ``.eval()`` work as for any module; [`save`][funcensemble.save],
+    parameters, so element-wise ``torch.optim`` optimizers, ``state_dict``, ``.to()``,
+    ``.train()`` and ``.eval()`` work as on an ``Ensemble``; [`save`][funcensemble.save],
     [`load`][funcensemble.load], [`export_state_dicts`][funcensemble.export_state_dicts],
     [`import_state_dicts`][funcensemble.import_state_dicts] and
     [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] take it as they take an
