@@ -31,7 +31,17 @@ def _check(where: str, values: object, *, floating: bool, min_dims: int = 1) -> 
             f"{where}: the member axis (dim 0) is empty (expected at least one member, got "
             f"shape {tuple(values.shape)}). An ensemble has at least one member."
         )
-    return check_floating(where, values) if floating else values
+    if floating:
+        return check_floating(where, values)
+    if values.is_complex():
+        # (Checked before anything else: subset_min would draw, advancing the caller's
+        # generator, before torch's kernel refused the dtype.)
+        raise TypeError(
+            f"{where}: the values are complex {expected_got('real values', values.dtype)}: "
+            "complex numbers have no order to take a minimum or maximum in. "
+            + to_real_advice(values)
+        )
+    return values
 
 
 def to_real_advice(values: Tensor) -> str:

@@ -1,4 +1,6 @@
-"""fe.optim.polyak_update_ / polyak_update against a loop of p_t.mul_(1-tau).add_(tau*p_o)."""
+"""fe.optim.polyak_update_ / polyak_update against a loop of p_t.mul_(1-tau).add_(tau*p_o)
+(float64, to rounding: the library computes lerp, the half-precision tests compare with
+the loop's lerp_ bit for bit)."""
 
 import copy
 
@@ -268,3 +270,22 @@ def test_a_target_that_cannot_be_written_is_refused_before_any_leaf_changes(bad,
     with pytest.raises(ValueError, match=rf"target\['z'\] is {message}"):
         fe.optim.polyak_update_(target, online, 0.5)
     assert torch.equal(target["a"], torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("per_member", [False, True])
+def test_each_member_gets_the_loops_lerp_bit_for_bit(dtype, per_member):
+    """polyak_update_'s docstring: each member gets what t.lerp_(o, tau) gives it."""
+    torch.manual_seed(0)
+    taus = [0.005, 0.3, 0.9] if per_member else [0.005] * 3
+    tau = torch.tensor(taus, dtype=torch.float64) if per_member else 0.005
+    target = {"w": torch.randn(3, 8, 16).to(dtype), "b": torch.randn(3, 16).to(dtype)}
+    online = {k: torch.randn_like(v) for k, v in target.items()}
+    want = {k: v.clone() for k, v in target.items()}
+    for _ in range(5):
+        for k in want:
+            for i in range(3):
+                want[k][i].lerp_(online[k][i], taus[i])
+        fe.optim.polyak_update_(target, online, tau)
+    for k in want:
+        assert torch.equal(target[k], want[k]), k

@@ -516,3 +516,23 @@ def test_subset_min_shares_the_gradient_among_tied_members():
     q = torch.ones(3, 2, requires_grad=True)
     fe.reduce.subset_min(q, 3).sum().backward()
     assert torch.allclose(q.grad, torch.full((3, 2), 1 / 3))
+
+
+@pytest.mark.parametrize("fn", ["min", "max", "subset_min"])
+def test_complex_values_are_refused_before_a_subset_is_drawn(fn: str) -> None:
+    """min/max/subset_min gave torch's raw "min_values_cpu not implemented for
+    'ComplexFloat'", and subset_min only after drawing its subset: the caller's
+    generator had moved, shifting every later draw."""
+    g = torch.Generator().manual_seed(0)
+    before = g.get_state()
+    call = {
+        "min": lambda v: fe.reduce.min(v),
+        "max": lambda v: fe.reduce.max(v),
+        "subset_min": lambda v: fe.reduce.subset_min(v, 2, generator=g),
+    }[fn]
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=r"complex .*got torch\.complex64\).* no order"),
+    ):
+        call(torch.ones(3, 4, dtype=torch.complex64))
+    assert torch.equal(g.get_state(), before)

@@ -126,13 +126,16 @@ def polyak_update_(
     """Move ``target`` towards ``online`` in place: ``target <- tau*online + (1-tau)*target``.
 
     The soft target-network update of DDPG/SAC/TD3, for all leaves at once (one
-    ``torch._foreach_lerp_`` kernel). With Ensembles, their stacked parameters and
-    floating-point buffers (e.g. BatchNorm running statistics) are averaged. Leaves
-    that are not floating point (e.g. BatchNorm's ``num_batches_tracked``) cannot be
-    averaged: they are copied from ``online``, whatever ``tau``; complex leaves are
-    averaged. Everything is checked before anything changes (a target that cannot be
-    written in place, such as an expanded view or an inference tensor, is refused);
-    no autograd history is recorded.
+    ``torch._foreach_lerp_`` kernel): each member gets what ``t.lerp_(o, tau)`` gives
+    it, bit for bit. A loop written as ``t.mul_(1 - tau).add_(tau * o)`` rounds twice
+    more: the two agree to a few float32 ulps, but in float16 or bfloat16 they drift
+    apart over many steps (the ``lerp`` being the closer to exact). With Ensembles,
+    their stacked parameters and floating-point buffers (e.g. BatchNorm running
+    statistics) are averaged. Leaves that are not floating point (e.g. BatchNorm's
+    ``num_batches_tracked``) cannot be averaged: they are copied from ``online``,
+    whatever ``tau``; complex leaves are averaged. Everything is checked before anything
+    changes (a target that cannot be written in place, such as an expanded view or an
+    inference tensor, is refused); no autograd history is recorded.
 
     Args:
         target: The tree updated in place: an [`Ensemble`][funcensemble.Ensemble] or a
