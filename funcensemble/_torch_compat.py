@@ -477,12 +477,14 @@ def compile_disabled(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
 
 def compiled_module(module: torch.nn.Module) -> str | None:
     """How ``module`` was compiled: ``"torch.compile"`` for the wrapper it returns (an
-    ``OptimizedModule``), ``"Module.compile()"`` for a module compiled in place, else
-    ``None``."""
+    ``OptimizedModule``), ``"Module.compile()"`` for a module compiled in place, a
+    ``forward`` replaced by ``torch.compile(module.forward)``, else ``None``."""
     if type(module).__module__.startswith("torch._dynamo") and hasattr(module, "_orig_mod"):
         return "torch.compile"
     if getattr(module, "_compiled_call_impl", None) is not None:
         return "Module.compile()"
+    if hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable"):
+        return "torch.compile of its forward"
     return None
 
 

@@ -193,6 +193,39 @@ def frozen_gradients() -> None:
             assert compiled[k] is None, k
         else:
             torch.testing.assert_close(compiled[k], g, rtol=1e-5, atol=1e-6)
+        # compile.md: compiled, the gradients are outside any autograd graph, as eagerly.
+        assert compiled[k] is None or (
+            not compiled[k].requires_grad and compiled[k].grad_fn is None
+        )
+    unused_parameter_gradients()
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def unused_parameter_gradients() -> None:
+    """compile.md: a parameter the loss does not use gets None eagerly and a zero
+    gradient compiled (torch.func.grad's); the losses come back outside any graph."""
+    fmodel, params, buffers = fe.stack([_WithUnused() for _ in range(3)])
+
+    def value_and_grads(params, buffers, x):
+        return fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean())(params, buffers, x)
+
+    x = torch.randn(8, 4)
+    eager_losses, eager, _ = value_and_grads(params, buffers, x)
+    losses, compiled, _ = torch.compile(value_and_grads, fullgraph=True)(params, buffers, x)
+    assert eager["unused.weight"] is None and eager["unused.bias"] is None
+    assert torch.equal(compiled["unused.weight"], torch.zeros(3, 2, 4))
+    assert torch.equal(compiled["unused.bias"], torch.zeros(3, 2))
+    torch.testing.assert_close(compiled["used.weight"], eager["used.weight"])
+    torch.testing.assert_close(losses, eager_losses)
+    assert not losses.requires_grad and losses.grad_fn is None
 
 
 def recording_backend(graphs: list[str]):
@@ -485,15 +518,15 @@ def polyak() -> None:
         for k in online:
             torch.testing.assert_close(compiled[k], eager[k], rtol=1e-6, atol=1e-7)
         before = {k: v.clone() for k, v in compiled.items()}
-        bad = tau.clone().fill_(1.5)
-        try:
-            step(compiled, online, bad)
-        except RuntimeError as error:
-            assert "polyak_update_: Invalid tau: expected 0 <= tau <= 1" in str(error), error
-        else:
-            raise AssertionError(f"a compiled polyak_update_ took tau={bad}")
-        for k in online:
-            assert torch.equal(compiled[k], before[k]), k
+        for bad in (tau.clone().fill_(1.5), torch.tensor([0.1, float("nan"), 0.3, 1.0])):
+            try:
+                step(compiled, online, bad)
+            except RuntimeError as error:
+                assert "polyak_update_: Invalid tau: expected 0 <= tau <= 1" in str(error), error
+            else:
+                raise AssertionError(f"a compiled polyak_update_ took tau={bad}")
+            for k in online:
+                assert torch.equal(compiled[k], before[k]), k
 
 
 class _RunningMean(nn.Module):

@@ -7,7 +7,7 @@ not; each prints ``loaded`` or ``ERROR <message>``. Then both save two intact
 checkpoints beside it (steps 3 and 6) and each rank loads another one (as a stale
 directory listing on one machine would make them), printing ``loaded apart`` or
 ``APART <message>``. Last, each rank saves to a path of its own, printing ``saved split``
-or ``SPLIT <message> written=<files in its path>``.
+or ``SPLIT <message> metadata=<whether its path holds a .metadata>``.
 """
 
 import os
@@ -53,8 +53,8 @@ def main() -> None:
     try:
         fe.distributed.save(split, {"params": params, "step": 9}, shard)
         print("saved split", flush=True)
-    except ValueError as error:
-        print(f"SPLIT {error} written={sorted(os.listdir(split)) if split.exists() else []}")
+    except fe.distributed.DistributedError as error:
+        print(f"SPLIT {error} metadata={(split / '.metadata').exists()}", flush=True)
     dist.destroy_process_group()
 
 

@@ -393,9 +393,10 @@ def test_op_without_batching_rule_raises_instead_of_looping(nested: bool) -> Non
     fmodel, params, buffers = fe.stack(modules)
     functorch = torch._C._functorch
     fallback_before = functorch._is_vmap_fallback_enabled()
+    where = "vmap" if nested else "Ensemble"  # the entry point called
     pattern = (
-        r"vmap: the operator aten::_scaled_dot_product_flash_attention_for_cpu has no vmap "
-        r"batching rule, so the members cannot run as one vectorized call"
+        rf"{where}: the operator aten::_scaled_dot_product_flash_attention_for_cpu has no "
+        r"vmap batching rule, so the members cannot run as one vectorized call"
     )
     with pytest.raises(RuntimeError, match=pattern) as info:
         if nested:
@@ -414,10 +415,10 @@ def test_op_vmap_does_not_support_gets_the_same_clear_error() -> None:
     (found by the property tests, tests/test_properties.py)."""
     modules = [nn.Sequential(lin(3, 4), nn.RReLU()).eval() for _ in range(3)]
     fmodel, params, buffers = fe.stack(modules)
-    pattern = r"vmap: the operator aten::rrelu has no vmap batching rule.*nn\.LeakyReLU"
-    with pytest.raises(RuntimeError, match=pattern):
+    pattern = r": the operator aten::rrelu has no vmap batching rule.*nn\.LeakyReLU"
+    with pytest.raises(RuntimeError, match="vmap" + pattern):
         fe.vmap(fmodel)(params, buffers, torch.randn(2, 3))
-    with pytest.raises(RuntimeError, match=pattern):
+    with pytest.raises(RuntimeError, match="Ensemble" + pattern):
         fe.Ensemble(modules)(torch.randn(2, 3))
 
 
@@ -2015,7 +2016,9 @@ def test_shared_objects_in_namedtuples_and_ordered_dicts_are_held_too() -> None:
 
 # (importing torch._dynamo warns that torch.jit.script_method is deprecated)
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("how", ["Module.compile()", "torch.compile"])
+@pytest.mark.parametrize(
+    "how", ["Module.compile()", "torch.compile", "torch.compile of its forward"]
+)
 @pytest.mark.parametrize("build", ["Ensemble", "stack", "HeteroEnsemble"])
 def test_compiled_members_are_refused_with_what_to_do(how, build) -> None:
     """A member compiled on its own (in place, or wrapped by torch.compile) was refused
@@ -2024,6 +2027,8 @@ def test_compiled_members_are_refused_with_what_to_do(how, build) -> None:
     members = [nn.Sequential(nn.Linear(3, 4), nn.Tanh()) for _ in range(2)]
     if how == "torch.compile":
         members[1] = torch.compile(members[1])
+    elif how == "torch.compile of its forward":
+        members[1][0].forward = torch.compile(members[1][0].forward)
     else:
         members[1][0].compile()
     make = {"Ensemble": fe.Ensemble, "stack": fe.stack, "HeteroEnsemble": fe.HeteroEnsemble}

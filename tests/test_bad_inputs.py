@@ -523,9 +523,9 @@ class _Branches(nn.Module):
 
 for _id, _dims in (("bool", ({"x": True},)), ("float", ((0.5,),))):
     register_simple(
-        f"vmap-nested-in-dims-{_id}",
+        f"Ensemble-nested-in-dims-{_id}",
         TypeError,
-        "vmap: in_dims holds .*expected None or an int for every entry, nested ones included",
+        "Ensemble: in_dims holds .*expected None or an int for every entry, nested ones included",
         lambda d=_dims: fe.Ensemble([nn.Linear(3, 2) for _ in range(2)])(
             {"x": torch.randn(2, 4, 3)} if isinstance(d[0], dict) else (torch.randn(2, 4, 3),),
             in_dims=d,

@@ -624,3 +624,50 @@ def test_select_does_not_carry_state_dict_hooks_on_the_ensemble_itself():
     ens.register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
     assert ens._state_dict_pre_hooks
     assert not ens.select([1, 0])._state_dict_pre_hooks
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda n: fe.optim.adam(lr=1e-2),
+        lambda n: fe.optim.sgd(lr=0.1, momentum=0.9),
+        lambda n: fe.optim.rmsprop(lr=1e-2, momentum=0.5, centered=True),
+        lambda n: fe.optim.adam(lr=torch.linspace(1e-2, 3e-2, n)),
+    ],
+    ids=["adam", "sgd-momentum", "rmsprop", "adam-per-member-lr"],
+)
+def test_stepping_what_select_and_concat_return_leaves_their_inputs_as_they_were(transform):
+    """surgery.md: select and concat return new objects and leave their inputs as they
+    were; the old optimizer is unchanged. Checked after stepping the new ones in place
+    (an aliased tensor, such as a 0-dim step count kept as it is, would change too)."""
+    import optree
+
+    torch.manual_seed(0)
+    ens = fe.Ensemble([nn.Linear(4, 2).double() for _ in range(3)])
+    opt = fe.optim.EnsembleOptimizer(ens, transform(3))
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    for _ in range(2):
+        opt.zero_grad()
+        ens(x, in_dims=0).pow(2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+    leaves = lambda tree: optree.tree_leaves(tree, none_is_leaf=True)  # noqa: E731
+    before = [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves(opt.state)]
+    params = {k: v.detach().clone() for k, v in ens.stacked_params().items()}
+    for index in ([0, 1, 2], [2, 1]):
+        new = ens.select(index)
+        new_opt = opt.select(index, new)
+        for _ in range(2):
+            new_opt.zero_grad()
+            new(x[index], in_dims=0).pow(2).mean(dim=(1, 2)).sum().backward()
+            new_opt.step()
+    # The functional face's concat: the grown state, stepped in place (one value more
+    # for a per-member rate: the transform that steps the grown ensemble).
+    added = {k: v.detach() for k, v in fe.stack([nn.Linear(4, 2).double()])[1].items()}
+    grown_params = fe.concat([params, added])
+    grown_tx = transform(4)
+    grown = fe.optim.concat(grown_tx, opt.state, grown_params)
+    grown_tx.update_({k: torch.randn_like(v) for k, v in grown_params.items()}, grown, grown_params)
+    for got, want in zip(leaves(opt.state), before, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)
+    for k, v in ens.stacked_params().items():
+        assert torch.equal(v, params[k]), k

@@ -272,8 +272,8 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
     """Rank 1 alone reads the damaged file; rank 0 must fail too, not wait inside DCP.
     Then ranks loading two different intact checkpoints (steps 6 and 3, same structure)
     are refused on every rank: each loaded its own without a word. And ranks saving to
-    different paths are refused before anything is written (each path would hold a
-    partial checkpoint)."""
+    different paths fail on every rank, leaving no .metadata, with a message that says
+    so (it blamed an unshared filesystem alone)."""
     import sharded_checkpoint_worker as worker
 
     with socket.socket() as s:
@@ -319,9 +319,7 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
             and "read the same checkpoint: one directory all ranks share" in output
         ), output
         assert (
-            "SPLIT distributed.save: the 2 ranks were not set up alike: they differ in the "
-            "path (rank 0: "
-            in output
-            and "and one path: a directory all ranks share" in output
-            and "written=[]" in output
+            "SPLIT distributed.save: rank " in output
+            and "or were given different paths (pass every rank the same directory)" in output
+            and "metadata=False" in output
         ), output

@@ -127,7 +127,7 @@ class Ensemble(nn.Module):
         chunk_size: int | None,
     ) -> None:
         # Validate the vmap options once, here, rather than on the first call.
-        check_options("vmap", lambda p, b: None, randomness, chunk_size)
+        check_options("Ensemble", lambda p, b: None, randomness, chunk_size)
         if not params and not buffers:
             raise ValueError(
                 f"Ensemble: the members have no parameters or buffers (expected at least "
@@ -295,8 +295,8 @@ class Ensemble(nn.Module):
         if in_dims is None:  # inputs shared by all members: nothing to check
             dims: tuple[Any, ...] = (None,) * len(args)
         else:
-            _in_dims.check_type("vmap", in_dims)
-            dims = _in_dims.per_argument(in_dims, args, self.num_members)
+            _in_dims.check_type("Ensemble", in_dims)
+            dims = _in_dims.per_argument(in_dims, args, self.num_members, "Ensemble")
         if self.chunk_size is None:
             fast = fast_call(self.stacked, None, args, kwargs, dims, where="Ensemble")
             if fast is not None:

@@ -222,7 +222,7 @@ class FunctionalModule:
             )
         if compiling:  # (Dynamo cannot trace a lock; a compiled graph borrows nothing)
             return self._borrowing_call(params, buffers, args, kwargs, compiling=True)
-        with _turns.LOCK:  # (see _turns: concurrent calls would swap each other's tensors)
+        with _turns.lock(self.skeleton):  # (see _turns: calls would swap each other's tensors)
             return self._borrowing_call(params, buffers, args, kwargs, compiling=False)
 
     def _borrowing_call(

@@ -187,7 +187,10 @@ def vmap(
             arguments are always shared. Argument pytrees are read as optree reads
             them: tuples, lists, dicts, namedtuples, ``OrderedDict``, ``deque``; any
             other object is one leaf. Calls from several threads at once are safe
-            (off the fast path they take turns: each borrows the one skeleton module).
+            (off the fast path, calls of one ensemble take turns: each borrows its one
+            skeleton module), except chunked calls of one ensemble whose ``forward``
+            changes the module's own attributes (a counter): a chunk replays them
+            from its call's start, which another thread's call may have moved.
         randomness: ``"different"``: each member draws its own random numbers
             (independent dropout masks); ``"same"``: one draw shared by all members;
             ``"error"``: refuse random operations.
@@ -387,7 +390,7 @@ def mapped_call(
                 chunks[0] = 0
                 if chunk_size is None or torch.compiler.is_compiling():
                     return vmapped(*state, args, kwargs)
-                with _chunk_state.chunked("vmap") as replay:
+                with _chunk_state.chunked(where) as replay:
                     return vmapped(*state, args, kwargs)
 
         shared = _shared_inputs(args, dims, kwargs)

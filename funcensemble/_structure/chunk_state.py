@@ -41,7 +41,6 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .._core import turns as _turns
 from .attributes import TORCH_OWN
 from .same_value import EMPTY, SameValue, closure_values, reduced_state, slot_names
 
@@ -364,15 +363,12 @@ def chunked(where: str) -> Iterator[_Call]:
     """One chunked call: call ``next_chunk()`` on the result before every chunk after
     the first. On an error, the attributes are put back as before the call."""
     call = _Call(where)
-    # The whole call takes its turn (see _core.turns): another thread's call between two
-    # chunks would run from, and change, the attributes this call replays.
-    with _turns.LOCK:
-        token = _current.set(call)
-        try:
-            yield call
-            call.finish()
-        except BaseException:
-            call.put_back()
-            raise
-        finally:
-            _current.reset(token)
+    token = _current.set(call)
+    try:
+        yield call
+        call.finish()
+    except BaseException:
+        call.put_back()
+        raise
+    finally:
+        _current.reset(token)

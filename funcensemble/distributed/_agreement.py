@@ -301,10 +301,6 @@ def agree_to_write(
     description = describe_leaves(leaves, values=values)
     if checkpoint is not None:
         description["the checkpoint found"] = checkpoint
-    else:
-        # Each rank writes its files into the path it is given and rank 0 the metadata
-        # into its own: ranks given different paths would each leave a partial checkpoint.
-        description["the path"] = repr(path)
     agree(
         where,
         description,
@@ -314,9 +310,7 @@ def agree_to_write(
         f"Every rank must pass the same structure for '{path}' (the same keys, dtypes and "
         "per-member shapes"
         + (
-            ", and equal values for the leaves written once, such as a step count), "
-            "and one path: a directory all ranks share, chosen once (e.g. by rank 0, then "
-            "broadcast)."
+            ", and equal values for the leaves written once, such as a step count)."
             if values
             else "), and read the same checkpoint: one directory all ranks share, chosen "
             "once (e.g. by rank 0, then broadcast), not listed by each rank on its own."

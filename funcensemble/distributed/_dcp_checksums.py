@@ -122,7 +122,8 @@ def _check_shared(root: str, results: list[list[WriteResult]]) -> None:
             sees = "does not see it" if seen is None else f"sees {seen} bytes of it"
             raise UnsharedFilesystemError(
                 f"rank {rank} wrote {name} ({end} bytes) to '{root}', but the rank that "
-                f"writes .metadata {sees}: the ranks do not write to one shared filesystem"
+                f"writes .metadata {sees}: the ranks do not write to one shared filesystem, "
+                "or were given different paths (pass every rank the same directory)"
             )
 
 

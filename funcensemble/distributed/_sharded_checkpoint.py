@@ -192,7 +192,7 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
         FileExistsError: ``path`` already holds a checkpoint.
         DistributedError: Writing failed, or another rank did not take part in time
             (the message names this rank, what it waited for and how long). Ranks that
-            pass different paths, structures or values written once raise
+            pass different structures or different values written once raise
             ``ValueError`` on every rank before anything is written.
 
     Example:

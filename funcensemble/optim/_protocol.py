@@ -616,13 +616,26 @@ def updates_to_(new: list[Tensor], params: list[Tensor]) -> list[Tensor]:
     Exact wherever the two are within a factor 2 of each other (Sterbenz), so the sum
     gives ``new`` back there. Where they are equal the update is 0, also for a parameter
     already infinite that the step leaves so (a diverged member): ``inf - inf`` would be
-    NaN, and the sum NaN where torch.optim keeps the infinity.
+    NaN, and the sum NaN where torch.optim keeps the infinity. (A step flipping an
+    infinite parameter's sign, AdamW with ``lr * weight_decay > 1``, has no such update.)
     """
+    if not _may_be_infinite(params):
+        torch._foreach_sub_(new, params)  # the usual case: one pass
+        return new
     same = [n == p for n, p in zip(new, params, strict=True)]
     torch._foreach_sub_(new, params)
     for u, equal in zip(new, same, strict=True):
         u.masked_fill_(equal, 0.0)
     return new
+
+
+def _may_be_infinite(params: list[Tensor]) -> bool:
+    """Whether a leaf may hold an infinity: its 2-norm is not finite (one fast pass, read
+    on the CPU: no device sync; a norm overflowing on large finite values only takes
+    the masked difference, exact too); elsewhere, and while compiling, assumed."""
+    if not params or torch.compiler.is_compiling() or params[0].device.type != "cpu":
+        return bool(params)
+    return not bool(torch.stack(torch._foreach_norm(params)).isfinite().all())
 
 
 def apply_updates(params: StackedTree, updates: StackedTree) -> StackedTree:
