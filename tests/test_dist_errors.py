@@ -114,7 +114,8 @@ def test_a_save_whose_data_file_the_coordinator_cannot_see_fails_and_stays_incom
     cause = (
         rf"on rank 0, UnsharedFilesystemError: rank 0 wrote __0_0\.distcp \(\d+ bytes\) to "
         rf"'{re.escape(str(path))}', but the rank that writes \.metadata does not see it: "
-        r"the ranks do not write to one shared filesystem"
+        r"the ranks do not write to one shared filesystem, or were given different paths "
+        r"\(pass every rank the same directory\)"
     )
     assert re.fullmatch(
         _message(r"distributed\.save", "writing its members to", path, cause), str(info.value)

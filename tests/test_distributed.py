@@ -1118,7 +1118,8 @@ def test_ranks_that_do_not_share_a_filesystem_fail_to_save_naming_the_file(tmp_p
             r"CheckpointException: on rank 0, UnsharedFilesystemError: rank 1 wrote "
             rf"__1_0\.distcp \(\d+ bytes\) to '{re.escape(str(tmp_path / 'ckpt'))}', but the "
             r"rank that writes \.metadata does not see it: the ranks do not write to one "
-            r"shared filesystem",
+            r"shared filesystem, or were given different paths \(pass every rank the same "
+            r"directory\)",
             message,
         ), message
     assert not (tmp_path / "ckpt" / ".metadata").exists()
