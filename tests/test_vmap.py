@@ -544,10 +544,12 @@ class _Counted(nn.Module):
         super().__init__()
         self.a, self.norm, self.b = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 1)
         self.counting, self.calls = counting, 0
+        # Read only; a chunked call puts it back (cleared, then filled) between chunks.
+        self.settings = {"scale": 2.0, **{f"unused{i}": i for i in range(50)}}
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += self.counting
-        return self.b(torch.tanh(self.norm(self.a(x))))
+        return self.b(torch.tanh(self.norm(self.a(x)))) * self.settings.get("scale", 1.0)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
@@ -555,18 +557,24 @@ def test_calls_from_several_threads_compute_each_call_from_its_own_tensors(chunk
     """The docstring says calls from several threads at once are safe. Off the fast path
     every call swapped its tensors into the one skeleton (functional_call), so threads
     ran with each other's parameters: some outputs silently wrong (0.39 off at a scale
-    of 2.4), gradients None, or raw errors. (Chunked calls whose forward changes the
-    module's attributes are the documented exception: no counter there.)"""
+    of 2.4), gradients None, or raw errors. An Ensemble read its stacked tensors while
+    another thread's call had swapped its own into the module (raw errors), and chunked
+    calls put a dict attribute back between chunks while another thread's call read it
+    (494 of 800 outputs wrong, the dict left empty). (Chunked calls whose forward
+    changes the module's attributes are the documented exception: no counter there.)"""
     import sys
     import threading
 
     torch.manual_seed(0)
-    fmodel, params, buffers = fe.stack([_Counted(chunk_size is None) for _ in range(4)])
+    members = [_Counted(chunk_size is None) for _ in range(4)]
+    fmodel, params, buffers = fe.stack(members)
+    ens = fe.Ensemble(members, chunk_size=chunk_size)
     scaled = [{k: v.detach() * (1 + 0.5 * j) for k, v in params.items()} for j in range(4)]
     x = torch.randn(64, 6)
     forward = fe.vmap(fmodel, chunk_size=chunk_size)
     grads = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean(), chunk_size=chunk_size)
     want = [(forward(p, buffers, x), grads(p, buffers, x)[1]) for p in scaled]
+    want_ens = ens(x)
     wrong: list[str] = []
 
     def work(j: int) -> None:
@@ -577,6 +585,8 @@ def test_calls_from_several_threads_compute_each_call_from_its_own_tensors(chunk
                     got[k] is None or not torch.equal(got[k], want[j][1][k]) for k in got
                 ):
                     wrong.append(f"thread {j}: another result")
+                if not torch.equal(ens(x), want_ens):
+                    wrong.append(f"thread {j}: another Ensemble output")
             except Exception as error:  # any error is a failure here
                 wrong.append(f"thread {j}: {type(error).__name__}: {error}")
 
@@ -593,6 +603,7 @@ def test_calls_from_several_threads_compute_each_call_from_its_own_tensors(chunk
     assert not wrong, wrong[:3]
     # Each call counted once, as each member of the loop counts its calls.
     assert fmodel.skeleton.calls == (4 * 2 + 4 * 25 * 2 if chunk_size is None else 0)
+    assert fmodel.skeleton.settings == members[0].settings
 
 
 def test_a_loss_waiting_on_a_thread_that_calls_another_ensemble_does_not_deadlock():

@@ -1,5 +1,6 @@
 """``Ensemble``: N members as one ``nn.Module`` holding stacked ``[N, ...]`` parameters."""
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from .._structure import weight_transforms as _weight_transforms
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
+from . import turns as _turns
 from . import wrapper_call
 from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
@@ -297,13 +299,21 @@ class Ensemble(nn.Module):
         else:
             _in_dims.check_type("Ensemble", in_dims)
             dims = _in_dims.per_argument(in_dims, args, self.num_members, "Ensemble")
+        # The stacked tensors are read off the module while no other thread's call has
+        # swapped its own into it (see _turns); not while compiling (a lock does not trace).
+        reading = (
+            contextlib.nullcontext() if torch.compiler.is_compiling() else _turns.lock(self.stacked)
+        )
         if self.chunk_size is None:
-            fast = fast_call(self.stacked, None, args, kwargs, dims, where="Ensemble")
+            fast = fast_call(
+                self.stacked, None, args, kwargs, dims, where="Ensemble", reading=reading
+            )
             if fast is not None:
                 # (Checked here: a traced call must not enter not_saved as a new frame.)
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
         mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size, where="Ensemble")
-        params, buffers = self.stacked_params(), self.stacked_buffers()
+        with reading:
+            params, buffers = self.stacked_params(), self.stacked_buffers()
         if not _torch_compat.jit_tracing():  # (which refuses below, saying why)
             _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building
         return mapped(params, buffers, args, kwargs, dims)

@@ -8,6 +8,7 @@ does not recognise exactly (subclasses, hooks, parametrizations, dropout in trai
 mode, other layers) returns ``None`` and the caller takes the general ``vmap`` path.
 """
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -413,6 +414,7 @@ def fast_call(
     dims: tuple[Any, ...] | None,
     *,
     where: str = "vmap",
+    reading: contextlib.AbstractContextManager | None = None,
 ) -> Tensor | None:
     """The one entry to the fast path: the stacked output of an MLP call, or ``None``.
 
@@ -439,11 +441,13 @@ def fast_call(
     steps, dim = found
     if params is None:
         params = {}
-        for module, weight, bias in steps:
-            if weight is not None:
-                params[weight] = module.weight
-                if bias is not None:
-                    params[bias] = module.bias
+        # (The caller's guard against another thread's tensors swapped into the module.)
+        with reading or contextlib.nullcontext():
+            for module, weight, bias in steps:
+                if weight is not None:
+                    params[weight] = module.weight
+                    if bias is not None:
+                        params[bias] = module.bias
     elif any(
         name is not None and not isinstance(params.get(name), Tensor)
         for _, weight, bias in steps

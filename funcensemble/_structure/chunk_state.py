@@ -41,6 +41,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .._core import turns as _turns
 from .attributes import TORCH_OWN
 from .same_value import EMPTY, SameValue, closure_values, reduced_state, slot_names
 
@@ -298,25 +299,38 @@ class _Call:
         self.modules: dict[int, nn.Module] = {}
         self.before: list[_State] = []  # one per skeleton, as its forward first ran
         self.first_end: _State | None = None
+        self.skeletons: list[nn.Module] = []
 
     def seen(self, skeleton: nn.Module) -> None:
         new = [m for m in skeleton.modules() if id(m) not in self.modules]
         if new:
             self.modules.update((id(m), m) for m in new)
             self.before.append(_State(new))
+            self.skeletons.append(skeleton)
+
+    def _turn(self) -> contextlib.ExitStack:
+        """The skeletons' locks (see ``_core.turns``), in one order for every thread:
+        another thread's call must not see their attributes half put back."""
+        stack = contextlib.ExitStack()
+        for skeleton in sorted(self.skeletons, key=id):
+            stack.enter_context(_turns.lock(skeleton))
+        return stack
 
     def put_back(self) -> None:
-        for state in self.before:
-            state.restore(self.modules)
+        with self._turn():
+            for state in self.before:
+                state.restore(self.modules)
 
     def next_chunk(self) -> None:
         """Before every chunk after the first: check the chunk before, then start anew."""
-        self._check()
-        self.put_back()
+        with self._turn():
+            self._check()
+            self.put_back()
 
     def finish(self) -> None:
         if self.first_end is not None:
-            self._check()
+            with self._turn():
+                self._check()
 
     def _check(self) -> None:
         if not self.modules:
