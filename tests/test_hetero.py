@@ -946,3 +946,12 @@ def test_a_group_left_out_of_the_loss_gets_zeros_when_stacked_and_none_from_the_
             assert all(g is not None and not g.any() for g in left_out)
         else:
             assert all(g is None for g in left_out)
+
+
+def test_members_without_tensors_are_refused_naming_them():
+    """They got Ensemble's own message, naming neither HeteroEnsemble nor the members."""
+    members = [nn.Linear(3, 2), nn.Sequential(nn.Tanh()), nn.Linear(3, 2), nn.Sequential(nn.Tanh())]
+    with pytest.raises(
+        ValueError, match=r"HeteroEnsemble: members \[1, 3\] \(Sequential\) have no"
+    ):
+        fe.HeteroEnsemble(members)

@@ -83,6 +83,16 @@ class HeteroEnsemble(nn.Module):
         where = "HeteroEnsemble"
         modules = member_list(where, modules)
         members = group_by_architecture(where, modules)
+        for group in members:
+            first = modules[group[0]]
+            if next(first.parameters(), None) is None and next(first.buffers(), None) is None:
+                raise ValueError(
+                    f"{where}: members {list(group)} ({type(first).__name__}) have no "
+                    "parameters or buffers (expected at least one tensor to stack for each "
+                    "architecture, got none), so there is no member axis to map over for "
+                    "them: every such member computes the same function. Leave them out "
+                    "of the ensemble and call one of them directly."
+                )
         ensembles = [
             Ensemble([modules[i] for i in group], randomness=randomness, chunk_size=chunk_size)
             for group in members
