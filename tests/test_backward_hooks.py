@@ -79,7 +79,7 @@ def test_the_refusal_says_what_to_do_instead() -> None:
 def test_a_hook_added_to_the_ensemble_module_later_is_refused_at_the_call() -> None:
     ens = fe.Ensemble(_members())
     handle = ens.stacked[2].register_full_backward_hook(_triple)
-    with pytest.raises(ValueError, match=r"vmap: the ensemble's module has a backward hook on"):
+    with pytest.raises(ValueError, match=r"Ensemble: the ensemble's module has a backward hook"):
         ens(_x())
     fmodel, params, buffers = fe.stack(_members())
     fmodel.skeleton[0].register_full_backward_pre_hook(_triple_pre)
@@ -109,12 +109,12 @@ def test_a_global_backward_hook_is_refused_at_the_call(
     }[register]
     handle = add()
     try:
-        for call in (
-            lambda: ens(_x()),
-            lambda: fe.vmap(fmodel)(params, buffers, _x()),
-            lambda: fe.value_and_grad(loss_fn)(params, buffers, _x()),
+        for where, call in (
+            ("Ensemble", lambda: ens(_x())),
+            ("vmap", lambda: fe.vmap(fmodel)(params, buffers, _x())),
+            ("value_and_grad", lambda: fe.value_and_grad(loss_fn)(params, buffers, _x())),
         ):
-            with pytest.raises(ValueError, match=r"vmap: a global module backward hook"):
+            with pytest.raises(ValueError, match=rf"{where}: a global module backward hook"):
                 call()
     finally:
         handle.remove()

@@ -1239,3 +1239,19 @@ def test_a_torch_optim_file_of_another_dtype_is_refused_by_a_fresh_optimizer_too
     ):
         fe.load(tmp_path / "opt.st", fresh)
     assert not fresh.state
+
+
+def test_an_ensemble_optimizer_file_into_a_torch_optimizer_says_what_it_holds(tmp_path) -> None:
+    """It blamed LBFGS's nested state and advised loading after one step, which failed
+    too; nothing named the EnsembleOptimizer the file came from."""
+    ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(3)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    path = tmp_path / "opt.safetensors"
+    fe.save(path, opt)
+    plain = torch.optim.Adam(ens.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"holds an fe\.optim\.EnsembleOptimizer's state"):
+        fe.load(path, plain)
+    assert plain.state_dict()["state"] == {}
+    fe.load(path, fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2)))  # the advice works

@@ -293,7 +293,7 @@ def test_wrong_input_width_names_the_input_and_the_layer(in_dims, spy):
         fe.vmap(fmodel, in_dims)(params, buffers, x)
     with pytest.raises(ValueError, match="Ensemble: " + expected):
         ens(x, in_dims=in_dims)
-    with pytest.raises(ValueError, match="vmap: " + expected):  # inside vmap: the batched call
+    with pytest.raises(ValueError, match="value_and_grad: " + expected):  # the batched call
         fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum(), in_dims)(params, buffers, x)
     assert spy == []  # refused before the chain ran
 
@@ -429,7 +429,7 @@ def test_an_input_of_another_dtype_names_the_input_and_the_layer(dtype):
     fmodel, params, buffers = fe.stack(members)
     with pytest.raises(RuntimeError, match="vmap: " + message):
         fe.vmap(fmodel)(params, buffers, x)
-    with pytest.raises(RuntimeError, match="vmap: " + message):
+    with pytest.raises(RuntimeError, match="value_and_grad: " + message):
         fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(params, buffers, x)
     with pytest.raises(RuntimeError, match="dtype"):  # the loop refuses it too
         members[0](x)

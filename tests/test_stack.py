@@ -211,7 +211,7 @@ def test_params_without_one_of_the_module_s_tensors_are_refused(missing) -> None
         partial = {k: v for k, v in params.items() if k != missing}
         with pytest.raises(ValueError, match="vmap: the module's " + message):
             fe.vmap(fmodel)(partial, buffers, x)
-        with pytest.raises(ValueError, match="vmap: the module's " + message):
+        with pytest.raises(ValueError, match="value_and_grad: the module's " + message):
             fe.value_and_grad(lambda p, b, x, f=fmodel: f(p, b, x).sum())(partial, buffers, x)
         one = {k: v[0] for k, v in partial.items()}
         with pytest.raises(ValueError, match="FunctionalModule: the module's " + message):

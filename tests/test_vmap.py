@@ -383,13 +383,13 @@ def test_wrong_input_width_on_the_general_path_names_the_layer(in_dims, chunk_si
     before = {k: v.clone() for k, v in buffers.items()}
     x = torch.randn(*((3,) if in_dims == 0 else ()), 20, 3, dtype=torch.float64)
     expected = (
-        r"vmap: layer `body.0` \(Linear, weight `body.0.weight` of shape \(10, 4\) per "
+        r": layer `body.0` \(Linear, weight `body.0.weight` of shape \(10, 4\) per "
         r"member\) expects 4 input features \(expected an input of shape \(\.\.\., 4\), "
         r"got \(\.\.\., 3\)\)\. Pass inputs whose last dim is 4\."
     )
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(ValueError, match="vmap" + expected):
         fe.vmap(fmodel, in_dims, chunk_size=chunk_size)(params, buffers, x)
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(ValueError, match="Ensemble" + expected):
         fe.Ensemble(members, chunk_size=chunk_size)(x, in_dims=in_dims)
     assert_trees_equal(buffers, before)  # the BatchNorm statistics did not move
     good = torch.randn(*((3,) if in_dims == 0 else ()), 20, 4, dtype=torch.float64)

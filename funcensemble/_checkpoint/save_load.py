@@ -375,6 +375,14 @@ def load(path: str | os.PathLike, obj: T) -> T:
         # Its state as the file holds it (a fresh optimizer has none yet), then torch's
         # own load_state_dict, after every leaf is checked.
         header, tensors, _ = read_checkpoint(where, path, lambda header: None)
+        if "['transform']" in header["values"]:
+            raise ValueError(
+                f"{where}: '{name}' holds an fe.optim.EnsembleOptimizer's state (expected a "
+                f"torch.optim optimizer's, to load into this {type(obj).__name__}, got one "
+                "recorded with its fe.optim transform). Load it into an EnsembleOptimizer "
+                "built with that transform: fe.load(path, fe.optim.EnsembleOptimizer(ens, "
+                "transform))."
+            )
         own = _torch_optim.template(where, name, obj, tensors, header["values"])
         try:
             loaded = load(path, own)

@@ -19,6 +19,7 @@ from .._structure import chunk_state as _chunk_state
 from .._structure import forward_state as _forward_state
 from .._structure import weight_transforms as _weight_transforms
 from .._structure.tensor_tags import tensor_tags
+from . import entry as _entry
 from . import turns as _turns
 from .diagnose import linear_width_error
 from .rollback import save_before_update
@@ -73,7 +74,9 @@ def _check_given(shapes: MemberShapes, params: Any, buffers: Any) -> None:
 
 
 def _where() -> str:
-    return "vmap" if _torch_compat.inside_transform() else "FunctionalModule"
+    if torch.compiler.is_compiling():
+        return "vmap"  # (Dynamo traces no ContextVar)
+    return _entry.current() if _torch_compat.inside_transform() else "FunctionalModule"
 
 
 def _shape_error(name: str, kind: str, want: tuple[int, ...], got: tuple[int, ...]) -> ValueError:
@@ -210,7 +213,8 @@ class FunctionalModule:
         if compiling:  # traced once: no cost per call (eagerly, the fast path checks)
             _check_given(self._member_shapes, params, buffers)
         if len(args) == 1 and not kwargs:
-            fast = fast_call(self.skeleton, params, args, kwargs, None)
+            entry = "vmap" if compiling else _entry.current()  # (Dynamo traces no ContextVar)
+            fast = fast_call(self.skeleton, params, args, kwargs, None, where=entry)
             if fast is not None:
                 return fast
         if not compiling and _torch_compat.jit_tracing():
@@ -247,11 +251,11 @@ class FunctionalModule:
         inside = not compiling and _torch_compat.inside_transform()
         if inside:
             # Backward hooks would not run here: refused (see _structure.backward_hooks).
-            _backward_hooks.check_call("vmap", self.skeleton)
+            _backward_hooks.check_call(_entry.current(), self.skeleton)
             # Inside fe.vmap: keep a copy of the statistics this forward will update,
             # put back if the call fails (see _rollback).
             save_before_update(updated_in_place(norm_layers(self.skeleton)))
-        where = "vmap" if inside else "FunctionalModule"
+        where = _entry.current() if inside else "FunctionalModule"
         before = _forward_state.kept_tensors(self.skeleton) if inside else None
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).

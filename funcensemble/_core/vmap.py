@@ -14,6 +14,7 @@ from .. import _torch_compat
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
 from .._structure import chunk_state as _chunk_state
+from . import entry as _entry
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
 from .fresh_outputs import not_saved
@@ -394,6 +395,8 @@ def mapped_call(
                     return vmapped(*state, args, kwargs)
 
         shared = _shared_inputs(args, dims, kwargs)
+        # (Not while compiling: Dynamo traces no context variable; messages are eager's.)
+        token = None if torch.compiler.is_compiling() else _entry.enter(where)
         try:
             # A call that raises leaves the buffers as they were (see _rollback).
             with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
@@ -409,5 +412,8 @@ def mapped_call(
                 raise
             # Keep the frames down to the offending op, but not torch's internal wording.
             raise clear.with_traceback(error.__traceback__) from None
+        finally:
+            if token is not None:
+                _entry.leave(token)
 
     return run

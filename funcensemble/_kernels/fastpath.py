@@ -434,7 +434,7 @@ def fast_call(
     if kwargs or len(args) != 1:
         return None
     if dims is None:
-        return _batched_call(skeleton, params or {}, args[0])
+        return _batched_call(skeleton, params or {}, args[0], where)
     found = _direct_plan(skeleton, args[0], dims)
     if found is None:
         return None
@@ -457,7 +457,7 @@ def fast_call(
     return run(steps, params, args[0], dim, where)
 
 
-def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor | None:
+def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any, where: str) -> Tensor | None:
     """The fast path for ``fmodel(params, buffers, x)`` called inside ``fe.vmap``.
 
     Inside ``vmap`` (e.g. in a loss given to ``fe.value_and_grad``) ``params`` are
@@ -471,7 +471,7 @@ def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor
     if torch.compiler.is_compiling():
         if _torch_compat.autocast_enabled(x.device.type):
             return None  # the compiled MLP op's operands would not be cast (see run())
-        return _compiled_member_call(skeleton, params, x)
+        return _compiled_member_call(skeleton, params, x, where)
     level = _torch_compat.vmap_level()
     if level is None:
         return None
@@ -494,13 +494,15 @@ def _batched_call(skeleton: nn.Module, params: dict[str, Any], x: Any) -> Tensor
     # Step out of this vmap level while running on its unwrapped tensors: our kernels
     # (and their autograd.Function) then see no transform at all.
     with _torch_compat.lower_vmap():
-        out = run(steps, unwrapped, *found_x)
+        out = run(steps, unwrapped, *found_x, where)
     if out is None:
         return None
     return _torch_compat.add_batch_dim(out, 0, level)
 
 
-def _compiled_member_call(skeleton: nn.Module, params: dict[str, Any], x: Tensor) -> Tensor | None:
+def _compiled_member_call(
+    skeleton: nn.Module, params: dict[str, Any], x: Tensor, where: str
+) -> Tensor | None:
     """``_batched_call`` under ``torch.compile``: ONE member's chain as
     [`_mlp_member_op.member_mlp`][], whose ``torch.func`` rules run the stacked ops."""
     if _torch_compat.global_module_hooks():
@@ -522,7 +524,7 @@ def _compiled_member_call(skeleton: nn.Module, params: dict[str, Any], x: Tensor
     for i, name in enumerate(weights):
         shape = tuple(params[name].shape)
         if shape[-1] != width:
-            raise ValueError(width_error("vmap", name, shape, width, first=i == 0))
+            raise ValueError(width_error(where, name, shape, width, first=i == 0))
         width = shape[0]
     out = _mlp_member_op.member_mlp(
         x.reshape(-1, x.shape[-1]),
