@@ -515,6 +515,33 @@ def test_module_list_state_dict_loads_as_the_error_says() -> None:
         )
 
 
+def test_load_state_dict_with_assign_takes_the_given_tensors_and_trains_as_the_loop() -> None:
+    """The docstring: with assign=True torch assigns the given tensors (nothing copied
+    or converted); then each member trains as the loop's member loaded alike."""
+    modules = _bn_members()
+    loop = copy.deepcopy(modules)
+    ens = fe.Ensemble(modules)
+    state = _shifted_state(fe.Ensemble(_bn_members()))
+    ens.load_state_dict(state, assign=True)
+    assert ens.stacked_params()["0.weight"].data_ptr() == state["stacked.0.weight"].data_ptr()
+    for i, member in enumerate(loop):
+        member.load_state_dict({k.removeprefix("stacked."): v[i] for k, v in state.items()})
+    x = torch.randn(6, 3, dtype=torch.float64)
+    opt = torch.optim.SGD(ens.parameters(), lr=0.1, momentum=0.9)
+    loop_opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in loop]
+    for _ in range(2):
+        opt.zero_grad()
+        ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+        for m, o in zip(loop, loop_opts, strict=True):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for k, v in ens.state_dict().items():
+        want = torch.stack([m.state_dict()[k.removeprefix("stacked.")] for m in loop])
+        torch.testing.assert_close(v, want, rtol=1e-12, atol=1e-12, msg=k)
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_load_state_dict_converts_like_the_loop(strict: bool) -> None:
     # What loads, loads as nn.Module.load_state_dict loads it into each member module:
