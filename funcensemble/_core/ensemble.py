@@ -299,20 +299,18 @@ class Ensemble(nn.Module):
         else:
             _in_dims.check_type("Ensemble", in_dims)
             dims = _in_dims.per_argument(in_dims, args, self.num_members, "Ensemble")
-        # The stacked tensors are read off the module while no other thread's call has
-        # swapped its own into it (see _turns); not while compiling (a lock does not trace).
-        reading = (
-            contextlib.nullcontext() if torch.compiler.is_compiling() else _turns.lock(self.stacked)
-        )
         if self.chunk_size is None:
-            fast = fast_call(
-                self.stacked, None, args, kwargs, dims, where="Ensemble", reading=reading
-            )
+            fast = fast_call(self.stacked, None, args, kwargs, dims, where="Ensemble")
             if fast is not None:
                 # (Checked here: a traced call must not enter not_saved as a new frame.)
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
         mapped = mapped_call(self.fmodel, self.randomness, self.chunk_size, where="Ensemble")
-        with reading:
+        # Read while no other thread's call has its own tensors swapped into the module
+        # (see _turns); not while compiling (a lock does not trace). (The fast path above
+        # reads them too: a plain MLP's calls never swap, they all take the fast path.)
+        with (
+            contextlib.nullcontext() if torch.compiler.is_compiling() else _turns.lock(self.stacked)
+        ):
             params, buffers = self.stacked_params(), self.stacked_buffers()
         if not _torch_compat.jit_tracing():  # (which refuses below, saying why)
             _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building

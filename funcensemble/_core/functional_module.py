@@ -249,13 +249,13 @@ class FunctionalModule:
         if not compiling:
             _chunk_state.seen(self.skeleton)  # a chunked call replays each chunk alike
         inside = not compiling and _torch_compat.inside_transform()
+        where = _entry.current() if inside else "FunctionalModule"
         if inside:
             # Backward hooks would not run here: refused (see _structure.backward_hooks).
-            _backward_hooks.check_call(_entry.current(), self.skeleton)
+            _backward_hooks.check_call(where, self.skeleton)
             # Inside fe.vmap: keep a copy of the statistics this forward will update,
             # put back if the call fails (see _rollback).
             save_before_update(updated_in_place(norm_layers(self.skeleton)))
-        where = _entry.current() if inside else "FunctionalModule"
         before = _forward_state.kept_tensors(self.skeleton) if inside else None
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).

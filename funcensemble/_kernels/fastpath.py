@@ -8,7 +8,6 @@ does not recognise exactly (subclasses, hooks, parametrizations, dropout in trai
 mode, other layers) returns ``None`` and the caller takes the general ``vmap`` path.
 """
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -414,7 +413,6 @@ def fast_call(
     dims: tuple[Any, ...] | None,
     *,
     where: str = "vmap",
-    reading: contextlib.AbstractContextManager | None = None,
 ) -> Tensor | None:
     """The one entry to the fast path: the stacked output of an MLP call, or ``None``.
 
@@ -441,13 +439,11 @@ def fast_call(
     steps, dim = found
     if params is None:
         params = {}
-        # (The caller's guard against another thread's tensors swapped into the module.)
-        with reading or contextlib.nullcontext():
-            for module, weight, bias in steps:
-                if weight is not None:
-                    params[weight] = module.weight
-                    if bias is not None:
-                        params[bias] = module.bias
+        for module, weight, bias in steps:
+            if weight is not None:
+                params[weight] = module.weight
+                if bias is not None:
+                    params[bias] = module.bias
     elif any(
         name is not None and not isinstance(params.get(name), Tensor)
         for _, weight, bias in steps
