@@ -163,6 +163,63 @@ def test_plan_recognises_only_plain_mlps():
     assert _fastpath.plan(nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))) is None
 
 
+IN_PLACE_CHAINS = {
+    # (activations between two Linears, whether the loop's backward runs)
+    "tanh_then_relu_": ([nn.Tanh(), nn.ReLU(inplace=True)], False),
+    "relu__then_relu_": ([nn.ReLU(inplace=True), nn.ReLU(inplace=True)], False),
+    "sigmoid_then_elu_": ([nn.Sigmoid(), nn.ELU(inplace=True)], False),
+    "leaky_relu__negative_slope": ([nn.LeakyReLU(-0.5, inplace=True)], False),
+    "elu__negative_alpha": ([nn.ELU(-1.0, inplace=True)], False),
+    "relu_": ([nn.ReLU(inplace=True)], True),
+    "leaky_relu__zero_slope": ([nn.LeakyReLU(0.0, inplace=True)], True),
+    "elu__zero_alpha": ([nn.ELU(0.0, inplace=True)], True),
+    "silu_": ([nn.SiLU(inplace=True)], True),
+    "mish_": ([nn.Mish(inplace=True)], True),
+}
+
+
+@pytest.mark.parametrize("chain", IN_PLACE_CHAINS)
+@pytest.mark.parametrize("face", ["ensemble", "value_and_grad"])
+def test_in_place_activations_fail_or_run_as_in_the_loop(chain, face):
+    # The fast path computes activations out of place: an in-place one whose backward
+    # the loop refuses (it overwrote what the op before it saved, or torch has no
+    # in-place backward for its argument) must fail here too, not train.
+    acts, loop_runs = IN_PLACE_CHAINS[chain]
+    torch.manual_seed(0)
+    modules = [
+        nn.Sequential(nn.Linear(3, 4), *copy.deepcopy(acts), nn.Linear(4, 2)).double()
+        for _ in range(2)
+    ]
+    x = torch.randn(5, 3, dtype=torch.float64)
+    loop = copy.deepcopy(modules)
+    if not loop_runs:
+        with pytest.raises(RuntimeError, match=r"in-?place"):
+            torch.stack([m(x) for m in loop]).sum().backward()
+    else:
+        torch.stack([m(x) for m in loop]).sum().backward()
+        expected = torch.stack([m[0].weight.grad for m in loop])
+
+    if face == "ensemble":
+        ens = fe.Ensemble(copy.deepcopy(modules))
+
+        def gradient():
+            ens(x).sum().backward()
+            return ens.stacked[0].weight.grad
+
+    else:
+        fmodel, params, buffers = fe.stack(copy.deepcopy(modules))
+        value_and_grad = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())
+
+        def gradient():
+            return value_and_grad(params, buffers, x)[1]["0.weight"]
+
+    if not loop_runs:
+        with pytest.raises(RuntimeError, match=r"in-?place"):
+            gradient()
+    else:
+        torch.testing.assert_close(gradient(), expected, **TOL)
+
+
 @pytest.mark.parametrize("per_member", [False, True])
 @pytest.mark.parametrize("chunk_size", [None, 2])
 def test_fast_path_inside_value_and_grad_matches_general_path(

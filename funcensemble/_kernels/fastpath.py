@@ -55,6 +55,26 @@ def _has_hooks(module: nn.Module) -> bool:
     )
 
 
+def _in_place_is_safe(module: nn.Module, steps: Plan) -> bool:
+    """Whether the loop's backward runs through ``module`` applied in place, so the
+    fast path's out-of-place op gives its numbers.
+
+    Only on the fresh output of a Linear (whose backward does not read it): on the
+    input itself the chain would write the caller's tensor, and on an activation's
+    output (``Tanh`` then ``ReLU(inplace=True)``) it overwrites what that activation
+    saved, which the loop's backward refuses ("modified by an inplace operation").
+    Torch refuses in place backward of ``LeakyReLU`` with a negative slope and ``ELU``
+    with a negative ``alpha`` anywhere.
+    """
+    if not steps or steps[-1][1] is None:
+        return False
+    if isinstance(module, nn.LeakyReLU):
+        return module.negative_slope >= 0
+    if isinstance(module, nn.ELU):
+        return module.alpha >= 0
+    return True
+
+
 def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
     if _has_hooks(module) or "forward" in module.__dict__:
         # A forward set on the instance (module.forward = ..., as accelerate's hooks
@@ -75,9 +95,8 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
         steps.append((module, f"{prefix}weight", bias))
         return True
     if kind in _ELEMENTWISE or kind is nn.Dropout:
-        if getattr(module, "inplace", False) and not any(w for _, w, _ in steps):
-            # In place on the input itself, which the chain never writes: the general
-            # path runs it as written (and refuses a shared input changed in place).
+        if getattr(module, "inplace", False) and not _in_place_is_safe(module, steps):
+            # The general path runs it as written: it fails as the loop's backward does.
             return False
         steps.append((module, None, None))
         return True
