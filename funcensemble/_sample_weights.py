@@ -1,6 +1,5 @@
 """Per-member sample weights in a shared batch: bootstrap masks and the weighted mean."""
 
-import math
 from typing import Literal
 
 import torch
@@ -228,10 +227,11 @@ def weighted_mean(
     # make the sum NaN; mask the value, not the product, so that d/dweights stays the
     # formula's (the value itself), also at a weight of 0.
     used = (weights != 0) | values.isfinite()
-    total = (weights * torch.where(used, values, 0)).sum(dim=dims)
     if normalize == "samples":
-        count = math.prod(values.shape[d] for d in dims) if values.dim() else 1
-        return total / count
+        # .mean itself, as (mask * loss).mean() runs it: in half precision it sums in
+        # float32 (a float16 sum of 10,000 tens is inf) and rounds once.
+        return (weights * torch.where(used, values, 0)).mean(dim=dims)
+    total = (weights * torch.where(used, values, 0)).sum(dim=dims)
     weight = weights.sum(dim=dims)
     empty = weight == 0
     # Route an empty member around the division, so that neither its value nor its

@@ -141,6 +141,21 @@ def test_a_left_out_sample_does_not_enter_the_value_even_if_not_finite():
     assert fe.weighted_mean(values, weights, normalize="samples").item() == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [None, 1, (0, 1)])
+def test_normalize_samples_is_the_mean_of_the_masked_losses_bit_for_bit(dtype, dim):
+    # The docstring's "what (mask * loss).mean() computes": in half precision .mean sums
+    # in float32, where a float16 sum of 10,000 tens overflows to inf.
+    g = torch.Generator().manual_seed(0)
+    values = (torch.rand(3, 10000, generator=g) * 20).to(dtype)
+    masks = (torch.rand(3, 10000, generator=g) < 0.7).to(dtype)
+    got = fe.weighted_mean(values, masks, dim=dim, normalize="samples")
+    expected = (masks * values).mean() if dim is None else (masks * values).mean(dim)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+    assert got.isfinite().all()
+
+
 def formula(values, weights, normalize, dim=None):
     """weighted_mean's formula, written out (for members whose weights do not sum to 0)."""
     dims = tuple(range(values.dim())) if dim is None else dim
