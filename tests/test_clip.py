@@ -141,6 +141,39 @@ def test_float32_matches_clip_grad_norm_():
     assert updates["w"].dtype == torch.float32 and updates["b"].dtype == torch.float64
 
 
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float64),
+    ],
+    ids=str,
+)
+def test_half_precision_leaves_are_scaled_as_clip_grad_norm_scales_them(dtypes):
+    # clip_grad_norm_ multiplies a float16 gradient by its float32 (0-dim) factor in
+    # float32 and rounds once; rounding the factor to float16 first is 1 ulp off.
+    g = torch.Generator().manual_seed(0)
+    grads = {
+        "a": torch.randn(N, 7, 33, generator=g).to(dtypes[0]),
+        "b": (2 * torch.randn(N, 7, 33, generator=g)).to(dtypes[1]),
+    }
+    clip = fe.optim.clip_by_global_norm(1.0)
+    updates, _ = clip.update(grads, clip.init(grads))
+    for i in range(N):
+        ps = [nn.Parameter(v[i].clone()) for v in grads.values()]
+        for p, v in zip(ps, grads.values(), strict=True):
+            p.grad = v[i].clone()
+        total = nn.utils.clip_grad_norm_(ps, 1.0)
+        assert total > 1.0  # the factor is not 1: every leaf is scaled
+        for p, k in zip(ps, grads, strict=True):
+            assert updates[k].dtype == p.grad.dtype
+            assert torch.equal(updates[k][i], p.grad), (k, i)
+
+
 def test_ensemble_optimizer_clips_each_member_by_its_own_norm():
     ref = members(torch.float64)
     for m in ref:
