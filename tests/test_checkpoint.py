@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import optree
 import pytest
 import safetensors
 import safetensors.torch
@@ -1239,6 +1240,27 @@ def test_a_torch_optim_file_of_another_dtype_is_refused_by_a_fresh_optimizer_too
     ):
         fe.load(tmp_path / "opt.st", fresh)
     assert not fresh.state
+
+
+def test_an_ensemble_optimizer_file_of_another_dtype_gives_advice_that_exists(tmp_path):
+    """It advised .to(torch.float32) on the optimizer, which an EnsembleOptimizer has not."""
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(2)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(lr=1e-2, momentum=0.9))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.st", opt)
+    wide = fe.Ensemble([nn.Linear(3, 1).double() for _ in range(2)])
+    other = fe.optim.EnsembleOptimizer(wide, fe.optim.sgd(lr=1e-2, momentum=0.9))
+    wide(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+    other.step()
+    before = [t.clone() for t in optree.tree_leaves(other.state)]
+    with pytest.raises(ValueError, match=r"float32 tensor .* in the file") as raised:
+        fe.load(tmp_path / "opt.st", other)
+    assert ".to(torch.float32) before building the optimizer" in str(raised.value)
+    assert "Convert this optimizer" not in str(raised.value)
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, optree.tree_leaves(other.state), strict=True)
+    )
 
 
 def test_an_ensemble_optimizer_file_into_a_torch_optimizer_says_what_it_holds(tmp_path) -> None:

@@ -422,7 +422,20 @@ def load(path: str | os.PathLike, obj: T) -> T:
         )
     if contents.kind == "pytree":
         contents = _counts_as_saved(contents, obj, tensors)
-    _check_leaves(where, name, contents, tensors, header["values"])
+    try:
+        _check_leaves(where, name, contents, tensors, header["values"])
+    except ValueError as error:
+        if not isinstance(obj, EnsembleOptimizer):
+            raise
+        # An EnsembleOptimizer has no .to(): its ensemble's dtype decides.
+        raise ValueError(
+            re.sub(
+                r"Convert this optimizer to (\w+) before loading .*",
+                r"Load it into an EnsembleOptimizer built over a \1 ensemble (convert "
+                r"the ensemble with .to(torch.\1) before building the optimizer).",
+                str(error),
+            )
+        ) from None
     if not verified:
         warnings.warn(
             f"{where}: '{name}' was written before checkpoints had checksums (format "
