@@ -73,6 +73,52 @@ def test_a_buffer_reassigned_in_forward_keeps_its_new_value_as_in_the_loop(face,
     assert state["calls"].tolist() == [4] * N
 
 
+class EmaThenFails(Ema):
+    """Ema, then a failure after the buffers were re-assigned: in a later layer at a
+    chosen call (a chunk), or a shared input changed in place."""
+
+    fail_at: int | None = None
+    calls_seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        type(self).calls_seen += 1
+        if type(self).calls_seen == self.fail_at:
+            raise ValueError("a later layer fails")
+        if self.fail_at is None:
+            x.mul_(1.0)  # the shared input changed in place: refused after the call
+        return y
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("failure", ["later_layer", "shared_input_changed"])
+@pytest.mark.parametrize("face", ["module", "vmap"])
+def test_a_failed_call_puts_re_assigned_buffers_back(face, failure, chunk_size):
+    # The re-assigned values were written into the stacked buffers as each call (each
+    # chunk) ended: a later failure left them, for some members or all, where
+    # BatchNorm's statistics are put back ("A call that fails changes nothing").
+    torch.manual_seed(0)
+    mods = [EmaThenFails().double() for _ in range(N)]
+    EmaThenFails.calls_seen = 0
+    EmaThenFails.fail_at = None if failure == "shared_input_changed" else (2 if chunk_size else 1)
+    try:
+        if face == "module":
+            ens = fe.Ensemble(mods, chunk_size=chunk_size)
+            buffers = ens.stacked_buffers()
+            call = lambda: ens(torch.randn(5, 4, dtype=torch.float64))  # noqa: E731
+        else:
+            fmodel, params, buffers = fe.stack(mods)
+            mapped = fe.vmap(fmodel, chunk_size=chunk_size)
+            call = lambda: mapped(params, buffers, torch.randn(5, 4, dtype=torch.float64))  # noqa: E731
+        before = {k: v.clone() for k, v in buffers.items()}
+        with pytest.raises(ValueError, match=r"a later layer fails|an input shared by all"):
+            call()
+        for k, v in buffers.items():
+            assert torch.equal(v, before[k]), k
+    finally:
+        EmaThenFails.fail_at = None
+
+
 class Reassigns(nn.Module):
     def __init__(self, what: str) -> None:
         super().__init__()

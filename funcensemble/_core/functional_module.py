@@ -307,7 +307,7 @@ class FunctionalModule:
             raise clear from error
         if before is not None:
             _forward_state.check_kept(where, self.skeleton, before)
-        _forward_state.carry_rebound(where, params, buffers, given)
+        _forward_state.carry_rebound(where, params, buffers, given, save_before_update)
         return out
 
     def __repr__(self) -> str:

@@ -14,6 +14,7 @@ stands for every member:
   put back.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,14 +68,19 @@ def check_kept(where: str, skeleton: nn.Module, before: Kept) -> None:
 
 
 def carry_rebound(
-    where: str, params: dict[str, Tensor], buffers: dict[str, Tensor], after: dict[str, Any]
+    where: str,
+    params: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    after: dict[str, Any],
+    before_writing: Callable[[list[str]], None],
 ) -> None:
     """Write buffers the forward re-assigned into the member's buffers; refuse the rest.
 
     ``after`` is the dict handed to ``functional_call``, which writes back what the
     module held at the end of the call. A slot holding another tensor passed in is a
     tie (``tie_weights``: one tensor stands for every name of a tied slot), not a new
-    value.
+    value. Everything is checked before anything is written; ``before_writing`` gets
+    the names about to be written (saved, to be put back if the call fails later).
     """
     passed = {id(t) for t in params.values()} | {id(t) for t in buffers.values()}
     for name, old in params.items():
@@ -84,6 +90,7 @@ def carry_rebound(
                 "parameters to stay the tensors passed in). Compute the new value as a "
                 "local tensor, or change the parameter outside forward."
             )
+    rebound: list[tuple[str, Tensor, Tensor]] = []
     for name, old in buffers.items():
         new = after.get(name, old)
         if id(new) in passed:
@@ -105,5 +112,10 @@ def carry_rebound(
                 "buffers are one stacked tensor, which a new value is written into). "
                 "Keep the buffer's shape and dtype, or update it in place."
             )
-        with torch.no_grad():
+        rebound.append((name, old, new))
+    if not rebound:
+        return
+    before_writing([name for name, _, _ in rebound])
+    with torch.no_grad():
+        for _, old, new in rebound:
             old.copy_(new)
