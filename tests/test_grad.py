@@ -534,3 +534,30 @@ def test_has_aux_with_three_values_says_to_return_a_pair(chunk_size):
     )
     with pytest.raises(ValueError, match=r"must return a pair \(loss, aux\), got a tuple of 3"):
         step(params, buffers, torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_buffers_come_back_without_autograd_history(chunk_size):
+    # A forward that copies a differentiable value into a buffer (no .detach()) gave
+    # the returned buffers a graph, which every later step starting from them kept.
+    class Snapshot(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.register_buffer("snap", torch.zeros(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.snap.copy_(self.lin.bias * 2)
+            return self.lin(x) + self.snap
+
+    torch.manual_seed(0)
+    mods = [Snapshot().double() for _ in range(3)]
+    fmodel, params, buffers = fe.stack(mods)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum(), chunk_size=chunk_size)
+    for _ in range(2):
+        _, grads, buffers = step(params, buffers, x)
+        assert not buffers["snap"].requires_grad and buffers["snap"].grad_fn is None
+        torch.testing.assert_close(buffers["snap"], 2 * params["lin.bias"])
+        # d/d bias of sum(W x + b + 2 b) over 4 rows: 3 per row.
+        torch.testing.assert_close(grads["lin.bias"], torch.full((3, 2), 12.0, dtype=torch.float64))

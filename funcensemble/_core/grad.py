@@ -377,6 +377,11 @@ def _value_and_grad(
             losses, grads, aux = _autograd_step(
                 mapped_loss, has_aux, params, buffers, args, kwargs, dims, trainable, where
             )
+        if not torch.compiler.is_compiling() and not _torch_compat.inside_transform():
+            # A buffer the forward wrote a differentiable value into (snap.copy_(w * 2))
+            # comes back as a value, as the losses do: its graph would otherwise grow
+            # through every later step that starts from it.
+            buffers = {k: v.detach() if v.requires_grad else v for k, v in buffers.items()}
         return (losses, grads, buffers, aux) if has_aux else (losses, grads, buffers)
 
     with_grads.run = run  # type: ignore[attr-defined]  # for HeteroEnsemble's groups
