@@ -1277,3 +1277,24 @@ def test_an_ensemble_optimizer_file_into_a_torch_optimizer_says_what_it_holds(tm
         fe.load(path, plain)
     assert plain.state_dict()["state"] == {}
     fe.load(path, fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2)))  # the advice works
+
+
+def test_an_ensembles_file_holds_and_restores_its_non_persistent_buffers(tmp_path):
+    """checkpoints.md: unlike state_dict(), the file holds non-persistent buffers."""
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.lin(x) + self.cache
+
+    ens = fe.Ensemble([Cached() for _ in range(2)])
+    ens.stacked_buffers()["cache"].fill_(1.0)
+    assert not any("cache" in k for k in ens.state_dict())
+    fe.save(tmp_path / "ens.st", ens)
+    fresh = fe.Ensemble([Cached() for _ in range(2)])
+    fe.load(tmp_path / "ens.st", fresh)
+    assert torch.equal(fresh.stacked_buffers()["cache"], torch.ones(2, 2))
