@@ -671,3 +671,60 @@ def test_stepping_what_select_and_concat_return_leaves_their_inputs_as_they_were
         assert (got is None and want is None) or torch.equal(got, want)
     for k, v in ens.stacked_params().items():
         assert torch.equal(v, params[k]), k
+
+
+def test_optimizer_states_of_different_step_counts_join_as_the_refusal_advises():
+    # fe.concat refuses two Adam states whose shared step counts differ; it advised
+    # fe.optim.concat, which gives the joining members a fresh state (their moments
+    # lost). Its advice now: per-member counts first; then each member goes on as
+    # its own loop member.
+    torch.manual_seed(0)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+    first, second = [make() for _ in range(2)], [make() for _ in range(3)]
+    loops = copy.deepcopy(first), copy.deepcopy(second)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    opt = fe.optim.adam(1e-2)
+
+    def train(mods, steps):
+        fmodel, params, buffers = fe.stack(mods)
+        state = opt.init(params)
+        step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
+        for _ in range(steps):
+            _, grads, buffers = step(params, buffers, x)
+            state = opt.update_(grads, state, params)
+        return step, params, buffers, state
+
+    step, p1, b1, s1 = train(first, 3)
+    _, p2, b2, s2 = train(second, 2)
+    with pytest.raises(ValueError, match=r"count.expand\(n\).clone\(\)"):
+        fe.concat([s1, s2])
+
+    def per_member(state, n):
+        adam = state[0]
+        counts = {k: c.expand(n).clone() for k, c in adam.count.items()}
+        return (adam._replace(count=counts), *state[1:])
+
+    params, buffers = fe.concat([p1, p2]), fe.concat([b1, b2])
+    state = fe.concat([per_member(s1, 2), per_member(s2, 3)])
+    for _ in range(3):
+        _, grads, buffers = step(params, buffers, x)
+        state = opt.update_(grads, state, params)
+    expected = []
+    for mods, steps in zip(loops, (3, 2), strict=True):
+        for m in mods:
+            torch_opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+            for _ in range(steps + 3):
+                torch_opt.zero_grad()
+                m(x).pow(2).mean().backward()
+                torch_opt.step()
+            expected.append(m)
+    for name in params:
+        torch.testing.assert_close(
+            params[name],
+            torch.stack([m.get_parameter(name).detach() for m in expected]),
+            rtol=1e-12,
+            atol=1e-12,
+        )

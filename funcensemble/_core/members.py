@@ -236,8 +236,11 @@ def join(where: str, trees: list[PyTree], what: str = "trees") -> PyTree:
                 raise ValueError(
                     f"{where}: {path} is {x.item()!r} in {what}[{k}] but {first.item()!r} in "
                     f"{what}[0]. A 0-dim tensor is one value shared by all members (an "
-                    "optimizer's step count, say), so it must agree; grow an optimizer "
-                    "state with fe.optim.concat."
+                    "optimizer's step count, say), so it must agree. To join optimizer "
+                    "states that took different numbers of steps, make each count one "
+                    "value per member first (count.expand(n).clone(), n its state's "
+                    "members: fe.optim's adam and sgd step per-member counts); "
+                    "fe.optim.concat instead gives joining members a fresh state."
                 )
         out.append(row)
     with torch.no_grad():  # everything checked: build
