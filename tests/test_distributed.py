@@ -1206,6 +1206,12 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     )
     assert "equal values for the leaves written once, such as a step count" in messages["step"]
     assert not (tmp_path / "ckpt" / ".metadata").exists()  # refused before writing
+    # Rank 1's template alone does not match the checkpoint: both ranks raise this (the
+    # other rank waited for it, then failed with "another rank has probably crashed").
+    assert messages["load dtype"].startswith(
+        f"distributed.load: {start}leaf `params.0.bias` (rank 0: float64, per-member shape "
+        "(16,); rank 1: float32, per-member shape (16,))"
+    ), messages["load dtype"]
     assert messages["mean shapes"] == (
         "mean: the ranks passed reduced outputs of different dtypes or shapes (rank 0: "
         "float32 (2, 3); rank 1: float32 (3, 2)), so the collective would combine values "

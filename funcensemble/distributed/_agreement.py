@@ -294,13 +294,19 @@ def agree_to_write(
     *,
     values: bool,
     checkpoint: str | None = None,
+    refused: str | None = None,
 ) -> None:
     """Before a sharded save or load: every rank passes the same structure (and values);
-    for a load, ``checkpoint`` identifies what this rank found at ``path``."""
+    for a load, ``checkpoint`` identifies what this rank found at ``path``, and
+    ``refused`` is this rank's own refusal of its object (raised by the caller after
+    this, when every rank refused alike)."""
     rank, world, group = shard._all_ranks()
     description = describe_leaves(leaves, values=values)
     if checkpoint is not None:
         description["the checkpoint found"] = checkpoint
+        description["the check of its object against the checkpoint"] = (
+            "passed" if refused is None else f"refused: {refused}"
+        )
     agree(
         where,
         description,

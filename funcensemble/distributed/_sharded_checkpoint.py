@@ -476,7 +476,13 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
                 f"{shard.num_members}. Pass MemberShard({num_members})."
             )
     flat = _counts_as_saved(where, obj, flat, saved, shard)
-    _check(where, name, flat, saved, shard)
+    try:
+        _check(where, name, flat, saved, shard)
+        refused = None
+    except ValueError as error:
+        # Raised after the ranks' agreement below, which carries it: a rank whose
+        # object alone does not match must not leave the others waiting.
+        refused = error
 
     sharded = set(flat.sharded())
     spread = _spread(shard)
@@ -497,7 +503,17 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         elif key in sharded and cut:
             plan[key] = rows.new_empty((shard.num_members, *rows.shape[1:]))
     found = identity(name)
-    agree_to_write(where, name, flat.leaves, shard, values=False, checkpoint=found)
+    agree_to_write(
+        where,
+        name,
+        flat.leaves,
+        shard,
+        values=False,
+        checkpoint=found,
+        refused=None if refused is None else str(refused),
+    )
+    if refused is not None:  # on every rank: their objects were refused alike
+        raise refused
     if checksums is None:
         warnings.warn(
             f"{where}: '{name}' has no {CHECKSUM_FILE} file (written by plain "
