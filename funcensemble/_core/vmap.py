@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import _torch_compat
+from .._kernels.autocast_policy import CpuAutocastPolicy
 from .._kernels.fastpath import fast_call
 from .._messages import positive_int
 from .._structure import chunk_state as _chunk_state
@@ -74,6 +75,14 @@ def _traced_switches(on_cpu: bool) -> Iterator[None]:
     # sdpa_kernel: without it the CPU flash kernel would loop over members.
     with sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
         yield
+
+
+def _cpu_autocast_policy(where: str) -> contextlib.AbstractContextManager:
+    """CPU autocast's per-op policy for one call, while CPU autocast is on (see
+    ``_kernels/autocast_policy.py``); a call without it pays one check."""
+    if not _torch_compat.autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return CpuAutocastPolicy(where)
 
 
 # Types torch's pytree takes as leaves: arguments of only these are already flat.
@@ -399,7 +408,11 @@ def mapped_call(
         token = None if torch.compiler.is_compiling() else _entry.enter(where)
         try:
             # A call that raises leaves the buffers as they were (see _rollback).
-            with rollback_on_error(buffers), _no_silent_loops(_on_cpu(params, buffers)):
+            with (
+                rollback_on_error(buffers),
+                _no_silent_loops(_on_cpu(params, buffers)),
+                _cpu_autocast_policy(where),
+            ):
                 out = call()
                 _check_unchanged(shared, where)
                 if torch.compiler.is_compiling():

@@ -1,0 +1,167 @@
+"""CPU autocast's per-op dtype policy, applied inside vmap as eager autocast applies it.
+
+``torch.func.vmap`` runs an op's batching rule above autocast, so the kernels it calls
+are cast by their own names, not the op's: ``addmm`` becomes ``mm`` plus ``add`` (float32
+where the loop's ``addmm`` returns bfloat16), ``mv`` becomes ``mm`` (bfloat16 where the
+loop's ``mv`` stays float32), and ops on autocast's float32 list (``cross_entropy``,
+``trace``) run in their operands' dtype. While CPU autocast is on, one
+``TorchFunctionMode`` applies autocast's policy to each call that a member's forward or a
+loss makes of an op in ``_POLICY``, and runs the op with CPU autocast off, as autocast's
+own kernels redispatch below it:
+
+- ``"lower"`` (CPU autocast's lower-precision list): floating operands other than
+  float64, on CPU, cast to autocast's dtype;
+- ``"rounded"`` (the same list, for kernels that accumulate in float32 and round once:
+  ``addmm``, ``baddbmm``, the convolutions, ``F.linear`` with a bias): cast so, then
+  computed in float32 and rounded to autocast's dtype once, as the kernel rounds (their
+  batching rules would round the product, then the sum with the bias);
+- ``"fp32"`` (its float32 list): those operands cast to float32;
+- ``"off"``: ops autocast leaves alone whose batching rules call ops it casts;
+- ``"refused"``: ``addbmm``, whose kernel rounds after each batch's product, which
+  neither its batching rule nor one float32 computation does.
+
+The table holds the ops whose results under vmap differ from the loop's without it,
+found by comparing the two, for float32 and bfloat16 operands, in dtype and bits; each
+entry is checked in ``tests/test_autocast_policy.py``. Calls inside a Python-level torch
+function (``F.multi_head_attention_forward``) are not seen, only the function itself.
+
+This is CPU autocast only. Under CUDA autocast ``_kernels/rewrites.py`` casts the
+operands of a member's ``F.linear`` and convolutions, and nothing more.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from .. import _torch_compat
+
+
+def _linear(input: Any, weight: Any, bias: Any = None) -> str:
+    # torch's linear runs addmm for an input of 2 or more dims (flattened) with a 1-d
+    # bias, else matmul then add.
+    fused = isinstance(bias, Tensor) and bias.dim() == 1
+    return "rounded" if fused and isinstance(input, Tensor) and input.dim() >= 2 else "lower"
+
+
+def _inner(input: Any, other: Any) -> str | None:
+    # torch's inner of two vectors is dot (not cast); of matrices, a cast matmul.
+    vectors = all(isinstance(t, Tensor) and t.dim() <= 1 for t in (input, other))
+    return "off" if vectors else None
+
+
+_LOWER = (
+    torch.linalg.vecdot,
+    torch.prelu,  # F.prelu
+    Tensor.prelu,
+    F.scaled_dot_product_attention,
+)
+_ROUNDED = (
+    torch.addmm,
+    Tensor.addmm,
+    torch.baddbmm,
+    Tensor.baddbmm,
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+)
+_FP32 = (
+    F.cross_entropy,
+    F.nll_loss,
+    F.l1_loss,
+    F.binary_cross_entropy_with_logits,
+    F.poisson_nll_loss,
+    F.hinge_embedding_loss,
+    F.cosine_embedding_loss,
+    torch.trace,
+    Tensor.trace,
+    F.max_pool3d,
+    F.adaptive_avg_pool3d,
+    torch.cdist,
+    torch.pinverse,
+    Tensor.pinverse,
+    torch.linalg.solve,
+    torch.linalg.eigvalsh,
+    torch.linalg.svdvals,
+    torch.fft.fft,
+    torch.fft.ifft,
+    torch.fft.fft2,
+    torch.fft.ifft2,
+    torch.fft.fftn,
+    torch.fft.ifftn,
+    torch.fft.rfft,
+    torch.fft.irfft,
+    torch.fft.rfft2,
+    torch.fft.irfft2,
+    torch.fft.rfftn,
+    torch.fft.irfftn,
+    torch.fft.hfft,
+    torch.fft.ihfft,
+)
+_REFUSED = (torch.addbmm, Tensor.addbmm)
+_OFF = (torch.mv, Tensor.mv, torch.dot, Tensor.dot, torch.vdot, Tensor.vdot)
+_OFF += (torch.addmv, Tensor.addmv)
+
+# op -> its policy, or a function of the call's arguments that returns it (or None).
+_POLICY: dict[Any, str | Callable[..., str | None]] = {
+    **dict.fromkeys(_LOWER, "lower"),
+    **dict.fromkeys(_ROUNDED, "rounded"),
+    **dict.fromkeys(_FP32, "fp32"),
+    **dict.fromkeys(_OFF, "off"),
+    **dict.fromkeys(_REFUSED, "refused"),
+    F.linear: _linear,
+    torch.inner: _inner,
+    Tensor.inner: _inner,
+}
+
+
+class CpuAutocastPolicy(TorchFunctionMode):
+    """Within this mode, the ops of ``_POLICY`` run as eager CPU autocast runs them;
+    ``where`` (the entry point the user called) names the refusals."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def _cast(self, tree: Any, dtype: torch.dtype) -> Any:
+        """``tree``'s CPU floating tensors other than float64 as ``dtype`` (the tensors
+        autocast casts), also inside a list or tuple argument."""
+        if isinstance(tree, Tensor):
+            eligible = tree.is_floating_point() and tree.dtype != torch.float64 and tree.is_cpu
+            return tree.to(dtype) if eligible else tree
+        if type(tree) in (list, tuple):
+            return type(tree)(self._cast(t, dtype) for t in tree)
+        return tree
+
+    def _cast_all(self, args: Any, kwargs: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+        return self._cast(args, dtype), {k: self._cast(v, dtype) for k, v in kwargs.items()}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        policy = _POLICY.get(func)
+        if callable(policy):
+            policy = policy(*args, **kwargs)
+        if policy is None:
+            return func(*args, **kwargs)
+        if policy == "refused":
+            raise ValueError(
+                f"{self.where}: addbmm under CPU torch.autocast cannot be computed inside "
+                "vmap as the loop computes it (expected no addbmm in an ensemble's forward "
+                "or loss under autocast, got a call of it): its kernel rounds to the "
+                "autocast dtype after each batch's product. Write it as torch.addmm calls, "
+                "one per batch (the same values), or call it outside torch.autocast."
+            )
+        dtype = _torch_compat.autocast_dtype("cpu")
+        if policy in ("lower", "rounded"):
+            args, kwargs = self._cast_all(args, kwargs, dtype)
+        if policy in ("rounded", "fp32"):
+            args, kwargs = self._cast_all(args, kwargs, torch.float32)
+        with torch.autocast("cpu", enabled=False):
+            out = func(*args, **kwargs)
+        return out.to(dtype) if policy == "rounded" else out

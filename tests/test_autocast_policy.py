@@ -1,0 +1,211 @@
+"""CPU autocast's per-op policy inside vmap (``_kernels/autocast_policy.py``): each op of
+its table, under ``torch.autocast("cpu", dtype=torch.bfloat16)``, in a member's forward,
+in a function mapped by ``fe.vmap`` and in ``fe.value_and_grad``'s loss, gives the
+loop's dtype and bits. ``p`` is a member's float32 parameter, ``x`` a shared float32
+input and ``h = p @ x`` a bfloat16 activation (autocast runs ``mm`` in bfloat16)."""
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import funcensemble as fe
+from funcensemble._core import vmap as _vmap
+from funcensemble._kernels import autocast_policy
+
+N = 3
+
+
+def _h(p: Tensor, x: Tensor) -> Tensor:
+    return p @ x
+
+
+def _spd(p: Tensor, x: Tensor) -> Tensor:
+    h = _h(p, x)
+    return h @ h.T + 8 * torch.eye(8, dtype=h.dtype)
+
+
+def _labels() -> Tensor:
+    return torch.tensor([0, 3, 1, 7, 2, 5, 4, 6])
+
+
+# name -> the member's computation, f(p, x).
+CASES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    # lower precision
+    "linalg.vecdot": lambda p, x: torch.linalg.vecdot(p, x),
+    "prelu": lambda p, x: F.prelu(p * x, p[0, :1]),
+    "Tensor.prelu": lambda p, x: (p * x).prelu(p[0]),
+    "scaled_dot_product_attention": lambda p, x: F.scaled_dot_product_attention(
+        p[None], x[None], x[None]
+    ),
+    # lower precision, rounded once
+    "addmm": lambda p, x: torch.addmm(p[0], x, p),
+    "Tensor.addmm": lambda p, x: p.addmm(x, x, beta=0.5, alpha=2.0),
+    "baddbmm": lambda p, x: torch.baddbmm(p[None], x[None], p[None]),
+    "Tensor.baddbmm": lambda p, x: p[None].baddbmm(x[None], p[None]),
+    "linear": lambda p, x: F.linear(x, p, p[0]),
+    "linear-3d": lambda p, x: F.linear(x.reshape(2, 4, 8), p, p[0]),
+    "linear-1d": lambda p, x: F.linear(x[0], p),
+    "conv1d": lambda p, x: F.conv1d(x[None], p[..., None], p[0]),
+    "conv2d": lambda p, x: F.conv2d(x[None, None], p[None, None, :3, :3], p[0, :1]),
+    "conv3d": lambda p, x: F.conv3d(
+        x.reshape(1, 1, 4, 4, 4), p.reshape(1, 1, 4, 4, 4)[..., :2, :2, :2]
+    ),
+    "conv_transpose1d": lambda p, x: F.conv_transpose1d(x[None], p[..., None], p[0]),
+    "conv_transpose2d": lambda p, x: F.conv_transpose2d(x[None, None], p[None, None, :3, :3]),
+    "conv_transpose3d": lambda p, x: F.conv_transpose3d(
+        x.reshape(1, 1, 4, 4, 4), p.reshape(1, 1, 4, 4, 4)[..., :2, :2, :2]
+    ),
+    # autocast off
+    "mv": lambda p, x: torch.mv(p, x[0]),
+    "Tensor.mv": lambda p, x: p.mv(x[0]),
+    "dot": lambda p, x: torch.dot(p[0], x[0]),
+    "Tensor.dot": lambda p, x: p[0].dot(x[0]),
+    "vdot": lambda p, x: torch.vdot(p[0], x[0]),
+    "Tensor.vdot": lambda p, x: p[0].vdot(x[0]),
+    "addmv": lambda p, x: torch.addmv(p[1], p, x[0]),
+    "Tensor.addmv": lambda p, x: p[1].addmv(p, x[0]),
+    "inner": lambda p, x: torch.inner(p[0], x[0]),
+    "Tensor.inner": lambda p, x: p[0].inner(x[0]),
+    # float32
+    "cross_entropy": lambda p, x: F.cross_entropy(_h(p, x), _labels()),
+    "nll_loss": lambda p, x: F.nll_loss(_h(p, x), _labels()),
+    "l1_loss": lambda p, x: F.l1_loss(_h(p, x), _h(x, p)),
+    "binary_cross_entropy_with_logits": lambda p, x: F.binary_cross_entropy_with_logits(
+        _h(p, x), x.sigmoid()
+    ),
+    "poisson_nll_loss": lambda p, x: F.poisson_nll_loss(_h(p, x), x.abs()),
+    "hinge_embedding_loss": lambda p, x: F.hinge_embedding_loss(_h(p, x), x.sign()),
+    "cosine_embedding_loss": lambda p, x: F.cosine_embedding_loss(_h(p, x), x, x[0].sign()),
+    "trace": lambda p, x: torch.trace(_h(p, x)),
+    "Tensor.trace": lambda p, x: _h(p, x).trace(),
+    "max_pool3d": lambda p, x: F.max_pool3d(_h(p, x).reshape(1, 4, 4, 4), 2),
+    "adaptive_avg_pool3d": lambda p, x: F.adaptive_avg_pool3d(_h(p, x).reshape(1, 4, 4, 4), 2),
+    "cdist": lambda p, x: torch.cdist(_h(p, x), x),
+    "pinverse": lambda p, x: torch.pinverse(_spd(p, x)),
+    "Tensor.pinverse": lambda p, x: _spd(p, x).pinverse(),
+    "linalg.solve": lambda p, x: torch.linalg.solve(_spd(p, x), x),
+    "linalg.eigvalsh": lambda p, x: torch.linalg.eigvalsh(_spd(p, x)),
+    "linalg.svdvals": lambda p, x: torch.linalg.svdvals(_spd(p, x)),
+    **{
+        f"fft.{name}": (lambda f: lambda p, x: f(_h(p, x)).abs())(getattr(torch.fft, name))
+        for name in (
+            *("fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2"),
+            *("irfft2", "rfftn", "irfftn", "hfft", "ihfft"),
+        )
+    },
+}
+
+
+class Member(nn.Module):
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.p = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return CASES[self.case](self.p, x)
+
+
+def _members(case: str) -> list[Member]:
+    torch.manual_seed(0)
+    return [Member(case) for _ in range(N)]
+
+
+def _autocast() -> torch.autocast:
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+# Ops whose batching rule sums in another order than the loop's kernel, with or without
+# autocast (vmap's dot is a batched mv; cross_entropy's mean): float32 rounding apart.
+REORDERED = {"dot", "Tensor.dot", "vdot", "Tensor.vdot", "inner", "Tensor.inner", "cross_entropy"}
+
+
+def _assert_same(got: Tensor, want: Tensor, case: str) -> None:
+    assert got.dtype == want.dtype
+    if case in REORDERED:
+        ulp = torch.finfo(torch.float32).eps * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0, atol=4 * ulp)
+    else:
+        assert torch.equal(got, want), (got - want).abs().max()
+
+
+@pytest.fixture
+def x() -> Tensor:
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_vmap_computes_in_the_loops_dtypes(case, x):
+    members = _members(case)
+    _, params, buffers = fe.stack(members)
+    with _autocast():
+        want = torch.stack([m(x) for m in members])
+        got = fe.vmap(lambda p, b, x: CASES[case](p["p"], x))(params, buffers, x)
+    _assert_same(got, want, case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ensemble_computes_in_the_loops_dtypes(case, x):
+    members = _members(case)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    with _autocast():
+        want = torch.stack([m(x) for m in members])
+        got = ens(x)
+    _assert_same(got, want, case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_value_and_grad_computes_in_the_loops_dtypes(case, x):
+    members = _members(case)
+    fmodel, params, buffers = fe.stack(members)
+
+    def loss_fn(p, b, x):
+        return fmodel(p, b, x).abs().sum()
+
+    losses, grads = [], []
+    with _autocast():
+        for m in members:
+            loss = m(x).abs().sum()
+            losses.append(loss.detach())
+            grads.append(torch.autograd.grad(loss, m.p)[0])
+        got_losses, got_grads, _ = fe.value_and_grad(loss_fn)(params, buffers, x)
+    _assert_same(got_losses, torch.stack(losses), case)
+    _assert_same(got_grads["p"], torch.stack(grads), case)
+
+
+@pytest.mark.parametrize("op", [torch.addbmm, Tensor.addbmm])
+def test_addbmm_is_refused(op):
+    members = _members("addmm")
+    _, params, buffers = fe.stack(members)
+    b1, b2 = torch.randn(2, 8, 8), torch.randn(2, 8, 8)
+    with _autocast(), pytest.raises(ValueError, match=r"^vmap: addbmm under CPU torch\.autocast"):
+        fe.vmap(lambda p, b: op(p["p"], b1, b2))(params, buffers)
+    # The advice: one addmm per batch, the loop's values.
+    with _autocast():
+        want = torch.stack([torch.addbmm(m.p, b1, b2) for m in members])
+        got = fe.vmap(lambda p, b: torch.addmm(torch.addmm(p["p"], b1[0], b2[0]), b1[1], b2[1]))(
+            params, buffers
+        )
+    _assert_same(got, want, "addmm")
+
+
+def test_calls_without_autocast_do_not_enter_the_mode(monkeypatch, x):
+    entered = []
+
+    class Spy(autocast_policy.CpuAutocastPolicy):
+        def __enter__(self):
+            entered.append(self.where)
+            return super().__enter__()
+
+    monkeypatch.setattr(_vmap, "CpuAutocastPolicy", Spy)
+    fmodel, params, buffers = fe.stack(_members("addmm"))
+    fe.vmap(fmodel)(params, buffers, x)
+    fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(params, buffers, x)
+    assert entered == []
+    with _autocast():
+        fe.vmap(fmodel)(params, buffers, x)
+    assert entered == ["vmap"]
