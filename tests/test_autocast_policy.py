@@ -209,3 +209,22 @@ def test_calls_without_autocast_do_not_enter_the_mode(monkeypatch, x):
     with _autocast():
         fe.vmap(fmodel)(params, buffers, x)
     assert entered == ["vmap"]
+
+
+@pytest.mark.parametrize("face", ["ensemble", "vmap"])
+def test_a_global_3d_pool_layer_computes_in_float32_as_the_loop(face):
+    # nn.AdaptiveAvgPool3d(1) is rewritten into a mean inside vmap (_kernels/rewrites),
+    # before the policy sees the call: it stayed in bfloat16 where the loop's ran in
+    # float32 (adaptive_avg_pool3d is on CPU autocast's float32 list).
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Conv3d(2, 3, 1), nn.AdaptiveAvgPool3d(1)) for _ in range(N)]
+    x = torch.randn(2, 2, 4, 4, 4)
+    with _autocast():
+        want = torch.stack([m(x) for m in members])
+        if face == "ensemble":
+            got = fe.Ensemble(copy.deepcopy(members))(x)
+        else:
+            fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+            got = fe.vmap(fmodel)(params, buffers, x)
+    assert want.dtype == torch.float32
+    _assert_same(got, want, "adaptive_avg_pool3d")

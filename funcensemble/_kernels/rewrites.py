@@ -80,6 +80,10 @@ def _global_pool(spatial: int, input: Tensor, output_size: Any) -> Tensor | None
     return input.mean(dims, keepdim=True)
 
 
+def _on_cpu(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.device.type == "cpu"
+
+
 def _autocast_fp32(t: Any) -> Any:
     """``t`` as autocast's float32 policy casts it: a float tensor other than float64."""
     eligible = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
@@ -260,7 +264,10 @@ class VmapRewrites(TorchFunctionMode):
             return out.copy_(func(*args, **kwargs))
         elif func in _POOLS and args:
             size = args[1] if len(args) > 1 else kwargs.get("output_size")
-            pooled = _global_pool(_POOLS[func], args[0], size)
+            input = args[0]
+            if func is F.adaptive_avg_pool3d and "cpu" in self.autocast and _on_cpu(input):
+                input = _autocast_fp32(input)  # on CPU autocast's float32 list
+            pooled = _global_pool(_POOLS[func], input, size)
             if pooled is not None:
                 return pooled
         return func(*args, **kwargs)
