@@ -1,8 +1,11 @@
 """fe.save / fe.load: round trips, the file format, atomic writes, bad files, determinism."""
 
+import copy
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import stat
 import subprocess
@@ -1298,3 +1301,27 @@ def test_an_ensembles_file_holds_and_restores_its_non_persistent_buffers(tmp_pat
     fresh = fe.Ensemble([Cached() for _ in range(2)])
     fe.load(tmp_path / "ens.st", fresh)
     assert torch.equal(fresh.stacked_buffers()["cache"], torch.ones(2, 2))
+
+
+def test_an_ensemble_optimizer_does_not_pickle_and_deepcopies_with_its_ensemble():
+    """checkpoints.md: torch.save(opt) fails; copy.deepcopy((ens, opt)) copies both."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(2)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=1e-2))
+    x = torch.randn(4, 3)
+    with pytest.raises((AttributeError, pickle.PicklingError, TypeError)):
+        torch.save(opt, io.BytesIO())
+    with pytest.raises((AttributeError, pickle.PicklingError, TypeError)):
+        pickle.dumps(opt)
+    ens_copy, opt_copy = copy.deepcopy((ens, opt))
+    before = ens.stacked.weight.detach().clone()
+    for e, o in ((ens, opt), (ens_copy, opt_copy)):
+        o.zero_grad()
+        e(x).pow(2).sum().backward()
+        o.step()
+    assert torch.equal(ens_copy.stacked.weight, ens.stacked.weight)
+    assert not torch.equal(ens.stacked.weight, before)
+    opt_copy.zero_grad()
+    ens_copy(x).pow(2).sum().backward()
+    opt_copy.step()  # steps the copy only
+    assert not torch.equal(ens_copy.stacked.weight, ens.stacked.weight)
