@@ -85,6 +85,27 @@ def _cpu_autocast_policy(where: str) -> contextlib.AbstractContextManager:
     return CpuAutocastPolicy(where)
 
 
+def _buffer_with_history(error: Exception, buffers: Any, where: str) -> Exception | None:
+    """A chunked call whose forward wrote a differentiable value into a buffer in place
+    (``self.snap.copy_(param * 2)``): the first chunk's write gave the stacked buffer a
+    graph, and the next chunk's write fails inside torch. Its history is cut (the
+    ensemble must not hold a graph) and the error says what to change."""
+    if "leaf Variable that requires grad" not in str(error) or not isinstance(buffers, dict):
+        return None
+    names = [k for k, v in buffers.items() if isinstance(v, Tensor) and v.requires_grad]
+    if not names:
+        return None
+    for name in names:
+        buffers[name].detach_()
+    return ValueError(
+        f"{where}: the forward wrote a value with autograd history into the buffer "
+        f"`{names[0]}` in place (e.g. buffer.copy_(param * 2)), which one chunk after "
+        "another cannot write (expected buffers updated from detached values). Write a "
+        "detached value (buffer.copy_(value.detach())), as the loop's members need too "
+        "to backward more than once; the members of the chunks that ran keep their write."
+    )
+
+
 # Types torch's pytree takes as leaves: arguments of only these are already flat.
 _LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)})
 
@@ -420,7 +441,9 @@ def mapped_call(
                 # An output may be a member's parameter, buffer or input itself.
                 return not_saved(out, params, buffers, args, kwargs)
         except (RuntimeError, ValueError) as error:
-            clear = _explain(error, randomness, where)
+            clear = _explain(error, randomness, where) or _buffer_with_history(
+                error, buffers, where
+            )
             if clear is None:
                 raise
             # Keep the frames down to the offending op, but not torch's internal wording.
