@@ -228,3 +228,103 @@ def test_a_global_3d_pool_layer_computes_in_float32_as_the_loop(face):
             got = fe.vmap(fmodel)(params, buffers, x)
     assert want.dtype == torch.float32
     _assert_same(got, want, "adaptive_avg_pool3d")
+
+
+LINEAR_INPUTS: dict[str, Callable[[Tensor], Tensor]] = {
+    # input [6, 4, 300] -> what reaches F.linear; torch fuses some into one addmm
+    "2d": lambda x: x[0],
+    "3d": lambda x: x,
+    "3d-transposed": lambda x: x.transpose(0, 1),
+    "4d": lambda x: x.reshape(2, 3, 4, 300),
+    "4d-transposed": lambda x: x.reshape(2, 3, 4, 300).transpose(1, 2),
+    "1d": lambda x: x[0, 0],
+}
+
+
+class _Linear(nn.Module):
+    def __init__(self, view: str, bias_dims: int) -> None:
+        super().__init__()
+        self.view, self.bias_dims = view, bias_dims
+        self.weight = nn.Parameter(torch.randn(8, 300) / 17)
+        self.bias = nn.Parameter(torch.randn(*[4] * (bias_dims - 1), 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(LINEAR_INPUTS[self.view](x), self.weight, self.bias)
+
+
+@pytest.mark.parametrize("bias_dims", [1, 2])
+@pytest.mark.parametrize("view", LINEAR_INPUTS)
+def test_linear_over_long_inner_products_rounds_as_the_loops_kernel(view, bias_dims):
+    # torch's linear is one addmm (one rounding) for some layouts and matmul then add
+    # (two roundings) for others; 300 inputs make the two differ in bfloat16.
+    if bias_dims == 2 and view != "2d":
+        pytest.skip("a [4, 8] bias is one row per sample of a 2-d input only")
+    torch.manual_seed(0)
+    members = [_Linear(view, bias_dims) for _ in range(N)]
+    x = torch.randn(6, 4, 300, generator=torch.Generator().manual_seed(1))
+    with _autocast():
+        want = torch.stack([m(x) for m in members])
+        got = fe.Ensemble(copy.deepcopy(members), chunk_size=2)(x)
+    _assert_same(got, want, view)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_float64_members_are_left_alone_as_autocast_leaves_them(chunk_size):
+    # The policy rounded every result to bfloat16, float64 ones too: the next float64
+    # layer then failed ("expected scalar type Float but found Double").
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2)).double() for _ in range(N)
+    ]
+    x = torch.randn(5, 2, 6, dtype=torch.float64)
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+
+    def loss_fn(p, b, x):
+        return fmodel(p, b, x).pow(2).sum()
+
+    with _autocast():
+        want = torch.stack([m(x) for m in members])
+        got = fe.Ensemble(copy.deepcopy(members), chunk_size=chunk_size)(x)
+        losses, grads, _ = fe.value_and_grad(loss_fn, chunk_size=chunk_size)(params, buffers, x)
+        loop_grads = [torch.autograd.grad(m(x).pow(2).sum(), m[0].weight)[0] for m in members]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(losses, want.pow(2).sum((1, 2)), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads["0.weight"], torch.stack(loop_grads), rtol=1e-12, atol=1e-12)
+
+
+def test_integer_operands_and_out_arguments_run_as_written():
+    # Integer addmm came back in bfloat16 with wrong values; an out= tensor was cast,
+    # and the op wrote into the copy.
+    members = _members("addmm")
+    _, params, buffers = fe.stack(members)
+    a = torch.randint(-50, 50, (2, 3))
+    b = torch.randint(-50, 50, (3, 2))
+    c = torch.randint(-50, 50, (2, 2))
+    with _autocast():
+        got = fe.vmap(lambda p, buf: torch.addmm(c, a, b) + 0 * p["p"][0, 0].long())(
+            params, buffers
+        )
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.addmm(c, a, b).expand(N, 2, 2))
+    out = torch.zeros(2, 2)
+    x, y, z = torch.randn(2, 3), torch.randn(3, 2), torch.randn(2, 2)
+    with _autocast():
+        fe.vmap(lambda p, buf: p["p"].sum() + torch.addmm(z, x, y, out=out).sum())(params, buffers)
+        want = torch.zeros(2, 2)
+        torch.addmm(z, x, y, out=want)
+    assert torch.equal(out, want) and out.abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["addmm", "baddbmm", "linear", "conv2d", "mv", "cross_entropy"])
+def test_float16_autocast_gives_the_loops_dtypes_and_values_to_a_rounding(case, x):
+    # training.md: under dtype=torch.float16 the dtypes are the loop's and the values
+    # agree to a float16 rounding (the one rounding from float32 is bfloat16's rule).
+    members = _members(case)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    with torch.autocast("cpu", dtype=torch.float16):
+        want = torch.stack([m(x) for m in members])
+        got = ens(x)
+    assert got.dtype == want.dtype
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=2 * torch.finfo(torch.float16).eps * scale)

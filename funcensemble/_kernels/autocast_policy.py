@@ -41,10 +41,13 @@ from .. import _torch_compat
 
 
 def _linear(input: Any, weight: Any, bias: Any = None) -> str:
-    # torch's linear runs addmm for an input of 2 or more dims (flattened) with a 1-d
-    # bias, else matmul then add.
-    fused = isinstance(bias, Tensor) and bias.dim() == 1
-    return "rounded" if fused and isinstance(input, Tensor) and input.dim() >= 2 else "lower"
+    # torch's linear runs addmm (one rounding) for a 2-d input with a bias, and for a
+    # contiguous input with a bias when it is 3-d or the bias is 1-d (flattened to 2-d);
+    # otherwise matmul, then the bias added (two roundings).
+    if not isinstance(bias, Tensor) or not isinstance(input, Tensor):
+        return "lower"
+    flattened = input.is_contiguous() and (input.dim() == 3 or bias.dim() == 1)
+    return "rounded" if input.dim() == 2 or flattened else "lower"
 
 
 def _inner(input: Any, other: Any) -> str | None:
@@ -129,12 +132,27 @@ class CpuAutocastPolicy(TorchFunctionMode):
         super().__init__()
         self.where = where
 
+    @staticmethod
+    def _eligible(t: Any) -> bool:
+        """A tensor autocast casts: floating, not float64, on the CPU."""
+        return (
+            isinstance(t, Tensor)
+            and t.is_floating_point()
+            and t.dtype != torch.float64
+            and t.is_cpu
+        )
+
+    def _any_eligible(self, args: Any, kwargs: Any) -> bool:
+        for a in (*args, *kwargs.values()):
+            items = a if type(a) in (list, tuple) else (a,)
+            if any(self._eligible(t) for t in items):
+                return True
+        return False
+
     def _cast(self, tree: Any, dtype: torch.dtype) -> Any:
-        """``tree``'s CPU floating tensors other than float64 as ``dtype`` (the tensors
-        autocast casts), also inside a list or tuple argument."""
+        """``tree``'s eligible tensors as ``dtype``, also inside a list or tuple."""
         if isinstance(tree, Tensor):
-            eligible = tree.is_floating_point() and tree.dtype != torch.float64 and tree.is_cpu
-            return tree.to(dtype) if eligible else tree
+            return tree.to(dtype) if self._eligible(tree) else tree
         if type(tree) in (list, tuple):
             return type(tree)(self._cast(t, dtype) for t in tree)
         return tree
@@ -147,7 +165,8 @@ class CpuAutocastPolicy(TorchFunctionMode):
         policy = _POLICY.get(func)
         if callable(policy):
             policy = policy(*args, **kwargs)
-        if policy is None:
+        if policy is None or kwargs.get("out") is not None:
+            # (An out= variant is on none of autocast's lists: the loop's runs as written.)
             return func(*args, **kwargs)
         if policy == "refused":
             raise ValueError(
@@ -158,6 +177,12 @@ class CpuAutocastPolicy(TorchFunctionMode):
                 "one per batch (the same values), or call it outside torch.autocast."
             )
         dtype = _torch_compat.autocast_dtype("cpu")
+        if policy in ("lower", "rounded", "fp32") and not self._any_eligible(args, kwargs):
+            # Nothing autocast would cast (float64, integers, other devices): as written.
+            policy = "off"
+        if policy == "rounded" and dtype != torch.bfloat16:
+            # The one rounding from float32 was checked against bfloat16 kernels only.
+            policy = "lower"
         if policy in ("lower", "rounded"):
             args, kwargs = self._cast_all(args, kwargs, dtype)
         if policy in ("rounded", "fp32"):
