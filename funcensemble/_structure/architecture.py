@@ -269,8 +269,9 @@ def check_unshared(where: str, index: int, module: nn.Module, owners: Owners, *,
                 raise ValueError(
                     f"{where}: member {index}'s {noun} `{name}` is the same tensor as member "
                     f"{other}'s {other_noun} `{other_name}`. An ensemble holds its own copy of "
-                    "each member's tensors, so they would train apart, while the loop trains "
-                    "the one tensor they share. Pass separate modules (e.g. "
+                    "each member's tensors, so a change to one (a training step, an in-place "
+                    "update, a parameter unfrozen later) would not reach the other, where the "
+                    "loop's members share the one tensor. Pass separate modules (e.g. "
                     "copy.deepcopy(module) for each member), or keep the shared part out of "
                     "the ensemble and give its output as the input."
                 )

@@ -50,40 +50,40 @@ def clip_by_global_norm(
 ) -> GradientTransformation:
     """Clip each member's gradients by that member's own norm over all its leaves.
 
-        Member i's updates are multiplied by ``min(max_norm / (norm_i + 1e-6), 1)``, where
-        ``norm_i`` is the ``norm_type`` norm (L2 by default) of member i's slices of every
-        floating-point leaf: what ``torch.nn.utils.clip_grad_norm_(member_i.parameters(),
-        max_norm, norm_type)`` does to
-        member i alone, with the same arithmetic (norms of the leaves, then the norm of
-        those; the factor in the promoted dtype of the leaves, each leaf multiplied by it as
+    Member i's updates are multiplied by ``min(max_norm / (norm_i + 1e-6), 1)``, where
+    ``norm_i`` is the ``norm_type`` norm (L2 by default) of member i's slices of every
+    floating-point leaf: what ``torch.nn.utils.clip_grad_norm_(member_i.parameters(),
+    max_norm, norm_type)`` does to
+    member i alone, with the same arithmetic (norms of the leaves, then the norm of
+    those; the factor in the promoted dtype of the leaves, each leaf multiplied by it as
     ``clip_grad_norm_`` multiplies: float16 and bfloat16 ones in float32, rounded once).
-        Members never affect each other. Leaves whose update is None (no gradient, a
-        frozen parameter) are skipped, as ``clip_grad_norm_`` skips parameters without a
-        ``.grad``. A non-finite norm makes that member's updates non-finite, as
-        ``clip_grad_norm_(error_if_nonfinite=False)`` does.
+    Members never affect each other. Leaves whose update is None (no gradient, a
+    frozen parameter) are skipped, as ``clip_grad_norm_`` skips parameters without a
+    ``.grad``. A non-finite norm makes that member's updates non-finite, as
+    ``clip_grad_norm_(error_if_nonfinite=False)`` does.
 
-        Put it first in a [`chain`][funcensemble.optim.chain]:
-        ``chain(clip_by_global_norm(1.0), adam(lr=1e-3))`` is, per member,
-        ``clip_grad_norm_(member.parameters(), 1.0)`` then ``torch.optim.Adam.step()``.
+    Put it first in a [`chain`][funcensemble.optim.chain]:
+    ``chain(clip_by_global_norm(1.0), adam(lr=1e-3))`` is, per member,
+    ``clip_grad_norm_(member.parameters(), 1.0)`` then ``torch.optim.Adam.step()``.
 
-        Args:
-            max_norm: The largest norm a member's gradients keep: one float, or a ``[N]``
-                tensor of per-member values.
-            norm_type: The norm's order, as ``clip_grad_norm_``'s: ``2.0`` (the L2 norm),
-                any positive float, or ``float("inf")`` (the largest absolute value).
+    Args:
+        max_norm: The largest norm a member's gradients keep: one float, or a ``[N]``
+            tensor of per-member values.
+        norm_type: The norm's order, as ``clip_grad_norm_``'s: ``2.0`` (the L2 norm),
+            any positive float, or ``float("inf")`` (the largest absolute value).
 
-        Raises:
-            TypeError: ``max_norm`` is not a float or a floating-point tensor.
-            ValueError: A negative ``max_norm``, a per-member tensor not shaped ``[N]``, or
-                a ``norm_type`` that is not positive.
+    Raises:
+        TypeError: ``max_norm`` is not a float or a floating-point tensor.
+        ValueError: A negative ``max_norm``, a per-member tensor not shaped ``[N]``, or
+            a ``norm_type`` that is not positive.
 
-        Example:
-            >>> import torch, funcensemble as fe
-            >>> clip = fe.optim.clip_by_global_norm(1.0)
-            >>> grads = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
-            >>> updates, _ = clip.update(grads, clip.init(grads))
-            >>> torch.linalg.vector_norm(updates["w"], dim=1)  # member 1 is left as it was
-            tensor([1.0000, 0.5000])
+    Example:
+        >>> import torch, funcensemble as fe
+        >>> clip = fe.optim.clip_by_global_norm(1.0)
+        >>> grads = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
+        >>> updates, _ = clip.update(grads, clip.init(grads))
+        >>> torch.linalg.vector_norm(updates["w"], dim=1)  # member 1 is left as it was
+        tensor([1.0000, 0.5000])
     """
     where = "clip_by_global_norm"
     limit = hyperparameter(where, "max_norm", max_norm, label="max_norm")
