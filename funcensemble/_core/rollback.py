@@ -76,6 +76,8 @@ def rollback_on_error(buffers: Any) -> contextlib.AbstractContextManager:
 
 def save_before_update(names: list[str]) -> None:
     """Save the named buffers of the innermost open transaction, if any, before an update."""
+    if torch.compiler.is_compiling():
+        return  # no transaction is opened while compiling (see rollback_on_error)
     transaction = _current.get()
     if transaction is not None and names:
         transaction.save(names)
