@@ -671,3 +671,25 @@ def test_a_chunked_write_with_autograd_history_into_a_buffer_is_explained(face):
     ):
         call()
     assert not buffers["snap"].requires_grad and buffers["snap"].grad_fn is None
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_other_leaf_in_place_errors_are_left_as_torch_raises_them(chunk_size):
+    # The explanation above fired on any "leaf Variable that requires grad" error while
+    # a buffer required grad: it blamed a buffer the caller made require grad (a leaf)
+    # for the forward's own in-place op on a parameter, and detached that buffer.
+    class ChangesItsBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.register_buffer("scale", torch.ones(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin.bias.add_(0.0)
+            return self.lin(x) * self.scale
+
+    fmodel, params, _ = fe.stack([ChangesItsBias() for _ in range(N)])
+    buffers = {"scale": torch.ones(N, 2, requires_grad=True)}
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        fe.vmap(fmodel, chunk_size=chunk_size)(params, buffers, torch.randn(5, 3))
+    assert buffers["scale"].requires_grad and buffers["scale"].is_leaf

@@ -85,14 +85,23 @@ def _cpu_autocast_policy(where: str) -> contextlib.AbstractContextManager:
     return CpuAutocastPolicy(where)
 
 
-def _buffer_with_history(error: Exception, buffers: Any, where: str) -> Exception | None:
+def _buffer_with_history(
+    error: Exception, buffers: Any, chunked: bool, where: str
+) -> Exception | None:
     """A chunked call whose forward wrote a differentiable value into a buffer in place
     (``self.snap.copy_(param * 2)``): the first chunk's write gave the stacked buffer a
-    graph, and the next chunk's write fails inside torch. Its history is cut (the
-    ensemble must not hold a graph) and the error says what to change."""
-    if "leaf Variable that requires grad" not in str(error) or not isinstance(buffers, dict):
+    graph (it is no longer a leaf), and the next chunk's write fails inside torch. That
+    graph is cut (the ensemble must not hold one) and the error says what to change.
+    Leaves (a buffer the caller made require grad) and views are left as they are."""
+    if not chunked or "leaf Variable that requires grad" not in str(error):
         return None
-    names = [k for k, v in buffers.items() if isinstance(v, Tensor) and v.requires_grad]
+    if not isinstance(buffers, dict):
+        return None
+    names = [
+        k
+        for k, v in buffers.items()
+        if isinstance(v, Tensor) and v.grad_fn is not None and not v._is_view()
+    ]
     if not names:
         return None
     for name in names:
@@ -442,7 +451,7 @@ def mapped_call(
                 return not_saved(out, params, buffers, args, kwargs)
         except (RuntimeError, ValueError) as error:
             clear = _explain(error, randomness, where) or _buffer_with_history(
-                error, buffers, where
+                error, buffers, chunk_size is not None, where
             )
             if clear is None:
                 raise
