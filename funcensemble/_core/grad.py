@@ -231,7 +231,7 @@ def value_and_grad(
     takes stacked ``params`` and ``buffers`` and computes, for all members at once, what
     ``torch.autograd.grad`` of each member's own loss would give. It is pure: the input
     ``buffers`` are not modified; buffers updated by the forward (BatchNorm running
-    statistics in train mode) come back out.
+    statistics in train mode) come back out, as values without autograd history.
 
     The floating-point leaves of ``params`` that require grad are differentiated;
     a frozen one (``requires_grad=False``, as [`stack`][funcensemble.stack] keeps a

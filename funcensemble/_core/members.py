@@ -239,8 +239,10 @@ def join(where: str, trees: list[PyTree], what: str = "trees") -> PyTree:
                     "optimizer's step count, say), so it must agree. To join optimizer "
                     "states that took different numbers of steps, make each count one "
                     "value per member first (count.expand(n).clone(), n its state's "
-                    "members: fe.optim's adam and sgd step per-member counts); "
-                    "fe.optim.concat instead gives joining members a fresh state."
+                    "members: fe.optim's adam, sgd and rmsprop step per-member counts, "
+                    "but a learning-rate schedule takes one count, so states with a "
+                    "schedule cannot join so); fe.optim.concat instead gives joining "
+                    "members a fresh state."
                 )
         out.append(row)
     with torch.no_grad():  # everything checked: build

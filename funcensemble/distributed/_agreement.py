@@ -304,8 +304,8 @@ def agree_to_write(
     description = describe_leaves(leaves, values=values)
     if checkpoint is not None:
         description["the checkpoint found"] = checkpoint
-        description["the check of its object against the checkpoint"] = (
-            "passed" if refused is None else f"refused: {refused}"
+        description["whether its object matches the checkpoint"] = (
+            "yes" if refused is None else f"no ({refused.rstrip('.')})"
         )
     agree(
         where,
@@ -319,6 +319,8 @@ def agree_to_write(
             ", and equal values for the leaves written once, such as a step count)."
             if values
             else "), and read the same checkpoint: one directory all ranks share, chosen "
-            "once (e.g. by rank 0, then broadcast), not listed by each rank on its own."
+            "once (e.g. by rank 0, then broadcast), not listed by each rank on its own; "
+            "a rank whose own object does not match the checkpoint is named above with "
+            "its reason: build that rank's object for the saved members and structure."
         ),
     )
