@@ -1212,14 +1212,6 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         f"distributed.load: {start}leaf `params.0.bias` (rank 0: float64, per-member shape "
         "(16,); rank 1: float32, per-member shape (16,))"
     ), messages["load dtype"]
-    for name in ("gather", "mean", "var", "max", "subset", "entropy"):
-        assert (
-            f"rank 1 passed a tensor with leading size {worker.NUM_MEMBERS // 2 + 1}, but it "
-            in (messages[f"{name} rows"])
-        ), messages[f"{name} rows"]
-        assert messages[f"{name} rows"].endswith(
-            "every rank raises this. Pass each rank's outputs with the member axis first."
-        )
     assert messages["mean shapes"] == (
         "mean: the ranks passed reduced outputs of different dtypes or shapes (rank 0: "
         "float32 (2, 3); rank 1: float32 (3, 2)), so the collective would combine values "

@@ -6,8 +6,7 @@ what the single-process function returns for all N members. Every rank must call
 in the same order, with tensors of the same trailing shape and dtype (checked first,
 with one small exchange: ranks that differ all raise a ``ValueError`` naming them), and
 pytrees of the same structure (the structure's digest rides in the same exchange, so
-it costs nothing more; ranks whose keys differ all raise, naming the keys), and so
-does a rank whose tensor's member axis does not match its shard (every rank raises).
+it costs nothing more; ranks whose keys differ all raise, naming the keys).
 Results carry no autograd history: members train independently, so nothing here is
 differentiated.
 """
@@ -15,7 +14,6 @@ differentiated.
 import builtins
 import hashlib
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -47,15 +45,7 @@ def _collective(where: str, rank: int, world: int, op: Callable[[], Any], group:
         return op()
 
 
-# A rank's tensor whose member axis does not match its shard, found before the
-# collective's first exchange: ``(leading size or -2 for none, members held)``. It
-# rides in that exchange (see _check_layout), so that every rank raises, rather than
-# this one alone while the others wait for it.
-_misfit: ContextVar[tuple[int, int] | None] = ContextVar("funcensemble_misfit", default=None)
-
-
 def _check_shard(where: str, shard: object) -> MemberShard:
-    _misfit.set(None)  # every collective starts here
     if not isinstance(shard, MemberShard):
         raise TypeError(
             f"{where}: shard is not a MemberShard (expected a fe.distributed.MemberShard "
@@ -73,10 +63,6 @@ def _check_local(where: str, label: str, values: object, shard: MemberShard) -> 
         )
     if values.dim() == 0 or values.shape[0] != shard.size:
         got = values.shape[0] if values.dim() else "no member axis"
-        if shard.world_size > 1 and dist.is_available() and dist.is_initialized():
-            if _misfit.get() is None:
-                _misfit.set((values.shape[0] if values.dim() else -2, shard.size))
-            return values.detach()
         raise ValueError(
             f"{where}: {label} has leading size {got}, but rank {shard.rank} holds "
             f"{shard.size} members ({shard.members.start}:{shard.members.stop} of "
@@ -148,20 +134,6 @@ class _Tree:
         _check_layout(where, rank, world, group, torch.empty(0, device=device), (), "", self)
 
 
-def _raise_misfits(where: str, misfits: list[list[int]]) -> None:
-    """Raise, on every rank alike, if a rank's tensor did not match its shard."""
-    wrong = [(r, got, held) for r, (got, held) in enumerate(misfits) if got != -1]
-    if not wrong:
-        return
-    r, got, held = wrong[0]
-    rows = "no member axis" if got == -2 else f"leading size {got}"
-    raise ValueError(
-        f"{where}: rank {r} passed a tensor with {rows}, but it holds {held} members "
-        f"(expected its own members' outputs, members first, got {rows}); every rank "
-        "raises this. Pass each rank's outputs with the member axis first."
-    )
-
-
 def _check_layout(
     where: str,
     rank: int,
@@ -181,9 +153,7 @@ def _check_layout(
     first leaf's check, at no extra cost.
     """
     structure = 0 if tree is None else tree.digest
-    misfit = _misfit.get()
-    _misfit.set(None)
-    row = [*_layout_row(shape, t.dtype, structure), *(misfit or (-1, -1))]
+    row = _layout_row(shape, t.dtype, structure)
     mine = torch.tensor(row, dtype=torch.int64, device=t.device)
     rows = mine.new_empty(world * mine.numel())
 
@@ -193,9 +163,7 @@ def _check_layout(
         # a failure may surface when its result reaches the host.
         return [r.tolist() for r in rows.view(world, -1).cpu()]
 
-    rows_and_misfits = _collective(where, rank, world, exchange, group)
-    _raise_misfits(where, [r[-2:] for r in rows_and_misfits])
-    layouts = [r[:-2] for r in rows_and_misfits]
+    layouts = _collective(where, rank, world, exchange, group)
     if all(r == layouts[0] for r in layouts):
         return
     if tree is not None and any(r[0] != layouts[0][0] for r in layouts):
@@ -552,9 +520,6 @@ def subset_min(
             mine = mine.reshape(*mine.shape, *[1] * (values.dim() - 2))
         if shard.world_size > 1:
             _check_same_draw(where, shard, mask.to(values.device))
-            if _misfit.get() is not None:
-                # Its rows do not match its draw: the next exchange raises on every rank.
-                return _all_extreme(where, shard, values.new_zeros(values.shape[1:]), False)
         if values.is_floating_point():
             fill = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
         else:
@@ -633,7 +598,6 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None) -> Any:
         torch.Size([4, 3])
     """
     where = "broadcast"
-    _misfit.set(None)  # (a collective that raised before its exchange leaves none behind)
     rank, world = rank_and_world(where, group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
         raise ValueError(
