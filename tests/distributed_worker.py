@@ -271,6 +271,18 @@ def disagree(rank: int, out: Path) -> None:
                 q, shard, 2, generator=torch.Generator().manual_seed(2 * rank), per_sample=p
             ),
         )
+    # Per-sample draws of another batch size on one rank: exchanged as they were, the
+    # draws' sizes differed and gloo aborted a process.
+    expect_error(
+        "subset batch",
+        lambda: fe.distributed.subset_min(
+            torch.zeros(shard.size, 3 + rank),
+            shard,
+            2,
+            generator=torch.Generator().manual_seed(0),
+            per_sample=True,
+        ),
+    )
     # The same subset drawn in another order ({0, 4} from seeds 0 and 1): no error.
     same = fe.distributed.subset_min(q, shard, 2, generator=torch.Generator().manual_seed(rank))
     messages["same subset"] = same.shape

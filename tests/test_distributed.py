@@ -1264,6 +1264,10 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         "rank 1: [1, 3] for sample 0)"
     )
     assert messages["same subset"] == (3,)
+    assert messages["subset batch"].startswith(
+        "subset_min: the ranks passed values (shape after the member axis) of different "
+        "dtypes or shapes (rank 0: float32 (3,); rank 1: float32 (4,))"
+    ), messages["subset batch"]
 
 
 @pytest.fixture(scope="module")
@@ -1530,3 +1534,12 @@ def _load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_broadcast_keeps_non_tensor_leaves_as_they_are():
+    # Its docstring's "non-tensor leaves are kept as they are": the structure check read
+    # every leaf's .shape first and failed on an int (AttributeError).
+    tree = {"x": torch.arange(3.0), "n": 3, "name": "run", "none": None}
+    out = fe.distributed.broadcast(tree)
+    assert torch.equal(out["x"], tree["x"])
+    assert (out["n"], out["name"], out["none"]) == (3, "run", None)

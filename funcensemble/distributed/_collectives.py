@@ -113,9 +113,9 @@ class _Tree:
         self.description = {**(also or {}), "the pytree's structure": str(spec)}
         words = "per-member shape" if member_first else "shape"
         for path, leaf in zip(paths, leaves, strict=True):
-            shape = tuple(leaf.shape[1:] if member_first else leaf.shape)
             self.description[f"leaf `{path or 'the tree itself'}`"] = (
-                f"{str(leaf.dtype).removeprefix('torch.')}, {words} {shape}"
+                f"{str(leaf.dtype).removeprefix('torch.')}, {words} "
+                f"{tuple(leaf.shape[1:] if member_first else leaf.shape)}"
                 if isinstance(leaf, Tensor)
                 else type(leaf).__name__
             )
@@ -197,23 +197,28 @@ def _all_reduce(where: str, shard: MemberShard, t: Tensor, op: Any) -> Tensor:
     return t
 
 
-def _all_extreme(where: str, shard: MemberShard, partial: Tensor, largest: bool) -> Tensor:
+def _all_extreme(
+    where: str, shard: MemberShard, partial: Tensor, largest: bool, *, checked: bool = False
+) -> Tensor:
     """Every rank's minimum (maximum) over its members, combined as ``torch.amin`` does.
 
     A MIN or MAX all-reduce drops a NaN or keeps it depending on the order in which
     it meets the other ranks' values (gloo); one process's ``amin`` returns NaN
     wherever a member has one. So the per-rank results (one per rank, not one per
     member) are gathered and reduced here, on every rank in the same order.
+    ``checked``: the ranks' layouts were compared already (``partial``'s shape is the
+    values' after the member axis).
     """
-    _check_layout(
-        where,
-        shard.rank,
-        shard.world_size,
-        shard.group,
-        partial,
-        tuple(partial.shape),
-        "reduced outputs",
-    )
+    if not checked:
+        _check_layout(
+            where,
+            shard.rank,
+            shard.world_size,
+            shard.group,
+            partial,
+            tuple(partial.shape),
+            "reduced outputs",
+        )
     flat = partial.contiguous().view(-1)
     out = flat.new_empty(shard.world_size * flat.numel())
     _collective(
@@ -503,6 +508,18 @@ def subset_min(
     _real(where, values)
 
     device = values.device if generator is None else generator.device
+    if shard.world_size > 1:
+        # Before the draws are exchanged: with per_sample their size is dim 1's, and
+        # exchanges of different sizes abort the process inside gloo.
+        _check_layout(
+            where,
+            shard.rank,
+            shard.world_size,
+            shard.group,
+            values,
+            tuple(values.shape[1:]),
+            "values (shape after the member axis)",
+        )
     with torch.no_grad():
         # The same draws as fe.reduce.subset_min, turned into a mask over all N members.
         if not per_sample:
@@ -531,7 +548,7 @@ def subset_min(
         out = torch.where(mine, values, fill).amin(dim=0)
         if shard.world_size == 1:
             return out
-        return _all_extreme(where, shard, out, largest=False)
+        return _all_extreme(where, shard, out, largest=False, checked=True)
 
 
 def _check_same_draw(where: str, shard: MemberShard, mask: Tensor) -> None:
