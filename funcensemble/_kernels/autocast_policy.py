@@ -50,10 +50,27 @@ def _linear(input: Any, weight: Any, bias: Any = None) -> str:
     return "rounded" if input.dim() == 2 or flattened else "lower"
 
 
+# Whether eager CPU autocast casts torch.inner of two vectors, per autocast dtype: it
+# runs dot (left alone) in recent torch, a cast product in older ones (2.6). Asked
+# once, eagerly, outside any transform (see CpuAutocastPolicy.__init__).
+_INNER_OF_VECTORS_CAST: dict[torch.dtype, bool] = {}
+
+
+def _probe_inner(dtype: torch.dtype) -> None:
+    if dtype not in _INNER_OF_VECTORS_CAST:
+        with torch.autocast("cpu", dtype=dtype):
+            out = torch.inner(torch.ones(2), torch.ones(2))
+        _INNER_OF_VECTORS_CAST[dtype] = out.dtype == dtype
+
+
 def _inner(input: Any, other: Any) -> str | None:
-    # torch's inner of two vectors is dot (not cast); of matrices, a cast matmul.
+    # torch's inner of two vectors: see _INNER_OF_VECTORS_CAST; of matrices, a cast
+    # matmul, which vmap's rule already casts.
     vectors = all(isinstance(t, Tensor) and t.dim() <= 1 for t in (input, other))
-    return "off" if vectors else None
+    if not vectors:
+        return None
+    cast = _INNER_OF_VECTORS_CAST.get(_torch_compat.autocast_dtype("cpu"), False)
+    return "lower" if cast else "off"
 
 
 _LOWER = (
@@ -131,6 +148,7 @@ class CpuAutocastPolicy(TorchFunctionMode):
     def __init__(self, where: str) -> None:
         super().__init__()
         self.where = where
+        _probe_inner(_torch_compat.autocast_dtype("cpu"))
 
     @staticmethod
     def _eligible(t: Any) -> bool:
