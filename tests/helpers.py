@@ -154,6 +154,19 @@ class IntBuffers(nn.Module):
         return self.linear(self.bn(x[:, self.perm])) * (1 + self.calls)
 
 
+class Snapshot(nn.Module):
+    """Writes a differentiable value into its buffer in place (no ``.detach()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("snap", torch.zeros(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.snap.copy_(self.lin.bias * 2)
+        return self.lin(x) + self.snap
+
+
 def make_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from helpers import Snapshot
 from torch import nn
 
 import funcensemble as fe
@@ -638,26 +639,13 @@ def test_a_shared_input_changed_in_place_is_refused_after_one_change(face, chunk
     assert torch.equal(x, torch.full((5, 4), 2.0))
 
 
-class _Snapshot(nn.Module):
-    """Writes a differentiable value into its buffer in place (no .detach())."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(3, 2)
-        self.register_buffer("snap", torch.zeros(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.snap.copy_(self.lin.bias * 2)
-        return self.lin(x) + self.snap
-
-
 @pytest.mark.parametrize("face", ["module", "vmap"])
 def test_a_chunked_write_with_autograd_history_into_a_buffer_is_explained(face):
     # The second chunk's write failed inside torch ("a leaf Variable that requires
     # grad is being used in an in-place operation") and left the ensemble's stacked
     # buffer holding a graph.
     torch.manual_seed(0)
-    mods = [_Snapshot() for _ in range(N)]
+    mods = [Snapshot() for _ in range(N)]
     x = torch.randn(4, 3)
     if face == "module":
         ens = fe.Ensemble(mods, chunk_size=2)

@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import Snapshot
 from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -540,16 +541,6 @@ def test_has_aux_with_three_values_says_to_return_a_pair(chunk_size):
 def test_buffers_come_back_without_autograd_history(chunk_size):
     # A forward that copies a differentiable value into a buffer (no .detach()) gave
     # the returned buffers a graph, which every later step starting from them kept.
-    class Snapshot(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(3, 2)
-            self.register_buffer("snap", torch.zeros(2))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.snap.copy_(self.lin.bias * 2)
-            return self.lin(x) + self.snap
-
     torch.manual_seed(0)
     mods = [Snapshot().double() for _ in range(3)]
     fmodel, params, buffers = fe.stack(mods)

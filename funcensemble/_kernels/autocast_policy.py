@@ -73,6 +73,15 @@ def _inner(input: Any, other: Any) -> str | None:
     return "lower" if cast else "off"
 
 
+# The convolutions, on autocast's lower-precision list (rewrites.py casts them too).
+CONVOLUTIONS = (
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+)
 _LOWER = (
     torch.linalg.vecdot,
     torch.prelu,  # F.prelu
@@ -84,12 +93,7 @@ _ROUNDED = (
     Tensor.addmm,
     torch.baddbmm,
     Tensor.baddbmm,
-    F.conv1d,
-    F.conv2d,
-    F.conv3d,
-    F.conv_transpose1d,
-    F.conv_transpose2d,
-    F.conv_transpose3d,
+    *CONVOLUTIONS,
 )
 _FP32 = (
     F.cross_entropy,

@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat, _tree
 from . import batchnorm as _batchnorm
 from . import norm_decomposed as _norm_decomposed
+from .autocast_policy import CONVOLUTIONS
 from .embedding import PerMemberEmbedding, embedding_per_member, needs_embedding_rule
 
 _POOLS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
@@ -92,15 +93,7 @@ def _autocast_fp32(t: Any) -> Any:
 
 # Layers whose batching rules under vmap run below autocast, in the operands' dtype:
 # their operands (input, weight, bias) are cast here as autocast casts the loop's.
-_AUTOCAST_CAST = (
-    F.linear,
-    F.conv1d,
-    F.conv2d,
-    F.conv3d,
-    F.conv_transpose1d,
-    F.conv_transpose2d,
-    F.conv_transpose3d,
-)
+_AUTOCAST_CAST = (F.linear, *CONVOLUTIONS)
 _OPERANDS = ("input", "weight", "bias")
 
 
