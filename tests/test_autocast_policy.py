@@ -328,3 +328,22 @@ def test_float16_autocast_gives_the_loops_dtypes_and_values_to_a_rounding(case, 
     assert got.dtype == want.dtype
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=0, atol=2 * torch.finfo(torch.float16).eps * scale)
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [lambda: nn.LayerNorm(8), lambda: nn.GroupNorm(2, 8), lambda: nn.BatchNorm1d(8)],
+    ids=["LayerNorm", "GroupNorm", "BatchNorm1d"],
+)
+def test_a_float64_norm_after_an_autocast_layer_is_refused_as_the_loop_refuses_it(norm):
+    # unsupported.md: under autocast the norm kernels' dtype rule applies (the loop's
+    # kernel raises "mixed dtype" for a bfloat16 input and float64 parameters).
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), norm().double()) for _ in range(N)]
+    x = torch.randn(5, 4)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    with _autocast():
+        with pytest.raises(RuntimeError, match="mixed dtype"):
+            members[0](x)
+        with pytest.raises((RuntimeError, ValueError), match=r"of dtype torch\.float64"):
+            ens(x)
