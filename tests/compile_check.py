@@ -606,8 +606,9 @@ def _refused_compiled(mid: Callable[[], nn.Module]) -> None:
 
 
 def optimizer_limits() -> None:
-    """compile.md: adam's in-place step compiles whole; sgd without momentum and rmsprop
-    stop with Dynamo's error under fullgraph=True."""
+    """compile.md: adam's and sgd-with-momentum's in-place steps compile whole (three
+    steps equal eager's); sgd without momentum and rmsprop stop with Dynamo's error
+    under fullgraph=True."""
     fmodel, params, buffers = fe.stack(make_members(3))
     x, y = torch.randn(5, 4), torch.randn(5, 2)
 
@@ -616,23 +617,36 @@ def optimizer_limits() -> None:
 
     for name, transform, compiles in (
         ("adam", fe.optim.adam(1e-2), True),
+        ("sgd with momentum", fe.optim.sgd(0.1, momentum=0.9, weight_decay=1e-3), True),
         ("sgd", fe.optim.sgd(0.1), False),
         ("rmsprop", fe.optim.rmsprop(1e-2), False),
     ):
-        state = transform.init(params)
 
         def step(params, state, transform=transform):
             _, grads, _ = fe.value_and_grad(loss_fn)(params, buffers, x, y)
             return transform.update_(grads, state, params)
 
         torch._dynamo.reset()
+        compiled_params = {k: v.clone() for k, v in params.items()}
+        compiled_state = transform.init(compiled_params)
         try:
-            torch.compile(step, fullgraph=True)(params, state)
+            for _ in range(3):
+                compiled_state = torch.compile(step, fullgraph=True)(
+                    compiled_params, compiled_state
+                )
         except Exception as error:  # Dynamo's own error classes differ between versions
             assert not compiles, (name, error)
             assert "torch._dynamo" in type(error).__module__, (name, type(error))
         else:
             assert compiles, f"{name} compiled whole: update compile.md"
+            eager_params = {k: v.clone() for k, v in params.items()}
+            eager_state = transform.init(eager_params)
+            for _ in range(3):
+                eager_state = step(eager_params, eager_state)
+            for k in params:  # three steps, compiled and eager alike
+                torch.testing.assert_close(
+                    compiled_params[k], eager_params[k], rtol=1e-5, atol=1e-6
+                )
 
 
 if __name__ == "__main__":
