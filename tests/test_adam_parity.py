@@ -13,6 +13,7 @@ in float32, as fe.optim computed them before, the pure update ended ~5,000 ulps 
 (beta2 = 0.99999) and ~670 after a single step.
 """
 
+import copy
 import functools
 import itertools
 from typing import Any
@@ -21,6 +22,7 @@ import optree
 import pytest
 import torch
 from helpers import runtime_typecheck_off
+from torch import nn
 
 import funcensemble as fe
 
@@ -331,3 +333,29 @@ def test_non_finite_gradients_of_one_member_leave_the_others_untouched(kind, per
             torch.testing.assert_close(
                 getattr(state, field)[k][BAD], their_state[k][key][BAD], equal_nan=True
             )
+
+
+def test_a_bias_before_batchnorm_drifts_apart_under_adam_in_the_loop_itself():
+    """training.md, "Comparing with your own loop": its gradient is rounding noise, which
+    Adam turns into steps; two runs of the loop rounding differently drift apart there,
+    and only there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    model = model.double()
+    x = torch.randn(32, 4, dtype=torch.float64)
+    y = torch.randn(32, 1, dtype=torch.float64)
+    runs = [copy.deepcopy(model), copy.deepcopy(model)]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in runs]
+    orders = [torch.arange(32), torch.arange(31, -1, -1)]  # the same rows, reversed
+    for step in range(20):
+        for m, opt, rows in zip(runs, opts, orders, strict=True):
+            opt.zero_grad()
+            ((m(x[rows]) - y[rows]) ** 2).mean().backward()
+            opt.step()
+        if step == 0:
+            noise, signal = runs[0][0].bias.grad.abs().max(), runs[0][0].weight.grad.abs().max()
+            assert noise < 1e-12 * signal
+    a, b = runs
+    assert (a[0].bias - b[0].bias).abs().max() > 1e-12
+    for name in ("0.weight", "1.weight", "1.bias", "3.weight", "3.bias"):
+        assert (a.get_parameter(name) - b.get_parameter(name)).abs().max() < 1e-13, name
