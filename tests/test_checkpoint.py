@@ -1325,3 +1325,21 @@ def test_an_ensemble_optimizer_does_not_pickle_and_deepcopies_with_its_ensemble(
     ens_copy(x).pow(2).sum().backward()
     opt_copy.step()  # steps the copy only
     assert not torch.equal(ens_copy.stacked.weight, ens.stacked.weight)
+
+
+def test_a_per_member_hyperparameter_is_recorded_with_its_dtype(tmp_path):
+    """checkpoints.md: a float32 tensor of the saved float64 learning rates is refused."""
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(2)])
+    lrs = torch.tensor([0.1, 0.2], dtype=torch.float64)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(lr=lrs, momentum=0.9))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.st", opt)
+    narrow = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(lr=lrs.float(), momentum=0.9))
+    with pytest.raises(ValueError, match=r"(?s)float64\).*float32\)"):
+        fe.load(tmp_path / "opt.st", narrow)
+    same = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(lr=lrs.clone(), momentum=0.9))
+    fe.load(tmp_path / "opt.st", same)
+    assert torch.equal(
+        same.state[0].momentum_buffer["weight"], opt.state[0].momentum_buffer["weight"]
+    )
