@@ -959,3 +959,68 @@ def test_an_infinite_parameter_stays_infinite_on_every_face(reference, make, opt
     assert want[0, 0] == -math.inf
     torch.testing.assert_close(pure["w"], want, rtol=1e-15, atol=0)
     torch.testing.assert_close(stepped["w"], want, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize(
+    "ours, theirs, names",
+    [
+        (
+            lambda: fe.optim.adam(1e-2, amsgrad=True),
+            lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+            {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"},
+        ),
+        (
+            lambda: fe.optim.sgd(0.1, momentum=0.9),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            {"momentum_buffer": "momentum_buffer"},
+        ),
+        (
+            lambda: fe.optim.rmsprop(1e-2, momentum=0.9, centered=True),
+            lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True),
+            {
+                "step": "step",
+                "square_avg": "square_avg",
+                "momentum_buffer": "momentum_buffer",
+                "grad_avg": "grad_avg",
+            },
+        ),
+    ],
+    ids=["adam", "sgd", "rmsprop"],
+)
+def test_state_names_map_to_torch_optims_as_training_md_tabulates(ours, theirs, names):
+    """training.md's table: member i of a state leaf is torch.optim's value of that
+    member's parameter, under the tabulated names."""
+    torch.manual_seed(0)
+    members = [nn.Linear(3, 2).double() for _ in range(3)]
+    loop = copy.deepcopy(members)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    ens = fe.Ensemble(members)
+    opt = fe.optim.EnsembleOptimizer(ens, ours())
+    torch_opts = [theirs(m.parameters()) for m in loop]
+    for _ in range(2):
+        opt.zero_grad()
+        ens(x).pow(2).sum().backward()
+        opt.step()
+        for m, o in zip(loop, torch_opts, strict=True):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    state, lr_state = opt.state
+    assert type(lr_state).__name__ == "EmptyState"
+    for ours_name, theirs_name in names.items():
+        for leaf in ("weight", "bias"):
+            got = getattr(state, ours_name)[leaf]
+            for i, m in enumerate(loop):
+                want = torch_opts[i].state[m.get_parameter(leaf)][theirs_name]
+                row = got if got.dim() == 0 else got[i]
+                torch.testing.assert_close(row.to(want.dtype), want, rtol=1e-12, atol=1e-15)
+    if type(state).__name__ == "SGDState":  # its count: momentum updates so far
+        assert state.count["weight"].item() == 2
+
+
+@pytest.mark.parametrize("make", [fe.optim.adam, fe.optim.sgd, fe.optim.rmsprop])
+def test_a_schedule_keeps_its_count_in_the_second_element_of_the_state(make):
+    """training.md: the second element of a state is the learning rate's."""
+    state = make(fe.optim.cosine_decay(1e-2, 100)).init({"w": torch.zeros(2, 3)})
+    assert type(state[1]).__name__ == "ScheduleState" and int(state[1].count) == 0
+    assert type(make(1e-2).init({"w": torch.zeros(2, 3)})[1]).__name__ == "EmptyState"
