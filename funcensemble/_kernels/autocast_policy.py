@@ -12,13 +12,17 @@ own kernels redispatch below it:
 - ``"lower"`` (CPU autocast's lower-precision list): floating operands other than
   float64, on CPU, cast to autocast's dtype;
 - ``"rounded"`` (the same list, for kernels that accumulate in float32 and round once:
-  ``addmm``, ``baddbmm``, the convolutions, ``F.linear`` with a bias): cast so, then
-  computed in float32 and rounded to autocast's dtype once, as the kernel rounds (their
-  batching rules would round the product, then the sum with the bias);
+  ``addmm``, ``baddbmm``, the convolutions, ``F.linear`` where torch fuses its bias into
+  one ``addmm``): cast so, then computed in float32 and rounded to autocast's dtype
+  once, as the kernel rounds (their batching rules would round the product, then the
+  sum with the bias); bfloat16 only (under float16 they are ``"lower"``);
 - ``"fp32"`` (its float32 list): those operands cast to float32;
 - ``"off"``: ops autocast leaves alone whose batching rules call ops it casts;
 - ``"refused"``: ``addbmm``, whose kernel rounds after each batch's product, which
   neither its batching rule nor one float32 computation does.
+
+Operands autocast does not cast (float64, integers, tensors on another device) and
+calls with an ``out=`` tensor run as written.
 
 The table holds the ops whose results under vmap differ from the loop's without it,
 found by comparing the two, for float32 and bfloat16 operands, in dtype and bits; each
