@@ -1206,12 +1206,6 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     )
     assert "equal values for the leaves written once, such as a step count" in messages["step"]
     assert not (tmp_path / "ckpt" / ".metadata").exists()  # refused before writing
-    # Rank 1's template alone does not match the checkpoint: both ranks raise this (the
-    # other rank waited for it, then failed with "another rank has probably crashed").
-    assert messages["load dtype"].startswith(
-        f"distributed.load: {start}leaf `params.0.bias` (rank 0: float64, per-member shape "
-        "(16,); rank 1: float32, per-member shape (16,))"
-    ), messages["load dtype"]
     assert messages["mean shapes"] == (
         "mean: the ranks passed reduced outputs of different dtypes or shapes (rank 0: "
         "float32 (2, 3); rank 1: float32 (3, 2)), so the collective would combine values "
@@ -1543,3 +1537,35 @@ def test_broadcast_keeps_non_tensor_leaves_as_they_are():
     out = fe.distributed.broadcast(tree)
     assert torch.equal(out["x"], tree["x"])
     assert (out["n"], out["name"], out["none"]) == (3, "run", None)
+
+
+def test_a_load_refused_on_one_rank_is_part_of_the_ranks_agreement(tmp_path, monkeypatch):
+    """distributed.load: a rank whose own object does not match the checkpoint raised
+    alone while the others waited in the agreement; its refusal is now part of what
+    the ranks compare. (One process: the other rank's description is simulated as a
+    rank whose object matches.)"""
+    from funcensemble.distributed import _agreement
+
+    ens = fe.Ensemble([torch.nn.Linear(3, 2) for _ in range(2)])
+    params = {k: v.detach() for k, v in ens.stacked_params().items()}
+    fe.distributed.save(tmp_path / "ckpt", {"params": params})
+    seen = []
+
+    key = "whether its object matches the checkpoint"
+
+    def two_ranks(where, description, rank, world, group):
+        if key not in description:  # another agreement (MemberShard's N): alike
+            return [description, description]
+        seen.append(dict(description))
+        return [description, {**description, key: "yes"}]
+
+    monkeypatch.setattr(_agreement, "exchange", two_ranks)
+    narrow = {k: v.double() for k, v in params.items()}
+    with pytest.raises(ValueError) as raised:
+        fe.distributed.load(tmp_path / "ckpt", {"params": narrow})
+    message = str(raised.value)
+    assert "they differ in whether its object matches the checkpoint (rank 0: no (" in message
+    assert "is a float32 tensor of shape (2, 2) in the checkpoint" in message
+    assert "rank 1: yes)" in message
+    assert "a rank whose own object does not match the checkpoint is named above" in message
+    assert len(seen) == 1  # the agreement ran before anything else was exchanged

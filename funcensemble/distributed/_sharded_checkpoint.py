@@ -480,9 +480,23 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         _check(where, name, flat, saved, shard)
         refused = None
     except ValueError as error:
-        # Raised after the ranks' agreement below, which carries it: a rank whose
+        # Raised after the ranks' agreement just below, which carries it: a rank whose
         # object alone does not match must not leave the others waiting.
         refused = error
+    # Before the read plan is built: its member DTensors would be made from objects the
+    # ranks may not agree on.
+    found = identity(name)
+    agree_to_write(
+        where,
+        name,
+        flat.leaves,
+        shard,
+        values=False,
+        checkpoint=found,
+        refused=None if refused is None else str(refused),
+    )
+    if refused is not None:  # on every rank: their objects were refused alike
+        raise refused
 
     sharded = set(flat.sharded())
     spread = _spread(shard)
@@ -502,18 +516,6 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             )
         elif key in sharded and cut:
             plan[key] = rows.new_empty((shard.num_members, *rows.shape[1:]))
-    found = identity(name)
-    agree_to_write(
-        where,
-        name,
-        flat.leaves,
-        shard,
-        values=False,
-        checkpoint=found,
-        refused=None if refused is None else str(refused),
-    )
-    if refused is not None:  # on every rank: their objects were refused alike
-        raise refused
     if checksums is None:
         warnings.warn(
             f"{where}: '{name}' has no {CHECKSUM_FILE} file (written by plain "
