@@ -226,12 +226,12 @@ def weighted_mean(
     # Zero a value that is not finite where its weight is 0, so that 0 * inf does not
     # make the sum NaN; mask the value, not the product, so that d/dweights stays the
     # formula's (the value itself), also at a weight of 0.
-    used = (weights != 0) | values.isfinite()
+    weighted = weights * torch.where((weights != 0) | values.isfinite(), values, 0)
     if normalize == "samples":
         # .mean itself, as (mask * loss).mean() runs it: in half precision it sums in
         # float32 (a float16 sum of 10,000 tens is inf) and rounds once.
-        return (weights * torch.where(used, values, 0)).mean(dim=dims)
-    total = (weights * torch.where(used, values, 0)).sum(dim=dims)
+        return weighted.mean(dim=dims)
+    total = weighted.sum(dim=dims)
     weight = weights.sum(dim=dims)
     empty = weight == 0
     # Route an empty member around the division, so that neither its value nor its
