@@ -218,6 +218,65 @@ def test_params_without_one_of_the_module_s_tensors_are_refused(missing) -> None
             fmodel(one, {k: v[0] for k, v in buffers.items()}, x)
 
 
+def test_buffers_merged_into_params_are_refused_and_left_unchanged() -> None:
+    """torch.func's functional_call(model, {**params, **buffers}, x) idiom: in params,
+    BatchNorm's in-place updates would write the caller's tensors (value_and_grad no
+    longer pure, a failed call not put back)."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)) for _ in range(2)]
+    fmodel, params, buffers = fe.stack(members)
+    before = {k: v.clone() for k, v in buffers.items()}
+    merged = {**params, **buffers}
+    x = torch.randn(5, 3)
+    message = r"the buffer `1\.running_mean` was passed in params \(expected the buffers in"
+    with pytest.raises(ValueError, match="value_and_grad: " + message):
+        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean())(merged, {}, x)
+    with pytest.raises(ValueError, match="vmap: " + message):
+        fe.vmap(fmodel)(merged, {}, x)
+    # Inside a loss, merged by the loss itself.
+    with pytest.raises(ValueError, match="value_and_grad: " + message):
+        fe.value_and_grad(lambda p, b, x: fmodel({**p, **b}, {}, x).pow(2).mean())(
+            params, buffers, x
+        )
+    for name, t in buffers.items():
+        assert torch.equal(t, before[name]), name
+
+
+def test_unknown_and_tied_names_are_refused() -> None:
+    """functional_call(strict=False) ignores a key it does not know: a misspelt name's
+    value would never be used."""
+    torch.manual_seed(0)
+    fmodel, params, buffers = fe.stack(
+        [nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)) for _ in range(2)]
+    )
+    typo = {**params, "0.weigth": params["0.weight"]}
+    x = torch.randn(5, 3)
+    message = (
+        r"params\['0\.weigth'\] is none of the module's parameters or buffers .* Check the spelling"
+    )
+    with pytest.raises(ValueError, match="vmap: " + message):
+        fe.vmap(fmodel)(typo, buffers, x)
+    with pytest.raises(ValueError, match="value_and_grad: " + message):
+        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(typo, buffers, x)
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.dec = nn.Linear(3, 5, bias=False)
+            self.dec.weight = self.emb.weight
+
+        def forward(self, i):
+            return self.dec(self.emb(i))
+
+    fmodel, params, buffers = fe.stack([Tied() for _ in range(2)])
+    both = {**params, "dec.weight": params["emb.weight"]}
+    with pytest.raises(
+        ValueError, match=r"a second name of the tied `emb\.weight`.*as `emb\.weight`"
+    ):
+        fe.vmap(fmodel)(both, buffers, torch.tensor([1, 2]))
+
+
 def _ensemble_face(members):
     ens = fe.Ensemble(members)
     return ens.fmodel, dict(ens.stacked_params()), dict(ens.stacked_buffers())

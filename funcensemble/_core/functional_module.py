@@ -48,7 +48,15 @@ def member_shapes(skeleton: nn.Module, stacked: bool | None) -> MemberShapes:
     }
 
 
-def _check_given(shapes: MemberShapes, params: Any, buffers: Any) -> None:
+def _check_given(
+    shapes: MemberShapes,
+    params: Any,
+    buffers: Any,
+    skeleton: nn.Module | None = None,
+    where: str | None = None,
+    *,
+    stacked: bool = False,
+) -> None:
     """Refuse ``params`` and ``buffers`` that leave out a tensor of the module, or hold
     one of another shape than the module's.
 
@@ -57,20 +65,94 @@ def _check_given(shapes: MemberShapes, params: Any, buffers: Any) -> None:
     wrong numbers either way (or none at all). A tensor of another shape may broadcast
     where the member's would not (a ``[4]`` bias of an ``[N=4, 4]`` one, sliced to one
     number per member): each member would compute another function, without a word.
+    Buffers merged into ``params`` and names the module does not have are refused too.
+    ``stacked``: the tensors are all members' (their names only are checked).
     """
+    where = where or _where()
     for name, (kind, shape) in shapes.items():
         t = params.get(name) if isinstance(params, Mapping) else None
         if t is None and isinstance(buffers, Mapping):
             t = buffers.get(name)
         if t is None:
             raise ValueError(
-                f"{_where()}: the module's {kind} `{name}` is in neither params nor buffers "
+                f"{where}: the module's {kind} `{name}` is in neither params nor buffers "
                 "(expected every parameter and buffer, as fe.stack returns them). Pass them "
                 "all, the frozen ones too: value_and_grad differentiates only those that "
                 "require grad."
             )
-        if shape is not None and isinstance(t, Tensor) and t.shape != shape:
-            raise _shape_error(name, kind, tuple(shape), tuple(t.shape))
+        if not stacked and shape is not None and isinstance(t, Tensor) and t.shape != shape:
+            raise _shape_error(name, kind, tuple(shape), tuple(t.shape), where)
+        if kind == "buffer" and isinstance(params, Mapping) and name in params:
+            raise ValueError(
+                f"{where}: the buffer `{name}` was passed in params (expected the "
+                "buffers in their own dict, the second argument, as fe.stack returns "
+                "them, got them merged into params, as in torch.func's "
+                "functional_call(model, {**params, **buffers}, x)). In params, forward's "
+                "in-place updates (BatchNorm's running statistics) would write into "
+                "your tensors, and a call that fails could not put them back: call "
+                "fmodel(params, buffers, x)."
+            )
+    given = (len(params) if isinstance(params, Mapping) else 0) + (
+        len(buffers) if isinstance(buffers, Mapping) else 0
+    )
+    if given > len(shapes):
+        _refuse_unknown(shapes, params, buffers, skeleton, where)
+
+
+def check_given(fmodel: "FunctionalModule", params: Any, buffers: Any, where: str) -> None:
+    """[`_check_given`][]'s names for ``fmodel``'s module, naming ``where``, on all
+    members' stacked tensors (their shapes are checked where they are split). A
+    parametrization or pruning added after building, which renames tensors, is named
+    first."""
+    _weight_transforms.check_unchanged("Ensemble", fmodel.skeleton, fmodel._weight_transforms)
+    _check_given(fmodel._member_shapes, params, buffers, fmodel.skeleton, where, stacked=True)
+
+
+def keys_differ(fmodel: "FunctionalModule", params: Any, buffers: Any) -> bool:
+    """Whether ``params`` and ``buffers`` hold more or fewer keys than ``fmodel``'s
+    module has tensors: a cheap test run on every call, before the fast path, which
+    reads only its own names (then [`_check_given`][] says which)."""
+    if not (isinstance(params, Mapping) and isinstance(buffers, Mapping)):
+        return False
+    return len(params) + len(buffers) != len(fmodel._member_shapes)
+
+
+def _refuse_unknown(
+    shapes: MemberShapes, params: Any, buffers: Any, skeleton: nn.Module | None, where: str
+) -> None:
+    """Refuse a key of ``params`` or ``buffers`` that names none of the module's
+    tensors (``functional_call(strict=False)`` would ignore it: a misspelt name's value
+    never used), or a tensor given in both."""
+    for given, other in (("params", buffers), ("buffers", params)):
+        found = params if given == "params" else buffers
+        for name in found if isinstance(found, Mapping) else ():
+            if name not in shapes:
+                raise ValueError(
+                    f"{where}: {given}[{name!r}] is none of the module's parameters "
+                    "or buffers under that name (expected the names fe.stack returns"
+                    + _tied_hint(name, skeleton)
+                )
+            if given == "params" and isinstance(other, Mapping) and name in other:
+                raise ValueError(
+                    f"{where}: `{name}` is in both params and buffers (expected each "
+                    "tensor once, as fe.stack returns them). Pass it in one of them."
+                )
+
+
+def _tied_hint(name: str, skeleton: nn.Module | None) -> str:
+    """The end of the message for an unknown key ``name``: a second name of a tensor
+    the module holds under two (tied weights), or a name it does not have."""
+    named = {} if skeleton is None else dict(_named_tensors(skeleton))
+    if name in named:
+        first = next(n for n, t in _named_tensors(skeleton) if t is named[name])
+        return (
+            f", got `{name}`, a second name of the tied `{first}`: fe.stack stacks a "
+            f"tied tensor once, under its first name). Pass it once, as `{first}`."
+        )
+    return (
+        ", got a name the module does not have: its value would never be used). Check "
+        "the spelling; pass the dicts fe.stack returned, with the same keys."
+    )
 
 
 def _where() -> str:
@@ -79,8 +161,9 @@ def _where() -> str:
     return _entry.current() if _torch_compat.inside_transform() else "FunctionalModule"
 
 
-def _shape_error(name: str, kind: str, want: tuple[int, ...], got: tuple[int, ...]) -> ValueError:
-    where = _where()
+def _shape_error(
+    name: str, kind: str, want: tuple[int, ...], got: tuple[int, ...], where: str
+) -> ValueError:
     given = f"{'params' if kind == 'parameter' else 'buffers'}[{name!r}]"
     if where == "FunctionalModule" and got[1:] == want:
         return ValueError(
@@ -210,8 +293,10 @@ class FunctionalModule:
             # A parametrization or pruning added to the ensemble's module after it was
             # built would act on all members' stacked tensor at once: refused.
             _weight_transforms.check_unchanged("Ensemble", self.skeleton, self._weight_transforms)
-        if compiling:  # traced once: no cost per call (eagerly, the fast path checks)
-            _check_given(self._member_shapes, params, buffers)
+        if compiling or keys_differ(self, params, buffers):
+            # Traced once: no cost per call. Eagerly, the fast path checks what it reads;
+            # a key more or fewer than the module's tensors is refused here.
+            _check_given(self._member_shapes, params, buffers, self.skeleton)
         if len(args) == 1 and not kwargs:
             entry = "vmap" if compiling else _entry.current()  # (Dynamo traces no ContextVar)
             fast = fast_call(self.skeleton, params, args, kwargs, None, where=entry)
@@ -241,7 +326,7 @@ class FunctionalModule:
         """The call off the fast path: ``forward`` on the skeleton, with this call's
         tensors swapped in by ``functional_call``."""
         if not compiling:
-            _check_given(self._member_shapes, params, buffers)
+            _check_given(self._member_shapes, params, buffers, self.skeleton)
         dynamo = compiling and torch.compiler.is_dynamo_compiling()
         if dynamo and _tagged(self.skeleton):
             return _eagerly(self, params, buffers, args, kwargs)

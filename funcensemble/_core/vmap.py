@@ -19,7 +19,7 @@ from . import entry as _entry
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
 from .fresh_outputs import not_saved
-from .functional_module import FunctionalModule
+from .functional_module import FunctionalModule, check_given, keys_differ
 from .in_dims import InDims
 from .rollback import rollback_on_error
 from .seeding import rng_state, set_rng_state
@@ -359,6 +359,8 @@ def mapped_call(
         dims: tuple[Any, ...],
     ) -> Any:
         if skeleton is not None and chunk_size is None:
+            if not torch.compiler.is_compiling() and keys_differ(fn, params, buffers):
+                check_given(fn, params, buffers, where)
             fast = fast_call(skeleton, params, args, kwargs, dims)
             if fast is not None:
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
