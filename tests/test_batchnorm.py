@@ -289,6 +289,53 @@ def test_momentum_none_with_different_counts_inside_another_transform_is_refused
     )
 
 
+class ReadsItsCount(nn.Module):
+    """A forward that reads a cumulative BatchNorm's count itself, before or after it."""
+
+    def __init__(self, after: bool) -> None:
+        super().__init__()
+        self.after = after
+        self.lin = nn.Linear(4, 3, bias=False)
+        self.bn = nn.BatchNorm1d(3, momentum=None)
+
+    def forward(self, x):
+        if self.after:
+            return self.bn(self.lin(x)) + 0.1 * float(self.bn.num_batches_tracked)
+        return self.bn(self.lin(x)) * (1 + self.bn.num_batches_tracked.item())
+
+
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize("counts", ["same", "different"])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_a_forward_reading_a_cumulative_count_equals_the_loop_or_is_refused(
+    after, counts, chunk_size
+):
+    """Each member of the loop reads its own count; one vectorized call has one number
+    (it gave NaN outputs for members counting differently)."""
+    torch.manual_seed(0)
+    members = [ReadsItsCount(after).double() for _ in range(3)]
+    for i, m in enumerate(members):
+        m.bn.num_batches_tracked.fill_(i + 1 if counts == "different" else 5)
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members, chunk_size=chunk_size)
+    before = {k: v.clone() for k, v in ens.stacked_buffers().items()}
+    x = torch.randn(6, 4, dtype=torch.float64)
+    if counts == "same":
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), **TOL)
+        for name, buf in ens.stacked_buffers().items():
+            want = torch.stack([dict(m.named_buffers())[name] for m in loop])
+            torch.testing.assert_close(buf, want, **TOL, msg=name)
+        return
+    with pytest.raises(
+        RuntimeError,
+        match=r"forward reads float\(\) or \.item\(\) of BatchNorm `bn`'s num_batches_tracked, "
+        r"and its members count differently \(\[[\d, ]+\]\)",
+    ):
+        ens(x)
+    for name, buf in ens.stacked_buffers().items():
+        assert torch.equal(buf, before[name]), name
+
+
 def test_a_failed_forward_leaves_instance_norm_statistics():
     torch.manual_seed(0)
     members = [

@@ -19,6 +19,7 @@ the statistics are updated per member with factor ``1 / count`` (see
 """
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -152,6 +153,18 @@ def _per_member_average(
     return out
 
 
+def _read_by_batch_norm() -> bool:
+    """Whether the ``float()`` being answered was called by BatchNorm's own ``forward``,
+    not by the user's code: BatchNorm's frame comes before any module call's."""
+    own, call = nn.modules.batchnorm._BatchNorm.forward.__code__, nn.Module._call_impl.__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not call:
+        if frame.f_code is own:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class BatchNormRule:
     """How ``_rewrites``' mode answers BatchNorm's calls under ``vmap``: members folded into
     channels, and ``float(num_batches_tracked)`` of the cumulative layers.
@@ -190,6 +203,15 @@ class BatchNormRule:
                 "fe.vmap, fe.value_and_grad or fe.Ensemble directly, give the members one "
                 "count (e.g. set num_batches_tracked to the same value), or set momentum "
                 "to a float."
+            )
+        if not torch.compiler.is_compiling() and not _read_by_batch_norm():
+            raise RuntimeError(
+                f"forward reads float() or .item() of BatchNorm `{name}`'s "
+                f"num_batches_tracked, and its members count differently ({shown}): in "
+                "one vectorized call there is no one number to give it (expected members "
+                "with one count, or BatchNorm alone reading it). Read the count as a "
+                "tensor (bn.num_batches_tracked, without float() or .item()), or give the "
+                "members one count."
             )
         self._pending.append((layer.running_mean, t))
         return float("nan")  # never used: F.batch_norm for this layer is answered below
