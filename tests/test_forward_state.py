@@ -681,3 +681,46 @@ def test_other_leaf_in_place_errors_are_left_as_torch_raises_them(chunk_size):
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         fe.vmap(fmodel, chunk_size=chunk_size)(params, buffers, torch.randn(5, 3))
     assert buffers["scale"].requires_grad and buffers["scale"].is_leaf
+
+
+class _UpdatesThenFails(nn.Module):
+    """spectral_norm's power iteration and Embedding(max_norm) write their own tensors
+    as the forward passes; the Linear after them refuses a wrong width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 4, max_norm=0.5)
+        self.sn = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, i, width):
+        h = self.sn(self.emb(i))
+        return self.out(h[..., :width])
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("face", ["Ensemble", "vmap"])
+def test_a_failed_call_puts_back_spectral_norm_and_max_norm_updates(face, chunk_size):
+    torch.manual_seed(0)
+    members = [_UpdatesThenFails().double() for _ in range(3)]
+    for m in members:  # rows above max_norm: the lookup renormalises them
+        with torch.no_grad():
+            m.emb.weight.mul_(10)
+    i = torch.tensor([0, 2, 5])
+    if face == "Ensemble":
+        ens = fe.Ensemble(members, chunk_size=chunk_size)
+        params, buffers = ens.stacked_params(), ens.stacked_buffers()
+        call = lambda width: ens(i, width)  # noqa: E731
+    else:
+        fmodel, params, buffers = fe.stack(members)
+        mapped = fe.vmap(fmodel, chunk_size=chunk_size)
+        call = lambda width: mapped(params, buffers, i, width)  # noqa: E731
+    assert any(k.endswith("_u") for k in buffers)
+    before = {k: v.detach().clone() for k, v in {**params, **buffers}.items()}
+    with pytest.raises((RuntimeError, ValueError)):
+        call(3)  # 3 features where the last Linear expects 4
+    for name, t in {**params, **buffers}.items():
+        assert torch.equal(t, before[name]), name
+    call(4)  # and the same call that succeeds updates them, as the loop's does
+    changed = [k for k, t in {**params, **buffers}.items() if not torch.equal(t, before[k])]
+    assert "emb.weight" in changed and any(k.endswith("_u") for k in changed), changed

@@ -10,13 +10,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from .. import _torch_compat
-from .._kernels.batchnorm import norm_layers, updated_in_place
 from .._kernels.fastpath import fast_call
 from .._kernels.rewrites import vmap_rewrites
 from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
 from .._structure import chunk_state as _chunk_state
 from .._structure import forward_state as _forward_state
+from .._structure import updated_in_place as _updated_in_place
 from .._structure import weight_transforms as _weight_transforms
 from .._structure.tensor_tags import tensor_tags
 from . import entry as _entry
@@ -338,9 +338,9 @@ class FunctionalModule:
         if inside:
             # Backward hooks would not run here: refused (see _structure.backward_hooks).
             _backward_hooks.check_call(where, self.skeleton)
-            # Inside fe.vmap: keep a copy of the statistics this forward will update,
+            # Inside fe.vmap: keep a copy of the tensors this forward will update,
             # put back if the call fails (see _rollback).
-            save_before_update(updated_in_place(norm_layers(self.skeleton)))
+            save_before_update(_updated_in_place.by_forward(self.skeleton))
         before = _forward_state.kept_tensors(self.skeleton) if inside else None
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).

@@ -1,13 +1,15 @@
-"""Buffers that a failed call updated in place are put back as they were.
+"""Tensors that a failed call updated in place are put back as they were.
 
 In train mode a normalization layer (BatchNorm, InstanceNorm with
 ``track_running_stats``) updates its running statistics in place during the forward,
-before the layers after it run. When a later layer raises, the call returns nothing
-but the statistics would stay updated. [`vmap`][funcensemble.vmap] (and so
-``Ensemble.forward``) runs the call inside a transaction over the stacked buffers it
-was given; each ``FunctionalModule`` call inside it first saves a copy of the
-statistics it is about to update (a few ``[N, C]`` tensors, once per call), and the
-transaction writes the copies back if the call raises.
+before the layers after it run (as do ``spectral_norm``'s power iteration and
+``Embedding(max_norm=...)``, see ``_structure.updated_in_place``). When a later layer
+raises, the call returns nothing but the tensors would stay updated.
+[`vmap`][funcensemble.vmap] (and so ``Ensemble.forward``) runs the call inside a
+transaction over the stacked parameters and buffers it was given; each
+``FunctionalModule`` call inside it first saves a copy of the tensors it is about to
+update (a few ``[N, C]`` tensors, once per call), and the transaction writes the
+copies back if the call raises.
 """
 
 import contextlib
@@ -20,24 +22,24 @@ from torch import Tensor
 
 
 class _Transaction:
-    __slots__ = ("buffers", "saved")
+    __slots__ = ("buffers", "params", "saved")
 
-    def __init__(self, buffers: Mapping[str, Any]) -> None:
-        self.buffers = buffers
-        self.saved: dict[str, Tensor] = {}
+    def __init__(self, buffers: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+        self.buffers, self.params = buffers, params
+        self.saved: dict[str, tuple[Tensor, Tensor]] = {}
 
     def save(self, names: list[str]) -> None:
         for name in names:
             if name in self.saved:
                 continue
-            t = self.buffers.get(name)
+            t = self.buffers.get(name, self.params.get(name))
             if isinstance(t, Tensor):
-                self.saved[name] = t.clone()
+                self.saved[name] = (t, t.detach().clone())
 
     def restore(self) -> None:
         with torch.no_grad():
-            for name, old in self.saved.items():
-                self.buffers[name].copy_(old)
+            for t, old in self.saved.values():
+                t.copy_(old)
 
 
 _current: ContextVar[_Transaction | None] = ContextVar("funcensemble_rollback", default=None)
@@ -48,8 +50,8 @@ class _Rollback:
 
     __slots__ = ("token", "transaction")
 
-    def __init__(self, buffers: Mapping[str, Any]) -> None:
-        self.transaction = _Transaction(buffers)
+    def __init__(self, buffers: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+        self.transaction = _Transaction(buffers, params)
 
     def __enter__(self) -> None:
         self.token = _current.set(self.transaction)
@@ -67,11 +69,12 @@ def _untracked() -> Iterator[None]:
     yield
 
 
-def rollback_on_error(buffers: Any) -> contextlib.AbstractContextManager:
-    """Run a block; if it raises, put the buffers saved by ``save_before_update`` back."""
+def rollback_on_error(buffers: Any, params: Any = None) -> contextlib.AbstractContextManager:
+    """Run a block; if it raises, put the buffers (and parameters, such as an
+    ``Embedding``'s renormalised weight) saved by ``save_before_update`` back."""
     if torch.compiler.is_compiling() or not isinstance(buffers, Mapping):
         return _untracked()
-    return _Rollback(buffers)
+    return _Rollback(buffers, params if isinstance(params, Mapping) else {})
 
 
 def save_before_update(names: list[str]) -> None:

@@ -441,7 +441,7 @@ def mapped_call(
         try:
             # A call that raises leaves the buffers as they were (see _rollback).
             with (
-                rollback_on_error(buffers),
+                rollback_on_error(buffers, params),
                 _no_silent_loops(_on_cpu(params, buffers)),
                 _cpu_autocast_policy(where),
             ):
