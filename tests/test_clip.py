@@ -193,9 +193,16 @@ def test_ensemble_optimizer_clips_each_member_by_its_own_norm():
             o.step()
         opt.zero_grad()
         (scales * ens(x).pow(2).mean(dim=(1, 2))).sum().backward()
+        unclipped = {k: p.grad.clone() for k, p in ens.stacked_params().items()}
         opt.step()
     for k, p in ens.stacked_params().items():
         torch.testing.assert_close(p.detach(), stacked(ref)[k], rtol=1e-10, atol=1e-12)
+        # The clip acts on the update: .grad keeps the unclipped gradient (the loop's
+        # clip_grad_norm_ scales .grad in place), as training.md says.
+        assert torch.equal(p.grad, unclipped[k]), k
+        assert not torch.allclose(
+            p.grad, torch.stack([dict(m.named_parameters())[k].grad for m in ref])
+        )
 
 
 def test_all_none_and_empty_updates():

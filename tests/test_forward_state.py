@@ -268,6 +268,17 @@ def test_in_place_dropout_on_a_shared_input_is_refused_before_it_changes():
     assert torch.equal(x, before)
 
 
+def test_in_place_dropout_on_a_shared_input_with_randomness_same_is_refused_after():
+    """inputs.md: with randomness="same" vmap runs it, changing the input once; the
+    library's check refuses it after the call."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Dropout(0.5, inplace=True), nn.Linear(4, 2)) for _ in range(N)]
+    ens = fe.Ensemble(layers, randomness="same")
+    x = torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"Ensemble: .*modified its positional argument 0"):
+        ens(x)
+
+
 def test_an_inference_tensor_changed_in_place_is_not_seen_as_documented():
     """inputs.md: the check reads version counters, which tensors made under
     torch.inference_mode() do not keep; such a change passes unseen."""

@@ -955,3 +955,36 @@ def test_members_without_tensors_are_refused_naming_them():
         ValueError, match=r"HeteroEnsemble: members \[1, 3\] \(Sequential\) have no"
     ):
         fe.HeteroEnsemble(members)
+
+
+@pytest.mark.parametrize("lr", ["shared", "per member"])
+def test_optimizer_state_loads_into_another_member_order_as_hetero_md_says(tmp_path, lr):
+    """hetero.md: the state follows each group's members in order; per-member
+    hyperparameters are in member order, so another order is refused."""
+    torch.manual_seed(0)
+
+    def arch(kind):
+        return nn.Linear(3, 2) if kind == "A" else nn.Sequential(nn.Linear(3, 2))
+
+    src = fe.HeteroEnsemble([arch(k) for k in "ABA"])
+    dst = fe.HeteroEnsemble([arch(k) for k in "AAB"])
+    rate = 0.1 if lr == "shared" else torch.tensor([0.1, 0.2, 0.3])
+    saved = fe.optim.EnsembleOptimizer(src, src.optimizer(fe.optim.adam, lr=rate))
+    src(torch.randn(4, 3)).pow(2).sum().backward()
+    saved.step()
+    fe.save(tmp_path / "opt.safetensors", saved)
+    opt = fe.optim.EnsembleOptimizer(dst, dst.optimizer(fe.optim.adam, lr=rate))
+    if lr == "per member":
+        with pytest.raises(ValueError, match=r"the state was saved by an optimizer whose"):
+            fe.load(tmp_path / "opt.safetensors", opt)
+        with pytest.raises(ValueError, match=r"the state was saved by an optimizer whose"):
+            opt.load_state_dict(saved.state_dict())
+        return
+    fe.load(tmp_path / "opt.safetensors", opt)
+    # Group A's second row (member 2 of ABA) is member 1 of AAB's.
+    for got, want in zip(
+        optree.tree_leaves(opt.state_dict()["state"]),
+        optree.tree_leaves(saved.state_dict()["state"]),
+        strict=True,
+    ):
+        assert torch.equal(got, want)

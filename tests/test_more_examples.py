@@ -157,6 +157,32 @@ def test_digits_calibration_error_by_hand():
     )
 
 
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.float64, 1e-15), (torch.float32, 5e-8)])
+def test_digits_stacked_gradients_are_each_members_own(dtype, bound):
+    """real-data.md: each member gets the gradient it would get alone, the stacked
+    products rounding the last bit differently (about 1e-16 in float64, 1e-8 in
+    float32)."""
+    pytest.importorskip("sklearn")
+    example = load("digits_ensemble")
+    data = example.load_data(9, 0.3, seed=0)
+    members = 8
+    ens = fe.Ensemble.from_factory(lambda: example.make_member(128), members, seed=0).to(dtype)
+    loop = [copy.deepcopy(ens.member(i)) for i in range(members)]
+    g = torch.Generator().manual_seed(0)
+    idx = torch.stack([torch.randperm(len(data.x), generator=g)[:64] for _ in range(members)])
+    x, y = data.x[idx].to(dtype), data.y[idx]
+    logits = ens(x, in_dims=0)
+    loss = sum(torch.nn.functional.cross_entropy(logits[i], y[i]) for i in range(members))
+    loss.backward()
+    worst = 0.0
+    for i, member in enumerate(loop):
+        torch.nn.functional.cross_entropy(member(x[i]), y[i]).backward()
+        for name, p in member.named_parameters():
+            got = ens.stacked_params()[name].grad[i]
+            worst = max(worst, (got - p.grad).abs().max().item())
+    assert worst < bound
+
+
 def test_digits_fails_when_the_members_are_copies(monkeypatch):
     pytest.importorskip("sklearn")
     example = load("digits_ensemble")

@@ -65,6 +65,10 @@ def clip_by_global_norm(
     Put it first in a [`chain`][funcensemble.optim.chain]:
     ``chain(clip_by_global_norm(1.0), adam(lr=1e-3))`` is, per member,
     ``clip_grad_norm_(member.parameters(), 1.0)`` then ``torch.optim.Adam.step()``.
+    The clip acts on the update: through an
+    [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer], ``.grad`` keeps the
+    unclipped gradients after ``step()`` (``clip_grad_norm_`` scales ``.grad`` in
+    place), for logging a gradient norm, say.
 
     Args:
         max_norm: The largest norm a member's gradients keep: one float, or a ``[N]``
