@@ -425,3 +425,47 @@ def test_an_optimizer_file_from_before_the_transform_record_still_loads(tmp_path
     fresh = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
     fe.load(tmp_path / "old.st", fresh)
     assert_trees_equal(fresh.state, opt.state)
+
+
+def test_assigning_a_schedule_mid_run_keeps_the_moments_as_a_torch_scheduler_does():
+    """A constant lr assigned a schedule (then a constant again) keeps Adam's moments;
+    the schedule counts from 0, as a LambdaLR made mid-run (it raised at every step)."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double() for _ in range(3)
+    ]
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01, foreach=True) for m in loop]
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=0.01))
+    schedulers = []
+    for step in range(8):
+        if step == 3:
+            opt.transform = fe.optim.adam(lr=lambda c: 0.01 * 0.5 ** c.double())
+            schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda c: 0.5**c) for o in opts]
+        if step == 6:
+            opt.transform = fe.optim.adam(lr=0.003)
+            for o in opts:
+                o.param_groups[0]["lr"] = 0.003
+            schedulers = []
+        x = torch.randn(5, 3, dtype=torch.float64)
+        for m, o in zip(loop, opts, strict=True):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        for s in schedulers:
+            s.step()
+        opt.zero_grad()
+        ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+        if 3 <= step < 6:
+            assert opt.state[-1].count.item() == step - 2
+    for name, p in ens.stacked_params().items():
+        want = torch.stack([dict(m.named_parameters())[name] for m in loop])
+        torch.testing.assert_close(p, want, rtol=1e-10, atol=1e-12, msg=name)
+    # A transform keeping other state: refused by the next step, nothing changed.
+    opt.transform = fe.optim.adam(lr=0.01, amsgrad=True)
+    kept = copy.deepcopy((ens.state_dict(), opt.state))
+    with pytest.raises(ValueError, match="adam"):
+        opt.step()
+    assert_trees_equal((ens.state_dict(), opt.state), kept)

@@ -19,8 +19,9 @@ from .._core.tree_view import Stacked, adapted, state_view
 from .._messages import a, expected_got, key_difference
 from .._types import StackedTensor
 from ._members import check_state_like, count_mask, count_sizes, grown, selected
-from ._protocol import GradientTransformation, PyTree, flatten
+from ._protocol import EmptyState, GradientTransformation, PyTree, flatten
 from ._recipes import describe
+from ._transforms import ScheduleState
 
 
 def _state_keys(spec: optree.PyTreeSpec) -> list[str]:
@@ -66,6 +67,48 @@ def _shown(described: object, other: object, limit: int = 600) -> str:
     first = next((i for i, (a, b) in pairs if a != b), min(len(text), len(other)))
     start = max(0, min(first - limit // 3, len(text) - limit))
     return ("..." if start else "") + text[start : start + limit] + "..."
+
+
+def _carried(old: Any, new: Any) -> Any:
+    """``old``, the state kept, in the structure of ``new``, a fresh state of the
+    transform assigned: a learning rate's entry follows ``new`` (an ``EmptyState`` for a
+    constant, a ``ScheduleState`` from 0 for a schedule); every other entry must be of
+    the same kind and is kept. ``_MISMATCH`` where they are not."""
+    if isinstance(new, (EmptyState, ScheduleState)) and isinstance(
+        old, (EmptyState, ScheduleState)
+    ):
+        return old if type(old) is type(new) else new
+    if type(old) is not type(new):
+        return _MISMATCH
+    if isinstance(new, (tuple, list)):
+        if len(old) != len(new):
+            return _MISMATCH
+        kept = [_carried(o, n) for o, n in zip(old, new, strict=True)]
+        if any(k is _MISMATCH for k in kept):
+            return _MISMATCH
+        return type(new)(*kept) if hasattr(new, "_fields") else type(new)(kept)
+    if isinstance(new, dict):
+        if old.keys() != new.keys():
+            return _MISMATCH
+        kept_dict = {k: _carried(old[k], new[k]) for k in new}
+        if any(k is _MISMATCH for k in kept_dict.values()):
+            return _MISMATCH
+        return type(new)(kept_dict)
+    return old  # a tensor or another leaf: the state's values
+
+
+_MISMATCH = object()
+
+
+def _kept_state(state: Any, transform: GradientTransformation, params: Any) -> Any:
+    """The optimizer's state for ``transform`` assigned in place of its transform: the
+    state kept, its learning rate's entry made ``transform``'s. A state that does not
+    carry over (another optimizer, ``amsgrad`` switched) is kept as it is: the next
+    ``step``'s checks refuse it, naming what differs."""
+    with torch.no_grad():
+        fresh = transform.init(params)
+    kept = _carried(state, fresh)
+    return state if kept is _MISMATCH else kept
 
 
 class EnsembleOptimizer:
@@ -150,7 +193,11 @@ class EnsembleOptimizer:
     @property
     def transform(self) -> GradientTransformation:
         """The transform each ``step`` runs. Assign another to change hyperparameters
-        between steps (the state is kept): over a
+        between steps (the state is kept; a constant ``lr`` may become a schedule, whose
+        step count starts at 0 then, as a ``torch.optim.lr_scheduler`` made mid-run
+        starts, or a schedule a constant); another optimizer, or one that keeps other
+        state (``amsgrad``), is refused by the next ``step``: build a new optimizer
+        for it. Over a
         [`HeteroEnsemble`][funcensemble.HeteroEnsemble] it runs group by group, as
         the one given when the optimizer was built."""
         return self._transform
@@ -170,6 +217,8 @@ class EnsembleOptimizer:
             from .._hetero.routing import check_assigned  # (hetero imports this module)
 
             check_assigned(adapted_, self.params)  # what its init checks (the state is kept)
+        if hasattr(self, "state"):
+            self.state = _kept_state(self.state, adapted_, self.params)
         self._transform = adapted_
         self._described = described  # what state_dict() records of it
 
