@@ -11,6 +11,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import io
 import math
 import random
 import re
@@ -1976,6 +1977,40 @@ def test_an_object_every_member_holds_in_a_container_is_held_by_the_ensemble_too
     x = torch.randn(5, 4)
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
     assert ens.stacked.settings is not loop[0].settings  # the containers are copies
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_ensemble_keeps_the_object_its_members_hold_as_one(how) -> None:
+    """Deep-copied or unpickled, the ensemble's members still hold one object, as in
+    copy.deepcopy of the members' list: each member and select got its own copy."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble(_shared_tempered(3))
+    fmodel = fe.stack(_shared_tempered(3))[0]
+    if how == "deepcopy":
+        copied, copied_fmodel = copy.deepcopy(ens), copy.deepcopy(fmodel)
+    else:
+        buffer = io.BytesIO()
+        torch.save((ens, fmodel), buffer)
+        buffer.seek(0)
+        copied, copied_fmodel = torch.load(buffer, weights_only=False)
+    picked = copied.select([0, 1])
+    members = copied.unstack()
+    assert picked.stacked.temperature is copied.stacked.temperature
+    assert all(m.temperature is copied.stacked.temperature for m in members)
+    assert copied.stacked.temperature is not ens.stacked.temperature
+    copied.stacked.temperature.value = 0.1
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(picked(x), copied(x)[:2])
+    torch.testing.assert_close(members[2](x), copied(x)[2])
+    # fe.stack's function: its members, unstacked, hold the copy's one object.
+    _, params, buffers = fe.stack(_shared_tempered(3))
+    back = fe.unstack(copied_fmodel, params, buffers)
+    assert back[0].temperature is back[1].temperature is copied_fmodel.skeleton.temperature
+
+
+def _shared_tempered(n: int) -> list[nn.Module]:
+    temperature = _Temperature(1.0)
+    return [_Tempered(temperature) for _ in range(n)]
 
 
 def test_concat_keeps_only_the_objects_the_added_members_hold_too() -> None:

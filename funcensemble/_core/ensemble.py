@@ -22,7 +22,15 @@ from .functional_module import FunctionalModule
 from .in_dims import InDims
 from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
 from .seeding import build_seeded, check_seed, global_rng_restored_on_error, member_seed
-from .skeleton import Location, held_by_all, meta_skeleton, replace_tensors, shared
+from .skeleton import (
+    Location,
+    held_by_all,
+    meta_skeleton,
+    replace_tensors,
+    restore_shared,
+    shared,
+    shared_state,
+)
 from .stack import (
     _num_members,
     checked_num_members,
@@ -249,6 +257,16 @@ class Ensemble(nn.Module):
                 "changing them."
             )
         super().__setattr__(name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The objects every member holds stay one object in a deep copy or an unpickled
+        # ensemble, as they stay one in copy.deepcopy of the members' list.
+        return shared_state(self.stacked, dict(super().__getstate__()))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        record = restore_shared(state)
+        super().__setstate__(state)
+        record(self.stacked)
 
     def __len__(self) -> int:
         return self.num_members

@@ -23,6 +23,7 @@ from . import entry as _entry
 from . import turns as _turns
 from .diagnose import linear_width_error
 from .rollback import save_before_update
+from .skeleton import restore_shared, shared_state
 
 MemberShapes = dict[str, tuple[str, torch.Size | None]]
 
@@ -263,13 +264,15 @@ class FunctionalModule:
         self._tensors = _tags_and_tensors(self.skeleton)[1]
 
     def __getstate__(self) -> dict[str, Any]:  # weak references neither copy nor pickle
-        return {
+        state = {
             "skeleton": self.skeleton,
             "weight_transforms": self._weight_transforms,
             "member_shapes": self._member_shapes,
         }
+        return shared_state(self.skeleton, state)  # (see Ensemble.__getstate__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        restore_shared(state)(state["skeleton"])
         self.skeleton = state["skeleton"]
         self._keep_tensors()
         self._weight_transforms = state.get("weight_transforms", frozenset())

@@ -105,6 +105,30 @@ def shared(module: nn.Module) -> dict[Location, object]:
     return dict(_SHARED.get(module, {}))
 
 
+def shared_state(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an object's ``__getstate__``) with the locations of the objects kept
+    by reference in copies of ``module``: the record is keyed by the module itself,
+    which ``copy.deepcopy`` and pickling replace (see ``restore_shared``)."""
+    locations = list(_SHARED.get(module, {}))
+    return {**state, _LOCATIONS: locations} if locations else state
+
+
+def restore_shared(state: dict[str, Any]) -> Callable[[nn.Module], None]:
+    """Take ``shared_state``'s locations out of ``state``; the function returned
+    records, for the copied module, the objects it holds there (the copy's own)."""
+    locations = state.pop(_LOCATIONS, None)
+
+    def record(module: nn.Module) -> None:
+        if locations:
+            found = user_objects(module)
+            keep_shared(module, {k: found[k] for k in locations if k in found})
+
+    return record
+
+
+_LOCATIONS = "_funcensemble_shared_locations"
+
+
 def replace_tensors(
     module: nn.Module,
     make_param: Callable[[str, Tensor], Tensor],
