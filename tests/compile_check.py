@@ -649,6 +649,42 @@ def optimizer_limits() -> None:
                 )
 
 
+def transform_swaps() -> None:
+    """An EnsembleOptimizer's transform assigned between calls of a compiled step (an lr
+    change, then a schedule), the collector running often as in a busy program: Dynamo
+    guarded on a weak dictionary of transforms by position, and a transform collected
+    between tracing and guarding broke the guard (IndexError). Equals eager."""
+    import gc
+
+    def run(compiled: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        ens = fe.Ensemble(
+            [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
+        )
+        opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=1e-2))
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            opt.zero_grad()
+            ((ens(x) - y) ** 2).mean(dim=(1, 2)).sum().backward()
+            opt.step()
+
+        call = torch.compile(step) if compiled else step
+        x, y = torch.randn(6, 4), torch.randn(3, 6, 2)
+        for lr in [1e-2, 1e-1, 1e-1, 3e-3, lambda count: 1e-2 * 0.5 ** count.double()]:
+            opt.transform = fe.optim.adam(lr=lr)
+            call(x, y)
+        return {k: v.detach().clone() for k, v in ens.stacked_params().items()}
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50)
+    try:
+        compiled = run(True)
+    finally:
+        gc.set_threshold(*threshold)
+    for k, v in run(False).items():
+        torch.testing.assert_close(compiled[k], v, rtol=1e-5, atol=1e-6)
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
@@ -667,6 +703,7 @@ if __name__ == "__main__":
         "rebound_buffer": rebound_buffer,
         "wrong_shape": wrong_shape,
         "optimizer_limits": optimizer_limits,
+        "transform_swaps": transform_swaps,
     }
     faces[sys.argv[1]]()
     print("OK")

@@ -34,6 +34,7 @@ def run_check(face: str) -> None:
         "rebound_buffer",
         "wrong_shape",
         "optimizer_limits",
+        "transform_swaps",
     ],
 )
 def test_compiled_training_step_matches_eager(face):

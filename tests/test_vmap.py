@@ -4,8 +4,10 @@ Every result is compared, in float64, with a plain Python loop over ordinary mod
 """
 
 import copy
+import time
 import traceback
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -604,6 +606,68 @@ def test_calls_from_several_threads_compute_each_call_from_its_own_tensors(chunk
     # Each call counted once, as each member of the loop counts its calls.
     assert fmodel.skeleton.calls == (4 * 2 + 4 * 25 * 2 if chunk_size is None else 0)
     assert fmodel.skeleton.settings == members[0].settings
+
+
+class _Handshake(nn.Module):
+    """Off the fast path; mid-forward, lets a reader thread go and waits a little."""
+
+    inside: Any = None  # (a class attribute: member(i) copies the module's own)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm = nn.Linear(3, 5), nn.LayerNorm(5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.a(x))
+        if self.inside is not None:
+            self.inside.set()
+            time.sleep(0.3)  # the reader runs now, unless it waits for this call
+        return h
+
+
+@pytest.mark.parametrize(
+    "read",
+    ["parameters", "state_dict", "len", "member", "EnsembleOptimizer", "torch.optim"],
+)
+def test_reading_an_ensemble_while_another_thread_calls_it_sees_its_own_tensors(read):
+    """A call swaps its own (batched) tensors into the ensemble's module for its
+    length: a reader in another thread saw them (an optimizer built then held them and
+    never trained the ensemble; len() gave a layer's width). The readers wait."""
+    import threading
+
+    torch.manual_seed(0)
+    ens = fe.Ensemble([_Handshake() for _ in range(3)])
+    readers = {
+        "parameters": lambda: [tuple(p.shape) for p in ens.parameters()],
+        "state_dict": lambda: [tuple(t.shape) for t in ens.state_dict().values()],
+        "len": lambda: [(len(ens),)],
+        "member": lambda: [tuple(p.shape) for p in ens.member(1).parameters()],
+        "EnsembleOptimizer": lambda: [
+            tuple(p.shape)
+            for p in fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(0.1)).params.values()
+        ],
+        "torch.optim": lambda: [
+            tuple(p.shape) for p in torch.optim.SGD(ens.parameters(), 0.1).param_groups[0]["params"]
+        ],
+    }
+    want = readers[read]()
+    _Handshake.inside = inside = threading.Event()
+    seen: list[Any] = []
+
+    def reader() -> None:
+        inside.wait(30)
+        seen.append(readers[read]())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        with torch.no_grad():
+            ens(torch.randn(4, 3))
+    finally:
+        _Handshake.inside = None
+    thread.join(30)
+    assert inside.is_set()
+    assert seen == [want]
 
 
 def test_a_loss_waiting_on_a_thread_that_calls_another_ensemble_does_not_deadlock():

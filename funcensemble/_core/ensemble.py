@@ -1,8 +1,9 @@
 """``Ensemble``: N members as one ``nn.Module`` holding stacked ``[N, ...]`` parameters."""
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -69,6 +70,29 @@ def _copy_call_hooks(src: nn.Module, dst: nn.Module) -> None:
             getattr(dst, table).update(hooks)
     if own.get("_backward_hooks"):
         dst._is_full_backward_hook = src._is_full_backward_hook
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _taking_turns(method: F) -> F:
+    """Run ``method`` while no call borrows the ensemble's module: a call off the fast
+    path swaps its own tensors into ``self.stacked`` for its length (see ``_turns``),
+    which another thread reading the module would see."""
+
+    @functools.wraps(method)
+    def taking_turns(self: "Ensemble", *args: Any, **kwargs: Any) -> Any:
+        with _turn(self):
+            return method(self, *args, **kwargs)
+
+    return cast(F, taking_turns)
+
+
+def _turn(ens: "Ensemble") -> contextlib.AbstractContextManager:
+    stacked = ens._modules.get("stacked")  # (None while it is being built)
+    if stacked is None or torch.compiler.is_compiling():  # (Dynamo cannot trace a lock)
+        return contextlib.nullcontext()
+    return _turns.lock(stacked)
 
 
 class Ensemble(nn.Module):
@@ -286,10 +310,12 @@ class Ensemble(nn.Module):
             where, self.fmodel, self.stacked_params(), self.stacked_buffers()
         )
 
+    @_taking_turns
     def stacked_params(self) -> StackedParameters:
         """The live stacked parameters ``[N, ...]`` by state-dict name (tied ones once)."""
         return dict(self.stacked.named_parameters())
 
+    @_taking_turns
     def stacked_buffers(self) -> StackedTensors:
         """The live stacked buffers ``[N, ...]`` by state-dict name."""
         return dict(self.stacked.named_buffers())
@@ -334,6 +360,7 @@ class Ensemble(nn.Module):
             _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building
         return mapped(params, buffers, args, kwargs, dims)
 
+    @_taking_turns
     def member(self, index: int) -> nn.Module:
         """An independent ordinary module holding member ``index`` (negative counts back);
         objects of your own classes that every member holds stay shared, as in the loop.
@@ -360,6 +387,7 @@ class Ensemble(nn.Module):
         )
         return member_module(self.stacked, self.stacked_params(), self.stacked_buffers(), index % n)
 
+    @_taking_turns
     def unstack(self) -> list[nn.Module]:
         """All members as independent ordinary modules (see [`unstack`][funcensemble.unstack])."""
         return [self.member(i) for i in range(self.num_members)]
@@ -379,6 +407,7 @@ class Ensemble(nn.Module):
         _copy_call_hooks(self, new)
         return new
 
+    @_taking_turns
     def select(self, indices: Indices) -> "Ensemble":
         """A new ensemble of the members ``indices``, in that order.
 
@@ -413,6 +442,7 @@ class Ensemble(nn.Module):
             take(self.stacked_params(), idx), take(self.stacked_buffers(), idx)
         )
 
+    @_taking_turns
     def concat(self, modules: "Sequence[nn.Module] | nn.ModuleList | Ensemble") -> "Ensemble":
         """A new ensemble of this one's members followed by ``modules`` (members appended).
 
@@ -457,6 +487,7 @@ class Ensemble(nn.Module):
             kept=held_by_all(shared(self.stacked), added),
         )
 
+    @_taking_turns
     def copy_members_(self, src: int | Indices, dst: int | Indices) -> None:
         """Copy member ``src`` over member ``dst`` in place: parameters and buffers.
 
@@ -488,11 +519,24 @@ class Ensemble(nn.Module):
     def extra_repr(self) -> str:
         return f"num_members={self.num_members}"
 
+    @_taking_turns
     def _apply(self, fn: Any, recurse: bool = True) -> "Ensemble":
         # .to(), .double(), .cpu(), share_memory(), ...: all of nn.Module's conversions.
         check_no_swap("Ensemble.to/.double/.half/.cpu/.cuda/share_memory (nn.Module._apply)")
         return super()._apply(fn, recurse)
 
+    @_taking_turns
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return super().state_dict(*args, **kwargs)
+
+    def _named_members(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        # parameters(), buffers() and their named_ forms: read in one turn, then handed
+        # out (a generator holding the lock would keep other threads' calls waiting).
+        with _turn(self):
+            found = list(super()._named_members(*args, **kwargs))
+        yield from found
+
+    @_taking_turns
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:

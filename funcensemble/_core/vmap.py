@@ -230,7 +230,11 @@ def vmap(
             (off the fast path, calls of one ensemble take turns: each borrows its one
             skeleton module), except chunked calls of one ensemble whose ``forward``
             changes the module's own attributes (a counter): a chunk replays them
-            from its call's start, which another thread's call may have moved.
+            from its call's start, which another thread's call may have moved. An
+            ``Ensemble``'s own readers (``parameters()``, ``state_dict()``,
+            ``stacked_params()``, ``len``, ``member``, ``select``, ...) wait for a
+            call running in another thread; reading ``ens.stacked``'s submodules
+            directly meanwhile sees the call's borrowed tensors.
         randomness: ``"different"``: each member draws its own random numbers
             (independent dropout masks); ``"same"``: one draw shared by all members;
             ``"error"``: refuse random operations.

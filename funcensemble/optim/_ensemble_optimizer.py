@@ -1,5 +1,6 @@
 """``EnsembleOptimizer``: a functional optimizer stepping an Ensemble in place, torch-style."""
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -233,6 +234,27 @@ class EnsembleOptimizer:
             "fe.optim.warmup_cosine), and scale the loss yourself, or train with a "
             "torch.optim optimizer over ens.parameters() for GradScaler."
         )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "EnsembleOptimizer cannot be pickled (expected its state, got the optimizer: "
+            "its transform is made of Python functions, as Optax's are). Save its state "
+            "with fe.save(path, opt) or torch.save(opt.state_dict(), path), and load it "
+            "into an EnsembleOptimizer built with the same transform (fe.load, or "
+            "load_state_dict); copy.deepcopy((ens, opt)) copies both."
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "EnsembleOptimizer":
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for key, value in vars(self).items():
+            vars(new)[key] = copy.deepcopy(value, memo)  # (functions are kept as they are)
+        return new
+
+    def __copy__(self) -> "EnsembleOptimizer":
+        new = object.__new__(type(self))
+        vars(new).update(vars(self))
+        return new
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset every parameter's ``.grad``: to None, or to zeros if ``set_to_none=False``."""

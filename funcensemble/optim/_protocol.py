@@ -7,7 +7,6 @@ leaf's state) keeps its slot and nothing downstream misaligns.
 
 import functools
 import re
-import weakref
 from collections.abc import Callable, Iterator, Mapping, MappingView
 from typing import Any, NamedTuple
 
@@ -143,25 +142,28 @@ class Traits(NamedTuple):
     learning_rate: Any = None
 
 
-# Keyed by the transform's `update` function: a GradientTransformation is a plain
+# Kept on the transform's `update` function itself: a GradientTransformation is a plain
 # NamedTuple of three functions (users build and unpack it), so what the library knows
-# about its own transforms lives beside them, not in extra fields.
-_TRAITS: "weakref.WeakKeyDictionary[Callable[..., Any], Traits]" = weakref.WeakKeyDictionary()
+# about its own transforms lives beside them, not in extra fields. With the function's
+# identity: a wrapper made with functools.wraps copies the attribute, not the traits.
+# (Not a WeakKeyDictionary: torch.compile guards on such a dict's keys by position,
+# and a transform collected between tracing and guarding broke the guard.)
+_ATTRIBUTE = "_funcensemble_traits"
 _NONE = Traits()
 
 
 def with_traits(t: GradientTransformation, **kw: Any) -> GradientTransformation:
     """``t``, with ``Traits(**kw)`` recorded for it."""
-    _TRAITS[t.update] = Traits(**kw)
+    setattr(t.update, _ATTRIBUTE, (id(t.update), Traits(**kw)))
     return t
 
 
 def traits(t: GradientTransformation) -> Traits:
     """What is recorded for ``t`` (nothing, for a transform of the user's own)."""
-    try:
-        return _TRAITS.get(t.update, _NONE)
-    except TypeError:  # an update that cannot be weakly referenced: the user's own
-        return _NONE
+    found = getattr(t.update, _ATTRIBUTE, None)
+    if isinstance(found, tuple) and found[0] == id(t.update):
+        return found[1]
+    return _NONE
 
 
 def derived_inplace(update: Callable[..., tuple[PyTree, Any]]) -> Callable[..., tuple[PyTree, Any]]:
