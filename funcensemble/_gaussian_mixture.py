@@ -66,7 +66,8 @@ def gaussian_mixture(
         prediction.
 
     Raises:
-        TypeError: An argument that is not a floating-point tensor.
+        TypeError: An argument that is not a floating-point tensor, or ``mean`` and
+            ``var`` of different dtypes.
         ValueError: Shapes that differ, no member axis or an empty one, or a negative
             variance (checked when called outside ``torch.compile`` and ``torch.func``
             transforms, where values can be read).
@@ -90,6 +91,13 @@ def gaussian_mixture(
             f"predicted mean, got mean {tuple(mean.shape)} and var {tuple(var.shape)}). "
             "Give each member's variance for every output it predicts, e.g. a variance "
             "head as wide as the mean head."
+        )
+    if mean.dtype != var.dtype:
+        raise TypeError(
+            f"{where}: mean and var must have one dtype (expected the same floating-point "
+            f"dtype, got mean {mean.dtype} and var {var.dtype}): the mixture's variance "
+            "adds parts computed in each, and would hold the narrower one's precision "
+            "in the wider dtype. Convert one, e.g. var.to(mean.dtype)."
         )
     if not (torch.compiler.is_compiling() or _torch_compat.inside_transform()):
         negative = var < 0

@@ -469,3 +469,44 @@ def test_assigning_a_schedule_mid_run_keeps_the_moments_as_a_torch_scheduler_doe
     with pytest.raises(ValueError, match="adam"):
         opt.step()
     assert_trees_equal((ens.state_dict(), opt.state), kept)
+
+
+def test_an_ensemble_converted_mid_run_says_how_to_keep_the_moments():
+    """The step refuses a state of the old dtype and names the route that keeps the
+    moments, which equals torch.optim's (its load_state_dict casts the state too)."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double() for _ in range(3)
+    ]
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in loop]
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=0.01))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for m, o in zip(loop, opts, strict=True):
+        m(x).pow(2).mean().backward()
+        o.step()
+    ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+    opt.step()
+    ens.float()
+    ens.zero_grad()
+    ens(x.float()).pow(2).mean(dim=(1, 2)).sum().backward()
+    kept = copy.deepcopy(ens.state_dict())
+    with pytest.raises(
+        ValueError, match=r"new\.load_state_dict\(opt\.state_dict\(\)\) converts them"
+    ):
+        opt.step()
+    assert_trees_equal(ens.state_dict(), kept)
+    new = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=0.01))
+    new.load_state_dict(opt.state_dict())
+    new.step()
+    for i, (m, o) in enumerate(zip(loop, opts, strict=True)):
+        saved = o.state_dict()
+        m.float()
+        o = torch.optim.Adam(m.parameters(), lr=0.01)
+        o.load_state_dict(saved)
+        m.zero_grad()
+        m(x.float()).pow(2).mean().backward()
+        o.step()
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(ens.stacked_params()[name][i], p, rtol=1e-6, atol=1e-7)

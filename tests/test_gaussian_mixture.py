@@ -195,3 +195,19 @@ def test_a_nan_variance_gives_nan_as_the_loop_does():
     mix = fe.reduce.gaussian_mixture(mean, var)
     assert math.isnan(mix.var[0].item()) and mix.var[1].item() == 1.0
     assert torch.equal(mix.mean, torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    ("mean_dtype", "var_dtype"),
+    [
+        (torch.bfloat16, torch.float16),
+        (torch.float32, torch.float64),
+        (torch.float64, torch.float32),
+    ],
+)
+def test_mean_and_var_of_different_dtypes_are_refused(mean_dtype, var_dtype):
+    """The epistemic part was rounded to mean's dtype and added in var's: a float32 var
+    holding bfloat16 precision (25 off at 8665)."""
+    mean, var = torch.randn(3, 4).to(mean_dtype), torch.rand(3, 4).to(var_dtype)
+    with pytest.raises(TypeError, match=r"gaussian_mixture: mean and var must have one dtype"):
+        fe.reduce.gaussian_mixture(mean, var)

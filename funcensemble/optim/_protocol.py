@@ -381,6 +381,13 @@ def missing_state(where: str, leaf: str) -> str:
     )
 
 
+_MOVED = (
+    "build the optimizer (or init the state) after the change; to keep its moments, "
+    "load the old state into it: new = fe.optim.EnsembleOptimizer(ens, transform); "
+    "new.load_state_dict(opt.state_dict()) converts them"
+)
+
+
 def check_like(
     where: str,
     what: str,
@@ -411,14 +418,13 @@ def check_like(
                 f"dtype {x.dtype}, device {x.device}, but {state} holds shape "
                 f"{tuple(ref.shape)}, dtype {ref.dtype}, device {ref.device} (expected them "
                 "alike). If the parameters changed dtype or device since the state was made "
-                "(ens.double(), .to(...)), build the optimizer (or init the state) after the "
-                "change; otherwise pass gradients shaped like the parameters."
+                f"(ens.double(), .to(...)), {_MOVED}; otherwise pass gradients shaped like "
+                "the parameters."
             )
         if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
             advice = (
                 "If the parameters changed dtype or device since the state was made "
-                "(ens.double(), .to(...)), build the optimizer (or init the state) after "
-                "the change."
+                f"(ens.double(), .to(...)), {_MOVED}."
                 if what.startswith("state.")
                 else "Give it the parameter's shape, dtype and device."
             )
