@@ -552,3 +552,18 @@ def test_buffers_come_back_without_autograd_history(chunk_size):
         torch.testing.assert_close(buffers["snap"], 2 * params["lin.bias"])
         # d/d bias of sum(W x + b + 2 b) over 4 rows: 3 per row.
         torch.testing.assert_close(grads["lin.bias"], torch.full((3, 2), 12.0, dtype=torch.float64))
+
+
+def test_value_and_grad_inside_inference_mode_says_so():
+    """It blamed the loss (no trainable parameter: a .detach()?) where the caller's
+    inference_mode block records nothing; under no_grad it runs."""
+    fmodel, params, buffers = fe.stack([nn.Linear(3, 1) for _ in range(2)])
+    step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())
+    x = torch.randn(4, 3)
+    with (
+        torch.inference_mode(),
+        pytest.raises(RuntimeError, match=r"inside torch\.inference_mode\(\)"),
+    ):
+        step(params, buffers, x)
+    with torch.no_grad():
+        assert step(params, buffers, x)[1]["weight"] is not None

@@ -112,6 +112,13 @@ def _autograd_step(
 
     ``mapped_loss`` is a ``_vmap.mapped_call``; ``dims`` the call's checked ``in_dims``.
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{where}: called inside torch.inference_mode(), where no operation records "
+            "autograd history, so there is no gradient to take (expected grad mode, or "
+            "torch.no_grad(), which value_and_grad turns back on for its own call). Call "
+            "it outside the inference_mode block."
+        )
     with torch.enable_grad():
         leaves = {k: v.detach().requires_grad_(k in trainable) for k, v in params.items()}
         out = mapped_loss(leaves, buffers, args, kwargs, dims)

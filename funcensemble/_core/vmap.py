@@ -179,6 +179,16 @@ def _explain(error: RuntimeError | ValueError, randomness: str, where: str) -> E
             "F.gaussian_nll_loss, write the loss out as the how-to page 'Regression with "
             "uncertainty' does). Torch's message: " + message.splitlines()[0]
         )
+    if "inplace arithmetic(self, *extra_args) is not possible" in message:
+        return RuntimeError(
+            f"{where}: forward changes in place a tensor that all members share (an "
+            "input, or one made from inputs alone) with a value that differs between "
+            "members, such as nn.Dropout(inplace=True) or x.mul_(...) applied to a "
+            "shared input (expected in-place changes of per-member tensors only: in the "
+            "loop each member would change the one input in turn). Clone the input at "
+            "the start of forward, or use the layer without inplace. Torch's message: "
+            + message.splitlines()[0]
+        )
     if "randomness" in message and randomness == "error":
         return RuntimeError(
             f"{where}: the model draws random numbers (e.g. Dropout in train mode) but "
