@@ -442,6 +442,12 @@ def disagreement(
         [1.0]
     """
     log_probs = _log_probs("disagreement", logits)
+    if log_probs.shape[-1] == 0:
+        raise ValueError(
+            "disagreement: the logits have no classes (expected [N, ..., C] with C >= 1, "
+            f"got shape {tuple(log_probs.shape)}): there is no vote to compare, as the "
+            "loop's argmax refuses. Pass the classifier's logits, classes last."
+        )
     ensemble = _average(log_probs).argmax(dim=-1)
     # Each member's vote from its logits themselves: log_softmax may round two logits
     # a few ulps apart into a tie, which would go to the lower class.

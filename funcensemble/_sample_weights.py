@@ -206,9 +206,19 @@ def weighted_mean(
                 f"{type(t).__name__}). Convert it with torch.as_tensor."
             )
         if not t.is_floating_point():
+            fix = (
+                ".to(values.dtype)"
+                if name == "weights"
+                else "a float dtype (.double(), or the loss's dtype)"
+                + (
+                    "; a complex loss has no order: reduce it to a real one first"
+                    if t.is_complex()
+                    else ""
+                )
+            )
             raise TypeError(
                 f"{where}: {name} must be a floating-point tensor (expected a floating-point "
-                f"dtype, got dtype {t.dtype}). Convert it with .to(values.dtype)."
+                f"dtype, got dtype {t.dtype}). Convert it with {fix}."
             )
     if values.shape != weights.shape:
         raise ValueError(

@@ -536,3 +536,8 @@ def test_complex_values_are_refused_before_a_subset_is_drawn(fn: str) -> None:
     ):
         call(torch.ones(3, 4, dtype=torch.complex64))
     assert torch.equal(g.get_state(), before)
+
+
+def test_disagreement_of_no_classes_is_refused_as_the_loops_argmax_is():
+    with pytest.raises(ValueError, match=r"disagreement: the logits have no classes"):
+        fe.reduce.disagreement(torch.zeros(3, 4, 0))

@@ -348,3 +348,14 @@ def test_weights_summing_to_zero_give_zero_whatever_their_signs() -> None:
     values = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
     weights = torch.tensor([[1.0, -1.0], [0.0, 0.0]])
     assert fe.weighted_mean(values, weights, dim=1).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_values_of_another_kind_get_advice_that_converts_them(dtype):
+    """The advice was .to(values.dtype), for values themselves."""
+    values, weights = torch.ones(3, 4).to(dtype), torch.ones(3, 4)
+    with (
+        runtime_typecheck_off(),
+        pytest.raises(TypeError, match=r"values must be a floating-point tensor .* a float dtype"),
+    ):
+        fe.weighted_mean(values, weights)
