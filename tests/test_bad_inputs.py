@@ -2185,3 +2185,30 @@ def test_bad_input(case: Bad, tmp_path: Path) -> None:
         with pytest.raises(case.error, match=case.match):
             setup.call()
     assert_unchanged(before, snapshot(setup.watched))
+
+
+def test_module_face_in_dims_messages_name_its_own_call_and_the_keys():
+    """The module face's in_dims errors spoke of "params and buffers", which its user
+    never passes, and a dict entry missing a key did not name the key."""
+
+    class Keyed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, batch):
+            return self.lin(batch["x"]) * batch["w"]
+
+    ens = fe.Ensemble([Keyed() for _ in range(3)])
+    batch = {"x": torch.randn(3, 4, 3), "w": torch.randn(3, 4, 1)}
+    with pytest.raises(
+        ValueError,
+        match=r"^Ensemble: in_dims has 2 entries but the call passed 1 positional argument\(s\)\.",
+    ):
+        ens(batch, in_dims=(0, None))
+    with pytest.raises(ValueError, match=r"e\.g\. ens\(x, y, in_dims=0\) rather than"):
+        ens(batch=batch, in_dims=0)
+    with pytest.raises(ValueError, match=r"argument 0 \(dict: in_dims lacks \['w'\]\)"):
+        ens(batch, in_dims=({"x": 0},))
+    with pytest.raises(ValueError, match=r"in_dims has \['z'\], which the argument does not"):
+        ens(batch, in_dims=({"x": 0, "w": 0, "z": 0},))

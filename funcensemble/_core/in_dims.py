@@ -9,6 +9,7 @@ entry points ([`vmap`][funcensemble.vmap], [`value_and_grad`][funcensemble.value
 built and [`per_argument`][] once per call; the layers below take its result as given.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,16 +46,17 @@ def arg_dims(in_dims: InDims, num_args: int, where: str = "vmap") -> tuple[Any, 
         if len(in_dims) != num_args:
             raise ValueError(
                 f"{where}: in_dims has {len(in_dims)} entries but the call passed {num_args} "
-                "positional argument(s) after params and buffers. Give one entry per "
+                f"positional argument(s){_after(where)}. Give one entry per "
                 "argument (None = shared by all members, 0 = one slice per member)."
             )
         return in_dims
     if isinstance(in_dims, int) and num_args == 0:
+        call = "ens(x, y, in_dims=0)" if where == "Ensemble" else "f(params, buffers, x, y)"
         raise ValueError(
             f"{where}: in_dims={in_dims} splits positional arguments over members, but the "
-            "call passed none after params and buffers (expected at least one; keyword "
+            f"call passed none{_after(where)} (expected at least one; keyword "
             "arguments are shared by all members, never split). Pass the per-member "
-            "inputs positionally, e.g. f(params, buffers, x, y) rather than x=x, y=y."
+            f"inputs positionally, e.g. {call} rather than x=x, y=y."
         )
     if in_dims is None or isinstance(in_dims, int):
         return (in_dims,) * num_args
@@ -71,9 +73,30 @@ def leaf_dims(index: int, arg: Any, dim: Any, where: str = "vmap") -> tuple[list
     if flat is None:
         raise ValueError(
             f"{where}: in_dims entry {index} ({dim!r}) does not match the structure of "
-            f"argument {index} ({type(arg).__name__})."
+            f"argument {index} ({type(arg).__name__}{_difference(dim, arg)}). Give an int "
+            "or None for the whole argument, or a pytree with the argument's keys and "
+            "lengths."
         )
     return leaves, flat
+
+
+def _after(where: str) -> str:
+    """Where the positional arguments ``in_dims`` describes start, in ``where``'s call."""
+    return "" if where in ("Ensemble", "HeteroEnsemble") else " after params and buffers"
+
+
+def _difference(dim: Any, arg: Any) -> str:
+    """How a dict or sequence ``in_dims`` entry differs from its argument, at the top."""
+    if isinstance(dim, Mapping) and isinstance(arg, Mapping):
+        missing = [k for k in arg if k not in dim]
+        extra = [k for k in dim if k not in arg]
+        parts = [f"in_dims lacks {missing}"] * bool(missing) + [
+            f"in_dims has {extra}, which the argument does not"
+        ] * bool(extra)
+        return ": " + "; ".join(parts) if parts else ""
+    if isinstance(dim, (tuple, list)) and isinstance(arg, (tuple, list)) and len(dim) != len(arg):
+        return f": {len(arg)} entries, in_dims {len(dim)}"
+    return ""
 
 
 def check_member_sizes(
