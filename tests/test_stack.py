@@ -242,22 +242,30 @@ def test_buffers_merged_into_params_are_refused_and_left_unchanged() -> None:
         assert torch.equal(t, before[name]), name
 
 
-def test_unknown_and_tied_names_are_refused() -> None:
-    """functional_call(strict=False) ignores a key it does not know: a misspelt name's
-    value would never be used."""
+def test_tied_second_names_are_refused_and_a_loss_may_keep_its_own_keys() -> None:
+    """A tied tensor's second name raised torch's functional_call error, which named an
+    option funcensemble does not have. Other keys are left alone, as functional_call
+    leaves them: a loss may keep its own tensor beside the model's (here a learned
+    log-variance), and its gradient is the loop's."""
     torch.manual_seed(0)
-    fmodel, params, buffers = fe.stack(
-        [nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)) for _ in range(2)]
-    )
-    typo = {**params, "0.weigth": params["0.weight"]}
-    x = torch.randn(5, 3)
-    message = (
-        r"params\['0\.weigth'\] is none of the module's parameters or buffers .* Check the spelling"
-    )
-    with pytest.raises(ValueError, match="vmap: " + message):
-        fe.vmap(fmodel)(typo, buffers, x)
-    with pytest.raises(ValueError, match="value_and_grad: " + message):
-        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(typo, buffers, x)
+    members = [nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)).double() for _ in range(2)]
+    fmodel, params, buffers = fe.stack(members)
+    params = {**params, "log_var": torch.zeros(2, 1, dtype=torch.float64, requires_grad=True)}
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 1, dtype=torch.float64)
+
+    def loss(p, b, x, y):
+        return (((fmodel(p, b, x) - y) ** 2) * torch.exp(-p["log_var"]) + p["log_var"]).mean()
+
+    for mapped in (fe.value_and_grad(loss), fe.value_and_grad(loss, chunk_size=1)):
+        losses, grads, _ = mapped(params, buffers, x, y)
+        for i, m in enumerate(members):
+            log_var = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+            m.zero_grad()
+            one = (((m(x) - y) ** 2) * torch.exp(-log_var) + log_var).mean()
+            one.backward()
+            torch.testing.assert_close(losses[i], one.detach())
+            torch.testing.assert_close(grads["log_var"][i], log_var.grad)
+            torch.testing.assert_close(grads["0.weight"][i], m[0].weight.grad)
 
     class Tied(nn.Module):
         def __init__(self) -> None:

@@ -66,7 +66,7 @@ def _check_given(
     wrong numbers either way (or none at all). A tensor of another shape may broadcast
     where the member's would not (a ``[4]`` bias of an ``[N=4, 4]`` one, sliced to one
     number per member): each member would compute another function, without a word.
-    Buffers merged into ``params`` and names the module does not have are refused too.
+    Buffers merged into ``params``, and a tied tensor's second name, are refused too.
     ``stacked``: the tensors are all members' (their names only are checked).
     """
     where = where or _where()
@@ -121,39 +121,31 @@ def keys_differ(fmodel: "FunctionalModule", params: Any, buffers: Any) -> bool:
 def _refuse_unknown(
     shapes: MemberShapes, params: Any, buffers: Any, skeleton: nn.Module | None, where: str
 ) -> None:
-    """Refuse a key of ``params`` or ``buffers`` that names none of the module's
-    tensors (``functional_call(strict=False)`` would ignore it: a misspelt name's value
-    never used), or a tensor given in both."""
-    for given, other in (("params", buffers), ("buffers", params)):
-        found = params if given == "params" else buffers
+    """Refuse a key of ``params`` or ``buffers`` that is a second name of one of the
+    module's tensors (tied weights: torch's functional_call raises on it, unclearly), or
+    a tensor given in both. Other keys the module does not have are left alone, as
+    ``functional_call`` leaves them: a loss may keep its own tensors beside the
+    model's in the dict it is given."""
+    named = None
+    for given, found, other in (("params", params, buffers), ("buffers", buffers, params)):
         for name in found if isinstance(found, Mapping) else ():
             if name not in shapes:
-                raise ValueError(
-                    f"{where}: {given}[{name!r}] is none of the module's parameters "
-                    "or buffers under that name (expected the names fe.stack returns"
-                    + _tied_hint(name, skeleton)
-                )
-            if given == "params" and isinstance(other, Mapping) and name in other:
+                if skeleton is None:
+                    continue
+                named = dict(_named_tensors(skeleton)) if named is None else named
+                if name in named:
+                    first = next(n for n, t in _named_tensors(skeleton) if t is named[name])
+                    raise ValueError(
+                        f"{where}: {given}[{name!r}] is a second name of the tied "
+                        f"`{first}` (expected each tensor once, under the name fe.stack "
+                        "gives it: a tied tensor is stacked once, under its first name). "
+                        f"Pass it once, as `{first}`."
+                    )
+            elif given == "params" and isinstance(other, Mapping) and name in other:
                 raise ValueError(
                     f"{where}: `{name}` is in both params and buffers (expected each "
                     "tensor once, as fe.stack returns them). Pass it in one of them."
                 )
-
-
-def _tied_hint(name: str, skeleton: nn.Module | None) -> str:
-    """The end of the message for an unknown key ``name``: a second name of a tensor
-    the module holds under two (tied weights), or a name it does not have."""
-    named = {} if skeleton is None else dict(_named_tensors(skeleton))
-    if name in named:
-        first = next(n for n, t in _named_tensors(skeleton) if t is named[name])
-        return (
-            f", got `{name}`, a second name of the tied `{first}`: fe.stack stacks a "
-            f"tied tensor once, under its first name). Pass it once, as `{first}`."
-        )
-    return (
-        ", got a name the module does not have: its value would never be used). Check "
-        "the spelling; pass the dicts fe.stack returned, with the same keys."
-    )
 
 
 def _where() -> str:

@@ -11,6 +11,7 @@ from .._structure import chunk_state as _chunk_state
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
 from .in_dims import InDims
+from .rollback import rollback_on_error
 from .seeding import rng_state, set_rng_state
 from .stack import _num_members, check_state_dicts
 from .vmap import Randomness, check_options, mapped_call
@@ -364,20 +365,23 @@ def _value_and_grad(
                 grads = {k: None if g is None else g.detach() for k, g in grads.items()}
                 aux = _detach(aux) if has_aux else aux
         elif chunk_size is not None and chunk_size < n:
-            losses, grads, aux = _chunked_step(
-                chunk_loss,
-                params,
-                buffers,
-                args,
-                kwargs,
-                dims=dims,
-                randomness=randomness,
-                has_aux=has_aux,
-                chunk_size=chunk_size,
-                n=n,
-                trainable=trainable,
-                where=where,
-            )
+            # One transaction over all chunks: a later chunk's failure puts back what
+            # the earlier ones updated in place (their own transactions hand it here).
+            with rollback_on_error({}):
+                losses, grads, aux = _chunked_step(
+                    chunk_loss,
+                    params,
+                    buffers,
+                    args,
+                    kwargs,
+                    dims=dims,
+                    randomness=randomness,
+                    has_aux=has_aux,
+                    chunk_size=chunk_size,
+                    n=n,
+                    trainable=trainable,
+                    where=where,
+                )
         else:
             # Autograd through one vectorized forward: cheaper than torch.func.grad at
             # small N, and it reports unused parameters as None like the loop would.

@@ -22,24 +22,34 @@ from torch import Tensor
 
 
 class _Transaction:
-    __slots__ = ("buffers", "params", "saved")
+    __slots__ = ("buffers", "params", "rows", "saved")
 
     def __init__(self, buffers: Mapping[str, Any], params: Mapping[str, Any]) -> None:
         self.buffers, self.params = buffers, params
-        self.saved: dict[str, tuple[Tensor, Tensor]] = {}
+        # Whole tensors by identity (the tensor kept with its copy), and row updates in
+        # the order they were made (a table updated twice: undone last to first).
+        self.saved: dict[int, tuple[Tensor, Tensor]] = {}
+        self.rows: list[tuple[Tensor, tuple[Tensor, ...], Tensor]] = []
 
     def save(self, names: list[str]) -> None:
         for name in names:
-            if name in self.saved:
-                continue
             t = self.buffers.get(name, self.params.get(name))
-            if isinstance(t, Tensor):
-                self.saved[name] = (t, t.detach().clone())
+            if isinstance(t, Tensor) and id(t) not in self.saved:
+                self.saved[id(t)] = (t, t.detach().clone())
 
     def restore(self) -> None:
         with torch.no_grad():
+            for t, index, old in reversed(self.rows):
+                t.index_put_(index, old)
             for t, old in self.saved.values():
                 t.copy_(old)
+
+    def hand_to(self, parent: "_Transaction") -> None:
+        """This transaction ended well inside ``parent``: a failure of the rest of
+        ``parent``'s block puts back what this one saved too (the older copy kept)."""
+        for key, entry in self.saved.items():
+            parent.saved.setdefault(key, entry)
+        parent.rows.extend(self.rows)
 
 
 _current: ContextVar[_Transaction | None] = ContextVar("funcensemble_rollback", default=None)
@@ -48,18 +58,21 @@ _current: ContextVar[_Transaction | None] = ContextVar("funcensemble_rollback", 
 class _Rollback:
     """The transaction as a context object: entered on every vmap call, so no generator."""
 
-    __slots__ = ("token", "transaction")
+    __slots__ = ("parent", "token", "transaction")
 
     def __init__(self, buffers: Mapping[str, Any], params: Mapping[str, Any]) -> None:
         self.transaction = _Transaction(buffers, params)
 
     def __enter__(self) -> None:
+        self.parent = _current.get()
         self.token = _current.set(self.transaction)
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
         try:
             if kind is not None:
                 self.transaction.restore()
+            elif self.parent is not None:
+                self.transaction.hand_to(self.parent)
         finally:
             _current.reset(self.token)
 
@@ -75,6 +88,17 @@ def rollback_on_error(buffers: Any, params: Any = None) -> contextlib.AbstractCo
     if torch.compiler.is_compiling() or not isinstance(buffers, Mapping):
         return _untracked()
     return _Rollback(buffers, params if isinstance(params, Mapping) else {})
+
+
+def save_rows_before_update(t: Tensor, index: tuple[Tensor, ...]) -> None:
+    """Save ``t[index]`` (advanced indexing: rows of a table about to be written in
+    place, such as ``Embedding(max_norm)``'s renormalised rows) in the innermost open
+    transaction, if any: a whole large table is not copied for a few rows."""
+    if torch.compiler.is_compiling():
+        return
+    transaction = _current.get()
+    if transaction is not None:
+        transaction.rows.append((t, index, t[index].clone()))
 
 
 def save_before_update(names: list[str]) -> None:

@@ -153,13 +153,15 @@ def _per_member_average(
     return out
 
 
-def _read_by_batch_norm() -> bool:
-    """Whether the ``float()`` being answered was called by BatchNorm's own ``forward``,
-    not by the user's code: BatchNorm's frame comes before any module call's."""
-    own, call = nn.modules.batchnorm._BatchNorm.forward.__code__, nn.Module._call_impl.__code__
+def _read_by_batch_norm(layer: nn.Module) -> bool:
+    """Whether the ``float()`` being answered was called by ``layer``'s own ``forward``
+    (``_BatchNorm``'s, ``SyncBatchNorm``'s or a subclass's, which hand it to
+    ``F.batch_norm``), not by the user's code (a parent's forward, a hook): a frame of
+    ``layer`` as ``self`` comes before any module call's."""
+    call = nn.Module._call_impl.__code__
     frame = sys._getframe(1)
     while frame is not None and frame.f_code is not call:
-        if frame.f_code is own:
+        if frame.f_code.co_name == "forward" and frame.f_locals.get("self") is layer:
             return True
         frame = frame.f_back
     return False
@@ -204,7 +206,7 @@ class BatchNormRule:
                 "count (e.g. set num_batches_tracked to the same value), or set momentum "
                 "to a float."
             )
-        if not torch.compiler.is_compiling() and not _read_by_batch_norm():
+        if not torch.compiler.is_compiling() and not _read_by_batch_norm(layer):
             raise RuntimeError(
                 f"forward reads float() or .item() of BatchNorm `{name}`'s "
                 f"num_batches_tracked, and its members count differently ({shown}): in "

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat
 from .._core import member_offset as _member_offset
+from .._core.rollback import save_rows_before_update
 
 
 def needs_embedding_rule(module: nn.Module, *, compiling: bool = False) -> bool:
@@ -106,6 +107,9 @@ def _renorm_(input: Tensor, weight: Tensor, max_norm: float, norm_type: float) -
     n, rows = w.shape[0], w.shape[1]
     idx = idx.expand(n, *idx.shape) if bdim is None else idx.movedim(bdim, 0)
     with _torch_compat.lower_transform(), torch.no_grad():
+        # A call that fails later puts these rows back (see _rollback).
+        members = torch.arange(n, device=idx.device).unsqueeze(1)
+        save_rows_before_update(w, (members, idx.reshape(n, -1)))
         if w.stride(0) == rows * w.stride(1):  # the members' rows form one table
             offsets = torch.arange(n, device=idx.device).mul_(rows)
             flat_idx = idx.reshape(n, -1) + offsets.unsqueeze(1)
