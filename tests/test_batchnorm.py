@@ -336,6 +336,29 @@ def test_a_forward_reading_a_cumulative_count_equals_the_loop_or_is_refused(
         assert torch.equal(buf, before[name]), name
 
 
+@pytest.mark.parametrize("layer", [nn.SyncBatchNorm, nn.LazyBatchNorm1d])
+def test_batch_norms_reading_their_own_count_in_their_own_forward_equal_the_loop(layer):
+    """SyncBatchNorm (on the CPU, without a process group, F.batch_norm) reads its count
+    with .item() in its own forward: members counting differently were refused as if a
+    user had read it (the first version of that refusal)."""
+    torch.manual_seed(0)
+    width = 3
+    members = []
+    for i in range(3):
+        norm = layer(width, momentum=None) if layer is nn.SyncBatchNorm else layer(momentum=None)
+        m = nn.Sequential(nn.Linear(4, width, bias=False), norm).double()
+        m(torch.randn(2, 4, dtype=torch.float64))  # a lazy layer takes its width
+        m[1].num_batches_tracked.fill_(i + 1)
+        members.append(m)
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), **TOL)
+    for name, buf in ens.stacked_buffers().items():
+        want = torch.stack([dict(m.named_buffers())[name] for m in loop])
+        torch.testing.assert_close(buf, want, **TOL, msg=name)
+
+
 def test_a_failed_forward_leaves_instance_norm_statistics():
     torch.manual_seed(0)
     members = [
