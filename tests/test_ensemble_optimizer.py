@@ -463,6 +463,19 @@ def test_assigning_a_schedule_mid_run_keeps_the_moments_as_a_torch_scheduler_doe
     for name, p in ens.stacked_params().items():
         want = torch.stack([dict(m.named_parameters())[name] for m in loop])
         torch.testing.assert_close(p, want, rtol=1e-10, atol=1e-12, msg=name)
+    # A schedule in place of another keeps its count (training.md); a constant in
+    # between restarts it.
+    opt.transform = fe.optim.adam(lr=lambda c: 0.01 * 0.5 ** c.double())
+    opt.transform = fe.optim.adam(lr=lambda c: 0.02 * 0.5 ** c.double())
+    assert opt.state[-1].count.item() == 0
+    opt.zero_grad()
+    ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+    opt.step()
+    opt.transform = fe.optim.adam(lr=lambda c: 0.03 * 0.5 ** c.double())
+    assert opt.state[-1].count.item() == 1
+    opt.transform = fe.optim.adam(lr=0.01)
+    opt.transform = fe.optim.adam(lr=lambda c: 0.03 * 0.5 ** c.double())
+    assert opt.state[-1].count.item() == 0
     # A transform keeping other state: refused by the next step, nothing changed.
     opt.transform = fe.optim.adam(lr=0.01, amsgrad=True)
     kept = copy.deepcopy((ens.state_dict(), opt.state))

@@ -670,6 +670,31 @@ def test_reading_an_ensemble_while_another_thread_calls_it_sees_its_own_tensors(
     assert seen == [want]
 
 
+def test_a_hetero_ensembles_parameters_wait_for_a_call_in_another_thread():
+    import threading
+
+    torch.manual_seed(0)
+    hens = fe.HeteroEnsemble([_Handshake() for _ in range(3)])
+    want = [tuple(p.shape) for p in hens.parameters()]
+    _Handshake.inside = inside = threading.Event()
+    seen: list[Any] = []
+
+    def reader() -> None:
+        inside.wait(30)
+        seen.append([tuple(p.shape) for p in hens.parameters()])
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        with torch.no_grad():
+            hens(torch.randn(4, 3))
+    finally:
+        _Handshake.inside = None
+    thread.join(30)
+    assert inside.is_set()
+    assert seen == [want]
+
+
 def test_a_loss_waiting_on_a_thread_that_calls_another_ensemble_does_not_deadlock():
     """A chunked loss getting a teacher's prediction from a worker thread: while the
     lock was one for all ensembles and held across a chunked call's chunks, the worker

@@ -105,11 +105,35 @@ def _kept_state(state: Any, transform: GradientTransformation, params: Any) -> A
     """The optimizer's state for ``transform`` assigned in place of its transform: the
     state kept, its learning rate's entry made ``transform``'s. A state that does not
     carry over (another optimizer, ``amsgrad`` switched) is kept as it is: the next
-    ``step``'s checks refuse it, naming what differs."""
+    ``step``'s checks refuse it, naming what differs.
+
+    The new transform's state is first made on meta tensors (no memory, no time):
+    only where a learning rate's entry changes kind is it made for real, for its
+    step count."""
+    try:
+        with torch.no_grad():
+            probe = transform.init({k: v.to("meta") for k, v in params.items()})
+    except Exception:  # an init that reads values: made for real below
+        probe = None
+    if probe is not None:
+        kept = _carried(state, probe)
+        if kept is _MISMATCH or not _lr_changed(state, probe):
+            return state
     with torch.no_grad():
         fresh = transform.init(params)
     kept = _carried(state, fresh)
     return state if kept is _MISMATCH else kept
+
+
+def _lr_changed(old: Any, new: Any) -> bool:
+    """Whether a learning rate's entry of ``new`` is of another kind than ``old``'s."""
+    if isinstance(new, (EmptyState, ScheduleState)):
+        return type(old) is not type(new)
+    if isinstance(new, (tuple, list)):
+        return any(_lr_changed(o, n) for o, n in zip(old, new, strict=True))
+    if isinstance(new, dict):
+        return any(_lr_changed(old[k], new[k]) for k in new)
+    return False
 
 
 class EnsembleOptimizer:
@@ -196,7 +220,8 @@ class EnsembleOptimizer:
         """The transform each ``step`` runs. Assign another to change hyperparameters
         between steps (the state is kept; a constant ``lr`` may become a schedule, whose
         step count starts at 0 then, as a ``torch.optim.lr_scheduler`` made mid-run
-        starts, or a schedule a constant); another optimizer, or one that keeps other
+        starts, or a schedule a constant; a schedule assigned in place of another keeps
+        its count); another optimizer, or one that keeps other
         state (``amsgrad``), is refused by the next ``step``: build a new optimizer
         for it. Over a
         [`HeteroEnsemble`][funcensemble.HeteroEnsemble] it runs group by group, as
