@@ -633,7 +633,6 @@ def test_reading_an_ensemble_while_another_thread_calls_it_sees_its_own_tensors(
     """A call swaps its own (batched) tensors into the ensemble's module for its
     length: a reader in another thread saw them (an optimizer built then held them and
     never trained the ensemble; len() gave a layer's width). The readers wait."""
-    import threading
 
     torch.manual_seed(0)
     ens = fe.Ensemble([_Handshake() for _ in range(3)])
@@ -651,48 +650,38 @@ def test_reading_an_ensemble_while_another_thread_calls_it_sees_its_own_tensors(
         ],
     }
     want = readers[read]()
-    _Handshake.inside = inside = threading.Event()
-    seen: list[Any] = []
-
-    def reader() -> None:
-        inside.wait(30)
-        seen.append(readers[read]())
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    try:
-        with torch.no_grad():
-            ens(torch.randn(4, 3))
-    finally:
-        _Handshake.inside = None
-    thread.join(30)
-    assert inside.is_set()
-    assert seen == [want]
+    assert _read_during_call(ens, readers[read]) == want
 
 
 def test_a_hetero_ensembles_parameters_wait_for_a_call_in_another_thread():
-    import threading
-
     torch.manual_seed(0)
     hens = fe.HeteroEnsemble([_Handshake() for _ in range(3)])
     want = [tuple(p.shape) for p in hens.parameters()]
+    assert _read_during_call(hens, lambda: [tuple(p.shape) for p in hens.parameters()]) == want
+
+
+def _read_during_call(model: nn.Module, read: Any) -> Any:
+    """What ``read()`` returns in another thread while ``model`` (of ``_Handshake``
+    members) runs a call, started in the middle of its forward."""
+    import threading
+
     _Handshake.inside = inside = threading.Event()
     seen: list[Any] = []
 
     def reader() -> None:
         inside.wait(30)
-        seen.append([tuple(p.shape) for p in hens.parameters()])
+        seen.append(read())
 
     thread = threading.Thread(target=reader)
     thread.start()
     try:
         with torch.no_grad():
-            hens(torch.randn(4, 3))
+            model(torch.randn(4, 3))
     finally:
         _Handshake.inside = None
     thread.join(30)
-    assert inside.is_set()
-    assert seen == [want]
+    assert inside.is_set() and len(seen) == 1
+    return seen[0]
 
 
 def test_a_loss_waiting_on_a_thread_that_calls_another_ensemble_does_not_deadlock():
