@@ -523,3 +523,20 @@ def test_an_ensemble_converted_mid_run_says_how_to_keep_the_moments():
         o.step()
         for name, p in m.named_parameters():
             torch.testing.assert_close(ens.stacked_params()[name][i], p, rtol=1e-6, atol=1e-7)
+
+
+def test_a_transform_keeping_another_kind_of_state_says_how_to_go_on():
+    """It advised passing "the state that this transform's init returned", which an
+    EnsembleOptimizer's user never passes."""
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(2)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(lr=0.1))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    opt.transform = fe.optim.sgd(lr=lambda c: 0.1 * 0.5 ** c.double(), momentum=0.9)
+    kept = copy.deepcopy((ens.state_dict(), opt.state))
+    with pytest.raises(
+        TypeError, match=r"EnsembleOptimizer\.step: .* Build a new EnsembleOptimizer"
+    ) as error:
+        opt.step()
+    assert "Pass the state" not in str(error.value)
+    assert_trees_equal((ens.state_dict(), opt.state), kept)

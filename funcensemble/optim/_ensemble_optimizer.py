@@ -312,7 +312,20 @@ class EnsembleOptimizer:
                     "supported; use dense gradients (e.g. nn.Embedding(sparse=False))."
                 )
             grads[name] = p.grad
-        self.state = self.transform.update_(grads, self.state, self.params)
+        try:
+            self.state = self.transform.update_(grads, self.state, self.params)
+        except TypeError as error:
+            if "the state is not this transform's" not in str(error):
+                raise
+            told = str(error).replace(" Pass the state that this transform's init returned.", "")
+            raise TypeError(
+                f"EnsembleOptimizer.step: {told} This optimizer's state was made by the "
+                "transform it was built with (or assigned before): the transform "
+                "assigned since keeps another kind of state (another optimizer, or "
+                "momentum or amsgrad switched on together with a schedule). Build a new "
+                "EnsembleOptimizer with it (its state starts afresh), or assign a "
+                "schedule on its own, then the other change."
+            ) from error
         return loss
 
     def state_dict(self) -> dict[str, Any]:
