@@ -304,16 +304,35 @@ class ReadsItsCount(nn.Module):
         return self.bn(self.lin(x)) * (1 + self.bn.num_batches_tracked.item())
 
 
+class ScalesByItsCount(nn.BatchNorm1d):
+    """A BatchNorm subclass reading its own count in its own forward."""
+
+    def forward(self, x):
+        t = float(self.num_batches_tracked)
+        return super().forward(x) * min(1.0, (t + 1) / 10)
+
+
+class WithOwnNorm(nn.Module):
+    def __init__(self, after: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3, bias=False)
+        self.bn = ScalesByItsCount(3, momentum=None)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+@pytest.mark.parametrize("model", [ReadsItsCount, WithOwnNorm])
 @pytest.mark.parametrize("after", [False, True])
 @pytest.mark.parametrize("counts", ["same", "different"])
 @pytest.mark.parametrize("chunk_size", [None, 2])
 def test_a_forward_reading_a_cumulative_count_equals_the_loop_or_is_refused(
-    after, counts, chunk_size
+    model, after, counts, chunk_size
 ):
     """Each member of the loop reads its own count; one vectorized call has one number
     (it gave NaN outputs for members counting differently)."""
     torch.manual_seed(0)
-    members = [ReadsItsCount(after).double() for _ in range(3)]
+    members = [model(after).double() for _ in range(3)]
     for i, m in enumerate(members):
         m.bn.num_batches_tracked.fill_(i + 1 if counts == "different" else 5)
     loop = copy.deepcopy(members)

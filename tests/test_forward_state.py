@@ -753,3 +753,56 @@ def test_a_failed_call_puts_back_spectral_norm_and_max_norm_updates(face, chunk_
     assert "emb.weight" in changed, changed
     if face != "value_and_grad":
         assert any(k.endswith("_u") for k in changed), changed
+
+
+def test_another_ensemble_called_inside_a_failed_call_is_put_back_as_buffers_md_says():
+    torch.manual_seed(0)
+
+    def make():
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+
+    teacher = fe.Ensemble([make() for _ in range(2)])
+    fmodel, params, buffers = fe.stack([make() for _ in range(2)])
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def student(p, b, x, fail):
+        with torch.no_grad():
+            teacher(x)
+        out = fmodel(p, b, x)
+        if fail:
+            raise RuntimeError("the student's own failure")
+        return out
+
+    def teachers() -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in teacher.stacked_buffers().items()}
+
+    before = teachers()
+    fe.vmap(student)(params, buffers, x, False)
+    # A call that succeeds keeps the teacher's update.
+    assert any(not torch.equal(v, before[k]) for k, v in teacher.stacked_buffers().items())
+    before = teachers()
+    with pytest.raises(RuntimeError, match="the student's own failure"):
+        fe.vmap(student)(params, buffers, x, True)
+    for k, v in teacher.stacked_buffers().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_value_and_grad_refusing_its_loss_puts_back_the_renormalised_rows(chunk_size):
+    """The losses are checked after the mapped call's own transaction: a loss of the
+    wrong shape was refused after Embedding(max_norm) had renormalised the caller's
+    rows (unchunked)."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Embedding(6, 3, max_norm=0.5), nn.Linear(3, 1)).double() for _ in range(2)
+    ]
+    for m in members:
+        with torch.no_grad():
+            m[0].weight.mul_(10)
+    fmodel, params, buffers = fe.stack(members)
+    before = {k: v.detach().clone() for k, v in params.items()}
+    step = fe.value_and_grad(lambda p, b, i: fmodel(p, b, i), chunk_size=chunk_size)  # not a scalar
+    with pytest.raises(ValueError, match=r"loss_fn must return one scalar per member"):
+        step(params, buffers, torch.tensor([0, 2, 5]))
+    for name, t in params.items():
+        assert torch.equal(t, before[name]), name

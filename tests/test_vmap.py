@@ -653,13 +653,6 @@ def test_reading_an_ensemble_while_another_thread_calls_it_sees_its_own_tensors(
     assert _read_during_call(ens, readers[read]) == want
 
 
-def test_a_hetero_ensembles_parameters_wait_for_a_call_in_another_thread():
-    torch.manual_seed(0)
-    hens = fe.HeteroEnsemble([_Handshake() for _ in range(3)])
-    want = [tuple(p.shape) for p in hens.parameters()]
-    assert _read_during_call(hens, lambda: [tuple(p.shape) for p in hens.parameters()]) == want
-
-
 def _read_during_call(model: nn.Module, read: Any) -> Any:
     """What ``read()`` returns in another thread while ``model`` (of ``_Handshake``
     members) runs a call, started in the middle of its forward."""

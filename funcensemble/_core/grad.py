@@ -385,9 +385,12 @@ def _value_and_grad(
         else:
             # Autograd through one vectorized forward: cheaper than torch.func.grad at
             # small N, and it reports unused parameters as None like the loop would.
-            losses, grads, aux = _autograd_step(
-                mapped_loss, has_aux, params, buffers, args, kwargs, dims, trainable, where
-            )
+            # The checks of the losses and autograd run after the mapped call's own
+            # transaction: a failure there puts back what it updated in place too.
+            with rollback_on_error({}):
+                losses, grads, aux = _autograd_step(
+                    mapped_loss, has_aux, params, buffers, args, kwargs, dims, trainable, where
+                )
         if not torch.compiler.is_compiling() and not _torch_compat.inside_transform():
             # A buffer the forward wrote a differentiable value into (snap.copy_(w * 2))
             # comes back as a value, as the losses do: its graph would otherwise grow

@@ -242,13 +242,13 @@ def vmap(
             changes the module's own attributes (a counter): a chunk replays them
             from its call's start, which another thread's call may have moved. An
             ``Ensemble``'s own readers (``parameters()``, ``state_dict()``,
-            ``stacked_params()``, ``len``, ``member``, ``select``, ...) and a
-            ``HeteroEnsemble``'s ``parameters()`` wait for a call running in another
-            thread (so a forward that waits for another thread reading its own
-            ensemble never returns: read before the call); reading ``ens.stacked``'s
-            submodules directly, or ``parameters()`` of a module holding the
-            ensemble, meanwhile sees the call's borrowed tensors: build optimizers
-            and read tensors between calls.
+            ``stacked_params()``, ``len``, ``member``, ``select``, ...) wait for a
+            call running in another thread (so a forward that waits for another
+            thread reading its own ensemble never returns: read before the call);
+            reading ``ens.stacked``'s submodules directly, or ``parameters()`` of a
+            ``HeteroEnsemble`` or of a module holding the ensemble, meanwhile sees
+            the call's borrowed tensors: build optimizers and read tensors between
+            calls.
         randomness: ``"different"``: each member draws its own random numbers
             (independent dropout masks); ``"same"``: one draw shared by all members;
             ``"error"``: refuse random operations.

@@ -9,7 +9,6 @@ from torch import Tensor, nn
 
 from .._checkpoint.state_dict_checks import check_groups_loadable
 from .._core import in_dims as _in_dims
-from .._core import turns as _turns
 from .._core import wrapper_call
 from .._core.ensemble import Ensemble, check_no_swap
 from .._core.in_dims import InDims
@@ -106,16 +105,6 @@ class HeteroEnsemble(nn.Module):
         self.training = modules[0].training
 
     # -- layout ------------------------------------------------------------------------
-
-    def _named_members(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-        # parameters(), buffers(): read while no group's call borrows its module in
-        # another thread (see Ensemble._named_members), then handed out.
-        with contextlib.ExitStack() as turns:
-            if not torch.compiler.is_compiling():
-                for group in sorted(self.groups, key=id):
-                    turns.enter_context(_turns.lock(group.stacked))
-            found = list(super()._named_members(*args, **kwargs))
-        yield from found
 
     def __len__(self) -> int:
         return self.num_members

@@ -153,15 +153,19 @@ def _per_member_average(
     return out
 
 
+_OWN_READS = (nn.modules.batchnorm._BatchNorm.forward.__code__, nn.SyncBatchNorm.forward.__code__)
+
+
 def _read_by_batch_norm(layer: nn.Module) -> bool:
-    """Whether the ``float()`` being answered was called by ``layer``'s own ``forward``
-    (``_BatchNorm``'s, ``SyncBatchNorm``'s or a subclass's, which hand it to
-    ``F.batch_norm``), not by the user's code (a parent's forward, a hook): a frame of
-    ``layer`` as ``self`` comes before any module call's."""
+    """Whether the ``float()`` being answered was called by torch's own BatchNorm
+    ``forward`` for ``layer`` (``_BatchNorm``'s or ``SyncBatchNorm``'s, which hand it
+    to ``F.batch_norm``, also through a subclass's ``super().forward()``), not by other
+    code (a parent's forward, a hook, a subclass's own forward, which would get the
+    placeholder): such a frame, ``layer`` its ``self``, before any module call's."""
     call = nn.Module._call_impl.__code__
     frame = sys._getframe(1)
     while frame is not None and frame.f_code is not call:
-        if frame.f_code.co_name == "forward" and frame.f_locals.get("self") is layer:
+        if frame.f_code in _OWN_READS and frame.f_locals.get("self") is layer:
             return True
         frame = frame.f_back
     return False
