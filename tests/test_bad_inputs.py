@@ -11,6 +11,7 @@ bad (or borderline) input. It expects either
 - the result of the plain loop over ordinary modules / plain torch (``check``).
 """
 
+import copy
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -2212,3 +2213,32 @@ def test_module_face_in_dims_messages_name_its_own_call_and_the_keys():
         ens(batch, in_dims=({"x": 0},))
     with pytest.raises(ValueError, match=r"in_dims has \['z'\], which the argument does not"):
         ens(batch, in_dims=({"x": 0, "w": 0, "z": 0},))
+
+
+@pytest.mark.parametrize("layers", ["mlp", "batchnorm"])
+@pytest.mark.parametrize("face", ["Ensemble", "vmap"])
+def test_an_input_on_the_meta_device_is_refused_before_anything_changes(layers, face):
+    """vmap ran a meta input with the members' CPU weights: uninitialized memory out,
+    BatchNorm's statistics updated from it; the loop raises."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(
+            nn.Linear(4, 4),
+            nn.BatchNorm1d(4) if layers == "batchnorm" else nn.ReLU(),
+            nn.Linear(4, 3),
+        )
+        for _ in range(3)
+    ]
+    with pytest.raises(RuntimeError):
+        members[0](torch.randn(5, 4, device="meta"))  # the loop's own refusal
+    ens = fe.Ensemble(copy.deepcopy(members))
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+    before = {k: v.clone() for k, v in {**ens.stacked_buffers(), **buffers}.items()}
+    x = torch.randn(5, 4, device="meta")
+    call = (lambda: ens(x)) if face == "Ensemble" else (lambda: fe.vmap(fmodel)(params, buffers, x))
+    with pytest.raises(
+        RuntimeError, match=rf"^{face}: .* is on the meta device, which holds no values"
+    ):
+        call()
+    for k, v in {**ens.stacked_buffers(), **buffers}.items():
+        assert torch.equal(v, before[k]), k

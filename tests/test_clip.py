@@ -264,3 +264,29 @@ def test_other_norms_match_clip_grad_norm_per_member(norm_type):
             torch.testing.assert_close(clipped[k][i], p.grad, rtol=1e-13, atol=1e-15)
     with pytest.raises(ValueError, match=r"norm_type must be positive .*got 0\.0"):
         fe.optim.clip_by_global_norm(1.0, norm_type=0.0)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda: fe.optim.chain(fe.optim.clip_by_global_norm(1.0), fe.optim.adam(0.1)),
+        lambda: fe.optim.chain(fe.optim.add_decayed_weights(0.1), fe.optim.sgd(0.1)),
+        lambda: fe.optim.clip_by_global_norm(1.0),
+    ],
+)
+@pytest.mark.parametrize("form", ["update", "update_"])
+def test_an_integer_gradient_inside_a_chain_is_refused_before_any_step(transform, form):
+    """The first transform took it for no gradient: that parameter silently skipped its
+    step while the others stepped (adam alone refuses it)."""
+    params = {
+        "w": torch.randn(3, 4, dtype=torch.float64),
+        "b": torch.randn(3, 2, dtype=torch.float64),
+    }
+    grads = {"w": torch.randn(3, 4, dtype=torch.float64), "b": torch.ones(3, 2, dtype=torch.int64)}
+    t = transform()
+    state = t.init(params)
+    before = {k: v.clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"params\['b'\] has .*dtype torch\.int64"):
+        getattr(t, form)(grads, state, params)
+    for k, v in params.items():
+        assert torch.equal(v, before[k]), k

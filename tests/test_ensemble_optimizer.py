@@ -540,3 +540,18 @@ def test_a_transform_keeping_another_kind_of_state_says_how_to_go_on():
         opt.step()
     assert "Pass the state" not in str(error.value)
     assert_trees_equal((ens.state_dict(), opt.state), kept)
+
+
+def test_copy_members_with_a_transform_of_another_kind_is_refused_before_copying():
+    """Its docstring: everything is checked before anything is written. Member 2's Adam
+    moments were overwritten, then the next step refused the sgd transform."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(3)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=0.1))
+    ens(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    kept = copy.deepcopy(opt.state)
+    with pytest.raises(ValueError, match=r"copy_members_: the transform given keeps another state"):
+        opt.copy_members_(0, 2, transform=fe.optim.sgd(0.1))
+    assert_trees_equal(opt.state, kept)
+    opt.step()  # the optimizer goes on as it was

@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import _torch_compat
+from .. import _torch_compat, _tree
 from .._kernels.autocast_policy import CpuAutocastPolicy
-from .._kernels.fastpath import fast_call
+from .._kernels.fastpath import fast_call, meta_input_error
 from .._messages import positive_int
 from .._structure import chunk_state as _chunk_state
 from . import entry as _entry
@@ -335,6 +335,25 @@ def _shared_inputs(
     return out
 
 
+def _refuse_meta_inputs(
+    where: str, params: Any, buffers: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Refuse an input on the meta device given members that hold values: vmap runs it
+    with them and returns uninitialized memory (and BatchNorm's statistics updated from
+    it), where the loop raises."""
+    first = next(iter(params.values()), None) if isinstance(params, dict) else None
+    if first is None and isinstance(buffers, dict):
+        first = next(iter(buffers.values()), None)
+    if not isinstance(first, Tensor) or first.is_meta:
+        return
+    named = [(f"positional argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"keyword argument {k!r}", a) for k, a in kwargs.items()]
+    for what, a in named:
+        leaves = [a] if isinstance(a, Tensor) else _tree.flatten(a)[0]
+        if any(isinstance(t, Tensor) and t.is_meta for t in leaves):
+            raise RuntimeError(meta_input_error(where, what, first.device))
+
+
 def _check_unchanged(shared: list[tuple[str, Tensor, int]], where: str) -> None:
     """Refuse a call that modified an input shared by all members in place.
 
@@ -382,6 +401,8 @@ def mapped_call(
             fast = fast_call(skeleton, params, args, kwargs, dims)
             if fast is not None:
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
+        if not torch.compiler.is_compiling():
+            _refuse_meta_inputs(where, params, buffers, args, kwargs)
         # params and buffers (flat dicts of tensors, checked above us) go in as
         # positional tensors: torch.func.vmap's Python pytree walk of two dicts costs
         # more than a small ensemble's whole forward.

@@ -209,6 +209,16 @@ def check_dtype(where: str, steps: Plan, params: dict[str, Tensor], x: Tensor) -
         )
 
 
+def meta_input_error(where: str, what: str, device: torch.device) -> str:
+    """The message for an input on the meta device given members that hold values:
+    vmap's products would return uninitialized memory on the members' device."""
+    return (
+        f"{where}: {what} is on the meta device, which holds no values, but the members' "
+        f"tensors are on {device} (expected inputs on {device}, as each member's own "
+        f"module requires: the loop raises). Move it with .to('{device}')."
+    )
+
+
 def run(
     steps: Plan,
     params: dict[str, Tensor],
@@ -230,6 +240,8 @@ def run(
         if weight is None and type(module) is nn.Dropout and module.training and module.p > 0:
             return None  # random masks follow vmap's randomness rules: general path
     first = next(params[w] for _, w, _ in steps if w is not None)
+    if x.is_meta and not first.is_meta:
+        raise RuntimeError(meta_input_error(where, "the input", first.device))
     if first.is_complex():
         return None  # our backward passes transpose without conjugating: general path
     n = first.shape[0]

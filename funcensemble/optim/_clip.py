@@ -14,6 +14,7 @@ from ._protocol import (
     check_tensors,
     flatten,
     leaf_name,
+    refuse_integer_updates,
     scatter,
     trainable,
 )
@@ -103,6 +104,7 @@ def clip_by_global_norm(
     def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         leaves, spec = flatten(updates)
         check_tensors(where, "the update", spec, leaves)
+        refuse_integer_updates(where, "the update", spec, leaves, _leaves_of(params, spec))
         active = trainable(leaves)
         check_one_member_axis(where, "each member's norm", spec, active)
         check_members(limit, where, spec, leaves, active)
@@ -120,6 +122,14 @@ def clip_by_global_norm(
 
     # Stateless, and `update` writes none of its inputs: it is its own in-place form.
     return GradientTransformation(init, update, update)
+
+
+def _leaves_of(params: PyTree, spec: Any) -> list[Any] | None:
+    """``params``' leaves in ``spec``'s order, or None (no params, or another tree)."""
+    if params is None:
+        return None
+    leaves, found = flatten(params)
+    return leaves if found == spec else None
 
 
 def _scaled(g: Tensor, coef: Tensor) -> Tensor:

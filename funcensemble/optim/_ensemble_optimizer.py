@@ -125,6 +125,17 @@ def _kept_state(state: Any, transform: GradientTransformation, params: Any) -> A
     return state if kept is _MISMATCH else kept
 
 
+def _state_fits(state: Any, transform: GradientTransformation, params: Any) -> bool:
+    """Whether ``state`` carries over to ``transform`` (see ``_kept_state``), probed on
+    meta tensors (an init that reads values: taken as fitting, its step checks)."""
+    try:
+        with torch.no_grad():
+            probe = transform.init({k: v.to("meta") for k, v in params.items()})
+    except Exception:
+        return True
+    return _carried(state, probe) is not _MISMATCH
+
+
 def _lr_changed(old: Any, new: Any) -> bool:
     """Whether a learning rate's entry of ``new`` is of another kind than ``old``'s."""
     if isinstance(new, (EmptyState, ScheduleState)):
@@ -607,6 +618,13 @@ class EnsembleOptimizer:
         new_transform = self._transform_for(
             where, transform, lambda: selected(where, self.transform, mapping, n)
         )
+        if transform is not None and not _state_fits(self.state, new_transform, self.params):
+            raise ValueError(
+                f"{where}: the transform given keeps another state than this optimizer's "
+                f"(expected the same optimizer, got {describe(transform)}): its next step "
+                "could not run. Pass a transform of the optimizer's own kind, or copy the "
+                "members and then build a new EnsembleOptimizer."
+            )
         copy_leaves_(self.state, mapping)
         self.transform = new_transform
 

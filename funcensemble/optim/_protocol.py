@@ -215,6 +215,26 @@ def trainable(leaves: list[Any]) -> list[int]:
     return out
 
 
+def refuse_integer_updates(
+    where: str, what: str, spec: optree.PyTreeSpec, ups: list[Any], params: list[Any] | None
+) -> None:
+    """Refuse an integer or bool update of a floating-point parameter (of any, without
+    ``params``): ``trainable`` would skip it as no update, the parameter not stepped."""
+    for i, u in enumerate(ups):
+        if not isinstance(u, Tensor) or u.is_floating_point() or u.is_complex():
+            continue
+        if params is not None and not (
+            isinstance(params[i], Tensor) and params[i].is_floating_point()
+        ):
+            continue
+        raise ValueError(
+            f"{where}: {what} for {leaf_name(spec, i)} has dtype {u.dtype} (expected a "
+            f"floating-point tensor, as its parameter's, got {u.dtype}): it would be taken "
+            "for no update, and the parameter would not step. Pass it in the parameter's "
+            "dtype."
+        )
+
+
 def _not_a_tree(leaf: Any) -> None:
     kind = (
         "module"

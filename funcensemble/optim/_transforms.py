@@ -28,6 +28,7 @@ from ._protocol import (
     leaves_like,
     not_the_chains_state,
     refill,
+    refuse_integer_updates,
     scatter,
     trainable,
     traits,
@@ -99,6 +100,7 @@ def decayed_weights(where: str, weight_decay: Hyper) -> GradientTransformation:
         leaves, spec = flatten(params)
         ups = leaves_like(where, "updates", spec, updates)
         check_tensors(where, "the update", spec, ups)
+        refuse_integer_updates(where, "the update", spec, ups, leaves)
         floats = set(trainable(leaves))
         active = [i for i in trainable(ups) if i in floats]
         check_like(where, "the update", spec, active, ups, leaves)
