@@ -2,6 +2,7 @@
 
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -555,3 +556,16 @@ def test_copy_members_with_a_transform_of_another_kind_is_refused_before_copying
         opt.copy_members_(0, 2, transform=fe.optim.sgd(0.1))
     assert_trees_equal(opt.state, kept)
     opt.step()  # the optimizer goes on as it was
+
+
+def test_loading_a_state_holding_meta_tensors_names_the_entry():
+    """It raised torch's bare 'Cannot copy out of meta tensor; no data!'."""
+    ens = fe.Ensemble([nn.Linear(3, 1) for _ in range(2)])
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=0.1))
+    saved = opt.state_dict()
+    key = next(k for k, v in saved["state"].items() if isinstance(v, torch.Tensor) and v.dim() > 1)
+    saved["state"][key] = saved["state"][key].to("meta")
+    kept = copy.deepcopy(opt.state)
+    with pytest.raises(ValueError, match=rf"`{re.escape(key)}` is on the meta device"):
+        opt.load_state_dict(saved)
+    assert_trees_equal(opt.state, kept)

@@ -422,6 +422,18 @@ class EnsembleOptimizer:
         new = []
         for key, size, mine, is_count in zip(keys, sizes, leaves, counts, strict=True):
             value = loaded[key]
+            if (
+                isinstance(value, Tensor)
+                and value.is_meta
+                and isinstance(mine, Tensor)
+                and not mine.is_meta
+            ):
+                raise ValueError(
+                    f"{where}: `{key}` is on the meta device, which holds no values "
+                    f"(expected a tensor with values, got a meta tensor of shape "
+                    f"{tuple(value.shape)}). Load a state saved from a trained optimizer "
+                    "(state_dict() of one whose parameters hold values)."
+                )
             if mine is None or value is None:
                 if mine is not value:
                     raise ValueError(
