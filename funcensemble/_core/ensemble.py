@@ -352,9 +352,7 @@ class Ensemble(nn.Module):
         # Read while no other thread's call has its own tensors swapped into the module
         # (see _turns); not while compiling (a lock does not trace). (The fast path above
         # reads them too: a plain MLP's calls never swap, they all take the fast path.)
-        with (
-            contextlib.nullcontext() if torch.compiler.is_compiling() else _turns.lock(self.stacked)
-        ):
+        with _turn(self):
             params, buffers = self.stacked_params(), self.stacked_buffers()
         if not _torch_compat.jit_tracing():  # (which refuses below, saying why)
             _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building

@@ -110,11 +110,7 @@ def _kept_state(state: Any, transform: GradientTransformation, params: Any) -> A
     The new transform's state is first made on meta tensors (no memory, no time):
     only where a learning rate's entry changes kind is it made for real, for its
     step count."""
-    try:
-        with torch.no_grad():
-            probe = transform.init({k: v.to("meta") for k, v in params.items()})
-    except Exception:  # an init that reads values: made for real below
-        probe = None
+    probe = _probe(transform, params)
     if probe is not None:
         kept = _carried(state, probe)
         if kept is _MISMATCH or not _lr_changed(state, probe):
@@ -126,14 +122,20 @@ def _kept_state(state: Any, transform: GradientTransformation, params: Any) -> A
 
 
 def _state_fits(state: Any, transform: GradientTransformation, params: Any) -> bool:
-    """Whether ``state`` carries over to ``transform`` (see ``_kept_state``), probed on
-    meta tensors (an init that reads values: taken as fitting, its step checks)."""
+    """Whether ``state`` carries over to ``transform`` (see ``_kept_state``); an init
+    that cannot run on meta tensors is taken as fitting (its step checks)."""
+    probe = _probe(transform, params)
+    return probe is None or _carried(state, probe) is not _MISMATCH
+
+
+def _probe(transform: GradientTransformation, params: Any) -> Any:
+    """``transform``'s fresh state made on meta tensors (no memory, no time), or None
+    for an init that reads values."""
     try:
         with torch.no_grad():
-            probe = transform.init({k: v.to("meta") for k, v in params.items()})
+            return transform.init({k: v.to("meta") for k, v in params.items()})
     except Exception:
-        return True
-    return _carried(state, probe) is not _MISMATCH
+        return None
 
 
 def _lr_changed(old: Any, new: Any) -> bool:
