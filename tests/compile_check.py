@@ -605,6 +605,70 @@ def _refused_compiled(mid: Callable[[], nn.Module]) -> None:
             raise AssertionError("a compiled call took a bias of one member's shape")
 
 
+def cumulative_batch_norm() -> None:
+    """compile.md: BatchNorm(momentum=None) in train mode compiles with a graph break at
+    the layer's float() of its count, matching the loop (members counting alike and
+    differently, the module face and value_and_grad); fullgraph=True stops in tracing."""
+
+    def make() -> list[nn.Module]:
+        torch.manual_seed(0)
+        members = [
+            nn.Sequential(
+                nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 2)
+            ).double()
+            for _ in range(3)
+        ]
+        return members
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for differ in (False, True):
+        members = make()
+        if differ:
+            members[0](x)  # member 0 has counted one batch more
+        loop = copy.deepcopy(members)
+        torch._dynamo.reset()
+        ens = fe.Ensemble(copy.deepcopy(members))
+        compiled = torch.compile(ens, backend="aot_eager")
+        for _ in range(3):
+            out = compiled(x)
+            want = torch.stack([m(x) for m in loop])
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        for name, stacked in ens.stacked_buffers().items():
+            per_member = torch.stack([dict(m.named_buffers())[name] for m in loop])
+            torch.testing.assert_close(stacked, per_member, rtol=0, atol=1e-12)
+
+        torch._dynamo.reset()
+        try:
+            torch.compile(fe.Ensemble(copy.deepcopy(members)), backend="aot_eager", fullgraph=True)(
+                x
+            )
+        except Exception as error:  # Dynamo's own error classes differ between versions
+            assert "torch._dynamo" in type(error).__module__, type(error)
+        else:
+            raise AssertionError("fullgraph=True traced BatchNorm(momentum=None)'s count")
+
+        fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+        step = fe.value_and_grad(lambda p, b, x, f=fmodel: f(p, b, x).pow(2).mean())
+        if differ:  # compiled, the gradients come from torch.func.grad: refused
+            before = {k: v.clone() for k, v in buffers.items()}
+            try:
+                torch.compile(step, backend="aot_eager")(params, buffers, x)
+            except RuntimeError as error:
+                assert "different num_batches_tracked ([2, 1, 1])" in str(error), error
+                assert "a compiled fe.value_and_grad" in str(error), error
+            else:
+                raise AssertionError("compiled value_and_grad took members counting apart")
+            for k, v in before.items():
+                assert torch.equal(buffers[k], v), k
+            continue
+        _, grads, new = torch.compile(step, backend="aot_eager")(params, buffers, x)
+        _, eager_grads, eager_new = step(params, buffers, x)
+        for k in grads:
+            torch.testing.assert_close(grads[k], eager_grads[k], rtol=0, atol=1e-12)
+        for k in new:
+            torch.testing.assert_close(new[k], eager_new[k], rtol=0, atol=1e-12)
+
+
 def optimizer_limits() -> None:
     """compile.md: adam's and sgd-with-momentum's in-place steps compile whole (three
     steps equal eager's); sgd without momentum and rmsprop stop with Dynamo's error
@@ -704,6 +768,7 @@ if __name__ == "__main__":
         "wrong_shape": wrong_shape,
         "optimizer_limits": optimizer_limits,
         "transform_swaps": transform_swaps,
+        "cumulative_batch_norm": cumulative_batch_norm,
     }
     faces[sys.argv[1]]()
     print("OK")

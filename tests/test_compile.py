@@ -35,6 +35,7 @@ def run_check(face: str) -> None:
         "wrong_shape",
         "optimizer_limits",
         "transform_swaps",
+        "cumulative_batch_norm",
     ],
 )
 def test_compiled_training_step_matches_eager(face):

@@ -205,10 +205,11 @@ class BatchNormRule:
             raise RuntimeError(
                 f"BatchNorm `{name}` has momentum=None (a cumulative moving average) and "
                 f"members with different num_batches_tracked ({shown}), inside "
-                "a torch.func transform funcensemble cannot see through. Call it through "
-                "fe.vmap, fe.value_and_grad or fe.Ensemble directly, give the members one "
-                "count (e.g. set num_batches_tracked to the same value), or set momentum "
-                "to a float."
+                "a torch.func transform funcensemble cannot see through (your own, or "
+                "the torch.func.grad a compiled fe.value_and_grad runs). Call it through "
+                "fe.vmap, fe.value_and_grad or fe.Ensemble directly and eagerly, give the "
+                "members one count (e.g. set num_batches_tracked to the same value), or "
+                "set momentum to a float."
             )
         if not torch.compiler.is_compiling() and not _read_by_batch_norm(layer):
             raise RuntimeError(
