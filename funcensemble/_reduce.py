@@ -1,6 +1,7 @@
 """Reductions over the member axis (dim 0) of stacked ensemble outputs."""
 
 import math
+import numbers
 
 import torch
 from jaxtyping import Float, Int, Real
@@ -198,9 +199,10 @@ def check_subset_options(
     k: object,
     generator: object,
     per_sample: object,
-) -> None:
-    """Validate ``subset_min``'s options (shared with the distributed variant)."""
-    if isinstance(k, bool) or not isinstance(k, int):
+) -> int:
+    """Validate ``subset_min``'s options (shared with the distributed variant); ``k``
+    as an ``int`` (a NumPy integer, a count read from an array, is one too)."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         raise TypeError(
             f"{where}: k must be an int (expected a member count, got {type(k).__name__}). "
             f"Pass k as an int with 1 <= k <= {n}."
@@ -221,6 +223,7 @@ def check_subset_options(
             f"{where}: per_sample=True draws one subset per index of dim 1, but {name} has "
             f"shape {tuple(values.shape)} with no dim after the member axis."
         )
+    return int(k)
 
 
 def draw_subset(
@@ -279,7 +282,7 @@ def subset_min(
     where = "subset_min"
     values = _check(where, values, floating=False)
     n = values.shape[0]
-    check_subset_options(where, "values", values, n, k, generator, per_sample)
+    k = check_subset_options(where, "values", values, n, k, generator, per_sample)
 
     device = values.device if generator is None else generator.device
     if not per_sample:

@@ -460,6 +460,24 @@ def test_rejects_bad_corrections(fn: Callable[..., Tensor]) -> None:
             fn(x, correction="1")
 
 
+def test_subset_min_takes_a_numpy_integer_k() -> None:
+    """A count read from an array (``np.int64``) is an int, as ``chunk_size`` takes it;
+    the draw is the one an int ``k`` gives. (Annotated ``int``: the run's runtime
+    checker is turned off for the call, as a user's code has none.)"""
+    import numpy as np
+
+    q = torch.randn(5, 7, dtype=torch.float64)
+    for per_sample in (False, True):
+        with runtime_typecheck_off():
+            got = fe.reduce.subset_min(
+                q, np.int64(3), generator=torch.Generator().manual_seed(1), per_sample=per_sample
+            )
+        want = fe.reduce.subset_min(
+            q, 3, generator=torch.Generator().manual_seed(1), per_sample=per_sample
+        )
+        assert torch.equal(got, want)
+
+
 def test_subset_min_rejects_bad_options() -> None:
     x = torch.randn(3, 4)
     with runtime_typecheck_off():

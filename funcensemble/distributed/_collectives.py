@@ -504,7 +504,7 @@ def subset_min(
     shard = _check_shard(where, shard)
     values = _check_local(where, "local", local, shard)
     n = shard.num_members
-    _reduce.check_subset_options(where, "local", values, n, k, generator, per_sample)
+    k = _reduce.check_subset_options(where, "local", values, n, k, generator, per_sample)
     _real(where, values)
 
     device = values.device if generator is None else generator.device
