@@ -729,6 +729,44 @@ def test_a_later_groups_refusal_leaves_every_group_unchanged():
     assert optree.tree_all(optree.tree_map(torch.equal, opt.state, state))
 
 
+def test_a_later_groups_failure_puts_back_an_earlier_groups_renormalised_rows():
+    """Embedding(max_norm) renormalises the rows it looks up in its weight, in place.
+    Group 0 ran (its rows renormalised) before group 1 failed or the outputs could not
+    be stacked: the rows stayed changed (up to 2.15) where hetero.md says nothing
+    changes. One transaction over the groups puts them back, on the module face and
+    in value_and_grad (whose params are the caller's)."""
+    torch.manual_seed(0)
+    renorm = lambda: nn.Embedding(10, 3, max_norm=0.5)  # noqa: E731
+    hens = fe.HeteroEnsemble([renorm(), nn.Embedding(5, 3), renorm()])
+    wide = fe.HeteroEnsemble([renorm(), nn.Embedding(10, 4), renorm()])
+    for ens, idx, error in (
+        (hens, torch.tensor([7, 8]), IndexError),  # out of range for group 1's table
+        (wide, torch.tensor([1, 2]), ValueError),  # outputs of widths 3 and 4
+    ):
+        before = {k: v.detach().clone() for k, v in ens.state_dict().items()}
+        with pytest.raises(error):
+            ens(idx)
+        for k, v in ens.state_dict().items():
+            assert torch.equal(v, before[k]), k
+
+    def failing_loss(fmodel, p, b, idx):
+        out = fmodel(p, b, idx)
+        if p["weight"].shape[0] == 5:
+            raise RuntimeError("group 1's loss fails")
+        return out.sum()
+
+    params = {k: v.detach().clone().requires_grad_() for k, v in hens.stacked_params().items()}
+    given = {k: v.detach().clone() for k, v in params.items()}
+    for loss_fn, idx in (
+        (lambda fmodel, p, b, idx: fmodel(p, b, idx).sum(), [7, 8]),
+        (failing_loss, [3, 4]),
+    ):
+        with pytest.raises((IndexError, RuntimeError)):
+            hens.value_and_grad(loss_fn)(params, hens.stacked_buffers(), torch.tensor(idx))
+        for k, v in params.items():
+            assert torch.equal(v, given[k]), k
+
+
 @pytest.mark.parametrize("route", ["state_dict", "fe.save"])
 def test_per_member_counts_of_groups_of_different_sizes_resume(route, tmp_path):
     """A per-member momentum holding 0 gives each group one count per member ([3] and

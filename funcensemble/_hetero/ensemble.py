@@ -12,6 +12,7 @@ from .._core import in_dims as _in_dims
 from .._core import wrapper_call
 from .._core.ensemble import Ensemble, check_no_swap
 from .._core.in_dims import InDims
+from .._core.rollback import rollback_on_error
 from .._core.stack import member_list
 from .._core.tree_view import register_view
 from .._core.vmap import Randomness
@@ -184,7 +185,11 @@ class HeteroEnsemble(nn.Module):
         buffers = list(self.buffers())
         saved = [b.detach().clone() for b in buffers]
         try:
-            yield
+            # One transaction over the groups: what an earlier group updated in place
+            # outside its buffers (Embedding(max_norm)'s renormalised rows of its
+            # weight) is handed here when that group ends well, and put back too.
+            with rollback_on_error({}):
+                yield
         except BaseException:
             with torch.no_grad():
                 for b, s in zip(buffers, saved, strict=True):
@@ -211,7 +216,8 @@ class HeteroEnsemble(nn.Module):
 
         Each group runs as its ``Ensemble`` does; the groups' outputs are put back in
         member order. A call that raises (a wrong input, outputs that cannot be
-        stacked) leaves every group's buffers as they were.
+        stacked) leaves every group's buffers as they were, and the rows an
+        ``Embedding(max_norm=...)`` renormalised in an earlier group.
 
         Args:
             *args: Positional inputs, shared by all members unless ``in_dims`` says

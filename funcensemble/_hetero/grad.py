@@ -6,6 +6,7 @@ from typing import Any
 from .._core import in_dims as _in_dims
 from .._core.grad import _trainable, _value_and_grad, any_marked
 from .._core.in_dims import InDims
+from .._core.rollback import rollback_on_error
 from .._core.stack import check_state_dicts
 from . import group_errors
 from .grouping import regroup
@@ -54,19 +55,27 @@ def grouped_value_and_grad(
         # gets None gradients, not the "no leaf marked: every leaf" of a lone ensemble.
         marked = any_marked(params)
         results = []
-        for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True)):
-            check_state_dicts(where, p, b)
-            trainable = _trainable(p, any_marked=marked)
-            members = hens.group_members[g]
-            with group_errors.naming(where, g, members, len(per_group)):
-                results.append(fn(p, b, trainable, hens._inputs(g, args, dims), kwargs))
-        members = hens.group_members
-        losses = regroup(where, "loss", [r[0] for r in results], members, _LOSS_FIX)
+        # One transaction over the groups: a later group's failure (or the losses'
+        # refusal to stack) puts back what an earlier group wrote in place into the
+        # params given (Embedding(max_norm)'s renormalised rows), as for one ensemble.
+        with rollback_on_error({}):
+            for g, (fn, p, b) in enumerate(zip(per_group, p_parts, b_parts, strict=True)):
+                check_state_dicts(where, p, b)
+                trainable = _trainable(p, any_marked=marked)
+                members = hens.group_members[g]
+                with group_errors.naming(where, g, members, len(per_group)):
+                    results.append(fn(p, b, trainable, hens._inputs(g, args, dims), kwargs))
+            members = hens.group_members
+            losses = regroup(where, "loss", [r[0] for r in results], members, _LOSS_FIX)
+            aux = (
+                regroup(where, "aux", [r[3] for r in results], members, _LOSS_FIX)
+                if has_aux
+                else None
+            )
         grads = hens._join([r[1] for r in results])
         new_buffers = hens._join([r[2] for r in results])
         if not has_aux:
             return losses, grads, new_buffers
-        aux = regroup(where, "aux", [r[3] for r in results], members, _LOSS_FIX)
         return losses, grads, new_buffers, aux
 
     return with_grads
