@@ -301,6 +301,18 @@ def disagree(rank: int, out: Path) -> None:
     expect_error("average structure", lambda: fe.distributed.average_gradients(nested, replica))
     averaged = fe.distributed.average_gradients({"w": torch.full((n, 2), float(rank))}, replica)
     messages["averaged"] = averaged["w"].unique().tolist()  # alike trees: no error, the mean
+    # scale-out.md: a mean loss averages to the whole batch's gradient; a summed one
+    # to 1/D of it, as with DistributedDataParallel.
+    xs = torch.arange(1.0, 9.0, dtype=torch.float64)  # the whole batch, on every rank
+    part = xs[replica.batch_slice(8)]
+    w = torch.ones(n, 1, dtype=torch.float64, requires_grad=True)
+    ratios = {}
+    for reduction in ("mean", "sum"):
+        (g,) = torch.autograd.grad(getattr(w * part, reduction)(), w)
+        (whole,) = torch.autograd.grad(getattr(w * xs, reduction)(), w)
+        got = fe.distributed.average_gradients({"w": g}, replica)["w"]
+        ratios[reduction] = [round(r, 12) for r in (got / whole).unique().tolist()]
+    messages["reductions"] = ratios
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)
     messages["gathered"] = got.shape

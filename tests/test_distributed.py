@@ -729,6 +729,22 @@ def test_checkpoint_errors(tmp_path):
         d.load(path, ens, 2)
 
 
+def test_a_hetero_ensemble_is_refused_by_sharded_checkpoints(tmp_path):
+    """A HeteroEnsemble passed to distributed.load was taken for a pytree template: left
+    as it was (its saved weights returned in a new dict, 0.9 off when ignored, as the
+    docstring's Ensemble example does); distributed.save took a group's size for N.
+    Both refuse it, and its optimizer, pointing to fe.save/fe.load."""
+    hens = fe.HeteroEnsemble([torch.nn.Linear(3, k) for k in (2, 4, 2, 4)])
+    opt = fe.optim.EnsembleOptimizer(hens, fe.optim.adam(1e-2))
+    fe.distributed.save(tmp_path / "group", hens.groups[0])  # each group: an Ensemble
+    for obj, what in ((hens, "a HeteroEnsemble"), (opt, "an EnsembleOptimizer of a Hetero")):
+        with pytest.raises(TypeError, match=f"distributed.save: got {what}.*fe.save"):
+            fe.distributed.save(tmp_path / "hetero", obj)
+        assert not (tmp_path / "hetero").exists()
+        with pytest.raises(TypeError, match=f"distributed.load: got {what}.*fe.load"):
+            fe.distributed.load(tmp_path / "group", obj)
+
+
 def test_a_failed_write_or_read_says_which_rank_did_what_and_why(tmp_path, monkeypatch):
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -1233,6 +1249,7 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     )
     assert messages["average structure"].startswith(f"{replicas}the pytree's structure")
     assert messages["averaged"] == [0.5]
+    assert messages["reductions"] == {"mean": [1.0], "sum": [0.5]}
     assert (
         "the attributes of submodule `1` (rank 0: factor=0; rank 1: factor=1)"
         in (messages["attribute"])

@@ -92,7 +92,9 @@ def average_gradients(grads: Any, shard: MemberShard, *, weights: Tensor | None 
     (D = 1) the tensors are returned as they are (copies), with no communication.
 
     This is exact when each replica's loss is a plain mean over its part (parts of
-    equal size), or ``fe.weighted_mean(..., normalize="samples")``. With
+    equal size), or ``fe.weighted_mean(..., normalize="samples")``. A loss summed over
+    the batch (``reduction="sum"``) gets ``1/D`` of the whole batch's gradient, as
+    with ``DistributedDataParallel``: multiply it by D. With
     ``fe.weighted_mean``'s default ``normalize="weights"`` (bagging weights from
     [`bootstrap_masks`][funcensemble.bootstrap_masks]) each replica's loss is
     divided by its own weight sum, which differs between replicas, so the plain mean

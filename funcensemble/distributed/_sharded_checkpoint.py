@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .._checkpoint.counts import count_paths, layout_as_saved
 from .._checkpoint.paths import dotted_key, flatten_by_key
 from .._core.ensemble import Ensemble
+from .._hetero.ensemble import HeteroEnsemble
 from .._messages import key_difference, pytree_leaf, tensor_spec
 from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING, dcp_save_planner_to_lowest_rank
 from ..optim._ensemble_optimizer import EnsembleOptimizer
@@ -80,7 +81,24 @@ class _Flat:
         return [k for k, v in self.leaves.items() if isinstance(v, Tensor) and v.dim() > 0]
 
 
+def _refuse_hetero(where: str, obj: Any) -> None:
+    """A HeteroEnsemble's tensors are its groups', each ``[members of the group, ...]``:
+    not rows of one ``[N, ...]`` tensor a MemberShard splits, and as a pytree template
+    it would be left as it was, its loaded values returned instead."""
+    over = getattr(obj, "_over", None) if isinstance(obj, EnsembleOptimizer) else obj
+    if isinstance(over, HeteroEnsemble):
+        what = "an EnsembleOptimizer of a HeteroEnsemble" if over is not obj else "a HeteroEnsemble"
+        raise TypeError(
+            f"{where}: got {what}, whose groups of members of several architectures are "
+            "not rows of one [N, ...] tensor that ranks split by member (expected an "
+            "fe.Ensemble, an EnsembleOptimizer of one, or a pytree of tensors). Save it "
+            "in one process with fe.save and load it in place with fe.load, or give each "
+            "group (hens.groups[g], an Ensemble) its own checkpoint."
+        )
+
+
 def _flatten(where: str, obj: Any) -> _Flat:
+    _refuse_hetero(where, obj)
     if isinstance(obj, EnsembleOptimizer):
         # Stored as its state_dict()'s state, as fe.save stores it (the transform's
         # record is a string, which DCP's shards do not hold: not compared here).
