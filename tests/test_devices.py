@@ -450,6 +450,23 @@ def test_a_hetero_ensemble_is_refused_clearly():
         ShardedEnsemble(hens, ["cpu"])
 
 
+def test_a_later_shards_failure_puts_back_the_earlier_shards_statistics():
+    """Shards run one after another: shard 1's refusal of its input came after shard
+    0's BatchNorm had updated its statistics (running_mean 0.059 off, counts [2, 2, 1,
+    1] against [1, 1, 1, 1]); one Ensemble's failed call changes nothing."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))  # noqa: E731
+    sharded = ShardedEnsemble([make() for _ in range(4)], ["cpu", "cpu"])
+    x = torch.randn(8, 3)
+    sharded(x)
+    before = [{k: v.clone() for k, v in b.items()} for b in sharded.buffers]
+    with pytest.raises(ValueError, match="expects 3 input features"):
+        sharded(PerShard([x, torch.randn(8, 4)]))
+    for k, buffers in enumerate(sharded.buffers):
+        for name, value in buffers.items():
+            assert torch.equal(value, before[k][name]), (k, name)
+
+
 # --- CUDA (skipped without a GPU) ------------------------------------------------------
 
 

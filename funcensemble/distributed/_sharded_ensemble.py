@@ -19,6 +19,7 @@ from .._core.ensemble import Ensemble
 from .._core.functional_module import FunctionalModule
 from .._core.grad import value_and_grad
 from .._core.in_dims import InDims, arg_dims, check_member_sizes
+from .._core.rollback import rollback_on_error
 from .._core.seeding import rng_state, set_rng_state
 from .._core.skeleton import meta_skeleton
 from .._core.stack import _num_members, stack
@@ -331,7 +332,10 @@ class ShardedEnsemble:
                 set_rng_state(self.devices[0], replay)
             return fn(self._params[k], self._buffers[k], *a, **kw)
 
-        return PerShard(run(k, a, kw) for k, (a, kw) in enumerate(calls))
+        # One transaction over the shards: a later shard's failure puts back what the
+        # earlier ones updated in place (BatchNorm statistics), as one Ensemble's does.
+        with rollback_on_error({}):
+            return PerShard([run(k, a, kw) for k, (a, kw) in enumerate(calls)])
 
     def __call__(
         self,
