@@ -313,6 +313,12 @@ def disagree(rank: int, out: Path) -> None:
         got = fe.distributed.average_gradients({"w": g}, replica)["w"]
         ratios[reduction] = [round(r, 12) for r in (got / whole).unique().tolist()]
     messages["reductions"] = ratios
+    expect_error(
+        "predict uneven",
+        lambda: fe.distributed.predict(
+            lambda x: torch.zeros(n, x.shape[0], 2), replica, torch.randn(9, 3), reductions=["mean"]
+        ),
+    )
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)
     messages["gathered"] = got.shape

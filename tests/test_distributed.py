@@ -1250,6 +1250,11 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     assert messages["average structure"].startswith(f"{replicas}the pytree's structure")
     assert messages["averaged"] == [0.5]
     assert messages["reductions"] == {"mean": [1.0], "sum": [0.5]}
+    # predict's own words (batch_slice's spoke of averaged gradients)
+    assert messages["predict uneven"].startswith(
+        "predict: a batch of 9 samples cannot be split into 2 equal parts"
+    ), messages["predict uneven"]
+    assert "Pad the batch to a multiple of 2" in messages["predict uneven"]
     assert (
         "the attributes of submodule `1` (rank 0: factor=0; rank 1: factor=1)"
         in (messages["attribute"])

@@ -300,7 +300,16 @@ def predict(
     rows = None
     if shard.data_size > 1:
         leaves, spec = _tree.flatten(inputs)
-        mine = shard.batch_slice(_batch_size(where, leaves))
+        size = _batch_size(where, leaves)
+        if size % shard.data_size:
+            raise ValueError(
+                f"{where}: a batch of {size} samples cannot be split into "
+                f"{shard.data_size} equal parts, one per data replica (expected a multiple "
+                f"of {shard.data_size}): the replicas' results are gathered in equal "
+                f"parts. Pad the batch to a multiple of {shard.data_size} and drop the "
+                "padded rows' results, or predict on a shard without a data axis."
+            )
+        mine = shard.batch_slice(size)
         rows = mine.stop - mine.start
         inputs = _tree.unflatten(spec, [x[mine] if isinstance(x, Tensor) else x for x in leaves])
     with torch.no_grad():
