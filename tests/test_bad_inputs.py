@@ -586,6 +586,56 @@ CASES.append(
 )
 
 
+def _unfit_arguments(face: str) -> Callable[[Path], Setup]:
+    """A function or forward that cannot take the arguments given failed inside the
+    vectorized call with Python's bare "<lambda>() takes 3 positional arguments but 4
+    were given"; an Ensemble passed as the loss, with Sequential's forward's."""
+
+    def build(tmp: Path) -> Setup:
+        fmodel, params, buffers = stacked(3)
+        inp, target = x(5, 3), x(5, 2)
+        e = ens(3)
+        calls = {
+            "loss-without-buffers": lambda: fe.value_and_grad(
+                lambda p, inp, y: (fmodel(p, {}, inp) - y).pow(2).mean()
+            )(params, buffers, inp, target),
+            "aux-loss-without-buffers": lambda: fe.value_and_grad(
+                lambda p, inp, y: ((fmodel(p, {}, inp) - y).pow(2).mean(), y), has_aux=True
+            )(params, buffers, inp, target),
+            "vmap-forward-given-a-target": lambda: fe.vmap(fmodel)(params, buffers, inp, target),
+            "Ensemble-given-a-target": lambda: e(inp, target),
+            "Ensemble-as-loss": lambda: fe.value_and_grad(e)(params, buffers, inp, target),
+        }
+        return Setup(calls[face], [params, buffers, e.state_dict()])
+
+    return build
+
+
+CASES += [
+    Bad(f"value_and_grad-{face}", _unfit_arguments(face), TypeError, match)
+    for face, match in (
+        (
+            "loss-without-buffers",
+            r"value_and_grad: the function is called for each member as <lambda>\(params, "
+            r"buffers, \*inputs, \*\*kwargs\), here with params, buffers and 2 inputs, which "
+            r"its signature \(p, inp, y\) cannot take .* def loss_fn\(params, buffers, x, y\)",
+        ),
+        ("aux-loss-without-buffers", r"its signature \(p, inp, y\) cannot take"),
+        (
+            "vmap-forward-given-a-target",
+            r"vmap: the members' forward\(.*\) cannot take the 2 inputs given .* a target "
+            "for a loss goes to the loss",
+        ),
+        ("Ensemble-given-a-target", r"Ensemble: the members' forward\(.*\) cannot take the 2"),
+        (
+            "Ensemble-as-loss",
+            r"value_and_grad: loss_fn is an fe.Ensemble, which runs every member itself .* "
+            r"Pass ens.fmodel",
+        ),
+    )
+]
+
+
 @loop("vmap-empty-shared-batch")
 def _empty_batch(tmp: Path) -> Setup:
     members = mlps()

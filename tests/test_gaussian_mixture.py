@@ -1,6 +1,7 @@
 """fe.reduce.gaussian_mixture: the hand formula, and the law of total variance on samples."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,8 +176,12 @@ def test_gaussian_nll_loss_cannot_be_mapped_so_the_doc_writes_the_loss_out():
         var = torch.nn.functional.softplus(out[:, 1])
         return 0.5 * (var.log() + (out[:, 0] - y) ** 2 / var).mean()
 
-    with pytest.raises(RuntimeError, match="data-dependent control flow"):
+    with pytest.raises(RuntimeError, match="data-dependent control flow") as info:
         fe.value_and_grad(library)(params, buffers, x, y)
+    # The message names the page by its title (it once named one that does not exist).
+    page = Path(__file__).parents[1] / "docs" / "how-to" / "regression-uncertainty.md"
+    title = page.read_text().splitlines()[0].removeprefix("# ")
+    assert f"the how-to page '{title}'" in str(info.value)
     losses, _, _ = fe.value_and_grad(written_out)(params, buffers, x, y)
     for i in range(3):
         member = {k: v[i] for k, v in params.items()}

@@ -323,6 +323,8 @@ def _value_and_grad(
             _split_aux(where, out, True)
             return out
 
+        loss_fn.__wrapped__ = given_loss  # type: ignore[attr-defined]  # its signature, for messages
+
     mapped_loss = mapped_call(loss_fn, randomness, chunk_size, where=where)
 
     def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:

@@ -18,6 +18,7 @@ from .._structure import chunk_state as _chunk_state
 from . import entry as _entry
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
+from .call_arguments import arguments_error, refuse_an_ensemble
 from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule, check_given, keys_differ
 from .in_dims import InDims
@@ -176,8 +177,8 @@ def _explain(error: RuntimeError | ValueError, randomness: str, where: str) -> E
             "cannot do for every member at once (loss modules such as nn.GaussianNLLLoss "
             "check their inputs this way). Compute both branches and pick with "
             "torch.where, or move the check out of the member's forward or loss (for "
-            "F.gaussian_nll_loss, write the loss out as the how-to page 'Regression with "
-            "uncertainty' does). Torch's message: " + message.splitlines()[0]
+            "F.gaussian_nll_loss, write the loss out as the how-to page 'Regression: predicted "
+            "variances and the mixture' does). Torch's message: " + message.splitlines()[0]
         )
     if "inplace arithmetic(self, *extra_args) is not possible" in message:
         return RuntimeError(
@@ -295,6 +296,7 @@ def check_options(
             f"{where}: {name} is not callable (expected a callable, got "
             f"{type(fn).__name__}). Pass the function to map over members."
         )
+    refuse_an_ensemble(where, name, fn)
     if randomness not in ("different", "same", "error"):
         raise ValueError(
             f"{where}: randomness must be 'different', 'same' or 'error' (expected one of "
@@ -498,6 +500,11 @@ def mapped_call(
                 raise
             # Keep the frames down to the offending op, but not torch's internal wording.
             raise clear.with_traceback(error.__traceback__) from None
+        except TypeError as error:
+            unfit = arguments_error(where, fn, args, kwargs)
+            if unfit is None:
+                raise
+            raise unfit.with_traceback(error.__traceback__) from None
         finally:
             if token is not None:
                 _entry.leave(token)
