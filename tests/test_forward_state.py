@@ -184,6 +184,102 @@ def test_a_tensor_of_member_data_kept_on_the_module_is_refused_and_put_back(star
         assert skeleton.prev is kept  # the tensor it held, or None
 
 
+FEATURES: dict = {}  # a module-level store, as feature-extraction code keeps one
+
+
+class Logs(nn.Module):
+    """Keeps what it computes in containers: an attribute list and dict, a module-level
+    dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.log: list = []
+        self.cache: dict = {"h": torch.zeros(5, 2)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.log.append(out)
+        return out
+
+
+def _tanh_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+@pytest.mark.parametrize(
+    "keeper", ["attribute-list", "attribute-dict", "module-level", "hook-shared", "hook-per-member"]
+)
+@pytest.mark.parametrize("face", ["Ensemble", "vmap", "chunked"])
+def test_a_tensor_of_member_data_kept_in_a_container_is_refused_and_removed(keeper, face):
+    """What a forward or forward hook keeps in a list or dict was torch.func's internal
+    tensor of all members: reading it raised "escaped from inside a function being
+    vmapped", copies of the ensemble failed, and with a hook per member writing its own
+    dict the other members' dicts kept stale values (0.79 where the loop's held it)."""
+    torch.manual_seed(0)
+    stores = [{"h": torch.zeros(5, 3)} for _ in range(N)]
+    if keeper.startswith("hook"):
+        members = [_tanh_mlp() for _ in range(N)]
+        for i, m in enumerate(members):
+            store = stores[0] if keeper == "hook-shared" else stores[i]
+            m[1].register_forward_hook(lambda mod, inp, out, store=store: store.update(h=out))
+    else:
+        kind = {"attribute-list": Logs, "attribute-dict": _CachesInDict}.get(keeper, _KeepsGlobally)
+        members = [kind() for _ in range(N)]
+    ens = fe.Ensemble(members, chunk_size=2 if face == "chunked" else None)
+    x = torch.randn(5, 4)
+    FEATURES.clear()
+    with pytest.raises(ValueError, match="a tensor computed from the members' data was left in"):
+        if face == "vmap":
+            fe.vmap(ens.fmodel)(ens.stacked_params(), ens.stacked_buffers(), x)
+        else:
+            ens(x)
+    assert ens.stacked.__dict__.get("log", []) == []
+    assert "h" not in FEATURES
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    assert not any(wrapped(v) for store in stores for v in store.values())
+    copy.deepcopy(ens)  # nothing unreadable left behind
+
+
+class _CachesInDict(Logs):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.cache["h"] = out.detach().clone()
+        return out
+
+
+class _KeepsGlobally(Logs):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        FEATURES["h"] = out
+        return out
+
+
+def test_a_loss_reading_in_the_same_call_what_a_hook_kept_runs_as_the_loop():
+    """A hook keeping an activation for the loss to read inside the same call (an
+    activation penalty) is the loop's computation: not refused."""
+    torch.manual_seed(0)
+    kept: dict = {}
+    members = [_tanh_mlp().double() for _ in range(N)]
+    for m in members:
+        m[1].register_forward_hook(lambda mod, inp, out: kept.update(h=out))
+    loop = copy.deepcopy(members)
+    fmodel, params, buffers = fe.stack(members)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+
+    def loss_fn(p, b, x, y):
+        out = fmodel(p, b, x)
+        return (out - y).pow(2).mean() + 0.1 * kept["h"].pow(2).mean()
+
+    losses, grads, _ = fe.value_and_grad(loss_fn)(params, buffers, x, y)
+    for i, m in enumerate(loop):
+        loss = (m(x) - y).pow(2).mean() + 0.1 * kept["h"].pow(2).mean()
+        loss.backward()
+        torch.testing.assert_close(losses[i], loss.detach(), rtol=1e-12, atol=0)
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(grads[name][i], p.grad, rtol=1e-12, atol=1e-15)
+
+
 def test_a_shared_input_modified_in_place_is_refused_a_per_member_one_runs_as_the_loop():
     class AddsOne(nn.Module):
         def __init__(self) -> None:

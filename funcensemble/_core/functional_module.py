@@ -386,7 +386,11 @@ class FunctionalModule:
                 raise
             raise clear from error
         if before is not None:
-            _forward_state.check_kept(where, self.skeleton, before)
+            # Containers only where no code of the caller's runs in the call after the
+            # forward: a loss may read, in the same call, what a hook kept for it.
+            _forward_state.check_kept(
+                where, self.skeleton, before, containers=_entry.forward_only()
+            )
         _forward_state.carry_rebound(where, params, buffers, given, save_before_update)
         return out
 

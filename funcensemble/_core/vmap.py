@@ -478,7 +478,11 @@ def mapped_call(
 
         shared = _shared_inputs(args, dims, kwargs)
         # (Not while compiling: Dynamo traces no context variable; messages are eager's.)
-        token = None if torch.compiler.is_compiling() else _entry.enter(where)
+        token = (
+            None
+            if torch.compiler.is_compiling()
+            else _entry.enter(where, forward_only=skeleton is not None)
+        )
         try:
             # A call that raises leaves the buffers as they were (see _rollback).
             with (

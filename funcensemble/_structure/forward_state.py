@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch_compat
+from . import escaped_tensors as _escaped_tensors
 
 # (module, slot table or None for the module's __dict__, name) -> the value before.
 Kept = dict[tuple[int, int, str], tuple[nn.Module, dict | None, str, Any]]
@@ -41,10 +42,15 @@ def kept_tensors(skeleton: nn.Module) -> Kept:
     return out
 
 
-def check_kept(where: str, skeleton: nn.Module, before: Kept) -> None:
-    """Refuse (after putting it back) a wrapped tensor the call left on the skeleton."""
+def check_kept(where: str, skeleton: nn.Module, before: Kept, *, containers: bool) -> None:
+    """Refuse (after putting it back) a wrapped tensor the call left on the skeleton,
+    or with ``containers`` (after removing it) in a container it reaches (see
+    ``_escaped_tensors``)."""
     names = {id(sub): path for path, sub in skeleton.named_modules(remove_duplicate=False)}
+    forwards: set[int] = set()
     for sub in skeleton.modules():
+        if containers:
+            _escaped_tensors.check_module(where, skeleton, sub, forwards)
         for table, values in _tables(sub):
             for name, value in list(values.items()):
                 if not isinstance(value, Tensor) or not _torch_compat.is_wrapped(value):
