@@ -700,12 +700,23 @@ def test_member_surgery_on_a_hetero_layout_is_refused_not_done_within_each_group
         fe.select(hens.stacked_params(), [1, 0])
     with pytest.raises(ValueError, match="concat: .*" + groups):
         fe.concat([hens.stacked_params(), hens.stacked_params()])
-    with pytest.raises(ValueError, match="EnsembleOptimizer.select: .*" + groups):
-        opt.select([1, 0], hens, transform=hens.optimizer(fe.optim.adam, lr=1e-2))
-    with pytest.raises(ValueError, match="EnsembleOptimizer.copy_members_: .*" + groups):
-        opt.copy_members_(0, 1)
-    with pytest.raises(ValueError, match="EnsembleOptimizer.concat: .*" + groups):
-        opt.concat(hens)
+    # An optimizer of a HeteroEnsemble, of any number of groups: before its transform
+    # is looked at (concat without transform= blamed "another HeteroEnsemble's
+    # optimizer(...)" for a plain fe.optim.adam; one group's select raised a TypeError
+    # calling the grouped transform "built by your own code").
+    steps = r"this optimizer steps a HeteroEnsemble, .* fe.HeteroEnsemble\(\[hens.member\(i\)"
+    plain = fe.optim.EnsembleOptimizer(hens, fe.optim.adam(1e-2))
+    one_group = fe.HeteroEnsemble([a(), a(), a()])
+    single = fe.optim.EnsembleOptimizer(one_group, one_group.optimizer(fe.optim.adam, lr=1e-2))
+    for o in (opt, plain, single):
+        with pytest.raises(ValueError, match="EnsembleOptimizer.select: " + steps):
+            o.select([1, 0], hens, transform=hens.optimizer(fe.optim.adam, lr=1e-2))
+        with pytest.raises(ValueError, match="EnsembleOptimizer.select: " + steps):
+            o.select([1, 0], fe.Ensemble([a(), a()]))
+        with pytest.raises(ValueError, match="EnsembleOptimizer.copy_members_: " + steps):
+            o.copy_members_(0, 1)
+        with pytest.raises(ValueError, match="EnsembleOptimizer.concat: " + steps):
+            o.concat(fe.HeteroEnsemble([*hens.unstack(), a()]))
     with pytest.raises(ValueError, match=groups):
         fe.optim.select(opt.transform, opt.state, [1, 0])
     assert_trees_close(opt.state, before, rtol=0, atol=0)

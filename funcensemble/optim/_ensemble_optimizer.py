@@ -484,6 +484,21 @@ class EnsembleOptimizer:
             )
         return transform
 
+    def _refuse_hetero(self, where: str) -> None:
+        """A HeteroEnsemble's optimizer: refused by the surgery methods whatever its
+        number of groups (hetero.md), before its transform is looked at (the grouped
+        transform hides the user's, whose values could not be found)."""
+        from .._hetero.ensemble import HeteroEnsemble  # (hetero imports this module)
+
+        if isinstance(self._over, HeteroEnsemble):
+            raise ValueError(
+                f"{where}: this optimizer steps a HeteroEnsemble, whose groups each have "
+                "their own member axis and transform (expected an optimizer of an "
+                "fe.Ensemble or of stacked tensors with one member axis). Rebuild "
+                "instead: fe.HeteroEnsemble([hens.member(i) for i in indices]) and a new "
+                "optimizer from its optimizer(...)."
+            )
+
     def select(
         self,
         indices: Indices,
@@ -524,6 +539,7 @@ class EnsembleOptimizer:
             torch.Size([2, 1, 3])
         """
         where = "EnsembleOptimizer.select"
+        self._refuse_hetero(where)
         num_members(where, "this optimizer's parameters", self.params)  # not a hetero layout
         n = self._num_members()
         idx = check_indices(where, indices, n)
@@ -585,6 +601,7 @@ class EnsembleOptimizer:
             torch.Size([3, 1])
         """
         where = "EnsembleOptimizer.concat"
+        self._refuse_hetero(where)
         new_transform = self._transform_for(where, transform, lambda: self.transform)
         new = EnsembleOptimizer(params, new_transform)
         new.state = grown(where, self.state, new.state)
@@ -626,6 +643,7 @@ class EnsembleOptimizer:
             True
         """
         where = "EnsembleOptimizer.copy_members_"
+        self._refuse_hetero(where)
         num_members(where, "this optimizer's parameters", self.params)  # not a hetero layout
         n = self._num_members()
         mapping = copy_mapping(where, src, dst, n)
