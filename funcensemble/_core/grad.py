@@ -251,7 +251,8 @@ def value_and_grad(
     detached copies), every floating-point leaf is differentiated, as
     ``torch.func.grad`` does: keep the flags ``stack`` gives (``apply_updates`` and
     ``update_`` keep them, ``load`` gives its template's) for frozen layers to stay
-    frozen. A trainable parameter the loss does not use gets ``None``, exactly as
+    frozen (members frozen whole look like such copies: every leaf is differentiated;
+    do not step them). A trainable parameter the loss does not use gets ``None``, exactly as
     ``torch.autograd.grad(..., allow_unused=True)`` gives, so optimizers skip it;
     under ``torch.compile`` or inside another ``torch.func`` transform the gradients
     are computed with ``torch.func.grad``, where it gets zeros instead.
