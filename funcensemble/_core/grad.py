@@ -261,6 +261,9 @@ def value_and_grad(
         loss_fn: The one-member loss.
         in_dims: How the batch arguments are split over members, as in
             [`vmap`][funcensemble.vmap] (``None``: shared, ``0``: one slice each).
+            Keyword arguments are shared by every member: pass a per-member target
+            positionally (``step(params, buffers, x, ys)`` with ``in_dims=(None, 0)``,
+            not ``y=ys``, which every member's loss would read whole).
         has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` comes back stacked.
         randomness: As in [`vmap`][funcensemble.vmap].
         chunk_size: Run the forward AND the backward of at most this many members
