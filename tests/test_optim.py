@@ -623,9 +623,12 @@ def test_schedule_outputs_are_checked_at_update():
         bad_type = fe.optim.adam(lambda c: "fast")
         with pytest.raises(TypeError, match=r"lr schedule must return .* got str"):
             bad_type.update(params, bad_type.init(params), params)
-    not_finite = fe.optim.adam(lambda c: math.nan)  # said "got float"
-    with pytest.raises(TypeError, match=r"lr schedule must return a finite float.* got nan"):
-        not_finite.update(params, not_finite.init(params), params)
+    for value in (math.nan, math.inf):  # said "got float"; a float, a wrong value
+        not_finite = fe.optim.adam(lambda c, v=value: v)
+        with pytest.raises(
+            ValueError, match=rf"lr schedule must return a finite float.* got {value}"
+        ):
+            not_finite.update(params, not_finite.init(params), params)
 
 
 def test_update_rejects_grads_that_do_not_match_the_params():

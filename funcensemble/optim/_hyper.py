@@ -258,7 +258,9 @@ def schedule_value(where: str, name: str, value: object) -> Hyper:
         desc = repr(value)  # nan or inf
     else:
         desc = _describe(value)
-    raise TypeError(
+    # A NaN or infinite float has the right type and a wrong value: ValueError.
+    kind = ValueError if isinstance(value, float) else TypeError
+    raise kind(
         f"{where}: the {name} schedule must return a finite float, a 0-dim tensor or a 1-D "
         f"floating-point tensor of per-member values (expected one of those, got {desc}). "
         "Return one of those from the schedule."
