@@ -940,6 +940,37 @@ def test_an_error_in_one_group_names_the_group_and_its_members() -> None:
         loss(hens.stacked_params(), hens.stacked_buffers(), x)
 
 
+def test_a_transform_failing_in_one_group_names_the_group_and_changes_nothing() -> None:
+    """The optimizer's step runs group by group: an error of a later group's transform
+    said nothing of which members it stepped (forward and value_and_grad did)."""
+    torch.manual_seed(0)
+    hens = fe.HeteroEnsemble([nn.Linear(3, 2), nn.Linear(3, 4), nn.Linear(3, 2)])
+
+    def failing(lr):  # group 1's transform fails
+        base = fe.optim.adam(lr)
+        if failing.built == 1:
+
+            def update_inplace(grads, state, params):
+                raise RuntimeError("the custom rule failed")
+
+            base = base._replace(update_inplace=update_inplace)
+        failing.built += 1
+        return base
+
+    failing.built = 0
+    opt = fe.optim.EnsembleOptimizer(
+        hens, hens.optimizer(failing, lr=torch.tensor([0.1, 0.2, 0.3]))
+    )
+    sum(g(torch.randn(5, 3)).pow(2).sum() for g in hens.groups).backward()
+    before = {k: v.detach().clone() for k, v in hens.stacked_params().items()}
+    state = copy.deepcopy(opt.state)
+    with pytest.raises(RuntimeError, match=r"in group 1 \(members \[1\]\): the custom rule failed"):
+        opt.step()
+    for k, v in hens.stacked_params().items():
+        assert torch.equal(v, before[k]), k
+    assert_trees_close(opt.state, state, rtol=0, atol=0)
+
+
 def test_group_naming_leaves_other_errors_and_names_a_group_once() -> None:
     """A KeyError's argument is the key, not a message: it was rewritten; an exception
     object raised again gained one more prefix per call."""

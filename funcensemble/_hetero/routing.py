@@ -21,6 +21,7 @@ from torch import Tensor
 from .._structure.same_value import closure_values
 from ..optim._protocol import GradientTransformation, PyTree, with_traits
 from ..optim._recipes import record_parts
+from . import group_errors
 
 # What each grouped transform was built for (its ensemble's layout), keyed by its
 # `update` function, so an EnsembleOptimizer can tell it from a plain transform.
@@ -289,8 +290,9 @@ def grouped(
         )
         updates: dict[str, Any] = {}
         states = []
-        for t, g, s, p in zip(per_group, g_parts, state, p_parts, strict=True):
-            u, s = t.update(g, s, p)
+        for k, (t, g, s, p) in enumerate(zip(per_group, g_parts, state, p_parts, strict=True)):
+            with group_errors.naming(where, k, members[k], len(per_group)):
+                u, s = t.update(g, s, p)
             updates.update(u)
             states.append(s)
         return {k: updates[k] for k in grads}, tuple(states)
@@ -310,7 +312,8 @@ def grouped(
                 if k < len(per_group) - 1:
                     leaves = optree.tree_leaves((p, s), none_is_leaf=False)
                     saved += [(x, x.clone()) for x in leaves if isinstance(x, Tensor)]
-                states.append(t.update_(g, s, p))
+                with group_errors.naming(where, k, members[k], len(per_group)):
+                    states.append(t.update_(g, s, p))
         except BaseException:
             with torch.no_grad():
                 for x, copy in saved:
