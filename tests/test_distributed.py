@@ -707,7 +707,11 @@ def test_checkpoint_errors(tmp_path):
                 },
             },
         )
-    with pytest.raises(ValueError, match=r"rank 1 of 2 loads members 2:4 \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds 4 members, of which rank 1 of 2 loads members 2:4 \(2\), but this "
+        r"rank's object has 4 .* MemberShard\(4\)\.from_factory",
+    ):
         d.load(path, ens, fake_shard(4, 1, 2))
     with pytest.raises(
         TypeError, match=r"got a Linear, an ordinary module \(expected an fe\.Ensemble"

@@ -415,10 +415,13 @@ def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: Mem
             )
         if key in sharded and leaf.shape[0] != shard.size:
             raise ValueError(
-                f"{where}: {flat.label(key)} has leading size {leaf.shape[0]}, but rank "
+                f"{where}: '{name}' holds {shard.num_members} members, of which rank "
                 f"{shard.rank} of {shard.world_size} loads members "
-                f"{shard.members.start}:{shard.members.stop} ({shard.size}). Build this "
-                "rank's object for its members, e.g. with MemberShard.from_factory."
+                f"{shard.members.start}:{shard.members.stop} ({shard.size}), but this rank's "
+                f"object has {leaf.shape[0]} ({flat.label(key)}: leading size "
+                f"{leaf.shape[0]}). Build this rank's object for its members of "
+                f"{shard.num_members}, e.g. with MemberShard({shard.num_members})"
+                ".from_factory."
             )
 
 
