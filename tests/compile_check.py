@@ -669,6 +669,75 @@ def cumulative_batch_norm() -> None:
             torch.testing.assert_close(new[k], eager_new[k], rtol=0, atol=1e-12)
 
 
+class _DoublesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.lin(x)
+
+
+def shared_input_in_place() -> None:
+    """A forward changing a shared input in place is refused compiled as eagerly (the
+    version check did not run compiled: every member saw the input doubled once, 6.1
+    off the loop, whose members double it in turn), on both faces and backends."""
+    torch.manual_seed(0)
+    ens = fe.Ensemble([_DoublesItsInput() for _ in range(3)])
+    loss = fe.value_and_grad(lambda p, b, x: ens.fmodel(p, b, x).sum())
+    calls = {
+        "module": lambda x: torch.compile(ens, backend=backend)(x),
+        "vmap": lambda x: torch.compile(fe.vmap(ens.fmodel), backend=backend)(
+            ens.stacked_params(), ens.stacked_buffers(), x
+        ),
+        "value_and_grad": lambda x: torch.compile(loss, backend=backend)(
+            ens.stacked_params(), ens.stacked_buffers(), x
+        ),
+    }
+    for backend in ("aot_eager", "inductor"):
+        for face, call in calls.items():
+            torch._dynamo.reset()
+            try:
+                call(torch.randn(5, 4))
+            except Exception as error:  # raised in the graph, or wrapped by Dynamo
+                ours = "modified its positional argument 0, an input shared" in str(error)
+                # Compiled value_and_grad runs torch.func.grad, which refuses it itself.
+                grads = face == "value_and_grad" and "would mutate a captured Tensor" in str(error)
+                assert ours or grads, (face, backend, error)
+            else:
+                raise AssertionError(f"{face} ({backend}) ran an in-place shared input")
+
+
+def embedding_max_norm() -> None:
+    """unsupported.md: Embedding(max_norm) compiled without fullgraph runs with a graph
+    break, as the loop (outputs and renormalised weights); fullgraph=True refuses it."""
+    torch.manual_seed(0)
+    members = [nn.Embedding(10, 3, max_norm=0.5).double() for _ in range(3)]
+    with torch.no_grad():
+        for m in members:
+            m.weight.mul_(3)  # rows well outside max_norm
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    compiled = torch.compile(ens, backend="aot_eager")
+    for idx in ([1, 2, 2], [7, 1, 9]):
+        got = compiled(torch.tensor(idx))
+        want = torch.stack([m(torch.tensor(idx)) for m in loop])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    weights = torch.stack([m.weight.detach() for m in loop])
+    torch.testing.assert_close(ens.stacked_params()["weight"], weights, rtol=0, atol=1e-15)
+    torch._dynamo.reset()
+    fresh = fe.Ensemble(copy.deepcopy(members))
+    before = fresh.stacked_params()["weight"].clone()
+    try:
+        torch.compile(fresh, backend="aot_eager", fullgraph=True)(torch.tensor([1, 2]))
+    except Exception as error:  # Dynamo's own error classes differ between versions
+        assert "max_norm" in str(error), error
+    else:
+        raise AssertionError("fullgraph=True compiled Embedding(max_norm)")
+    assert torch.equal(fresh.stacked_params()["weight"], before)
+
+
 def optimizer_limits() -> None:
     """compile.md: adam's and sgd-with-momentum's in-place steps compile whole (three
     steps equal eager's); sgd without momentum and rmsprop stop with Dynamo's error
@@ -769,6 +838,8 @@ if __name__ == "__main__":
         "optimizer_limits": optimizer_limits,
         "transform_swaps": transform_swaps,
         "cumulative_batch_norm": cumulative_batch_norm,
+        "shared_input_in_place": shared_input_in_place,
+        "embedding_max_norm": embedding_max_norm,
     }
     faces[sys.argv[1]]()
     print("OK")

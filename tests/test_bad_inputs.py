@@ -636,6 +636,53 @@ CASES += [
 ]
 
 
+def _decorated_loss_error() -> None:
+    """A functools.wraps decorator supplying the first argument: a TypeError inside the
+    loss kept torch's message (the check read the decorated function's signature and
+    blamed a missing argument)."""
+    import functools
+
+    fmodel, params, buffers = stacked(3)
+
+    def with_model(f):
+        @functools.wraps(f)
+        def g(p, b, *rest):
+            return f(fmodel, p, b, *rest)
+
+        return g
+
+    @with_model
+    def loss(fm, p, b, inp):
+        return torch.sum(fm(p, b, inp), dim="bad")
+
+    fe.value_and_grad(loss)(params, buffers, x(5, 3))
+
+
+class _MyEnsemble(fe.Ensemble):
+    pass
+
+
+register_simple(
+    "value_and_grad-decorated-loss-keeps-torchs-message",
+    TypeError,
+    r"^sum\(\) received an invalid combination of arguments",
+    _decorated_loss_error,
+)
+register_simple(
+    "vmap-ensemble-subclass-as-fn",
+    TypeError,
+    r"vmap: fn is an fe.Ensemble, which runs every member itself",
+    lambda: fe.vmap(_MyEnsemble(mlps()))({}, {}, x(5, 3)),
+)
+register_simple(
+    "HeteroEnsemble.value_and_grad-ensemble-as-loss",
+    TypeError,
+    r"HeteroEnsemble.value_and_grad: loss_fn is an fe.Ensemble, .* called as "
+    r"loss_fn\(fmodel, params, buffers, \*inputs\)",
+    lambda: fe.HeteroEnsemble([mlp(0), mlp(1, d_out=3)]).value_and_grad(ens(3)),
+)
+
+
 @loop("vmap-empty-shared-batch")
 def _empty_batch(tmp: Path) -> Setup:
     members = mlps()
@@ -1348,6 +1395,20 @@ register_simple(
     TypeError,
     r"leaf `\['g'\]` is a Generator .* Save its state instead \(gen.get_state\(\)",
     lambda: fe.save("unused.safetensors", {"g": torch.Generator()}),
+)
+register_simple(
+    "save-ensemble-inside-a-tree",
+    TypeError,
+    r"leaf `\['ens'\]` is an Ensemble .* Save it on its own \(fe.save\(path, obj\)",
+    lambda: fe.save("unused.safetensors", {"ens": ens(3), "step": 3}),
+)
+register_simple(
+    "save-torch-optimizer-inside-a-tree",
+    TypeError,
+    r"leaf `\['opt'\]` is an Adam .* put its .state_dict\(\) in the tree instead",
+    lambda: fe.save(
+        "unused.safetensors", {"opt": torch.optim.Adam([torch.zeros(2, requires_grad=True)])}
+    ),
 )
 
 

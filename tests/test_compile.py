@@ -36,6 +36,8 @@ def run_check(face: str) -> None:
         "optimizer_limits",
         "transform_swaps",
         "cumulative_batch_norm",
+        "shared_input_in_place",
+        "embedding_max_norm",
     ],
 )
 def test_compiled_training_step_matches_eager(face):

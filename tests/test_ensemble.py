@@ -515,6 +515,34 @@ def test_module_list_state_dict_loads_as_the_error_says() -> None:
         )
 
 
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_load_state_dict_with_assign_refuses_to_untie_tied_weights() -> None:
+    """assign=True gives each name the tensor given for it: it untied the members'
+    tied weights and reported success, and the ensemble then could not run ("a second
+    name of the tied `b.weight`") nor get an optimizer. Refused before anything is
+    assigned; without assign the values load into the tied tensor."""
+    ens = fe.Ensemble([_Tied() for _ in range(3)])
+    state = {k: v.detach() + 1 for k, v in ens.state_dict().items()}
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(ValueError, match=r"assign=True would untie `a.weight` and `b.weight`"):
+        ens.load_state_dict(state, assign=True)
+    for k, v in ens.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ens.load_state_dict(state)
+    assert ens.stacked.a.weight is ens.stacked.b.weight
+    torch.testing.assert_close(ens.stacked.a.weight, state["stacked.a.weight"], rtol=0, atol=0)
+    ens(torch.randn(2, 4))
+
+
 def test_load_state_dict_with_assign_takes_the_given_tensors_and_trains_as_the_loop() -> None:
     """The docstring: with assign=True torch assigns the given tensors (nothing copied
     or converted); then each member trains as the loop's member loaded alike."""

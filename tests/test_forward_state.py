@@ -280,6 +280,149 @@ def test_a_loss_reading_in_the_same_call_what_a_hook_kept_runs_as_the_loop():
             torch.testing.assert_close(grads[name][i], p.grad, rtol=1e-12, atol=1e-15)
 
 
+class _KeepsWhileTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.acts: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.training:
+            self.acts["h"] = h  # for the loss, read in the same call
+        return self.b(h)
+
+
+features: dict = {}  # another model's feature-extraction dict (named like an attribute)
+CONTEXT: list = []  # a side input the caller sets inside its own torch.func transform
+
+
+class _ReadsFeaturesAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x)) * CONTEXT[-1]
+
+
+def test_what_an_earlier_call_or_the_callers_transform_left_is_not_this_calls():
+    """Review of the container check: it refused the first eval call after a training
+    call whose loss read what forward kept (the tensor was the earlier call's), an
+    ensemble whose forward reads self.features because a module-level dict was named
+    `features`, and a side input wrapped by the caller's own torch.func.grad; each
+    computed what the loop computes before the check."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    members = [_KeepsWhileTraining().to(dtype) for _ in range(N)]
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    x, y = torch.randn(6, 4, dtype=dtype), torch.randn(6, 1, dtype=dtype)
+    fmodel = ens.fmodel
+
+    def loss_fn(p, b, x, y):
+        out = fmodel(p, b, x)
+        return (out - y).pow(2).mean() + 0.1 * fmodel.skeleton.acts["h"].pow(2).mean()
+
+    losses, _, _ = fe.value_and_grad(loss_fn)(ens.stacked_params(), ens.stacked_buffers(), x, y)
+    want = [(m(x) - y).pow(2).mean() + 0.1 * m.acts["h"].pow(2).mean() for m in loop]
+    torch.testing.assert_close(losses, torch.stack(want).detach(), rtol=1e-12, atol=0)
+    ens.eval()
+    for m in loop:
+        m.eval()
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), rtol=1e-12, atol=0)
+
+    # A module-level dict named like the attribute forward reads, holding another
+    # call's tensor; and a side input of the caller's own transform, read by forward.
+    hooked = [_tanh_mlp().to(dtype) for _ in range(N)]
+    for m in hooked:
+        m[1].register_forward_hook(lambda mod, inp, out: features.update(h=out))
+    f2, p2, b2 = fe.stack(hooked)
+    fe.value_and_grad(lambda p, b, x: f2(p, b, x).sum() + features["h"].sum())(p2, b2, x)
+    readers = [_ReadsFeaturesAttribute().to(dtype) for _ in range(N)]
+    plain = copy.deepcopy(readers)
+    ens2 = fe.Ensemble(readers)
+    z = torch.tensor(2.0, dtype=dtype)
+
+    def through(call):
+        def total(z):
+            CONTEXT[:] = [z]
+            return call().sum()
+
+        return torch.func.grad(total)(z)
+
+    got = through(lambda: ens2(x))
+    want = through(lambda: torch.stack([m(x) for m in plain]))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert "h" in features  # the other model's entry is left alone
+    CONTEXT.clear()
+
+
+class _NestsInTuples(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.log: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.log.append(("step", (out, 1)))
+        return out
+
+
+class _Child(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.prev = self.lin(x)
+        return self.prev
+
+
+class _RootLogs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = _Child()
+        self.log: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.child(x)
+        self.log.append(out)
+        return out
+
+
+class _Saver:
+    def __init__(self) -> None:
+        self.store: dict = {}
+
+    def __call__(self, module, inputs, output) -> None:
+        self.store["h"] = output
+
+
+def test_containers_the_first_check_missed_are_refused_and_everything_is_cleaned():
+    """Review of the container check: a tensor inside a tuple inside a tuple, and a
+    forward hook that is a callable object (the ensemble runs a copy of it, whose dict
+    kept the tensor), went unseen; with both a container and a child's attribute left,
+    the attribute stayed (copies of the ensemble failed)."""
+    x = torch.randn(5, 4)
+    tupled = fe.Ensemble([_NestsInTuples() for _ in range(N)])
+    with pytest.raises(ValueError, match="left in attribute `log` of _NestsInTuples"):
+        tupled(x)
+    assert tupled.stacked.log == []
+    saved = [_tanh_mlp() for _ in range(N)]
+    for m in saved:
+        m[1].register_forward_hook(_Saver())
+    with pytest.raises(ValueError, match=r"left in `_Saver\.store`, used by its forward hook"):
+        fe.Ensemble(saved)(x)
+    both = fe.Ensemble([_RootLogs() for _ in range(N)])
+    with pytest.raises(ValueError, match=r"the forward kept a tensor|was left in attribute"):
+        both(x)
+    assert both.stacked.log == [] and not hasattr(both.stacked.child, "prev")
+    copy.deepcopy(both)
+
+
 def test_a_shared_input_modified_in_place_is_refused_a_per_member_one_runs_as_the_loop():
     class AddsOne(nn.Module):
         def __init__(self) -> None:

@@ -84,12 +84,19 @@ def flatten_by_key(
     for key, leaf in zip(keys, leaves, strict=True):
         # Exact types: subclasses (numpy.float64, IntEnum) would not come back as such.
         if not isinstance(leaf, Tensor) and type(leaf) not in value_types:
-            fix = (
-                "Save its state instead (gen.get_state(), a uint8 tensor) and put it back "
-                "on loading (gen.set_state(state))."
-                if isinstance(leaf, torch.Generator)
-                else "Convert it to one of those (e.g. float(x) or torch.as_tensor(x))."
-            )
+            if isinstance(leaf, torch.Generator):
+                fix = (
+                    "Save its state instead (gen.get_state(), a uint8 tensor) and put it "
+                    "back on loading (gen.set_state(state))."
+                )
+            elif isinstance(leaf, nn.Module) or hasattr(leaf, "state_dict"):
+                # An ensemble, a module or an optimizer inside the tree.
+                fix = (
+                    "Save it on its own (fe.save(path, obj) for an ensemble or an "
+                    "EnsembleOptimizer), or put its .state_dict() in the tree instead."
+                )
+            else:
+                fix = "Convert it to one of those (e.g. float(x) or torch.as_tensor(x))."
             raise TypeError(
                 f"{where}: leaf `{key}` is {a(type(leaf).__name__)} (expected "
                 f"{values_text}, got {type(leaf).__name__}). {fix}"

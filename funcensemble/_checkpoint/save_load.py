@@ -420,6 +420,10 @@ def load(path: str | os.PathLike, obj: T) -> T:
         contents = replace(
             _contents(where, {"state": obj.state_dict()["state"]}), this=contents.this
         )
+    if isinstance(obj, EnsembleOptimizer):
+        # Before the leaves: another transform's state has other leaves, and its
+        # record says which (the list of leaves did not).
+        obj._refuse_another_transform(where, header["values"].get("['transform']"))
     if contents.kind == "pytree":
         contents = _counts_as_saved(contents, obj, tensors)
     try:

@@ -15,8 +15,11 @@ from torch import nn
 
 
 def _signature(fn: Any) -> inspect.Signature | None:
+    """``fn``'s own signature: not the one a ``functools.wraps`` decorator points to (it
+    may supply arguments itself), but the user's loss behind funcensemble's own wrapper
+    (``_signature_of``)."""
     try:
-        return inspect.signature(fn)
+        return inspect.signature(getattr(fn, "_signature_of", fn), follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or an object without one
         return None
 
@@ -26,18 +29,26 @@ def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return count + (f" and keyword arguments {sorted(kwargs)}" if kwargs else "")
 
 
-def refuse_an_ensemble(where: str, name: str, fn: Any) -> None:
+def refuse_an_ensemble(where: str, name: str, fn: Any, *, with_fmodel: bool = False) -> None:
     """Refuse an ``fe.Ensemble`` (or ``HeteroEnsemble``) given where a function of one
     member is expected: it runs every member itself, and would be called with one
     member's params and buffers as its inputs."""
-    if isinstance(fn, nn.Module) and type(fn).__name__ in ("Ensemble", "HeteroEnsemble"):
-        kind = type(fn).__name__
+    from .._hetero.ensemble import HeteroEnsemble  # (both import this module's users)
+    from .ensemble import Ensemble
+
+    if isinstance(fn, Ensemble | HeteroEnsemble):
+        kind = "HeteroEnsemble" if isinstance(fn, HeteroEnsemble) else "Ensemble"
+        arguments = "fmodel, params, buffers" if with_fmodel else "params, buffers"
+        fix = (
+            "Pass a loss calling the fmodel it is given: e.g. def loss_fn(fmodel, params, "
+            "buffers, x, y): return F.mse_loss(fmodel(params, buffers, x), y)."
+            if with_fmodel
+            else "Pass ens.fmodel, or a function calling it: e.g. def loss_fn(params, "
+            "buffers, x, y): return F.mse_loss(ens.fmodel(params, buffers, x), y)."
+        )
         raise TypeError(
             f"{where}: {name} is an fe.{kind}, which runs every member itself (expected "
-            f"a function of ONE member, called as {name}(params, buffers, *inputs)). "
-            f"Pass ens.fmodel, or a function calling it: e.g. "
-            "def loss_fn(params, buffers, x, y): return F.mse_loss(ens.fmodel(params, "
-            "buffers, x), y)."
+            f"a function of ONE member, called as {name}({arguments}, *inputs)). {fix}"
         )
 
 
@@ -57,8 +68,9 @@ def arguments_error(
         return TypeError(
             f"{where}: the function is called for each member as {name}(params, buffers, "
             f"*inputs, **kwargs), here with params, buffers and {_inputs(args, kwargs)}, "
-            f"which its signature {signature} cannot take ({why}; expected its first two "
-            "parameters to take one member's params and buffers, then the inputs). "
+            f"which its signature {signature} cannot take (expected its first two "
+            f"parameters to take one member's params and buffers, then the inputs; got: "
+            f"{why}). "
             "Define it as e.g. def loss_fn(params, buffers, x, y), calling "
             "fmodel(params, buffers, x) inside."
         )
@@ -73,8 +85,8 @@ def arguments_error(
     except TypeError as why:
         return TypeError(
             f"{where}: the members' forward{forward} cannot take the "
-            f"{_inputs(args, kwargs)} given ({why}; expected the arguments one member's "
-            f"{type(skeleton).__name__}.forward takes). Pass the inputs its forward "
+            f"{_inputs(args, kwargs)} given (expected the arguments one member's "
+            f"{type(skeleton).__name__}.forward takes; got: {why}). Pass the inputs its forward "
             "takes; a target for a loss goes to the loss, not the ensemble."
         )
     return None

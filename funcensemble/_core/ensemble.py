@@ -551,10 +551,13 @@ class Ensemble(nn.Module):
             ValueError: Missing or unexpected keys (when ``strict``); keys of one member
                 module's state_dict (``"0.weight"`` for ``"stacked.0.weight"``, also
                 when not ``strict``); a different member count; a shape that does not
-                match this ensemble; a tensor on the meta device; or a dtype of
-                another kind (floating-point, integer, complex, bool).
+                match this ensemble; a tensor on the meta device; a dtype of
+                another kind (floating-point, integer, complex, bool); or
+                ``assign=True`` for members with tied weights, which it would untie.
         """
         check_no_swap("Ensemble.load_state_dict")
+        if assign:
+            _refuse_untying("Ensemble.load_state_dict", self.stacked)
         check_loadable(
             "Ensemble.load_state_dict",
             self.state_dict(keep_vars=True),
@@ -563,6 +566,28 @@ class Ensemble(nn.Module):
             strict=strict,
         )
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _refuse_untying(where: str, stacked: nn.Module) -> None:
+    """Refuse ``assign=True`` for members with tied tensors: torch gives each name its
+    own tensor, which unties them; the ensemble of tied members could not run after."""
+    names: dict[int, list[str]] = {}
+    tensors = [
+        *stacked.named_parameters(remove_duplicate=False),
+        *stacked.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in tensors:
+        names.setdefault(id(t), []).append(name)
+    tied = next((n for n in names.values() if len(n) > 1), None)
+    if tied is not None:
+        shown = " and ".join(f"`{n}`" for n in tied)
+        raise ValueError(
+            f"{where}: assign=True would untie {shown}, one tensor under several names in "
+            "these members (torch's assign gives each name the tensor given for it, "
+            "which the ensemble of tied members cannot run; expected assign=False for "
+            "tied weights). Load without assign=True: the values are copied into the "
+            "tied tensor, which stays tied."
+        )
 
 
 def check_no_swap(where: str) -> None:

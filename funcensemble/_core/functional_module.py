@@ -15,6 +15,7 @@ from .._kernels.rewrites import vmap_rewrites
 from .._structure import aliases as _aliases
 from .._structure import backward_hooks as _backward_hooks
 from .._structure import chunk_state as _chunk_state
+from .._structure import escaped_tensors as _escaped_tensors
 from .._structure import forward_state as _forward_state
 from .._structure import updated_in_place as _updated_in_place
 from .._structure import weight_transforms as _weight_transforms
@@ -337,6 +338,10 @@ class FunctionalModule:
             # put back if the call fails (see _rollback).
             save_before_update(_updated_in_place.by_forward(self.skeleton))
         before = _forward_state.kept_tensors(self.skeleton) if inside else None
+        # Containers only where no code of the caller's runs in the call after the
+        # forward: a loss may read, in the same call, what a hook kept for it.
+        containers = inside and _entry.forward_only()
+        in_containers = _escaped_tensors.snapshot(self.skeleton) if containers else {}
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).
         given = {**params, **buffers}
@@ -386,11 +391,11 @@ class FunctionalModule:
                 raise
             raise clear from error
         if before is not None:
-            # Containers only where no code of the caller's runs in the call after the
-            # forward: a loss may read, in the same call, what a hook kept for it.
-            _forward_state.check_kept(
-                where, self.skeleton, before, containers=_entry.forward_only()
-            )
+            try:
+                _forward_state.check_kept(where, self.skeleton, before)
+            finally:  # what the call left in containers goes too, whichever is refused
+                if containers:
+                    _escaped_tensors.check(where, self.skeleton, in_containers)
         _forward_state.carry_rebound(where, params, buffers, given, save_before_update)
         return out
 

@@ -327,7 +327,7 @@ def _value_and_grad(
             _split_aux(where, out, True)
             return out
 
-        loss_fn.__wrapped__ = given_loss  # type: ignore[attr-defined]  # its signature, for messages
+        loss_fn._signature_of = given_loss  # type: ignore[attr-defined]  # for messages
 
     mapped_loss = mapped_call(loss_fn, randomness, chunk_size, where=where)
 

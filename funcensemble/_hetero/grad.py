@@ -4,6 +4,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core import in_dims as _in_dims
+from .._core.call_arguments import refuse_an_ensemble
 from .._core.grad import _trainable, _value_and_grad, any_marked
 from .._core.in_dims import InDims
 from .._core.rollback import rollback_on_error
@@ -27,6 +28,7 @@ def grouped_value_and_grad(
             f"{where}: loss_fn must be callable (expected a function returning one loss per "
             f"member, got {type(loss_fn).__name__}). Pass the loss function itself."
         )
+    refuse_an_ensemble(where, "loss_fn", loss_fn, with_fmodel=True)
     _in_dims.check_type(where, in_dims)
 
     def for_group(ens: Any) -> Callable[..., tuple[Any, ...]]:

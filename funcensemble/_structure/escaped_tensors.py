@@ -9,17 +9,24 @@ from inside a function being vmapped"), breaks copies and selections of the ense
 and the other members' containers (a hook's per-member dicts) keep stale values,
 without an error.
 
-[`check_module`][] looks, after the forward of each vectorized call, in the containers a call
-can reach without running user code: the modules' own attributes, the values their
-forward hooks and pre-hooks captured (closure, defaults, ``functools.partial``
-arguments, a bound method's object) and the module-level names those hooks and the
-members' own ``forward`` refer to. A wrapped tensor there is removed and the call
-refused. Attributes re-assigned on the module itself (``self.prev = out``) are
-``_forward_state``'s.
+[`check`][] looks, after the forward of a call that runs nothing of the caller's
+after it (an ``Ensemble`` call, ``fe.vmap(fmodel)``), in the containers the call can
+reach without running user code: the modules' own attributes, what their forward hooks
+and pre-hooks captured (closure, defaults, ``functools.partial`` arguments, a bound
+method's or a callable object's attributes) and the module-level names those hooks and
+the members' own ``forward`` load as globals. A tensor put there by this call (not in
+[`snapshot`][] before it), wrapped at this call's level or deeper, is removed and the
+call refused. Tensors of the caller's own outer transform, and those an earlier call
+left (a loss may read in its call what a hook kept), are not this call's. Each
+container is looked at in its last ``_SCANNED`` entries (where appends land), nested
+ones to ``_DEPTH``. Attributes re-assigned on the module itself (``self.prev = out``)
+are ``_forward_state``'s.
 """
 
 import collections
+import dis
 import functools
+import itertools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -31,52 +38,73 @@ from .. import _torch_compat
 _CONTAINERS = (list, dict, set, collections.deque)
 _MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
-_SCANNED = 256  # elements looked at per container: appends land last, so the last ones
+_SCANNED = 256  # entries looked at per container, the last ones: appends land there
 _DEPTH = 3
+
+Found = list[tuple[Any, Any, Tensor]]  # (container, key or element, the tensor)
 
 
 def _from_user_code(kind: type) -> bool:
     return not kind.__module__.startswith(("torch.", "funcensemble."))
 
 
-def _globals_named(code: types.CodeType, names: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    for name in code.co_names:
-        value = names.get(name)
+_GLOBALS: dict[types.CodeType, tuple[str, ...]] = {}
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` loads as globals (``co_names`` holds attribute names too)."""
+    names = _GLOBALS.get(code)
+    if names is None:
+        if len(_GLOBALS) > 10_000:
+            _GLOBALS.clear()
+        found = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+        names = _GLOBALS[code] = tuple(n for n in found if isinstance(n, str))
+    return names
+
+
+def _globals_used(fn: types.FunctionType) -> Iterator[tuple[str, Any]]:
+    space = fn.__globals__
+    for name in _global_names(fn.__code__):
+        value = space.get(name)
         if isinstance(value, _CONTAINERS):
-            yield name, value
+            yield f"the module-level `{name}`", value
 
 
 def _captured(fn: Any) -> Iterator[tuple[str, Any]]:
-    """The containers a hook function can reach: what it captured and the module-level
-    names it uses."""
+    """The containers a hook can reach: what it captured and the module-level names it
+    loads."""
     while isinstance(fn, functools.partial):
         yield from (("an argument", v) for v in (*fn.args, *fn.keywords.values()))
         fn = fn.func
     if isinstance(fn, types.MethodType):
         owner = fn.__self__
         if not isinstance(owner, nn.Module):  # a module's own attributes are seen as such
-            yield from ((f"self.{k}", v) for k, v in vars(owner).items())
+            yield from ((f"`self.{k}`", v) for k, v in vars(owner).items())
         fn = fn.__func__
     if not isinstance(fn, types.FunctionType):
+        if hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):  # a callable object
+            yield from ((f"`{type(fn).__name__}.{k}`", v) for k, v in vars(fn).items())
+            call = vars(type(fn)).get("__call__")
+            if isinstance(call, types.FunctionType):
+                yield from _globals_used(call)
         return
     code = fn.__code__
     for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
         try:
-            yield name, cell.cell_contents
+            yield f"`{name}`", cell.cell_contents
         except ValueError:  # a cell not yet assigned
             continue
     yield from (("a default", v) for v in fn.__defaults__ or ())
-    yield from (fn.__kwdefaults__ or {}).items()
-    yield from _globals_named(code, fn.__globals__)
+    yield from ((f"`{k}`", v) for k, v in (fn.__kwdefaults__ or {}).items())
+    yield from _globals_used(fn)
 
 
-def roots(sub: nn.Module, seen_forwards: set[int]) -> Iterator[tuple[str, Any]]:
+def _roots(sub: nn.Module, seen: set[int]) -> Iterator[tuple[str, Any]]:
     """``(what it is in ``sub``, container)`` for every container a call can write into
-    through ``sub``: its attributes, its forward hooks' captures, the module-level
-    names its own ``forward`` uses (once per ``forward`` in ``seen_forwards``)."""
+    through ``sub`` (its own ``forward``'s globals once per ``forward`` in ``seen``)."""
     own = vars(sub)
-    for name in own.keys() - _MODULE_OWN:  # (one set operation: most have none)
-        value = own[name]
+    for name in _user_attributes(sub, own):
+        value = own.get(name)
         if isinstance(value, _CONTAINERS):
             yield f"attribute `{name}`", value
     if sub._forward_hooks or sub._forward_pre_hooks:
@@ -84,44 +112,102 @@ def roots(sub: nn.Module, seen_forwards: set[int]) -> Iterator[tuple[str, Any]]:
             kind = "forward pre-hook" if table == "_forward_pre_hooks" else "forward hook"
             for hook in getattr(sub, table).values():
                 label = getattr(hook, "__name__", type(hook).__name__)
-                for name, value in _captured(hook):
+                for what, value in _captured(hook):
                     if isinstance(value, _CONTAINERS):
-                        yield f"`{name}`, used by its {kind} {label},", value
+                        yield f"{what}, used by its {kind} {label},", value
     forward = type(sub).forward
-    if id(forward) in seen_forwards or not _from_user_code(type(sub)):
-        return
-    seen_forwards.add(id(forward))
-    if isinstance(forward, types.FunctionType):
-        for name, value in _globals_named(forward.__code__, forward.__globals__):
-            yield f"the module-level `{name}` its forward uses", value
+    if isinstance(forward, types.FunctionType) and id(forward) not in seen:
+        seen.add(id(forward))
+        if _user_class(type(sub)):
+            for what, value in _globals_used(forward):
+                yield f"{what} its forward uses", value
 
 
-def _elements(container: Any) -> list[tuple[Any, Any]]:
-    """``(key, value)`` of the last ``_SCANNED`` elements (key: a dict key, else the
-    value itself)."""
+_USER_CLASSES: dict[type, bool] = {}
+# id(module) -> (how many attributes it had, the names beyond nn.Module's own): the set
+# difference costs more than the rest of a module's look. (A module freed and another
+# made at its address with as many attributes at worst goes unlooked at: never a
+# refusal.)
+_ATTRIBUTES: dict[int, tuple[int, tuple[str, ...]]] = {}
+
+
+def _user_class(kind: type) -> bool:
+    user = _USER_CLASSES.get(kind)
+    if user is None:
+        user = _USER_CLASSES[kind] = _from_user_code(kind)
+    return user
+
+
+def _user_attributes(sub: nn.Module, own: dict[str, Any]) -> tuple[str, ...]:
+    known = _ATTRIBUTES.get(id(sub))
+    if known is None or known[0] != len(own):  # (an attribute added or deleted)
+        if len(_ATTRIBUTES) > 100_000:
+            _ATTRIBUTES.clear()
+        known = _ATTRIBUTES[id(sub)] = (len(own), tuple(own.keys() - _MODULE_OWN))
+    return known[1]
+
+
+def _needs_a_look(sub: nn.Module, seen: set[int]) -> bool:
+    """A quick test, run on every module at every call: whether ``_roots`` can find
+    anything (a container attribute, a hook, a user ``forward`` not yet looked at)."""
+    if sub._forward_hooks or sub._forward_pre_hooks:
+        return True
+    kind = type(sub)
+    if _user_class(kind) and id(kind.forward) not in seen:
+        return True
+    own = vars(sub)
+    return any(isinstance(own.get(name), _CONTAINERS) for name in _user_attributes(sub, own))
+
+
+def _last(container: Any, everything: bool) -> Iterator[tuple[Any, Any]]:
+    """``(key, value)`` of the container's last ``_SCANNED`` entries (all of them with
+    ``everything``); the key is a dict's key, else the value itself."""
     if isinstance(container, dict):
-        items = list(container.items())
+        items: Any = reversed(container.items())
+    elif isinstance(container, (list, collections.deque)):
+        items = ((v, v) for v in reversed(container))
     else:
-        items = [(v, v) for v in container]
-    return items[-_SCANNED:]
+        items = ((v, v) for v in container)
+    return items if everything else itertools.islice(items, _SCANNED)
 
 
-def _escaped(container: Any, depth: int = 0) -> Iterator[tuple[Any, Any]]:
-    """``(container, key)`` of every wrapped tensor inside, nested containers included."""
-    for key, value in _elements(container):
+def _wrapped(container: Any, everything: bool = False, depth: int = 0) -> Iterator[Any]:
+    """``(container, key, tensor)`` of the wrapped tensors inside, nested ones too."""
+    for key, value in _last(container, everything):
         if isinstance(value, Tensor):
             if _torch_compat.is_wrapped(value):
-                yield container, key
-        elif depth < _DEPTH and isinstance(value, (*_CONTAINERS, tuple)):
-            if isinstance(value, tuple):
-                if any(isinstance(v, Tensor) and _torch_compat.is_wrapped(v) for v in value):
-                    yield container, key  # a tuple cannot lose an element: drop it whole
-                    continue
-                inner = [v for v in value if isinstance(v, _CONTAINERS)]
-                for v in inner:
-                    yield from _escaped(v, depth + 1)
-            else:
-                yield from _escaped(value, depth + 1)
+                yield container, key, value
+        elif depth < _DEPTH and isinstance(value, tuple):
+            # A tuple cannot lose an element: a wrapped tensor anywhere in it (nested
+            # tuples too) takes the whole tuple out of its container.
+            for t in _in_tuple(value, depth + 1):
+                yield container, key, t
+            for v in value:
+                if isinstance(v, _CONTAINERS):
+                    yield from _wrapped(v, everything, depth + 1)
+        elif depth < _DEPTH and isinstance(value, _CONTAINERS):
+            yield from _wrapped(value, everything, depth + 1)
+
+
+def _in_tuple(value: tuple, depth: int) -> Iterator[Tensor]:
+    for v in value:
+        if isinstance(v, Tensor) and _torch_compat.is_wrapped(v):
+            yield v
+        elif isinstance(v, tuple) and depth < _DEPTH:
+            yield from _in_tuple(v, depth + 1)
+
+
+def snapshot(skeleton: nn.Module) -> dict[int, Tensor]:
+    """The wrapped tensors already in the reachable containers before a call (an
+    earlier call's, the caller's outer transform's): not this call's to refuse."""
+    before: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    for sub in skeleton.modules():
+        if _needs_a_look(sub, seen):
+            for _, container in _roots(sub, seen):
+                for _, _, t in _wrapped(container):
+                    before[id(t)] = t  # (kept alive: its id is not reused in the call)
+    return before
 
 
 def _remove(container: Any, key: Any) -> None:
@@ -135,53 +221,38 @@ def _remove(container: Any, key: Any) -> None:
                 del container[i]
 
 
-def _needs_a_look(sub: nn.Module, seen: set[int]) -> bool:
-    """A quick test, run on every module at every call: whether ``roots`` can find
-    anything (a container attribute, a hook, a user ``forward`` not yet looked at)."""
-    if sub._forward_hooks or sub._forward_pre_hooks:
-        return True
-    kind = type(sub)
-    user = _USER_CLASSES.get(kind)
-    if user is None:
-        user = _USER_CLASSES[kind] = _from_user_code(kind)
-    if user and id(kind.forward) not in seen:
-        return True
-    own = vars(sub)
-    known = _ATTRIBUTES.get(id(sub))
-    if known is None or known[0] != len(own):  # (an attribute added or deleted)
-        if len(_ATTRIBUTES) > 100_000:
-            _ATTRIBUTES.clear()
-        known = _ATTRIBUTES[id(sub)] = (len(own), tuple(own.keys() - _MODULE_OWN))
-    return any(isinstance(own.get(name), _CONTAINERS) for name in known[1])
+def check(where: str, skeleton: nn.Module, before: dict[int, Tensor]) -> None:
+    """Refuse (after removing them) tensors of this call left in reachable containers:
+    wrapped at this call's level or deeper, and not there ``before`` it."""
+    level = _torch_compat.vmap_level() or 0
 
+    def new(t: Tensor) -> bool:
+        return id(t) not in before and (_torch_compat.wrapper_level(t) or 0) >= level
 
-_USER_CLASSES: dict[type, bool] = {}
-# id(module) -> (how many attributes it had, the names beyond nn.Module's own): the set
-# difference costs more than the rest of the test. (A module freed and another made at
-# its address with as many attributes at worst goes unlooked at: never a refusal.)
-_ATTRIBUTES: dict[int, tuple[int, tuple[str, ...]]] = {}
-
-
-def check_module(where: str, skeleton: nn.Module, sub: nn.Module, seen: set[int]) -> None:
-    """Refuse (after removing them) tensors of this call left in the containers a call
-    reaches through ``sub``, a module of ``skeleton`` (see ``roots``)."""
-    if not _needs_a_look(sub, seen):
-        return
-    for what, container in roots(sub, seen):
-        found = list(_escaped(container))
-        if not found:
+    seen: set[int] = set()
+    first = None
+    for sub in skeleton.modules():
+        if not _needs_a_look(sub, seen):
             continue
-        for inner, key in found:
-            _remove(inner, key)
+        for what, container in _roots(sub, seen):
+            if not any(new(t) for _, _, t in _wrapped(container)):
+                continue
+            for inner, key, _ in [f for f in _wrapped(container, everything=True) if new(f[2])]:
+                _remove(inner, key)
+            if first is None:
+                first = (what, sub)
+    if first is not None:
+        what, sub = first
         path = next((p for p, m in skeleton.named_modules() if m is sub), "")
         module = f"`{path}` ({type(sub).__name__})" if path else type(sub).__name__
         raise ValueError(
             f"{where}: a tensor computed from the members' data was left in {what} of "
-            f"{module}, a container outliving the call: in one vectorized call the module "
-            "stands for every member, so what it keeps there is torch.func's internal "
-            "tensor of all members at once, which cannot be read after the call, and "
-            "each member's own container would not get its value (expected state in "
-            "registered buffers, or values returned). Return the value from forward "
-            "(the ensemble stacks it per member, e.g. as a second output), or register "
-            "a buffer and update it in place; the entries were removed."
+            f"{module}, a container outliving the call: in one vectorized call the "
+            "module stands for every member, so what it keeps there is torch.func's "
+            "internal tensor of all members at once, which cannot be read after the "
+            "call, and each member's own container would not get its value "
+            "(expected state in registered buffers, or values returned). Return the "
+            "value from forward (the ensemble stacks it per member, e.g. as a second "
+            "output), keep scratch values forward reads back in a local variable, "
+            "or register a buffer and update it in place; the entries were removed."
         )

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from .. import _torch_compat
-from . import escaped_tensors as _escaped_tensors
 
 # (module, slot table or None for the module's __dict__, name) -> the value before.
 Kept = dict[tuple[int, int, str], tuple[nn.Module, dict | None, str, Any]]
@@ -42,15 +41,12 @@ def kept_tensors(skeleton: nn.Module) -> Kept:
     return out
 
 
-def check_kept(where: str, skeleton: nn.Module, before: Kept, *, containers: bool) -> None:
-    """Refuse (after putting it back) a wrapped tensor the call left on the skeleton,
-    or with ``containers`` (after removing it) in a container it reaches (see
-    ``_escaped_tensors``)."""
+def check_kept(where: str, skeleton: nn.Module, before: Kept) -> None:
+    """Refuse (after putting every one back) wrapped tensors the call left on the
+    skeleton's modules."""
     names = {id(sub): path for path, sub in skeleton.named_modules(remove_duplicate=False)}
-    forwards: set[int] = set()
+    first = None
     for sub in skeleton.modules():
-        if containers:
-            _escaped_tensors.check_module(where, skeleton, sub, forwards)
         for table, values in _tables(sub):
             for name, value in list(values.items()):
                 if not isinstance(value, Tensor) or not _torch_compat.is_wrapped(value):
@@ -63,14 +59,17 @@ def check_kept(where: str, skeleton: nn.Module, before: Kept, *, containers: boo
                     delattr(sub, name) if table is None else values.pop(name)
                 else:
                     values[name] = old[3]
-                path = f"{names.get(id(sub), '')}.{name}".lstrip(".")
-                raise ValueError(
-                    f"{where}: the forward kept a tensor computed from a member's data on "
-                    f"the module, as `{path}` (self.{name} = ...), which one module "
-                    "standing for every member cannot hold (expected state in registered "
-                    "buffers only). Register it as a buffer (register_buffer) and update "
-                    "it in place, or return it from forward; the attribute was put back."
-                )
+                if first is None:
+                    first = (f"{names.get(id(sub), '')}.{name}".lstrip("."), name)
+    if first is not None:
+        path, name = first
+        raise ValueError(
+            f"{where}: the forward kept a tensor computed from a member's data on "
+            f"the module, as `{path}` (self.{name} = ...), which one module "
+            "standing for every member cannot hold (expected state in registered "
+            "buffers only). Register it as a buffer (register_buffer) and update "
+            "it in place, or return it from forward; the attribute was put back."
+        )
 
 
 def carry_rebound(

@@ -357,6 +357,22 @@ class EnsembleOptimizer:
         state = dict(zip(_state_keys(spec), leaves, strict=True))
         return {"state": state, "transform": self._described}
 
+    def _refuse_another_transform(self, where: str, saved: Any) -> None:
+        """Refuse a state saved with another transform record (``None``: no record)."""
+        if saved is not None and saved != self._described:
+            raise ValueError(
+                f"{where}: the state was saved by an optimizer whose transform was\n  "
+                f"{_shown(saved, self._described)}\nand this one's is\n  "
+                f"{_shown(self._described, saved)}\n"
+                "(expected the same transform and hyperparameters, got others): "
+                "torch.optim's load_state_dict would put the saved hyperparameters back, "
+                "while this state holds none and would continue with these. Build the "
+                "optimizer with the saved transform and load; to change hyperparameters "
+                "on purpose, assign the new one afterwards (opt.transform = ..., as "
+                "torch.optim users set param_groups after loading), or drop the record "
+                "(state_dict.pop('transform'))."
+            )
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state saved by [`state_dict`][funcensemble.optim.EnsembleOptimizer.state_dict].
 
@@ -395,20 +411,7 @@ class EnsembleOptimizer:
                 "Stack the members' optimizer states yourself, or start the ensemble's "
                 "optimizer fresh."
             )
-        saved = state_dict.get("transform")
-        if saved is not None and saved != self._described:
-            raise ValueError(
-                f"{where}: the state was saved by an optimizer whose transform was\n  "
-                f"{_shown(saved, self._described)}\nand this one's is\n  "
-                f"{_shown(self._described, saved)}\n"
-                "(expected the same transform and hyperparameters, got others): "
-                "torch.optim's load_state_dict would put the saved hyperparameters back, "
-                "while this state holds none and would continue with these. Build the "
-                "optimizer with the saved transform and load; to change hyperparameters "
-                "on purpose, assign the new one afterwards (opt.transform = ..., as "
-                "torch.optim users set param_groups after loading), or drop the record "
-                "(state_dict.pop('transform'))."
-            )
+        self._refuse_another_transform(where, state_dict.get("transform"))
         leaves, spec = flatten(self.state)
         keys = _state_keys(spec)
         difference = key_difference(set(keys) - set(loaded), set(loaded) - set(keys))
