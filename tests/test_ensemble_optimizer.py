@@ -386,6 +386,13 @@ def test_the_transform_record_survives_fe_save_and_is_compared_by_fe_load(tmp_pa
     fe.load(tmp_path / "opt.st", fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2)))
     with pytest.raises(ValueError, match=r"(?s)adam\(lr=0.01.*adam\(lr=0.001"):
         fe.load(tmp_path / "opt.st", fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-3)))
+    # Another kind of transform: named too (a list of 18 missing and extra leaves ended
+    # with "load into the optimizer itself: fe.load(path, opt)", which the user did).
+    sgd = fe.optim.EnsembleOptimizer(ens, fe.optim.sgd(0.1, momentum=0.9))
+    state = copy.deepcopy(sgd.state)
+    with pytest.raises(ValueError, match=r"(?s)load: the state was saved .*adam\(lr=0.01.*sgd\("):
+        fe.load(tmp_path / "opt.st", sgd)
+    assert_trees_equal(sgd.state, state)
 
 
 def test_the_transform_record_does_not_depend_on_dict_order_and_covers_hetero_groups():
