@@ -112,10 +112,11 @@ THRESHOLD = -300.0
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def _shown(value: float, spec: str) -> str:
+def _shown(value: float, spec: str, exists: bool) -> str:
     """``value`` formatted, or a dash where there is none yet (no update before the
-    warm-up ends, no finished episode): a NaN there read as divergence."""
-    if math.isnan(value):
+    warm-up ends, no finished episode): a NaN there read as divergence. A NaN of a
+    statistic that exists (a diverged critic) is printed as one."""
+    if not exists:
         return format("-", ">" + spec.split(".")[0]) if spec[0].isdigit() else "-"
     return format(value, spec)
 
@@ -461,16 +462,17 @@ def train(cfg: Config, *, eval_episodes: int, eval_length: int | None, quiet: bo
             log.train_return.append(float(np.mean(window)) if window else math.nan)
             line = (
                 f"step {step:6d}  eval_return {ret:8.1f}  train_return "
-                f"{_shown(log.train_return[-1], '8.1f')}  q_std {_shown(mean['q_std'], '.4f')}  "
-                f"critic_loss {_shown(mean['critic_loss'], '.4f')}  "
-                f"alpha {_shown(mean['alpha'], '.4f')}  "
+                f"{_shown(log.train_return[-1], '8.1f', bool(window))}  "
+                f"q_std {_shown(mean['q_std'], '.4f', bool(stats))}  "
+                f"critic_loss {_shown(mean['critic_loss'], '.4f', bool(stats))}  "
+                f"alpha {_shown(mean['alpha'], '.4f', bool(stats))}  "
                 f"{time.perf_counter() - start:6.0f}s (cpu {time.process_time() - cpu_start:.0f}s)"
             )
             bar.write(line)
             bar.set_postfix(
                 eval_return=f"{ret:.0f}",
-                critic_loss=f"{mean['critic_loss']:.3f}",
-                q_std=f"{mean['q_std']:.3f}",
+                critic_loss=_shown(mean["critic_loss"], ".3f", bool(stats)),
+                q_std=_shown(mean["q_std"], ".3f", bool(stats)),
             )
             stats, window = [], []
     bar.close()

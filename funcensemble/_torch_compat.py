@@ -198,11 +198,6 @@ def is_wrapped(t: Tensor) -> bool:
     return bool(_is_wrapped(t))
 
 
-def is_batched(t: Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func.vmap`` BatchedTensor (traceable by Dynamo)."""
-    return bool(_is_batched(t))
-
-
 def wrapper_level(t: Tensor) -> int | None:
     """The level of ``t``'s outermost ``torch.func`` wrapper, ``None`` if unwrapped."""
     return int(_level_of(t)) if _is_wrapped(t) else None

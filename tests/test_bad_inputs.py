@@ -653,9 +653,38 @@ def _decorated_loss_error() -> None:
 
     @with_model
     def loss(fm, p, b, inp):
-        return torch.sum(fm(p, b, inp), dim="bad")
+        return (fm(p, b, inp) + "bad").sum()
 
     fe.value_and_grad(loss)(params, buffers, x(5, 3))
+
+
+def _passed_through_loss_arity() -> None:
+    """A pure pass-through wrapper (functools.wraps, ``*args, **kwargs``: how
+    torch.compile wraps a function) of a loss without the buffers argument: the
+    wrapped loss's signature is the one checked (the wrapper's took anything, and
+    Python's bare arity error came back)."""
+    import functools
+
+    fmodel, params, buffers = stacked(3)
+
+    def loss(p, inp):
+        return fmodel(p, {}, inp).sum()
+
+    @functools.wraps(loss)
+    def passed_on(*args, **kwargs):
+        return loss(*args, **kwargs)
+
+    fe.value_and_grad(passed_on)(params, buffers, x(5, 3))
+
+
+register_simple(
+    "value_and_grad-pass-through-wrapper-arity",
+    TypeError,
+    r"value_and_grad: the function is called for each member as loss\(params, buffers, "
+    r"\*inputs, \*\*kwargs\), here with params, buffers and 1 input, which its signature "
+    r"\(p, inp\) cannot take",
+    _passed_through_loss_arity,
+)
 
 
 class _MyEnsemble(fe.Ensemble):
@@ -665,7 +694,7 @@ class _MyEnsemble(fe.Ensemble):
 register_simple(
     "value_and_grad-decorated-loss-keeps-torchs-message",
     TypeError,
-    r"^sum\(\) received an invalid combination of arguments",
+    r"unsupported operand type\(s\) for \+",
     _decorated_loss_error,
 )
 register_simple(
@@ -1399,13 +1428,14 @@ register_simple(
 register_simple(
     "save-ensemble-inside-a-tree",
     TypeError,
-    r"leaf `\['ens'\]` is an Ensemble .* Save it on its own \(fe.save\(path, obj\)",
+    r"leaf `\['ens'\]` is an Ensemble .* Put its .state_dict\(\) in the tree instead \(an "
+    r"ensemble or an EnsembleOptimizer can also be saved on its own: fe.save\(path, obj\)\)",
     lambda: fe.save("unused.safetensors", {"ens": ens(3), "step": 3}),
 )
 register_simple(
     "save-torch-optimizer-inside-a-tree",
     TypeError,
-    r"leaf `\['opt'\]` is an Adam .* put its .state_dict\(\) in the tree instead",
+    r"leaf `\['opt'\]` is an Adam .* Put its .state_dict\(\) in the tree instead",
     lambda: fe.save(
         "unused.safetensors", {"opt": torch.optim.Adam([torch.zeros(2, requires_grad=True)])}
     ),

@@ -541,6 +541,23 @@ def test_load_state_dict_with_assign_refuses_to_untie_tied_weights() -> None:
     assert ens.stacked.a.weight is ens.stacked.b.weight
     torch.testing.assert_close(ens.stacked.a.weight, state["stacked.a.weight"], rtol=0, atol=0)
     ens(torch.randn(2, 4))
+    # One submodule under two names is one slot: assign keeps it one, as torch does.
+    aliased = fe.Ensemble([_Aliased() for _ in range(3)])
+    state = {k: v.detach() + 1 for k, v in aliased.state_dict().items()}
+    aliased.load_state_dict(state, assign=True)
+    assert aliased.stacked.a is aliased.stacked.b
+    torch.testing.assert_close(aliased.stacked.a.weight, state["stacked.a.weight"])
+    aliased(torch.randn(2, 4))
+
+
+class _Aliased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = self.a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
 
 
 def test_load_state_dict_with_assign_takes_the_given_tensors_and_trains_as_the_loop() -> None:

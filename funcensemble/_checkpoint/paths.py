@@ -92,8 +92,8 @@ def flatten_by_key(
             elif isinstance(leaf, nn.Module) or hasattr(leaf, "state_dict"):
                 # An ensemble, a module or an optimizer inside the tree.
                 fix = (
-                    "Save it on its own (fe.save(path, obj) for an ensemble or an "
-                    "EnsembleOptimizer), or put its .state_dict() in the tree instead."
+                    "Put its .state_dict() in the tree instead (an ensemble or an "
+                    "EnsembleOptimizer can also be saved on its own: fe.save(path, obj))."
                 )
             else:
                 fix = "Convert it to one of those (e.g. float(x) or torch.as_tensor(x))."

@@ -16,10 +16,16 @@ from torch import nn
 
 def _signature(fn: Any) -> inspect.Signature | None:
     """``fn``'s own signature: not the one a ``functools.wraps`` decorator points to (it
-    may supply arguments itself), but the user's loss behind funcensemble's own wrapper
-    (``_signature_of``)."""
+    may supply arguments itself) unless it only passes everything on (``*args,
+    **kwargs``), and the user's loss behind funcensemble's own wrapper (``_signature_of``)."""
+    target = getattr(fn, "_signature_of", fn)
     try:
-        return inspect.signature(getattr(fn, "_signature_of", fn), follow_wrapped=False)
+        own = inspect.signature(target, follow_wrapped=False)
+        kinds = {p.kind for p in own.parameters.values()}
+        if kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+            # A pure pass-through (torch.compile's wrapper): the wrapped one decides.
+            return inspect.signature(target)
+        return own
     except (TypeError, ValueError):  # a builtin or an object without one
         return None
 

@@ -569,21 +569,23 @@ class Ensemble(nn.Module):
 
 
 def _refuse_untying(where: str, stacked: nn.Module) -> None:
-    """Refuse ``assign=True`` for members with tied tensors: torch gives each name its
-    own tensor, which unties them; the ensemble of tied members could not run after."""
-    names: dict[int, list[str]] = {}
-    tensors = [
-        *stacked.named_parameters(remove_duplicate=False),
-        *stacked.named_buffers(remove_duplicate=False),
-    ]
-    for name, t in tensors:
-        names.setdefault(id(t), []).append(name)
-    tied = next((n for n in names.values() if len(n) > 1), None)
+    """Refuse ``assign=True`` for members with tied tensors: torch gives each slot
+    (a module's parameter or buffer name) the tensor given for it, which unties one
+    tensor held in two slots; the ensemble of tied members could not run after. (One
+    submodule registered under two names is one slot: assign keeps it one.)"""
+    slots: dict[int, dict[tuple[int, str], str]] = {}
+    for path, module in stacked.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    full = f"{path}.{name}" if path else name
+                    slots.setdefault(id(t), {}).setdefault((id(module), name), full)
+    tied = next((list(s.values()) for s in slots.values() if len(s) > 1), None)
     if tied is not None:
         shown = " and ".join(f"`{n}`" for n in tied)
         raise ValueError(
-            f"{where}: assign=True would untie {shown}, one tensor under several names in "
-            "these members (torch's assign gives each name the tensor given for it, "
+            f"{where}: assign=True would untie {shown}, one tensor under several names "
+            "in these members (torch's assign gives each name the tensor given for it, "
             "which the ensemble of tied members cannot run; expected assign=False for "
             "tied weights). Load without assign=True: the values are copied into the "
             "tied tensor, which stays tied."

@@ -337,11 +337,13 @@ class FunctionalModule:
             # Inside fe.vmap: keep a copy of the tensors this forward will update,
             # put back if the call fails (see _rollback).
             save_before_update(_updated_in_place.by_forward(self.skeleton))
-        before = _forward_state.kept_tensors(self.skeleton) if inside else None
+        # The skeleton's modules, walked by the checks before and after the forward.
+        modules = list(self.skeleton.modules()) if inside else []
+        before = _forward_state.kept_tensors(modules) if inside else None
         # Containers only where no code of the caller's runs in the call after the
         # forward: a loss may read, in the same call, what a hook kept for it.
         containers = inside and _entry.forward_only()
-        in_containers = _escaped_tensors.snapshot(self.skeleton) if containers else {}
+        in_containers = _escaped_tensors.snapshot(modules) if containers else {}
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).
         given = {**params, **buffers}
@@ -392,10 +394,10 @@ class FunctionalModule:
             raise clear from error
         if before is not None:
             try:
-                _forward_state.check_kept(where, self.skeleton, before)
+                _forward_state.check_kept(where, self.skeleton, modules, before)
             finally:  # what the call left in containers goes too, whichever is refused
                 if containers:
-                    _escaped_tensors.check(where, self.skeleton, in_containers)
+                    _escaped_tensors.check(where, self.skeleton, modules, in_containers)
         _forward_state.carry_rebound(where, params, buffers, given, save_before_update)
         return out
 

@@ -311,31 +311,23 @@ def _shared_inputs(
 ) -> list[tuple[str, Tensor, int]]:
     """The tensors every member shares, with their version counters now: the tensor
     arguments not mapped, and the tensors inside other arguments (dicts, tuples,
-    lists) on which the argument's in_dims puts ``None``. (Compiled, the counters are
-    the traced ones, and ``_check_unchanged`` asserts on them in the graph.)"""
+    lists) on which the argument's in_dims puts ``None``."""
+    if torch.compiler.is_compiling():
+        return []
     out: list[tuple[str, Tensor, int]] = []
-    compiling = torch.compiler.is_compiling()
-
-    def checkable(t: Tensor) -> bool:
-        # An inference tensor (made under torch.inference_mode) keeps no version
-        # counter: it cannot be checked (documented in inputs.md). Dynamo cannot trace
-        # is_inference(); a compiled graph's inputs are not inference tensors. Compiled,
-        # a tensor batched by the caller's own vmap around the call has no traceable
-        # version counter (no batching rule): not checked either (inputs.md).
-        if compiling:
-            return not _torch_compat.is_batched(t)
-        return not t.is_inference()
 
     def add(what: str, a: Any, dim: Any, index: int) -> None:
         if isinstance(a, Tensor):
-            if dim is None and checkable(a):
+            if dim is None and not a.is_inference():
                 out.append((what, a, a._version))
             return
         if isinstance(dim, int) or isinstance(a, (str, int, float, bool)) or a is None:
             return  # mapped as a whole, or no tensor in it
         leaves, flat = _in_dims.leaf_dims(index, a, dim)
         for leaf, d in zip(leaves, flat, strict=True):
-            if d is None and isinstance(leaf, Tensor) and checkable(leaf):
+            # An inference tensor (made under torch.inference_mode) keeps no version
+            # counter: it cannot be checked (documented in inputs.md).
+            if d is None and isinstance(leaf, Tensor) and not leaf.is_inference():
                 out.append((f"a tensor inside {what}", leaf, leaf._version))
 
     for i, (a, d) in enumerate(zip(args, dims, strict=True)):
@@ -370,27 +362,16 @@ def _check_unchanged(shared: list[tuple[str, Tensor, int]], where: str) -> None:
     The loop's members modify it in turn, each seeing the changes of the members
     before it; here the one call modifies it once for all of them.
     """
-
-    def message(what: str, done: str) -> str:
-        return (
-            f"{where}: the function modified {what}, an input shared by all members, "
-            "in place (expected inputs left as they are: the loop's members would "
-            "each modify it in turn, every member seeing the changes of those before "
-            f"it, where one vectorized call modifies it once). {done} Clone it at the "
-            "start of forward (x = x.clone()), or avoid the in-place op (e.g. "
-            "nn.ReLU(inplace=False) on the input)."
-        )
-
     for what, tensor, version in shared:
-        if torch.compiler.is_compiling():
-            # An assert in the graph, on a CPU flag: raised when the compiled call
-            # runs (synchronously on every device), after the change, as eagerly.
-            torch._assert_async(
-                torch.tensor(tensor._version == version),
-                message(what, "The input has been modified once."),
+        if tensor._version != version:
+            raise ValueError(
+                f"{where}: the function modified {what}, an input shared by all members, "
+                "in place (expected inputs left as they are: the loop's members would "
+                "each modify it in turn, every member seeing the changes of those before "
+                "it, where one vectorized call modifies it once). The input has been "
+                "modified once. Clone it at the start of forward (x = x.clone()), or "
+                "avoid the in-place op (e.g. nn.ReLU(inplace=False) on the input)."
             )
-        elif tensor._version != version:
-            raise ValueError(message(what, "The input has been modified once."))
 
 
 def mapped_call(

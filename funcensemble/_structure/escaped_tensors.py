@@ -28,6 +28,7 @@ import dis
 import functools
 import itertools
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +39,7 @@ from .. import _torch_compat
 _CONTAINERS = (list, dict, set, collections.deque)
 _MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+_PLAIN = frozenset({int, float, str, bool, bytes, type(None)})  # skipped at once
 _SCANNED = 256  # entries looked at per container, the last ones: appends land there
 _DEPTH = 3
 
@@ -124,11 +126,11 @@ def _roots(sub: nn.Module, seen: set[int]) -> Iterator[tuple[str, Any]]:
 
 
 _USER_CLASSES: dict[type, bool] = {}
-# id(module) -> (how many attributes it had, the names beyond nn.Module's own): the set
-# difference costs more than the rest of a module's look. (A module freed and another
-# made at its address with as many attributes at worst goes unlooked at: never a
-# refusal.)
-_ATTRIBUTES: dict[int, tuple[int, tuple[str, ...]]] = {}
+# id(module) -> (the module, how many attributes it had, the names beyond nn.Module's
+# own): the set difference costs more than the rest of a module's look. The weak
+# reference tells a module made at a freed one's address (common: test modules come
+# and go) from the one the entry is for.
+_ATTRIBUTES: dict[int, tuple[weakref.ref, int, tuple[str, ...]]] = {}
 
 
 def _user_class(kind: type) -> bool:
@@ -140,23 +142,38 @@ def _user_class(kind: type) -> bool:
 
 def _user_attributes(sub: nn.Module, own: dict[str, Any]) -> tuple[str, ...]:
     known = _ATTRIBUTES.get(id(sub))
-    if known is None or known[0] != len(own):  # (an attribute added or deleted)
+    # (Another module at a freed one's address, or an attribute added or deleted.)
+    if known is None or known[0]() is not sub or known[1] != len(own):
         if len(_ATTRIBUTES) > 100_000:
             _ATTRIBUTES.clear()
-        known = _ATTRIBUTES[id(sub)] = (len(own), tuple(own.keys() - _MODULE_OWN))
-    return known[1]
+        known = (weakref.ref(sub), len(own), tuple(own.keys() - _MODULE_OWN))
+        _ATTRIBUTES[id(sub)] = known
+    return known[2]
 
 
 def _needs_a_look(sub: nn.Module, seen: set[int]) -> bool:
     """A quick test, run on every module at every call: whether ``_roots`` can find
-    anything (a container attribute, a hook, a user ``forward`` not yet looked at)."""
+    anything (a container attribute, a hook, a user ``forward`` not yet looked at).
+    Written out (no generators, no calls on the common path): it runs twice per
+    module per call."""
     if sub._forward_hooks or sub._forward_pre_hooks:
         return True
     kind = type(sub)
-    if _user_class(kind) and id(kind.forward) not in seen:
+    user = _USER_CLASSES.get(kind)
+    if user is None:
+        user = _USER_CLASSES[kind] = _from_user_code(kind)
+    if user and id(kind.forward) not in seen:
         return True
-    own = vars(sub)
-    return any(isinstance(own.get(name), _CONTAINERS) for name in _user_attributes(sub, own))
+    own = sub.__dict__
+    known = _ATTRIBUTES.get(id(sub))
+    if known is None or known[0]() is not sub or known[1] != len(own):
+        names = _user_attributes(sub, own)
+    else:
+        names = known[2]
+    for name in names:  # noqa: SIM110  (a loop: no generator on the common path)
+        if isinstance(own.get(name), _CONTAINERS):
+            return True
+    return False
 
 
 def _last(container: Any, everything: bool) -> Iterator[tuple[Any, Any]]:
@@ -174,6 +191,8 @@ def _last(container: Any, everything: bool) -> Iterator[tuple[Any, Any]]:
 def _wrapped(container: Any, everything: bool = False, depth: int = 0) -> Iterator[Any]:
     """``(container, key, tensor)`` of the wrapped tensors inside, nested ones too."""
     for key, value in _last(container, everything):
+        if type(value) in _PLAIN:
+            continue
         if isinstance(value, Tensor):
             if _torch_compat.is_wrapped(value):
                 yield container, key, value
@@ -197,12 +216,12 @@ def _in_tuple(value: tuple, depth: int) -> Iterator[Tensor]:
             yield from _in_tuple(v, depth + 1)
 
 
-def snapshot(skeleton: nn.Module) -> dict[int, Tensor]:
+def snapshot(modules: list[nn.Module]) -> dict[int, Tensor]:
     """The wrapped tensors already in the reachable containers before a call (an
     earlier call's, the caller's outer transform's): not this call's to refuse."""
     before: dict[int, Tensor] = {}
     seen: set[int] = set()
-    for sub in skeleton.modules():
+    for sub in modules:
         if _needs_a_look(sub, seen):
             for _, container in _roots(sub, seen):
                 for _, _, t in _wrapped(container):
@@ -221,7 +240,9 @@ def _remove(container: Any, key: Any) -> None:
                 del container[i]
 
 
-def check(where: str, skeleton: nn.Module, before: dict[int, Tensor]) -> None:
+def check(
+    where: str, skeleton: nn.Module, modules: list[nn.Module], before: dict[int, Tensor]
+) -> None:
     """Refuse (after removing them) tensors of this call left in reachable containers:
     wrapped at this call's level or deeper, and not there ``before`` it."""
     level = _torch_compat.vmap_level() or 0
@@ -231,7 +252,7 @@ def check(where: str, skeleton: nn.Module, before: dict[int, Tensor]) -> None:
 
     seen: set[int] = set()
     first = None
-    for sub in skeleton.modules():
+    for sub in modules:
         if not _needs_a_look(sub, seen):
             continue
         for what, container in _roots(sub, seen):

@@ -30,10 +30,11 @@ def _tables(module: nn.Module) -> list[tuple[dict | None, dict]]:
     return [(None, vars(module)), (module._buffers, module._buffers)]
 
 
-def kept_tensors(skeleton: nn.Module) -> Kept:
-    """The skeleton's tensor attributes and buffer slots, before a call."""
+def kept_tensors(modules: list[nn.Module]) -> Kept:
+    """The tensor attributes and buffer slots of the skeleton's ``modules``, before a
+    call."""
     out: Kept = {}
-    for sub in skeleton.modules():
+    for sub in modules:
         for table, values in _tables(sub):
             for name, value in values.items():
                 if isinstance(value, Tensor) or value is None:  # None: a slot to fill
@@ -41,12 +42,11 @@ def kept_tensors(skeleton: nn.Module) -> Kept:
     return out
 
 
-def check_kept(where: str, skeleton: nn.Module, before: Kept) -> None:
+def check_kept(where: str, skeleton: nn.Module, modules: list[nn.Module], before: Kept) -> None:
     """Refuse (after putting every one back) wrapped tensors the call left on the
-    skeleton's modules."""
-    names = {id(sub): path for path, sub in skeleton.named_modules(remove_duplicate=False)}
+    skeleton's ``modules``."""
     first = None
-    for sub in skeleton.modules():
+    for sub in modules:
         for table, values in _tables(sub):
             for name, value in list(values.items()):
                 if not isinstance(value, Tensor) or not _torch_compat.is_wrapped(value):
@@ -60,9 +60,11 @@ def check_kept(where: str, skeleton: nn.Module, before: Kept) -> None:
                 else:
                     values[name] = old[3]
                 if first is None:
-                    first = (f"{names.get(id(sub), '')}.{name}".lstrip("."), name)
+                    first = (sub, name)
     if first is not None:
-        path, name = first
+        sub, name = first
+        names = {id(m): p for p, m in skeleton.named_modules(remove_duplicate=False)}
+        path = f"{names.get(id(sub), '')}.{name}".lstrip(".")
         raise ValueError(
             f"{where}: the forward kept a tensor computed from a member's data on "
             f"the module, as `{path}` (self.{name} = ...), which one module "
