@@ -401,6 +401,18 @@ class _Saver:
         self.store["h"] = output
 
 
+SAVED: list = []
+
+
+class _SavesGlobally:
+    def __call__(self, module, inputs, output) -> None:
+        SAVED.append(output)
+
+
+class _InheritsItsCall(_SavesGlobally):
+    pass
+
+
 def test_containers_the_first_check_missed_are_refused_and_everything_is_cleaned():
     """Review of the container check: a tensor inside a tuple inside a tuple, and a
     forward hook that is a callable object (the ensemble runs a copy of it, whose dict
@@ -416,6 +428,12 @@ def test_containers_the_first_check_missed_are_refused_and_everything_is_cleaned
         m[1].register_forward_hook(_Saver())
     with pytest.raises(ValueError, match=r"left in `_Saver\.store`, used by its forward hook"):
         fe.Ensemble(saved)(x)
+    inherited = [_tanh_mlp() for _ in range(N)]
+    for m in inherited:
+        m[1].register_forward_hook(_InheritsItsCall())
+    with pytest.raises(ValueError, match=r"left in the module-level `SAVED`, used by its forward"):
+        fe.Ensemble(inherited)(x)
+    assert SAVED == []
     both = fe.Ensemble([_RootLogs() for _ in range(N)])
     with pytest.raises(ValueError, match=r"the forward kept a tensor|was left in attribute"):
         both(x)

@@ -86,7 +86,9 @@ def _captured(fn: Any) -> Iterator[tuple[str, Any]]:
     if not isinstance(fn, types.FunctionType):
         if hasattr(fn, "__dict__") and not isinstance(fn, nn.Module):  # a callable object
             yield from ((f"`{type(fn).__name__}.{k}`", v) for k, v in vars(fn).items())
-            call = vars(type(fn)).get("__call__")
+            call = next(
+                (vars(k)["__call__"] for k in type(fn).__mro__ if "__call__" in vars(k)), None
+            )
             if isinstance(call, types.FunctionType):
                 yield from _globals_used(call)
         return
