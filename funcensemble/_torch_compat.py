@@ -480,6 +480,11 @@ def compile_disabled(fn: Callable[..., Any], reason: str) -> Callable[..., Any]:
     return torch.compiler.disable(fn)
 
 
+def compiled_original(fn: Any) -> Any:
+    """The function ``torch.compile`` wrapped into ``fn``, or ``None`` if it did not."""
+    return getattr(fn, "_torchdynamo_orig_callable", None)
+
+
 def compiled_module(module: torch.nn.Module) -> str | None:
     """How ``module`` was compiled: ``"torch.compile"`` for the wrapper it returns (an
     ``OptimizedModule``), ``"Module.compile()"`` for a module compiled in place, a

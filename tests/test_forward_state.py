@@ -441,6 +441,71 @@ def test_containers_the_first_check_missed_are_refused_and_everything_is_cleaned
     copy.deepcopy(both)
 
 
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list = []
+
+
+class _MakesItsRecorder(nn.Module):
+    """Creates a submodule in its first forward and keeps what it computes on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        if not hasattr(self, "rec"):
+            self.rec = _Holder()
+        self.rec.log.append(out)
+        return out
+
+
+class _SwapsAnAttribute(nn.Module):
+    """Deletes one attribute and adds a list: as many attributes as before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.a = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        if hasattr(self, "a"):
+            del self.a
+            self.b: list = []
+        self.b.append(out)
+        return out
+
+
+def test_what_the_final_review_found_the_container_check_missing():
+    """The final review: a submodule made by the forward was not walked (the module list
+    was taken before the forward), an attribute deleted and another added kept the
+    cached names (their count unchanged), and a refusal removed earlier calls' tensors
+    past the window it had looked at before the call."""
+    x = torch.randn(5, 4)
+    for kind, where in ((_MakesItsRecorder, "`rec`"), (_SwapsAnAttribute, "attribute `b`")):
+        ens = fe.Ensemble([kind() for _ in range(N)])
+        with pytest.raises(ValueError, match=f"was left in .*{where}"):
+            ens(x)
+        copy.deepcopy(ens)  # nothing unreadable left behind
+
+    hooked = [_tanh_mlp() for _ in range(N)]
+    kept: list = []
+    for m in hooked:
+        m[1].register_forward_hook(lambda mod, inp, out: kept.append(out))
+    fmodel, params, buffers = fe.stack(hooked)
+    for _ in range(300):  # allowed: a loss reads them in its own call
+        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum() + kept[-1].sum())(
+            params, buffers, x
+        )
+    earlier = list(kept)
+    with pytest.raises(ValueError, match="used by its forward hook"):
+        fe.vmap(fmodel)(params, buffers, x)
+    assert len(kept) == 300 and all(a is b for a, b in zip(kept, earlier, strict=True))
+
+
 def test_a_shared_input_modified_in_place_is_refused_a_per_member_one_runs_as_the_loop():
     class AddsOne(nn.Module):
         def __init__(self) -> None:

@@ -13,19 +13,18 @@ from typing import Any
 
 from torch import nn
 
+from .. import _torch_compat
+
 
 def _signature(fn: Any) -> inspect.Signature | None:
     """``fn``'s own signature: not the one a ``functools.wraps`` decorator points to (it
-    may supply arguments itself) unless it only passes everything on (``*args,
-    **kwargs``), and the user's loss behind funcensemble's own wrapper (``_signature_of``)."""
+    may supply arguments itself) but torch.compile's (which passes everything on), and
+    the user's loss behind funcensemble's own wrapper (``_signature_of``)."""
     target = getattr(fn, "_signature_of", fn)
+    # torch.compile's wrapper passes everything on: the compiled function's decides.
+    target = _torch_compat.compiled_original(target) or target
     try:
-        own = inspect.signature(target, follow_wrapped=False)
-        kinds = {p.kind for p in own.parameters.values()}
-        if kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
-            # A pure pass-through (torch.compile's wrapper): the wrapped one decides.
-            return inspect.signature(target)
-        return own
+        return inspect.signature(target, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or an object without one
         return None
 

@@ -343,7 +343,7 @@ class FunctionalModule:
         # Containers only where no code of the caller's runs in the call after the
         # forward: a loss may read, in the same call, what a hook kept for it.
         containers = inside and _entry.forward_only()
-        in_containers = _escaped_tensors.snapshot(modules) if containers else {}
+        in_containers = _escaped_tensors.snapshot(modules) if containers else None
         # One dict of our own: functional_call writes back into it what the module holds
         # at the end, so re-assigned buffers show (see _forward_state).
         given = {**params, **buffers}
@@ -393,6 +393,8 @@ class FunctionalModule:
                 raise
             raise clear from error
         if before is not None:
+            # Listed again: the forward may have made or replaced submodules.
+            modules = list(self.skeleton.modules())
             try:
                 _forward_state.check_kept(where, self.skeleton, modules, before)
             finally:  # what the call left in containers goes too, whichever is refused

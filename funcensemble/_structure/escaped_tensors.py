@@ -107,7 +107,10 @@ def _roots(sub: nn.Module, seen: set[int]) -> Iterator[tuple[str, Any]]:
     """``(what it is in ``sub``, container)`` for every container a call can write into
     through ``sub`` (its own ``forward``'s globals once per ``forward`` in ``seen``)."""
     own = vars(sub)
-    for name in _user_attributes(sub, own):
+    names = _user_attributes(sub, own)
+    if any(name not in own for name in names):
+        names = _user_attributes(sub, own, fresh=True)
+    for name in names:
         value = own.get(name)
         if isinstance(value, _CONTAINERS):
             yield f"attribute `{name}`", value
@@ -142,10 +145,11 @@ def _user_class(kind: type) -> bool:
     return user
 
 
-def _user_attributes(sub: nn.Module, own: dict[str, Any]) -> tuple[str, ...]:
+def _user_attributes(sub: nn.Module, own: dict[str, Any], fresh: bool = False) -> tuple[str, ...]:
     known = _ATTRIBUTES.get(id(sub))
-    # (Another module at a freed one's address, or an attribute added or deleted.)
-    if known is None or known[0]() is not sub or known[1] != len(own):
+    # (Another module at a freed one's address, or an attribute added or deleted; with
+    # ``fresh``, one deleted and another added: a name gone.)
+    if fresh or known is None or known[0]() is not sub or known[1] != len(own):
         if len(_ATTRIBUTES) > 100_000:
             _ATTRIBUTES.clear()
         known = (weakref.ref(sub), len(own), tuple(own.keys() - _MODULE_OWN))
@@ -172,27 +176,32 @@ def _needs_a_look(sub: nn.Module, seen: set[int]) -> bool:
         names = _user_attributes(sub, own)
     else:
         names = known[2]
-    for name in names:  # noqa: SIM110  (a loop: no generator on the common path)
-        if isinstance(own.get(name), _CONTAINERS):
+    for name in names:
+        value = own.get(name, own)  # (own itself: the name is gone)
+        if value is own:  # one attribute deleted, another added: look at them afresh
+            names = _user_attributes(sub, own, fresh=True)
+            return any(isinstance(own.get(n), _CONTAINERS) for n in names)
+        if isinstance(value, _CONTAINERS):
             return True
     return False
 
 
-def _last(container: Any, everything: bool) -> Iterator[tuple[Any, Any]]:
-    """``(key, value)`` of the container's last ``_SCANNED`` entries (all of them with
-    ``everything``); the key is a dict's key, else the value itself."""
+def _last(container: Any, limit: int) -> Iterator[tuple[Any, Any]]:
+    """``(key, value)`` of the container's last ``limit`` entries; the key is a dict's
+    key, else the value itself."""
     if isinstance(container, dict):
         items: Any = reversed(container.items())
     elif isinstance(container, (list, collections.deque)):
         items = ((v, v) for v in reversed(container))
     else:
         items = ((v, v) for v in container)
-    return items if everything else itertools.islice(items, _SCANNED)
+    return itertools.islice(items, limit)
 
 
-def _wrapped(container: Any, everything: bool = False, depth: int = 0) -> Iterator[Any]:
-    """``(container, key, tensor)`` of the wrapped tensors inside, nested ones too."""
-    for key, value in _last(container, everything):
+def _wrapped(container: Any, limit: int = _SCANNED, depth: int = 0) -> Iterator[Any]:
+    """``(container, key, tensor)`` of the wrapped tensors in the container's last
+    ``limit`` entries, nested ones too (in their last ``_SCANNED``)."""
+    for key, value in _last(container, limit):
         if type(value) in _PLAIN:
             continue
         if isinstance(value, Tensor):
@@ -205,9 +214,9 @@ def _wrapped(container: Any, everything: bool = False, depth: int = 0) -> Iterat
                 yield container, key, t
             for v in value:
                 if isinstance(v, _CONTAINERS):
-                    yield from _wrapped(v, everything, depth + 1)
+                    yield from _wrapped(v, _SCANNED, depth + 1)
         elif depth < _DEPTH and isinstance(value, _CONTAINERS):
-            yield from _wrapped(value, everything, depth + 1)
+            yield from _wrapped(value, _SCANNED, depth + 1)
 
 
 def _in_tuple(value: tuple, depth: int) -> Iterator[Tensor]:
@@ -218,16 +227,29 @@ def _in_tuple(value: tuple, depth: int) -> Iterator[Tensor]:
             yield from _in_tuple(v, depth + 1)
 
 
-def snapshot(modules: list[nn.Module]) -> dict[int, Tensor]:
-    """The wrapped tensors already in the reachable containers before a call (an
-    earlier call's, the caller's outer transform's): not this call's to refuse."""
-    before: dict[int, Tensor] = {}
+class Before:
+    """What the reachable containers held before a call: the wrapped tensors in their
+    last ``_SCANNED`` entries (an earlier call's, the caller's outer transform's: not
+    this call's to refuse), and each container's size (what the call adds is looked
+    for past the last ``_SCANNED`` entries too, and nothing older is removed)."""
+
+    __slots__ = ("sizes", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, Tensor] = {}  # kept alive: their ids are not reused
+        self.sizes: dict[int, tuple[Any, int]] = {}
+
+
+def snapshot(modules: list[nn.Module]) -> Before:
+    """The wrapped tensors and sizes of the reachable containers before a call."""
+    before = Before()
     seen: set[int] = set()
     for sub in modules:
         if _needs_a_look(sub, seen):
             for _, container in _roots(sub, seen):
+                before.sizes[id(container)] = (container, len(container))
                 for _, _, t in _wrapped(container):
-                    before[id(t)] = t  # (kept alive: its id is not reused in the call)
+                    before.tensors[id(t)] = t
     return before
 
 
@@ -242,15 +264,21 @@ def _remove(container: Any, key: Any) -> None:
                 del container[i]
 
 
-def check(
-    where: str, skeleton: nn.Module, modules: list[nn.Module], before: dict[int, Tensor]
-) -> None:
+def check(where: str, skeleton: nn.Module, modules: list[nn.Module], before: Before) -> None:
     """Refuse (after removing them) tensors of this call left in reachable containers:
     wrapped at this call's level or deeper, and not there ``before`` it."""
     level = _torch_compat.vmap_level() or 0
 
     def new(t: Tensor) -> bool:
-        return id(t) not in before and (_torch_compat.wrapper_level(t) or 0) >= level
+        return id(t) not in before.tensors and (_torch_compat.wrapper_level(t) or 0) >= level
+
+    def added(container: Any) -> int:
+        """The last entries that can hold this call's tensors: the window looked at
+        before, and whatever the container grew by."""
+        found = before.sizes.get(id(container))
+        if found is None or found[0] is not container:
+            return len(container)  # a container made during the call: all of it
+        return _SCANNED + max(len(container) - found[1], 0)
 
     seen: set[int] = set()
     first = None
@@ -258,9 +286,10 @@ def check(
         if not _needs_a_look(sub, seen):
             continue
         for what, container in _roots(sub, seen):
-            if not any(new(t) for _, _, t in _wrapped(container)):
+            window = added(container)
+            if not any(new(t) for _, _, t in _wrapped(container, window)):
                 continue
-            for inner, key, _ in [f for f in _wrapped(container, everything=True) if new(f[2])]:
+            for inner, key, _ in [f for f in _wrapped(container, window) if new(f[2])]:
                 _remove(inner, key)
             if first is None:
                 first = (what, sub)
