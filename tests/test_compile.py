@@ -38,6 +38,7 @@ def run_check(face: str) -> None:
         "cumulative_batch_norm",
         "shared_input_in_place",
         "embedding_max_norm",
+        "container_under_compile",
     ],
 )
 def test_compiled_training_step_matches_eager(face):
