@@ -43,8 +43,6 @@ _PLAIN = frozenset({int, float, str, bool, bytes, type(None)})  # skipped at onc
 _SCANNED = 256  # entries looked at per container, the last ones: appends land there
 _DEPTH = 3
 
-Found = list[tuple[Any, Any, Tensor]]  # (container, key or element, the tensor)
-
 
 def _from_user_code(kind: type) -> bool:
     return not kind.__module__.startswith(("torch.", "funcensemble."))
@@ -107,13 +105,9 @@ def _roots(sub: nn.Module, seen: set[int]) -> Iterator[tuple[str, Any]]:
     """``(what it is in ``sub``, container)`` for every container a call can write into
     through ``sub`` (its own ``forward``'s globals once per ``forward`` in ``seen``)."""
     own = vars(sub)
-    names = _user_attributes(sub, own)
-    if any(name not in own for name in names):
-        names = _user_attributes(sub, own, fresh=True)
-    for name in names:
-        value = own.get(name)
-        if isinstance(value, _CONTAINERS):
-            yield f"attribute `{name}`", value
+    for name in _user_attributes(sub, own):
+        if isinstance(own[name], _CONTAINERS):
+            yield f"attribute `{name}`", own[name]
     if sub._forward_hooks or sub._forward_pre_hooks:
         for table in _HOOKS:
             kind = "forward pre-hook" if table == "_forward_pre_hooks" else "forward hook"
@@ -145,43 +139,35 @@ def _user_class(kind: type) -> bool:
     return user
 
 
-def _user_attributes(sub: nn.Module, own: dict[str, Any], fresh: bool = False) -> tuple[str, ...]:
+def _user_attributes(sub: nn.Module, own: dict[str, Any]) -> tuple[str, ...]:
+    """The names of ``sub``'s attributes beyond nn.Module's own (``own`` its dict)."""
     known = _ATTRIBUTES.get(id(sub))
-    # (Another module at a freed one's address, or an attribute added or deleted; with
-    # ``fresh``, one deleted and another added: a name gone.)
-    if fresh or known is None or known[0]() is not sub or known[1] != len(own):
-        if len(_ATTRIBUTES) > 100_000:
-            _ATTRIBUTES.clear()
-        known = (weakref.ref(sub), len(own), tuple(own.keys() - _MODULE_OWN))
-        _ATTRIBUTES[id(sub)] = known
-    return known[2]
+    # Kept while it is this module's (not one made at a freed one's address) and lists
+    # the attributes there are (none added or deleted, nor one deleted and another added).
+    if known is not None and known[0]() is sub and known[1] == len(own):
+        for name in known[2]:
+            if name not in own:
+                break
+        else:
+            return known[2]
+    if len(_ATTRIBUTES) > 100_000:
+        _ATTRIBUTES.clear()
+    names = tuple(own.keys() - _MODULE_OWN)
+    _ATTRIBUTES[id(sub)] = (weakref.ref(sub), len(own), names)
+    return names
 
 
 def _needs_a_look(sub: nn.Module, seen: set[int]) -> bool:
     """A quick test, run on every module at every call: whether ``_roots`` can find
-    anything (a container attribute, a hook, a user ``forward`` not yet looked at).
-    Written out (no generators, no calls on the common path): it runs twice per
-    module per call."""
+    anything (a container attribute, a hook, a user ``forward`` not yet looked at)."""
     if sub._forward_hooks or sub._forward_pre_hooks:
         return True
     kind = type(sub)
-    user = _USER_CLASSES.get(kind)
-    if user is None:
-        user = _USER_CLASSES[kind] = _from_user_code(kind)
-    if user and id(kind.forward) not in seen:
+    if _user_class(kind) and id(kind.forward) not in seen:
         return True
     own = sub.__dict__
-    known = _ATTRIBUTES.get(id(sub))
-    if known is None or known[0]() is not sub or known[1] != len(own):
-        names = _user_attributes(sub, own)
-    else:
-        names = known[2]
-    for name in names:
-        value = own.get(name, own)  # (own itself: the name is gone)
-        if value is own:  # one attribute deleted, another added: look at them afresh
-            names = _user_attributes(sub, own, fresh=True)
-            return any(isinstance(own.get(n), _CONTAINERS) for n in names)
-        if isinstance(value, _CONTAINERS):
+    for name in _user_attributes(sub, own):  # noqa: SIM110  (no generator: runs per module)
+        if isinstance(own[name], _CONTAINERS):
             return True
     return False
 
@@ -286,11 +272,11 @@ def check(where: str, skeleton: nn.Module, modules: list[nn.Module], before: Bef
         if not _needs_a_look(sub, seen):
             continue
         for what, container in _roots(sub, seen):
-            window = added(container)
-            if not any(new(t) for _, _, t in _wrapped(container, window)):
-                continue
-            for inner, key, _ in [f for f in _wrapped(container, window) if new(f[2])]:
+            found = [f for f in _wrapped(container, added(container)) if new(f[2])]
+            for inner, key, _ in found:
                 _remove(inner, key)
+            if not found:
+                continue
             if first is None:
                 first = (what, sub)
     if first is not None:
