@@ -95,6 +95,7 @@ from torch._functorch import pyfunctorch as _pyfunctorch
 from torch.nn.modules import module as module_mod
 from torch.nn.utils import parametrize as _parametrize
 from torch.utils import _pytree as _torch_pytree
+from torch.utils import checkpoint as _checkpoint
 
 
 def _require(owner: Any, name: str, where: str, since: str) -> Any:
@@ -521,6 +522,21 @@ def global_module_hooks() -> bool:
         or module_mod._global_forward_pre_hooks
         or module_mod._global_backward_hooks
         or module_mod._global_backward_pre_hooks
+    )
+
+
+_STOP_RECOMPUTATION = getattr(_checkpoint, "_StopRecomputationError", None)
+
+
+def ends_recomputation(kind: type[BaseException] | None) -> bool:
+    """Whether ``kind`` is ``torch.utils.checkpoint``'s signal that a non-reentrant
+    checkpoint's recomputation has what backward needs (its early stop): the forward is
+    cut short on purpose, and what it updated in place so far (BatchNorm's running
+    statistics) stays updated, as in the loop's own checkpointed modules."""
+    return (
+        _STOP_RECOMPUTATION is not None
+        and kind is not None
+        and issubclass(kind, _STOP_RECOMPUTATION)
     )
 
 

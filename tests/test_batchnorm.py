@@ -408,3 +408,41 @@ def test_one_value_per_channel_in_training_is_refused_in_one_members_sizes():
         ens(torch.randn(1, 3))
     assert str(ours.value).startswith(str(loop_error.value))  # [1, 3], not [1, 12]
     assert all(torch.equal(ens.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("face", ["module", "vmap", "hetero"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_updates_the_statistics_as_the_loop(face, reentrant):
+    """``torch.utils.checkpoint`` recomputes the forward during backward, and the loop's
+    BatchNorm updates its statistics again there. Non-reentrant checkpointing stops that
+    recomputation by raising once backward has what it needs: the statistics updated so
+    far stay updated (the rollback of a failed call must not take it for a failure)."""
+    from torch.utils.checkpoint import checkpoint
+
+    modules = [m.train() for m in members()]
+    if face == "hetero":  # two groups: one with another momentum
+        modules[1][1].momentum = 0.5
+    loop = copy.deepcopy(modules)
+    x = torch.randn(6, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    if face == "vmap":
+        fmodel, params, buffers = fe.stack(modules)
+        params = {k: v.detach().requires_grad_() for k, v in params.items()}
+        forward = fe.vmap(fmodel)
+        out = checkpoint(lambda p, x: forward(p, buffers, x), params, x, use_reentrant=reentrant)
+        state = lambda: buffers  # noqa: E731
+    else:
+        ens = fe.HeteroEnsemble(modules) if face == "hetero" else fe.Ensemble(modules)
+        out = checkpoint(ens, x, use_reentrant=reentrant)
+        state = lambda: dict(ens.stacked.named_buffers()) if face == "module" else None  # noqa: E731
+    out.pow(2).sum().backward()
+    for m in loop:
+        checkpoint(m, x, use_reentrant=reentrant).pow(2).sum().backward()
+    if face == "hetero":
+        for got, want in zip(ens.unstack(), loop, strict=True):
+            for (name, b), (_, w) in zip(got.named_buffers(), want.named_buffers(), strict=True):
+                torch.testing.assert_close(b, w, **TOL, msg=name)
+        return
+    for name, b in state().items():
+        want = torch.stack([dict(m.named_buffers())[name] for m in loop])
+        torch.testing.assert_close(b, want, **TOL, msg=name)
+    assert state()["1.num_batches_tracked"].tolist() == [2, 2, 2]

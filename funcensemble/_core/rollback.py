@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _torch_compat
+
 
 class _Transaction:
     __slots__ = ("buffers", "params", "rows", "saved")
@@ -69,9 +71,9 @@ class _Rollback:
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
         try:
-            if kind is not None:
+            if kind is not None and not _torch_compat.ends_recomputation(kind):
                 self.transaction.restore()
-            elif self.parent is not None:
+            elif self.parent is not None:  # (a checkpoint's early stop is no failure)
                 self.transaction.hand_to(self.parent)
         finally:
             _current.reset(self.token)

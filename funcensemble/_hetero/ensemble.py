@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import _torch_compat
 from .._checkpoint.state_dict_checks import check_groups_loadable
 from .._core import in_dims as _in_dims
 from .._core import wrapper_call
@@ -190,10 +191,11 @@ class HeteroEnsemble(nn.Module):
             # weight) is handed here when that group ends well, and put back too.
             with rollback_on_error({}):
                 yield
-        except BaseException:
-            with torch.no_grad():
-                for b, s in zip(buffers, saved, strict=True):
-                    b.copy_(s)
+        except BaseException as error:
+            if not _torch_compat.ends_recomputation(type(error)):  # (not a failure)
+                with torch.no_grad():
+                    for b, s in zip(buffers, saved, strict=True):
+                        b.copy_(s)
             raise
 
     def _dims(self, where: str, in_dims: InDims, args: tuple[Any, ...]) -> tuple[Any, ...]:

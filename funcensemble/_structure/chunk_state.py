@@ -41,6 +41,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .. import _torch_compat
 from .._core import turns as _turns
 from .attributes import TORCH_OWN
 from .same_value import EMPTY, SameValue, closure_values, reduced_state, slot_names
@@ -381,8 +382,9 @@ def chunked(where: str) -> Iterator[_Call]:
     try:
         yield call
         call.finish()
-    except BaseException:
-        call.put_back()
+    except BaseException as error:
+        if not _torch_compat.ends_recomputation(type(error)):  # (not a failure)
+            call.put_back()
         raise
     finally:
         _current.reset(token)
