@@ -567,3 +567,44 @@ def test_value_and_grad_inside_inference_mode_says_so():
         step(params, buffers, x)
     with torch.no_grad():
         assert step(params, buffers, x)[1]["weight"] is not None
+
+
+@pytest.mark.parametrize("arch", ["mlp", "linear", "layer_norm"])
+@pytest.mark.parametrize("face", ["ensemble", "vmap", "value_and_grad"])
+def test_an_ensemble_built_under_inference_mode_is_refused_in_training(arch, face):
+    """Its stacked tensors are inference tensors, which autograd cannot record: the
+    loop's modules raise at their first recorded forward (or, a lone Linear on an input
+    without history, give no gradient at all); the fast path's reshaped views gave only
+    the last weight a gradient, and EnsembleOptimizer trained that layer alone. Refused
+    before anything runs; under inference_mode or no_grad the call equals the loop."""
+    make = {
+        "mlp": lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)),
+        "linear": lambda: nn.Linear(3, 2),
+        "layer_norm": lambda: nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)),
+    }[arch]
+    torch.manual_seed(0)
+    x = torch.randn(5, 3)
+    with torch.inference_mode():
+        modules = [make() for _ in range(3)]
+        ens = fe.Ensemble(copy.deepcopy(modules))
+        fmodel, params, buffers = fe.stack(copy.deepcopy(modules))
+    if face == "ensemble":
+        call = lambda: ens(x)  # noqa: E731
+        before = {k: v.clone() for k, v in ens.state_dict().items()}
+    elif face == "vmap":
+        call = lambda: fe.vmap(fmodel)(params, buffers, x)  # noqa: E731
+    else:
+        step = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).pow(2).mean())
+        call = lambda: step(params, buffers, x)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"parameter `(0\.)?weight` is an inference tensor"):
+        call()
+    if face == "ensemble":
+        for k, v in ens.state_dict().items():
+            assert torch.equal(v, before[k]), k
+    if face == "value_and_grad":
+        return
+    with torch.no_grad():
+        want = torch.stack([m(x) for m in modules])
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            torch.testing.assert_close(call(), want)

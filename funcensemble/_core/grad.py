@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch_compat, _tree
+from .._kernels.fastpath import refuse_inference_tensors
 from .._structure import chunk_state as _chunk_state
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
@@ -121,6 +122,7 @@ def _autograd_step(
             "it outside the inference_mode block."
         )
     with torch.enable_grad():
+        refuse_inference_tensors(where, params)  # (before requires_grad_, torch's words)
         leaves = {k: v.detach().requires_grad_(k in trainable) for k, v in params.items()}
         out = mapped_loss(leaves, buffers, args, kwargs, dims)
         losses, aux = _split_aux(where, out, has_aux)

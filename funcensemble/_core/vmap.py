@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import _torch_compat, _tree
 from .._kernels.autocast_policy import CpuAutocastPolicy
-from .._kernels.fastpath import fast_call, meta_input_error
+from .._kernels.fastpath import fast_call, meta_input_error, refuse_inference_tensors
 from .._messages import positive_int
 from .._structure import chunk_state as _chunk_state
 from . import entry as _entry
@@ -405,6 +405,7 @@ def mapped_call(
                 return fast if torch.compiler.is_compiling() else not_saved(fast)
         if not torch.compiler.is_compiling():
             _refuse_meta_inputs(where, params, buffers, args, kwargs)
+            refuse_inference_tensors(where, params)
         # params and buffers (flat dicts of tensors, checked above us) go in as
         # positional tensors: torch.func.vmap's Python pytree walk of two dicts costs
         # more than a small ensemble's whole forward.

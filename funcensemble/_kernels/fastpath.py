@@ -219,6 +219,29 @@ def meta_input_error(where: str, what: str, device: torch.device) -> str:
     )
 
 
+def refuse_inference_tensors(where: str, params: dict[str, Tensor]) -> None:
+    """Refuse a call that records autograd history on parameters made under
+    ``torch.inference_mode()`` (an ensemble built there).
+
+    Autograd cannot record them: the loop's modules raise at their first such forward
+    ("cannot be saved for backward"), or give no gradient at all (one ``Linear`` on an
+    input without history), and the stacked views of the vectorized call would give
+    some of the parameters a gradient and not others.
+    """
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return
+    for name, t in params.items():
+        if isinstance(t, Tensor) and t.is_inference():
+            raise RuntimeError(
+                f"{where}: parameter `{name}` is an inference tensor (made under "
+                "torch.inference_mode(), as is every tensor of an ensemble built "
+                "there), which autograd cannot record (expected parameters made outside "
+                "inference_mode, got inference tensors in a call with grad enabled). "
+                "Run the call under torch.inference_mode() or torch.no_grad(), or build "
+                "the ensemble outside inference_mode to train it."
+            )
+
+
 def run(
     steps: Plan,
     params: dict[str, Tensor],
@@ -244,6 +267,7 @@ def run(
         raise RuntimeError(meta_input_error(where, "the input", first.device))
     if first.is_complex():
         return None  # our backward passes transpose without conjugating: general path
+    refuse_inference_tensors(where, {n: params[n] for step in steps for n in step[1:] if n})
     n = first.shape[0]
     if member_dim is not None:
         x = x.movedim(member_dim, 0)
