@@ -2069,3 +2069,26 @@ def test_compiled_members_are_refused_with_what_to_do(how, build) -> None:
     make = {"Ensemble": fe.Ensemble, "stack": fe.stack, "HeteroEnsemble": fe.HeteroEnsemble}
     with pytest.raises(ValueError, match=rf"member 1 has .* compiled with {re.escape(how)} "):
         make[build](members)
+
+
+@pytest.mark.parametrize("inner", ["Ensemble", "HeteroEnsemble"])
+@pytest.mark.parametrize("build", ["Ensemble", "stack", "HeteroEnsemble"])
+def test_an_ensemble_inside_a_member_is_refused_in_plain_words(inner, build):
+    """It was refused for a weak reference "in `fmodel._tensors['0.weight']`", with
+    advice to hold a plain reference that torch does not register."""
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            modules = [nn.Linear(2, 3) for _ in range(2)]
+            self.ens = getattr(fe, inner)(modules)
+
+        def forward(self, x):
+            return self.ens(x).mean(0)
+
+    with pytest.raises(
+        TypeError, match=rf"member 0 has an fe\.{inner} at submodule `ens`.*nn\.ModuleList"
+    ):
+        getattr(fe, build)([Heads(), Heads()])
+    with pytest.raises(TypeError, match=r"member 0 is an fe\.Ensemble .*ens\.concat"):
+        fe.Ensemble([fe.Ensemble([nn.Linear(2, 3)]) for _ in range(2)])

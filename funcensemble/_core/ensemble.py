@@ -122,6 +122,8 @@ class Ensemble(nn.Module):
         torch.Size([5, 32, 4])
     """
 
+    _is_funcensemble_ensemble = True  # refused as a member's submodule
+
     stacked: nn.Module
 
     def __init__(

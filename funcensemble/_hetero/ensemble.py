@@ -73,6 +73,8 @@ class HeteroEnsemble(nn.Module):
         torch.Size([4, 10, 4])
     """
 
+    _is_funcensemble_ensemble = True  # refused as a member's submodule
+
     groups: nn.ModuleList
 
     def __init__(

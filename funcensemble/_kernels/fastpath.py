@@ -228,7 +228,11 @@ def refuse_inference_tensors(where: str, params: dict[str, Tensor]) -> None:
     input without history), and the stacked views of the vectorized call would give
     some of the parameters a gradient and not others.
     """
-    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+    if (
+        torch.compiler.is_compiling()  # (Dynamo traces neither query; eager refuses)
+        or not torch.is_grad_enabled()
+        or torch.is_inference_mode_enabled()
+    ):
         return
     for name, t in params.items():
         if isinstance(t, Tensor) and t.is_inference():

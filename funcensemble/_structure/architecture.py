@@ -88,6 +88,16 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
         )
     _check_no_cycle(where, index, module)
     for name, sub in module.named_modules():
+        if getattr(type(sub), "_is_funcensemble_ensemble", False):
+            kind = f"an fe.{type(sub).__name__}"
+            raise TypeError(
+                f"{where}: member {index} "
+                + (f"has {kind} at {submodule(name)} " if name else f"is {kind} ")
+                + "(expected members made of ordinary modules, got an ensemble: a member's "
+                "ensemble would be vectorized a second time, which funcensemble does not "
+                "do). Keep that member's modules in an nn.ModuleList inside it (its "
+                "forward looping over them), or join ensembles with ens.concat(...)."
+            )
         if isinstance(sub, _UNBATCHABLE):
             raise TypeError(
                 f"{where}: member {index} contains {type(sub).__name__} at {submodule(name)}. "
