@@ -85,6 +85,7 @@ import functools
 import importlib
 import inspect
 import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -399,31 +400,44 @@ previous value yourself in a ``finally``."""
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _lone_storage_count() -> int | None:
-    """What ``_storage_Use_Count`` reports for a tensor no other tensor shares, or None
-    where it does not count one reference per sharing tensor (torch 2.6 leaves the Python
+def _storage_counts(t: Tensor) -> tuple[int, int]:
+    """What holds ``t``'s storage: ``_storage_Use_Count`` (one per tensor sharing it)
+    and the Python references to its storage object (``out.untyped_storage()`` or
+    ``out.storage()`` kept by someone, which the use count does not tell apart)."""
+    storage = t.untyped_storage()
+    return _use_count(storage._cdata), sys.getrefcount(storage)  # type: ignore[misc]
+
+
+def _lone_storage_counts() -> tuple[int, int] | None:
+    """``_storage_counts`` of a tensor nothing else holds, or None where the use count
+    does not count one reference per sharing tensor (torch 2.6 leaves the Python
     storage object out of the count; 2.7 and later count it once)."""
     if _use_count is None:
         return None
     t = torch.empty(1)
-    lone = _use_count(t.untyped_storage()._cdata)
+    lone = _storage_counts(t)
     view = t.view(1)
-    shared = _use_count(t.untyped_storage()._cdata)
+    shared = _storage_counts(t)
     del view
-    if shared != lone + 1 or _use_count(t.untyped_storage()._cdata) != lone:
+    storage = t.untyped_storage()
+    held = _storage_counts(t)
+    del storage
+    if shared[0] != lone[0] + 1 or held[1] <= lone[1] or _storage_counts(t) != lone:
         return None
     return lone
 
 
-_LONE_STORAGE_COUNT = _lone_storage_count()
+_LONE_STORAGE_COUNTS = _lone_storage_counts()
 
 
 def storage_held_elsewhere(t: Tensor) -> bool:
-    """Whether any tensor but ``t`` itself (a view, an alias, a tensor autograd saved)
-    shares ``t``'s storage; ``True`` where torch cannot tell."""
-    if _LONE_STORAGE_COUNT is None:
+    """Whether anything but ``t`` itself (a view, an alias, a tensor autograd saved, a
+    storage object someone keeps) holds ``t``'s storage; ``True`` where torch cannot
+    tell."""
+    if _LONE_STORAGE_COUNTS is None:
         return True
-    return _use_count(t.untyped_storage()._cdata) > _LONE_STORAGE_COUNT
+    uses, refs = _storage_counts(t)
+    return uses > _LONE_STORAGE_COUNTS[0] or refs > _LONE_STORAGE_COUNTS[1]
 
 
 def ops_observed() -> bool:

@@ -2,6 +2,7 @@
 equals the loop, and never overwrites a tensor anyone still holds."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -164,6 +165,30 @@ def test_held_outputs_and_graphs_are_never_overwritten(every_buffer_kept):
     for k in held:
         torch.testing.assert_close(held[k], copies[k], rtol=0, atol=0)
     assert every_buffer_kept["reused"] > 0
+
+
+@pytest.mark.parametrize("holder", ["untyped_storage", "storage"])
+def test_an_output_held_through_its_storage_object_is_never_overwritten(holder):
+    """An output held only through its storage object (``out.untyped_storage()``, the
+    deprecated ``out.storage()``) was handed out again by the next call: the use count
+    of a storage counts its Python object once whether anyone holds it or not."""
+    members = [
+        nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1), nn.Tanh()).double()
+        for _ in range(3)
+    ]
+    ens = fe.Ensemble(members)
+    x = torch.randn(16, 4, dtype=torch.float64)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated
+        out = ens(x)
+        kept, offset, shape = out.clone(), out.storage_offset(), out.shape
+        storage = getattr(out, holder)()
+        del out
+        ens(2 * x)
+        held = torch.empty(0, dtype=torch.float64).set_(
+            storage.untyped() if holder == "storage" else storage, offset, shape
+        )
+    torch.testing.assert_close(held, kept, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
