@@ -95,6 +95,7 @@ from torch import Tensor
 from torch._functorch import pyfunctorch as _pyfunctorch
 from torch.nn.modules import module as module_mod
 from torch.nn.utils import parametrize as _parametrize
+from torch.utils import _python_dispatch
 from torch.utils import _pytree as _torch_pytree
 from torch.utils import checkpoint as _checkpoint
 
@@ -447,6 +448,25 @@ def ops_observed() -> bool:
     ``FlopCounterMode``). Work done outside torch's ops, such as NumPy's kernels on a
     tensor's memory, would be invisible to it: a traced graph would leave it out."""
     return _function_mode_on() or _dispatch_modes() > 0 or torch.jit.is_tracing()
+
+
+def _modes() -> list[Any]:
+    """The torch function and dispatch modes active in this thread."""
+    modes: list[Any] = []
+    if _function_mode_on():
+        modes += torch.overrides._get_current_function_mode_stack()
+    if _dispatch_modes() > 0:
+        modes += _python_dispatch._get_current_dispatch_mode_stack()
+    return modes
+
+
+def foreign_mode_active() -> bool:
+    """Whether a torch function or dispatch mode defined outside torch is active in this
+    thread: a user's mode may change what an op computes (fake quantization, an adapter
+    written as a mode), so it must see the ops each member's own modules call. torch's
+    own modes (``with torch.device(...)``, ``make_fx``'s tracer, ``FakeTensorMode``,
+    ``FlopCounterMode``) record or count the ops as they compute."""
+    return any(type(m).__module__.partition(".")[0] != "torch" for m in _modes())
 
 
 def forward_ad_active() -> bool:

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcensemble as fe
 from funcensemble._kernels import fastpath as _fastpath
@@ -556,3 +557,106 @@ def test_linear_without_input_features_runs_as_the_loop():
     fmodel, params, buffers = fe.stack(members)
     assert torch.equal(fe.Ensemble(members)(x), want)
     assert torch.equal(fe.vmap(fmodel)(params, buffers, x), want)
+
+
+class _LinearPlusOne(torch.overrides.TorchFunctionMode):
+    """A user's function mode changing what an op computes (as fake quantization does)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out + 1 if func is torch.nn.functional.linear else out
+
+
+class _TanhTimesTwo(TorchDispatchMode):
+    """A user's dispatch mode changing what an aten op computes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.ops.aten.tanh.default else out
+
+
+@pytest.mark.parametrize("mode", [_LinearPlusOne, _TanhTimesTwo])
+@pytest.mark.parametrize("face", ["ensemble", "vmap", "value_and_grad"])
+def test_a_users_mode_sees_what_the_members_modules_call(mode, face, spy):
+    """The fast path ran addmm/baddbmm/tanh_ on the stacked weights, which a user's
+    mode keyed on F.linear or aten.tanh never saw: 2.11 and 0.65 off the loop under
+    the mode, no error. A mode defined outside torch sends the call to the general
+    path, where it sees each member's own ops; torch's own modes do not."""
+    torch.manual_seed(0)
+    modules = [mlp(nn.Tanh()) for _ in range(3)]
+    x = torch.randn(4, 5, dtype=torch.float64)
+    fmodel, params, buffers = fe.stack(copy.deepcopy(modules))
+    ens = fe.Ensemble(copy.deepcopy(modules))
+    loss = lambda p, b, x: fmodel(p, b, x).pow(2).mean()  # noqa: E731
+    with mode():
+        want = torch.stack([m(x) for m in modules])
+        if face == "ensemble":
+            got = ens(x)
+        elif face == "vmap":
+            got = fe.vmap(fmodel)(params, buffers, x)
+        else:
+            _, grads, _ = fe.value_and_grad(loss)(params, buffers, x)
+            for m in modules:
+                m(x).pow(2).mean().backward()
+    assert spy and not any(spy)
+    if face != "value_and_grad":
+        torch.testing.assert_close(got, want, **TOL)
+        return
+    for name, g in grads.items():
+        expected = torch.stack([dict(m.named_parameters())[name].grad for m in modules])
+        torch.testing.assert_close(g, expected, **TOL)
+
+
+def test_torch_own_modes_keep_the_fast_path(spy):
+    ens = fe.Ensemble([mlp(nn.Tanh()) for _ in range(2)])
+    with torch.device("cpu"):  # a function mode of torch's own
+        ens(torch.randn(4, 5, dtype=torch.float64))
+    assert spy == [True]
+
+
+def test_a_wrapper_of_module_call_is_honoured(monkeypatch, spy):
+    """A class-wide wrapper of nn.Module.__call__ (a profiler's, a logger's) was
+    bypassed by the fast path, which calls no module (0.65 off the loop)."""
+    original = nn.Module.__call__
+
+    def call(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return out * 2 if isinstance(self, nn.Tanh) else out
+
+    torch.manual_seed(0)
+    modules = [mlp(nn.Tanh()) for _ in range(3)]
+    ens = fe.Ensemble(copy.deepcopy(modules))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    monkeypatch.setattr(nn.Module, "__call__", call)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in modules]), **TOL)
+    assert not any(spy)
+
+
+_PATCHED_BEFORE_IMPORT = """
+import copy, torch
+from torch import nn
+nn.Tanh.forward = lambda self, x: torch.tanh(x) * 2  # before funcensemble is imported
+import funcensemble as fe
+torch.manual_seed(0)
+members = [nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double() for _ in range(3)]
+x = torch.randn(5, 4, dtype=torch.float64)
+got = fe.Ensemble(copy.deepcopy(members))(x)
+torch.testing.assert_close(got, torch.stack([m(x) for m in members]), rtol=1e-12, atol=1e-12)
+print("ok")
+"""
+
+
+def test_a_forward_replaced_before_import_is_called():
+    """The fast path took the forward each class had when funcensemble was imported for
+    torch's own: a patch made before the import was skipped (0.65 off the loop)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _PATCHED_BEFORE_IMPORT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

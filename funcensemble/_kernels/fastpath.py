@@ -38,12 +38,27 @@ _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
 # A step is (module, weight name, bias name) for a Linear, or (module, None, None).
 Plan = list[tuple[nn.Module, str | None, str | None]]
 
+
+def _torch_own(fn: Any, module: str) -> bool:
+    """Whether ``fn`` is the function torch defines in ``module`` (not a replacement
+    made before funcensemble was imported, which an identity check at import would
+    take for torch's)."""
+    return getattr(fn, "__module__", None) == module
+
+
 # The forward of each class the fast path runs without calling it, as torch defines it:
-# a class whose forward was replaced (nn.Linear.forward = ..., a patch in a notebook)
-# runs on the general path, which calls it.
+# a class whose forward was replaced (nn.Linear.forward = ..., a patch in a notebook,
+# before or after this import) runs on the general path, which calls it.
 _TORCH_FORWARD = {
-    kind: kind.forward for kind in (nn.Sequential, nn.Linear, nn.Dropout, *_ELEMENTWISE)
+    kind: kind.forward
+    for kind in (nn.Sequential, nn.Linear, nn.Dropout, *_ELEMENTWISE)
+    if _torch_own(kind.forward, kind.__module__)
 }
+# How a module is called, as torch defines it: a wrapper of nn.Module.__call__ (a
+# profiler's or logger's, class-wide) is bypassed by the fast path, which calls no
+# module: such calls take the general path, which calls each module.
+_MODULE_CALLS = (nn.Module.__call__, nn.Module._call_impl)
+_CALLS_ARE_TORCH_OWN = all(_torch_own(f, nn.Module.__module__) for f in _MODULE_CALLS)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -81,7 +96,12 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
         # and ad-hoc patches do) is not the class's: the general path calls it.
         return False
     kind = type(module)
-    if _TORCH_FORWARD.get(kind) is not kind.forward:
+    if (
+        _TORCH_FORWARD.get(kind) is not kind.forward
+        or kind.__call__ is not _MODULE_CALLS[0]
+        or kind._call_impl is not _MODULE_CALLS[1]
+        or not _CALLS_ARE_TORCH_OWN
+    ):
         return False
     if kind is nn.Sequential:
         # Sequential.forward runs _modules in order, repeats included (named_children
@@ -259,6 +279,8 @@ def run(
     """
     if _torch_compat.global_module_hooks() or x.dim() < 1 or x.shape[-1] == 0:
         return None  # (no input features: rows cannot be told apart in a reshape)
+    if not torch.compiler.is_compiling() and _torch_compat.foreign_mode_active():
+        return None  # a user's mode sees the members' own ops on the general path
     # Autocast casts the operands of the plain ops (addmm, baddbmm, bmm) as it casts
     # the loop's F.linear, but not those of an op writing into out= or of the compiled
     # MLP op: under it only the plain-op chain runs.
