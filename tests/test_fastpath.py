@@ -660,3 +660,40 @@ def test_a_forward_replaced_before_import_is_called():
         check=False,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "act", [nn.Tanh(), nn.ReLU(), nn.GELU(), nn.Softplus(2.0, 10.0)], ids=lambda m: type(m).__name__
+)
+# (torch loads its forward-AD decompositions with the deprecated torch.jit.script)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("face", ["ensemble", "vmap"])
+def test_forward_mode_tangents_equal_the_loop(act, face):
+    """torch.func.jvp over the input and forward-AD duals of the parameters give each
+    member's own tangent (the forward-mode rules of the fast path's ops)."""
+    torch.manual_seed(0)
+    modules = [mlp(act) for _ in range(3)]
+    x, t = torch.randn(2, 4, 5, dtype=torch.float64), torch.randn(2, 4, 5, dtype=torch.float64)
+    fmodel, params, buffers = fe.stack(copy.deepcopy(modules))
+    ens = fe.Ensemble(copy.deepcopy(modules))
+    call = ens if face == "ensemble" else (lambda x: fe.vmap(fmodel)(params, buffers, x))
+    out, tangent = torch.func.jvp(call, (x,), (t,))
+    for i, m in enumerate(modules):
+        want, want_tangent = torch.func.jvp(m, (x,), (t,))
+        torch.testing.assert_close(out[i], want, **TOL)
+        torch.testing.assert_close(tangent[i], want_tangent, **TOL)
+    # The parameters' tangents: one direction per parameter, as duals.
+    directions = {k: torch.randn_like(v) for k, v in params.items()}
+    with torch.autograd.forward_ad.dual_level():
+        duals = {
+            k: torch.autograd.forward_ad.make_dual(v, directions[k]) for k, v in params.items()
+        }
+        got = torch.autograd.forward_ad.unpack_dual(fe.vmap(fmodel)(duals, buffers, x)).tangent
+    for i, m in enumerate(modules):
+        one = {k: v[i] for k, v in params.items()}
+        _, want_tangent = torch.func.jvp(
+            lambda p, m=m: torch.func.functional_call(m, p, (x,)),
+            (one,),
+            ({k: d[i] for k, d in directions.items()},),
+        )
+        torch.testing.assert_close(got[i], want_tangent, **TOL)
