@@ -451,6 +451,35 @@ def second_derivatives() -> None:
     torch.testing.assert_close(torch.compile(hessian)(params), hessian(params))
 
 
+def forward_mode() -> None:
+    """compile.md: a compiled fe.vmap given a dual tensor returns its output without a
+    tangent (as torch's own compiled vmap of functional_call does), and the compiled
+    module face stops asking for a jvp; eagerly each member's tangent comes back."""
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double() for _ in range(2)
+    ]
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+    params = {k: v.detach() for k, v in params.items()}
+    x, v = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    compiled = torch.compile(lambda p, x: fe.vmap(fmodel)(p, buffers, x))
+    ens = fe.Ensemble(copy.deepcopy(members))
+    with fwad.dual_level():
+        got = fwad.unpack_dual(compiled(params, fwad.make_dual(x, v)))
+        eager = fwad.unpack_dual(fe.vmap(fmodel)(params, buffers, fwad.make_dual(x, v)))
+        want = torch.stack([fwad.unpack_dual(m(fwad.make_dual(x, v))).tangent for m in members])
+        assert got.tangent is None, "a compiled call now carries the tangent: update compile.md"
+        torch.testing.assert_close(eager.tangent, want)
+        try:
+            torch.compile(ens)(fwad.make_dual(x, v))
+        except Exception as error:
+            assert "jvp" in str(error), str(error)[-2000:]
+        else:
+            raise AssertionError("the compiled module face ran on a dual tensor")
+
+
 def partition() -> None:
     """compile.md's in-place step with param groups: fe.optim.partition of AdamW groups
     (its rollback copies, which Dynamo cannot trace, are left out of the graph)."""
@@ -866,6 +895,7 @@ if __name__ == "__main__":
         "pure_refused": pure_step_refused,
         "randomness_limits": randomness_limits,
         "second_derivatives": second_derivatives,
+        "forward_mode": forward_mode,
         "module": module_face_training_step,
         "mlp": mlp_training_step,
         "functional_mlp": functional_mlp_training_step,

@@ -39,6 +39,7 @@ def run_check(face: str) -> None:
         "shared_input_in_place",
         "embedding_max_norm",
         "container_under_compile",
+        "forward_mode",
     ],
 )
 def test_compiled_training_step_matches_eager(face):
