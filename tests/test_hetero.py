@@ -1068,3 +1068,23 @@ def test_optimizer_state_loads_into_another_member_order_as_hetero_md_says(tmp_p
         strict=True,
     ):
         assert torch.equal(got, want)
+
+
+def test_a_loss_written_without_fmodel_says_what_it_is_given():
+    """It got Python's bare "loss_fn() takes 4 positional arguments but 5 were given"
+    (the call named twice before it)."""
+    hens = fe.HeteroEnsemble(
+        [nn.Linear(3, 1), nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))]
+    )
+
+    def loss_fn(params, buffers, x, y):
+        return params["weight"].sum()
+
+    step = hens.value_and_grad(loss_fn)
+    with pytest.raises(
+        TypeError,
+        match=r"^HeteroEnsemble\.value_and_grad: in group 0 \(members \[0\]\): the function is "
+        r"called for each member as loss_fn\(fmodel, params, buffers, \*inputs.*"
+        r"def loss_fn\(fmodel, params, buffers, x, y\)",
+    ):
+        step(hens.stacked_params(), hens.stacked_buffers(), torch.randn(4, 3), torch.randn(4, 1))

@@ -58,25 +58,33 @@ def refuse_an_ensemble(where: str, name: str, fn: Any, *, with_fmodel: bool = Fa
 
 
 def arguments_error(
-    where: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    where: str,
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    leading: tuple[str, ...] = ("params", "buffers"),
 ) -> TypeError | None:
     """A clear ``TypeError`` if ``fn(params, buffers, *args, **kwargs)`` (or, for a
     ``FunctionalModule``, the members' ``forward(*args, **kwargs)``) cannot be called
-    with these arguments; ``None`` if it can (the error came from inside it)."""
+    with these arguments; ``None`` if it can (the error came from inside it).
+    ``leading``: what ``fn`` is given before the inputs (a ``HeteroEnsemble``'s loss
+    takes its member's ``fmodel`` first)."""
     signature = _signature(fn)
     if signature is None:
         return None
     try:
-        signature.bind(None, None, *args, **kwargs)
+        signature.bind(*[None] * len(leading), *args, **kwargs)
     except TypeError as why:
         name = getattr(fn, "__name__", type(fn).__name__)
+        first = ", ".join(leading)
+        given = ", ".join(leading[:-1]) + f" and {leading[-1]}"
+        count = {2: "two", 3: "three"}.get(len(leading), str(len(leading)))
         return TypeError(
-            f"{where}: the function is called for each member as {name}(params, buffers, "
-            f"*inputs, **kwargs), here with params, buffers and {_inputs(args, kwargs)}, "
-            f"which its signature {signature} cannot take (expected its first two "
-            f"parameters to take one member's params and buffers, then the inputs; got: "
-            f"{why}). "
-            "Define it as e.g. def loss_fn(params, buffers, x, y), calling "
+            f"{where}: the function is called for each member as {name}({first}, "
+            f"*inputs, **kwargs), here with {first} and {_inputs(args, kwargs)}, "
+            f"which its signature {signature} cannot take (expected its first {count} "
+            f"parameters to take one member's {given}, then the inputs; got: {why}). "
+            f"Define it as e.g. def loss_fn({first}, x, y), calling "
             "fmodel(params, buffers, x) inside."
         )
     skeleton = getattr(fn, "skeleton", None)

@@ -4,7 +4,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core import in_dims as _in_dims
-from .._core.call_arguments import refuse_an_ensemble
+from .._core.call_arguments import arguments_error, refuse_an_ensemble
 from .._core.grad import _trainable, _value_and_grad, any_marked
 from .._core.in_dims import InDims
 from .._core.rollback import rollback_on_error
@@ -12,6 +12,7 @@ from .._core.stack import check_state_dicts
 from . import group_errors
 from .grouping import regroup
 
+_LEADING = ("fmodel", "params", "buffers")  # what loss_fn is given before the inputs
 _LOSS_FIX = (
     "Every member's loss (and aux) is stacked in member order: return one shape and "
     "dtype from every member (e.g. cast with .to(torch.float64), or pad the aux)."
@@ -35,7 +36,13 @@ def grouped_value_and_grad(
         fmodel = ens.fmodel
 
         def group_loss(p: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
-            return loss_fn(fmodel, p, b, *args, **kwargs)
+            try:
+                return loss_fn(fmodel, p, b, *args, **kwargs)
+            except TypeError as error:  # (a loss written without fmodel: say so)
+                unfit = arguments_error(where, loss_fn, args, kwargs, _LEADING)
+                if unfit is None:
+                    raise
+                raise unfit.with_traceback(error.__traceback__) from None
 
         return _value_and_grad(
             where,

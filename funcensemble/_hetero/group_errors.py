@@ -30,5 +30,6 @@ def naming(where: str, g: int, members: Sequence[int], groups: int) -> Iterator[
         prefix = f"{where}: in group {g} (members {list(members)}): "
         message = error.args[0] if len(error.args) == 1 else None
         if groups > 1 and isinstance(message, str) and not message.startswith(prefix):
-            error.args = (prefix + message,)
+            # (A message naming the same call already: the call is named once.)
+            error.args = (prefix + message.removeprefix(f"{where}: "),)
         raise
