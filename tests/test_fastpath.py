@@ -1,6 +1,7 @@
 """The direct baddbmm path for plain MLPs equals the vmap path and the loop."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -614,14 +615,19 @@ def test_torch_own_modes_keep_the_fast_path(spy):
     assert spy == [True]
 
 
-def test_a_wrapper_of_module_call_is_honoured(monkeypatch, spy):
+@pytest.mark.parametrize("wraps", [False, True])
+def test_a_wrapper_of_module_call_is_honoured(monkeypatch, spy, wraps):
     """A class-wide wrapper of nn.Module.__call__ (a profiler's, a logger's) was
-    bypassed by the fast path, which calls no module (0.65 off the loop)."""
+    bypassed by the fast path, which calls no module (0.65 off the loop); one dressed
+    with functools.wraps (torch's module name, torch's qualname) too."""
     original = nn.Module.__call__
 
     def call(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         return out * 2 if isinstance(self, nn.Tanh) else out
+
+    if wraps:
+        call = functools.wraps(original)(call)
 
     torch.manual_seed(0)
     modules = [mlp(nn.Tanh()) for _ in range(3)]
@@ -697,3 +703,65 @@ def test_forward_mode_tangents_equal_the_loop(act, face):
             ({k: d[i] for k, d in directions.items()},),
         )
         torch.testing.assert_close(got[i], want_tangent, **TOL)
+
+
+@pytest.mark.parametrize(
+    ("where", "name", "replacement"),
+    [
+        (torch.nn.functional, "linear", lambda x, w, b=None: torch.addmm(b, x, w.t()) + 1),
+        (torch, "tanh", lambda x: x.clamp(-0.5, 0.5)),
+    ],
+)
+def test_a_replaced_function_the_members_forwards_call_is_called(
+    monkeypatch, spy, where, name, replacement
+):
+    """The loop's Linear.forward looks F.linear up at each call (Tanh.forward,
+    torch.tanh): one replaced changed what the loop computes, not what the fast
+    path computed (2.10 off)."""
+    torch.manual_seed(0)
+    modules = [mlp(nn.Tanh()) for _ in range(3)]
+    ens = fe.Ensemble(copy.deepcopy(modules))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    monkeypatch.setattr(where, name, replacement)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in modules]), **TOL)
+    assert not any(spy)
+
+
+def test_torch_own_tracers_keep_the_fast_path(spy):
+    """torch.export wraps nn.Module.__call__ with torch's own code while it traces: the
+    fast path stays (a check of the wrapper's identity sent it to the general path,
+    whose exported graph held vmap's internals)."""
+    ens = fe.Ensemble([mlp(nn.Tanh()) for _ in range(2)])
+    x = torch.randn(4, 5, dtype=torch.float64)
+    program = torch.export.export(ens, (x,))
+    targets = [str(node.target) for node in program.graph.nodes]
+    assert any("mlp_forward" in t for t in targets), targets
+    assert not any("add_batch_dim" in t for t in targets), targets
+    torch.testing.assert_close(program.module()(x), ens(x), **TOL)
+
+
+@pytest.mark.parametrize("face", ["ensemble", "vmap", "value_and_grad"])
+def test_frozen_parameters_made_under_inference_mode_run_as_the_loop(face):
+    """Frozen (requires_grad=False) inference tensors record nothing: a frozen feature
+    extractor built under inference_mode runs in another model's training step, as
+    the loop's does; only those autograd would record are refused."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        modules = [mlp(nn.Tanh()) for _ in range(3)]
+        ens = fe.Ensemble(copy.deepcopy(modules))
+        fmodel, params, buffers = fe.stack(copy.deepcopy(modules))
+    ens.requires_grad_(False)
+    params = {
+        k: v.requires_grad_(False) if face == "vmap" or k.startswith("0.") else v
+        for k, v in params.items()
+    }
+    x = torch.randn(4, 5, dtype=torch.float64)
+    with torch.no_grad():
+        want = torch.stack([m(x) for m in modules])
+    if face == "ensemble":
+        torch.testing.assert_close(ens(x), want, **TOL)
+    elif face == "vmap":
+        torch.testing.assert_close(fe.vmap(fmodel)(params, buffers, x), want, **TOL)
+    else:  # the first layer frozen, the rest trainable: refused, naming a trainable one
+        with pytest.raises(RuntimeError, match=r"parameter `2\.0\.weight` is an inference tensor"):
+            fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(params, buffers, x)

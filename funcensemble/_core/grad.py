@@ -122,7 +122,8 @@ def _autograd_step(
             "it outside the inference_mode block."
         )
     with torch.enable_grad():
-        refuse_inference_tensors(where, params)  # (before requires_grad_, torch's words)
+        # (Before requires_grad_, whose refusal is torch's words.)
+        refuse_inference_tensors(where, params, recorded=trainable)
         leaves = {k: v.detach().requires_grad_(k in trainable) for k, v in params.items()}
         out = mapped_loss(leaves, buffers, args, kwargs, dims)
         losses, aux = _split_aux(where, out, has_aux)

@@ -8,7 +8,9 @@ does not recognise exactly (subclasses, hooks, parametrizations, dropout in trai
 mode, other layers) returns ``None`` and the caller takes the general ``vmap`` path.
 """
 
-from collections.abc import Callable
+import os
+import types
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -39,11 +41,17 @@ _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
 Plan = list[tuple[nn.Module, str | None, str | None]]
 
 
-def _torch_own(fn: Any, module: str) -> bool:
-    """Whether ``fn`` is the function torch defines in ``module`` (not a replacement
-    made before funcensemble was imported, which an identity check at import would
-    take for torch's)."""
-    return getattr(fn, "__module__", None) == module
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _torch_own(fn: Any) -> bool:
+    """Whether ``fn`` is torch's own: a builtin, or Python code in torch's files (a
+    user's replacement, even one made before funcensemble was imported or dressed with
+    ``functools.wraps``, runs code of the user's; torch's tracers patch with torch's)."""
+    if isinstance(fn, types.BuiltinFunctionType):
+        return True
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.startswith(_TORCH_DIR)
 
 
 # The forward of each class the fast path runs without calling it, as torch defines it:
@@ -52,13 +60,40 @@ def _torch_own(fn: Any, module: str) -> bool:
 _TORCH_FORWARD = {
     kind: kind.forward
     for kind in (nn.Sequential, nn.Linear, nn.Dropout, *_ELEMENTWISE)
-    if _torch_own(kind.forward, kind.__module__)
+    if _torch_own(kind.forward)
 }
 # How a module is called, as torch defines it: a wrapper of nn.Module.__call__ (a
 # profiler's or logger's, class-wide) is bypassed by the fast path, which calls no
-# module: such calls take the general path, which calls each module.
+# module: such calls take the general path, which calls each module. torch's own
+# tracers (symbolic tracing, make_fx, export) wrap it with code of torch's.
 _MODULE_CALLS = (nn.Module.__call__, nn.Module._call_impl)
-_CALLS_ARE_TORCH_OWN = all(_torch_own(f, nn.Module.__module__) for f in _MODULE_CALLS)
+
+
+def _calls_are_torch_own(kind: type) -> bool:
+    return (kind.__call__ is _MODULE_CALLS[0] or _torch_own(kind.__call__)) and (
+        kind._call_impl is _MODULE_CALLS[1] or _torch_own(kind._call_impl)
+    )
+
+
+# The functions torch's forwards of those classes call, looked up at each call: one
+# replaced (F.linear = ..., torch.tanh = ...) changes what the loop's modules compute.
+_CALLED = (
+    (F, ("linear", "relu", "silu", "mish", "gelu", "leaky_relu", "elu", "softplus", "dropout")),
+    (torch, ("tanh", "sigmoid", "relu", "relu_")),
+)
+_CALLED_AT_IMPORT = [getattr(where, name) for where, names in _CALLED for name in names]
+_CALLED_ARE_TORCH_OWN = all(_torch_own(f) for f in _CALLED_AT_IMPORT)
+
+
+def _called_unchanged() -> bool:
+    """Whether every function the plain MLP's forwards call is torch's, as at import."""
+    k = 0
+    for where, names in _CALLED:
+        for name in names:
+            if getattr(where, name) is not _CALLED_AT_IMPORT[k]:
+                return False
+            k += 1
+    return _CALLED_ARE_TORCH_OWN
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -96,12 +131,7 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
         # and ad-hoc patches do) is not the class's: the general path calls it.
         return False
     kind = type(module)
-    if (
-        _TORCH_FORWARD.get(kind) is not kind.forward
-        or kind.__call__ is not _MODULE_CALLS[0]
-        or kind._call_impl is not _MODULE_CALLS[1]
-        or not _CALLS_ARE_TORCH_OWN
-    ):
+    if _TORCH_FORWARD.get(kind) is not kind.forward or not _calls_are_torch_own(kind):
         return False
     if kind is nn.Sequential:
         # Sequential.forward runs _modules in order, repeats included (named_children
@@ -132,7 +162,11 @@ def plan(skeleton: nn.Module) -> Plan | None:
     replaced; checking for those costs what planning does.
     """
     steps: Plan = []
-    if not _visit(skeleton, "", steps) or not any(w for _, w, _ in steps):
+    if (
+        not _visit(skeleton, "", steps)
+        or not any(w for _, w, _ in steps)
+        or not _called_unchanged()
+    ):
         return None
     return steps
 
@@ -239,14 +273,17 @@ def meta_input_error(where: str, what: str, device: torch.device) -> str:
     )
 
 
-def refuse_inference_tensors(where: str, params: dict[str, Tensor]) -> None:
+def refuse_inference_tensors(
+    where: str, params: dict[str, Tensor], *, recorded: Collection[str] | None = None
+) -> None:
     """Refuse a call that records autograd history on parameters made under
     ``torch.inference_mode()`` (an ensemble built there).
 
     Autograd cannot record them: the loop's modules raise at their first such forward
     ("cannot be saved for backward"), or give no gradient at all (one ``Linear`` on an
     input without history), and the stacked views of the vectorized call would give
-    some of the parameters a gradient and not others.
+    some of the parameters a gradient and not others. ``recorded``: the names autograd
+    records (by default those requiring grad).
     """
     if (
         torch.compiler.is_compiling()  # (Dynamo traces neither query; eager refuses)
@@ -255,7 +292,11 @@ def refuse_inference_tensors(where: str, params: dict[str, Tensor]) -> None:
     ):
         return
     for name, t in params.items():
-        if isinstance(t, Tensor) and t.is_inference():
+        # Those autograd records: by default the ones requiring grad (a frozen one
+        # records nothing: the loop runs it, or raises where backward would need it
+        # saved, as torch does here too).
+        records = t.requires_grad if recorded is None else name in recorded
+        if isinstance(t, Tensor) and records and t.is_inference():
             raise RuntimeError(
                 f"{where}: parameter `{name}` is an inference tensor (made under "
                 "torch.inference_mode(), as is every tensor of an ensemble built "

@@ -60,6 +60,21 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[PyTree, Any]]
     update_inplace: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]] | None = None
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a transform (such as fe.optim.adam(...)) cannot be pickled (expected "
+            "tensors or an optimizer's state, got the transform: it is made of the "
+            "functions its call built, which pickle cannot carry). Build it again in "
+            "the other process from the same arguments (lr, betas, ...); its state "
+            "pickles, as fe.save and torch.save of an optimizer's state_dict() do."
+        )
+
+    def __copy__(self) -> "GradientTransformation":
+        return self  # (its functions hold no state of their own: nothing to copy)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "GradientTransformation":
+        return self
+
     def update_(self, grads: StackedTree, state: Any, params: StackedTree) -> Any:
         """Step ``params`` in place; return the new state.
 
