@@ -733,7 +733,7 @@ def test_torch_own_tracers_keep_the_fast_path(spy):
     whose exported graph held vmap's internals)."""
     ens = fe.Ensemble([mlp(nn.Tanh()) for _ in range(2)])
     x = torch.randn(4, 5, dtype=torch.float64)
-    program = torch.export.export(ens, (x,))
+    program = torch.export.export(ens, (x,), strict=False)  # (strict is Dynamo)
     targets = [str(node.target) for node in program.graph.nodes]
     assert any("mlp_forward" in t for t in targets), targets
     assert not any("add_batch_dim" in t for t in targets), targets
