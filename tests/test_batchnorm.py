@@ -446,3 +446,21 @@ def test_activation_checkpointing_updates_the_statistics_as_the_loop(face, reent
         want = torch.stack([dict(m.named_buffers())[name] for m in loop])
         torch.testing.assert_close(b, want, **TOL, msg=name)
     assert state()["1.num_batches_tracked"].tolist() == [2, 2, 2]
+
+
+def test_statistics_updated_under_a_vmap_of_your_own_name_the_buffer_not_only_an_input():
+    """A torch.func.vmap of the user's around fe.vmap of train-mode BatchNorm members
+    with momentum=None and different counts: the in-place update of the statistics,
+    shared by the outer vmap's entries, was blamed on a shared input changed in place
+    (nn.Dropout(inplace=True)), which the forward does not have."""
+    members = cumulative_members(3, "different", torch.float64)
+    fmodel, params, buffers = fe.stack(members)
+    before = copy.deepcopy(buffers)
+    xs = torch.randn(2, 6, 3, 6, 6, dtype=torch.float64)
+    with pytest.raises(
+        RuntimeError,
+        match=r"one of the vmap levels around it does not batch.*BatchNorm's running statistics",
+    ):
+        torch.func.vmap(lambda x: fe.vmap(fmodel)(params, buffers, x))(xs)
+    for name, buf in buffers.items():
+        assert torch.equal(buf, before[name]), name

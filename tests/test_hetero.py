@@ -1088,3 +1088,32 @@ def test_a_loss_written_without_fmodel_says_what_it_is_given():
         r"def loss_fn\(fmodel, params, buffers, x, y\)",
     ):
         step(hens.stacked_params(), hens.stacked_buffers(), torch.randn(4, 3), torch.randn(4, 1))
+
+
+def test_an_optimizer_file_loads_into_groups_of_the_same_order_only(tmp_path):
+    """hetero.md: the optimizer state records no grouping; it loads into groups of the
+    same sizes and architectures in the same group order (members interleaved
+    otherwise included), and groups met in another order are refused by their shapes."""
+    torch.manual_seed(0)
+    narrow = [nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)) for _ in range(2)]
+    wide = [nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)) for _ in range(2)]
+    hens = fe.HeteroEnsemble([narrow[0], wide[0], narrow[1], wide[1]])
+    opt = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=0.01))
+    opt.zero_grad()
+    hens(torch.randn(5, 4)).pow(2).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "opt.safetensors", opt)
+    for order, loads in (
+        ([narrow[0], narrow[1], wide[0], wide[1]], True),
+        ([wide[0], narrow[0], wide[1], narrow[1]], False),
+    ):
+        other = fe.HeteroEnsemble(copy.deepcopy(order))
+        other_opt = fe.optim.EnsembleOptimizer(other, other.optimizer(fe.optim.adam, lr=0.01))
+        before = copy.deepcopy(other_opt.state)
+        if loads:
+            fe.load(tmp_path / "opt.safetensors", other_opt)
+            assert_trees_close(other_opt.state, opt.state, rtol=0, atol=0)
+            continue
+        with pytest.raises(ValueError, match="shape"):
+            fe.load(tmp_path / "opt.safetensors", other_opt)
+        assert_trees_close(other_opt.state, before, rtol=0, atol=0)

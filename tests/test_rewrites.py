@@ -264,3 +264,9 @@ def test_attention_under_autocast_is_refused():
     with torch.autocast("cpu", dtype=torch.bfloat16), refused:
         ens(x, x, x)
     ens(x, x, x)  # without autocast, as before
+    # training.md: "and the transformer layers holding it"
+    layers = [nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True) for _ in range(2)]
+    encoder = fe.Ensemble(layers)
+    with torch.autocast("cpu", dtype=torch.bfloat16), refused:
+        encoder(x)
+    encoder(x)

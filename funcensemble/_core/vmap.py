@@ -180,6 +180,22 @@ def _explain(error: RuntimeError | ValueError, randomness: str, where: str) -> E
             "F.gaussian_nll_loss, write the loss out as the how-to page 'Regression: predicted "
             "variances and the mixture' does). Torch's message: " + message.splitlines()[0]
         )
+    if "inplace arithmetic(self, *extra_args) is not possible" in message and (
+        _torch_compat.inside_transform()
+    ):
+        return RuntimeError(
+            f"{where}: forward changes in place a tensor that one of the vmap levels "
+            "around it does not batch (expected in-place changes of tensors batched at "
+            "every level, got one shared at some level): inside a torch.func transform of "
+            "your own, a buffer the forward updates, such as BatchNorm's running "
+            "statistics in train mode, is shared by that transform's batch entries "
+            "(torch.func.vmap refuses that for one plain module too); an input shared by "
+            "all members and changed in place (nn.Dropout(inplace=True) on it) is shared "
+            "by the members. Call the members in eval mode inside your transform, or call "
+            "the ensemble once per entry of your batch; clone a shared input at the start "
+            "of forward. Torch's "
+            "message: " + message.splitlines()[0]
+        )
     if "inplace arithmetic(self, *extra_args) is not possible" in message:
         return RuntimeError(
             f"{where}: forward changes in place a tensor that all members share (an "
