@@ -480,6 +480,32 @@ def forward_mode() -> None:
             raise AssertionError("the compiled module face ran on a dual tensor")
 
 
+def user_mode() -> None:
+    """speed.md: under torch.compile a torch function mode of the user's does not see
+    the members' F.linear (the compiled MLP op runs in its place): the compiled call
+    computes what it computes without the mode; eagerly the mode sees each member's."""
+
+    class PlusOne(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out + 1 if func is F.linear else out
+
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double() for _ in range(3)
+    ]
+    ens = fe.Ensemble(copy.deepcopy(members))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    plain = ens(x)
+    compiled = torch.compile(ens, backend="eager")
+    with PlusOne():
+        want = torch.stack([m(x) for m in members])
+        torch.testing.assert_close(ens(x), want)  # eagerly: the general path
+        got = compiled(x)
+    assert (want - plain).abs().max() > 0.5
+    torch.testing.assert_close(got, plain)
+
+
 def partition() -> None:
     """compile.md's in-place step with param groups: fe.optim.partition of AdamW groups
     (its rollback copies, which Dynamo cannot trace, are left out of the graph)."""
@@ -896,6 +922,7 @@ if __name__ == "__main__":
         "randomness_limits": randomness_limits,
         "second_derivatives": second_derivatives,
         "forward_mode": forward_mode,
+        "user_mode": user_mode,
         "module": module_face_training_step,
         "mlp": mlp_training_step,
         "functional_mlp": functional_mlp_training_step,

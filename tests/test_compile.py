@@ -40,6 +40,7 @@ def run_check(face: str) -> None:
         "embedding_max_norm",
         "container_under_compile",
         "forward_mode",
+        "user_mode",
     ],
 )
 def test_compiled_training_step_matches_eager(face):
