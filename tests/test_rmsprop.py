@@ -258,3 +258,39 @@ def test_steps_bit_for_bit_as_torch_rmsprop_given_the_same_gradients(dtype, kwar
             assert torch.equal(
                 ours, torch.stack([o.state[p][field] for o, p in zip(opts, loop, strict=True)])
             )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("per_member_momentum", [False, True])
+def test_per_member_rates_with_momentum_step_bit_for_bit_as_torch_rmsprop(
+    dtype, per_member_momentum
+):
+    """A per-member lr with momentum added buf * -lr (rounded) to the parameter, where
+    torch's param.add_(buf, alpha=-lr) rounds once: 1 ulp on 5% of the elements after a
+    step, up to 1.4e-6 of the total update after 1,000 float32 steps, where torch's
+    flavours agree exactly. A member with momentum 0 steps along g / avg, as torch's."""
+    torch.manual_seed(0)
+    n, width = 4, 512
+    start, c = torch.randn(n, width, dtype=dtype), torch.randn(n, width, dtype=dtype)
+    lrs = torch.tensor([1e-3, 3e-3, 1e-2, 3e-4])
+    momentum = torch.tensor([0.9, 0.0, 0.3, 0.8]) if per_member_momentum else 0.9
+
+    def grad_of(p: torch.Tensor, ci: torch.Tensor) -> torch.Tensor:
+        return p * p * p - ci * p + 0.1 * ci
+
+    loop = [start[i].clone().requires_grad_() for i in range(n)]
+    opts = [
+        torch.optim.RMSprop(
+            [p], lr=float(lrs[i]), momentum=float(momentum[i]) if per_member_momentum else momentum
+        )
+        for i, p in enumerate(loop)
+    ]
+    opt = fe.optim.rmsprop(lr=lrs, momentum=momentum)
+    params = {"w": start.clone()}
+    state = opt.init(params)
+    for _ in range(300):
+        for i, p in enumerate(loop):
+            p.grad = grad_of(p.detach(), c[i])
+            opts[i].step()
+        state = opt.update_({"w": grad_of(params["w"], c)}, state, params)
+    assert torch.equal(params["w"], torch.stack([p.detach() for p in loop]))

@@ -177,10 +177,20 @@ def _rmsprop_direction(
                     # leaves its buffer as it was (its momentum may come back).
                     still = m == 0
                     moved = _plain(g, avg, neg, None)
-                    out[i] = torch.where(still, moved, b if neg is None else b * neg)
-                    if apply:
-                        ps[i].add_(out[i])
+                    if apply and neg is not None:
+                        # The moving members' param.add_(buf, alpha=-lr), one rounding.
+                        stepped = (
+                            ps[i].addcmul(b, neg)
+                            if isinstance(neg, Tensor)
+                            else ps[i].add(b, alpha=neg)
+                        )
+                        ps[i].copy_(torch.where(still, ps[i] + moved, stepped))
                         out[i] = None
+                    else:
+                        out[i] = torch.where(still, moved, b if neg is None else b * neg)
+                        if apply:
+                            ps[i].add_(out[i])
+                            out[i] = None
                     b = torch.where(still, bufs[i], b)
                 elif neg is None:
                     out[i] = b
@@ -226,7 +236,7 @@ def _plain(g: Tensor, avg: Tensor, neg: float | Tensor | None, param: Tensor | N
 def _add_scaled_(param: Tensor, buf: Tensor, neg: float | Tensor) -> None:
     """``param += -lr * buf`` as torch.optim does it, ``param.add_(buf, alpha=-lr)``."""
     if isinstance(neg, Tensor):
-        param.add_(buf * neg)
+        param.addcmul_(buf, neg)  # (one rounding, as add_'s alpha: not buf * neg, then add)
     else:
         param.add_(buf, alpha=neg)
 
