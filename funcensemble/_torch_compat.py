@@ -465,8 +465,12 @@ def foreign_mode_active() -> bool:
     thread: a user's mode may change what an op computes (fake quantization, an adapter
     written as a mode), so it must see the ops each member's own modules call. torch's
     own modes (``with torch.device(...)``, ``make_fx``'s tracer, ``FakeTensorMode``,
-    ``FlopCounterMode``) record or count the ops as they compute."""
-    return any(type(m).__module__.partition(".")[0] != "torch" for m in _modes())
+    ``FlopCounterMode``) record or count the ops as they compute, and funcensemble's own
+    (its rewrites under ``vmap``, CPU autocast's policy) compute what the loop does."""
+    return any(type(m).__module__.partition(".")[0] not in _OWN_MODES for m in _modes())
+
+
+_OWN_MODES = ("torch", __name__.partition(".")[0])
 
 
 def forward_ad_active() -> bool:

@@ -436,9 +436,11 @@ def test_a_forward_set_on_the_instance_is_honoured(rows):
 
 
 @pytest.mark.parametrize("rows", [6, 600])  # plain ops, and where kept buffers would run
-def test_autocast_runs_the_mlp_as_the_loop_does(rows):
+def test_autocast_runs_the_mlp_as_the_loop_does(rows, spy):
     """Under ``torch.autocast`` the MLP's layers run in the autocast dtype, bit for bit
-    the loop's, whatever the size (the out= kept buffers would not be cast)."""
+    the loop's, whatever the size (the out= kept buffers would not be cast), on the
+    fast path: funcensemble's own autocast mode is not a user's mode (value_and_grad
+    took the general path under it)."""
     torch.manual_seed(0)
     members = [nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3)) for _ in range(4)]
     x = torch.randn(rows, 16)
@@ -449,6 +451,8 @@ def test_autocast_runs_the_mlp_as_the_loop_does(rows):
         for out in (ens(x), fe.vmap(fmodel)(params, buffers, x)):
             assert out.dtype == want.dtype == torch.bfloat16
             torch.testing.assert_close(out, want, rtol=0, atol=0)
+        fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).float().pow(2).mean())(params, buffers, x)
+    assert spy == [True, True, True]
 
 
 def test_autocast_outside_the_mlp_chain_computes_in_the_autocast_dtype():

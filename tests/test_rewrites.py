@@ -256,6 +256,123 @@ def test_autocast_convolutions_and_norms_compute_in_the_loops_dtypes(kind, dtype
     torch.testing.assert_close(ens.stacked[0].weight.grad, loop_grad, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"affine": True},
+        {"affine": True, "track_running_stats": True},
+        {"track_running_stats": True},
+    ],
+    ids=["affine", "affine-tracked", "tracked"],
+)
+def test_instance_norm_under_autocast_computes_in_the_loops_dtypes(kwargs, train):
+    """InstanceNorm with a float32 weight after a bfloat16 convolution: vmap's rule
+    promoted it to float32 (216 of 216 elements off, 3.3e-2 of 3.8), or, keeping running
+    statistics, raised torch's "expected scalar type BFloat16 but found Float" where the
+    loop runs; its kernel computes in float32 and rounds once, as here now."""
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Conv1d(4, 4, 1), nn.InstanceNorm1d(4, **kwargs)).train(train)
+        for _ in range(3)
+    ]
+    for m in members:
+        if m[1].weight is not None:
+            with torch.no_grad():
+                m[1].weight.uniform_(0.5, 3.0)
+                m[1].bias.uniform_(-1.0, 1.0)
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    x = torch.randn(6, 4, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.stack([m(x) for m in loop])
+        got = ens(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    for name, b in ens.stacked_buffers().items():
+        assert torch.equal(b, stacked_state(loop)[1][name]), name
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "x"),
+    [
+        (
+            "batch_norm",
+            lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+            torch.randn(6, 4),
+        ),
+        (
+            "layer_norm",
+            lambda: nn.Sequential(nn.BatchNorm1d(4), nn.LayerNorm(4)),
+            torch.randn(6, 4),
+        ),
+        (
+            "embedding",
+            lambda: nn.Sequential(nn.Embedding(5, 4), nn.ReLU()),
+            torch.tensor([0, 1, 4]),
+        ),
+        ("relu", lambda: nn.Sequential(nn.BatchNorm1d(4), nn.ReLU()), torch.randn(6, 4)),
+    ],
+)
+@pytest.mark.parametrize("train", [True, False])
+def test_a_replaced_function_runs_once_per_call_as_in_the_loop(monkeypatch, name, make, x, train):
+    """A user's replacement of F.batch_norm (F.layer_norm, F.embedding, F.relu, ...):
+    torch's own function hands a torch function mode the function under its own name,
+    the replacement, which our modes under vmap then called again (exactly +1.0 off
+    with a replacement adding 1; the replacement ran 2-3 times where the loop's ran
+    once). The modes run the torch function it replaced."""
+    torch.manual_seed(0)
+    members = [make().double().train(train) for _ in range(3)]
+    loop = copy.deepcopy(members)
+    ens = fe.Ensemble(members)
+    calls = []
+    original = getattr(F, name)
+
+    def replacement(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs) + 1.0
+
+    monkeypatch.setattr(F, name, replacement)
+    x = x.double() if x.is_floating_point() else x
+    want = torch.stack([m(x) for m in loop])
+    in_loop = len(calls)
+    got = ens(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(calls) - in_loop == in_loop // len(loop)  # once per call of the layer
+    for k, b in ens.stacked_buffers().items():
+        torch.testing.assert_close(b, stacked_state(loop)[1][k], rtol=1e-12, atol=1e-12)
+
+
+_REPLACED_BEFORE_IMPORT = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+original = F.batch_norm
+F.batch_norm = lambda *a, **k: original(*a, **k) + 1.0  # before funcensemble is imported
+import funcensemble as fe
+ens = fe.Ensemble([nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(2)])
+before = {k: v.clone() for k, v in ens.state_dict().items()}
+try:
+    ens(torch.randn(6, 4))
+except RuntimeError as error:
+    assert "functional.batch_norm was replaced before funcensemble" in str(error), error
+    assert all(torch.equal(v, before[k]) for k, v in ens.state_dict().items())
+    print("refused")
+"""
+
+
+def test_a_function_replaced_before_import_is_refused_under_the_modes():
+    """Its torch original is gone by the time funcensemble is imported: the replacement
+    would run twice; refused, naming it, with nothing changed."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _REPLACED_BEFORE_IMPORT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "refused", done.stderr[-2000:]
+
+
 def test_attention_under_autocast_is_refused():
     members = [nn.MultiheadAttention(8, 2, batch_first=True) for _ in range(2)]
     ens = fe.Ensemble(members)
@@ -270,3 +387,76 @@ def test_attention_under_autocast_is_refused():
     with torch.autocast("cpu", dtype=torch.bfloat16), refused:
         encoder(x)
     encoder(x)
+
+
+class _NormTimesTwo(torch.overrides.TorchFunctionMode):
+    """A user's function mode changing what F.layer_norm and F.batch_norm return."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2.0 if func in (F.layer_norm, F.batch_norm) else out
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+def test_norms_computed_as_elementary_ops_under_a_users_mode_are_refused(norm):
+    """Inside a grad transform LayerNorm (and BatchNorm without kept statistics) run as
+    elementary ops, which a user's mode saw instead of the F.layer_norm call the loop
+    makes (input gradients 4.18 off, of 5.86): refused. Without a grad transform the
+    mode sees F.layer_norm itself, as in the loop."""
+    layer = nn.LayerNorm(4) if norm == "layer" else nn.BatchNorm1d(4, track_running_stats=False)
+    torch.manual_seed(0)
+    members = [
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), copy.deepcopy(layer), nn.Linear(4, 1)).double()
+        for _ in range(3)
+    ]
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def input_grad(p, b, x):
+        return torch.func.grad(lambda xx: fmodel(p, b, xx).pow(2).sum())(x)
+
+    with _NormTimesTwo():
+        with pytest.raises(RuntimeError, match=rf"computes F\.{norm}_norm as elementary ops"):
+            fe.vmap(input_grad)(params, buffers, x)
+        got = fe.vmap(fmodel)(params, buffers, x)
+        want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_users_dispatch_mode_sees_the_ops_vmap_runs():
+    """unsupported.md: a dispatch mode of the user's sees vmap's aten ops for all members
+    (layer_norm with per-member weights runs without them, then their product): one
+    that observes works, one that changes values computes something else."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class LayerNormTimesTwo(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return (
+                (out[0] * 2, *out[1:]) if func is torch.ops.aten.native_layer_norm.default else out
+            )
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).double() for _ in range(3)]
+    for m in members:
+        with torch.no_grad():
+            m[1].weight.uniform_(0.5, 2.0)
+            m[1].bias.uniform_(-1.0, 1.0)
+    ens = fe.Ensemble(copy.deepcopy(members))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with Counting() as counting:
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    assert torch.ops.aten.native_layer_norm.default in counting.ops
+    with LayerNormTimesTwo():
+        want = torch.stack([m(x) for m in members])
+        got = ens(x)
+    assert (got - want).abs().max() > 0.1  # the affine step came after the doubling

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from .. import _torch_compat
 from .._torch_compat import unwrap_at as _unwrap_at
+from . import torch_functions as _torch_functions
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _NormBase = nn.modules.batchnorm._NormBase
@@ -119,7 +120,8 @@ def _fold(
     if training:
         check_values_per_channel(torch.Size([b, c, *spatial]))  # not the folded N * C channels
     with _torch_compat.lower_transform():
-        out = F.batch_norm(h.reshape(b, n * c, *spatial), *flat, training, momentum, eps)
+        batch_norm = _torch_functions.original(F.batch_norm)  # (a replacement ran already)
+        out = batch_norm(h.reshape(b, n * c, *spatial), *flat, training, momentum, eps)
     return _torch_compat.add_batch_dim(out.view(b, n, c, *spatial), 1, level)
 
 
@@ -143,7 +145,8 @@ def _per_member_average(
     """
     out = _fold(input, None, None, weight, bias, True, 0.0, eps)
     if out is None:
-        out = F.batch_norm(input, None, None, weight, bias, True, 0.0, eps)
+        batch_norm = _torch_functions.original(F.batch_norm)  # (a replacement ran already)
+        out = batch_norm(input, None, None, weight, bias, True, 0.0, eps)
     with torch.no_grad():
         x = input.detach()
         dims = [0, *range(2, x.dim())]

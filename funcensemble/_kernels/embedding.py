@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _torch_compat
 from .._core import member_offset as _member_offset
 from .._core.rollback import save_rows_before_update
+from . import torch_functions as _torch_functions
 
 
 def needs_embedding_rule(module: nn.Module, *, compiling: bool = False) -> bool:
@@ -140,7 +141,8 @@ def embedding_per_member(
     _check_indices(input, weight.shape[0])  # before max_norm writes anything
     if max_norm is not None:
         _renorm_(input.contiguous(), weight, max_norm, norm_type)
-    out = F.embedding(input, weight, None, None, norm_type, scale_grad_by_freq, False)
+    embedding = _torch_functions.original(F.embedding)  # (a replacement ran already)
+    out = embedding(input, weight, None, None, norm_type, scale_grad_by_freq, False)
     if padding_idx is None:
         return out
     return torch.where((input == padding_idx).unsqueeze(-1), out.detach(), out)
@@ -151,6 +153,7 @@ class PerMemberEmbedding(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        func = _torch_functions.original(func)  # (a user's replacement runs once)
         if func is F.embedding:
             return embedding_per_member(*args, **kwargs)
         return func(*args, **kwargs)

@@ -8,8 +8,6 @@ does not recognise exactly (subclasses, hooks, parametrizations, dropout in trai
 mode, other layers) returns ``None`` and the caller takes the general ``vmap`` path.
 """
 
-import os
-import types
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -22,6 +20,7 @@ from . import linear_act as _linear_act
 from . import mlp_member_op as _mlp_member_op
 from . import mlp_op as _mlp_op
 from . import tanh as _tanh
+from . import torch_functions as _torch_functions
 from . import workspace as _workspace
 
 _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
@@ -41,59 +40,16 @@ _ELEMENTWISE: dict[type, Callable[[nn.Module, Tensor], Tensor]] = {
 Plan = list[tuple[nn.Module, str | None, str | None]]
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def _torch_own(fn: Any) -> bool:
-    """Whether ``fn`` is torch's own: a builtin, or Python code in torch's files (a
-    user's replacement, even one made before funcensemble was imported or dressed with
-    ``functools.wraps``, runs code of the user's; torch's tracers patch with torch's)."""
-    if isinstance(fn, types.BuiltinFunctionType):
-        return True
-    code = getattr(fn, "__code__", None)
-    return code is not None and code.co_filename.startswith(_TORCH_DIR)
-
-
 # The forward of each class the fast path runs without calling it, as torch defines it:
 # a class whose forward was replaced (nn.Linear.forward = ..., a patch in a notebook,
-# before or after this import) runs on the general path, which calls it.
+# before or after this import) runs on the general path, which calls it. So do calls
+# of a class-wide wrapper of nn.Module.__call__, and calls while a function those
+# forwards call is replaced (see _torch_functions).
 _TORCH_FORWARD = {
     kind: kind.forward
     for kind in (nn.Sequential, nn.Linear, nn.Dropout, *_ELEMENTWISE)
-    if _torch_own(kind.forward)
+    if _torch_functions.torch_own(kind.forward)
 }
-# How a module is called, as torch defines it: a wrapper of nn.Module.__call__ (a
-# profiler's or logger's, class-wide) is bypassed by the fast path, which calls no
-# module: such calls take the general path, which calls each module. torch's own
-# tracers (symbolic tracing, make_fx, export) wrap it with code of torch's.
-_MODULE_CALLS = (nn.Module.__call__, nn.Module._call_impl)
-
-
-def _calls_are_torch_own(kind: type) -> bool:
-    return (kind.__call__ is _MODULE_CALLS[0] or _torch_own(kind.__call__)) and (
-        kind._call_impl is _MODULE_CALLS[1] or _torch_own(kind._call_impl)
-    )
-
-
-# The functions torch's forwards of those classes call, looked up at each call: one
-# replaced (F.linear = ..., torch.tanh = ...) changes what the loop's modules compute.
-_CALLED = (
-    (F, ("linear", "relu", "silu", "mish", "gelu", "leaky_relu", "elu", "softplus", "dropout")),
-    (torch, ("tanh", "sigmoid", "relu", "relu_")),
-)
-_CALLED_AT_IMPORT = [getattr(where, name) for where, names in _CALLED for name in names]
-_CALLED_ARE_TORCH_OWN = all(_torch_own(f) for f in _CALLED_AT_IMPORT)
-
-
-def _called_unchanged() -> bool:
-    """Whether every function the plain MLP's forwards call is torch's, as at import."""
-    k = 0
-    for where, names in _CALLED:
-        for name in names:
-            if getattr(where, name) is not _CALLED_AT_IMPORT[k]:
-                return False
-            k += 1
-    return _CALLED_ARE_TORCH_OWN
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -131,7 +87,9 @@ def _visit(module: nn.Module, prefix: str, steps: Plan) -> bool:
         # and ad-hoc patches do) is not the class's: the general path calls it.
         return False
     kind = type(module)
-    if _TORCH_FORWARD.get(kind) is not kind.forward or not _calls_are_torch_own(kind):
+    if _TORCH_FORWARD.get(kind) is not kind.forward or not (
+        _torch_functions.module_calls_are_torch_own(kind)
+    ):
         return False
     if kind is nn.Sequential:
         # Sequential.forward runs _modules in order, repeats included (named_children
@@ -165,7 +123,7 @@ def plan(skeleton: nn.Module) -> Plan | None:
     if (
         not _visit(skeleton, "", steps)
         or not any(w for _, w, _ in steps)
-        or not _called_unchanged()
+        or not _torch_functions.called_unchanged()
     ):
         return None
     return steps

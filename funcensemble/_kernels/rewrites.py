@@ -19,7 +19,8 @@ functional calls:
   directly (the same values; only the output's memory layout can differ);
 - ``F.layer_norm``, and ``F.batch_norm`` with batch statistics none kept, under a grad
   transform: as elementary ops, with torch's checks (see ``_norm_decomposed``);
-- ``F.layer_norm``, ``F.batch_norm`` and ``F.group_norm`` in a call whose tensors
+- ``F.layer_norm``, ``F.batch_norm``, ``F.group_norm`` and ``F.instance_norm`` (with a
+  weight) in a call whose tensors
   (inputs, parameters, buffers) have more than one floating dtype: vmap's rules promote
   parameters or statistics of another dtype than the input, where torch's kernels (the
   loop) refuse them or, for float32 ones with a float16/bfloat16 input, return the
@@ -43,11 +44,16 @@ from torch.nn.utils import parametrizations
 from torch.overrides import TorchFunctionMode
 
 from .. import _torch_compat, _tree
+from .._core import entry as _entry
 from . import batchnorm as _batchnorm
 from . import norm_decomposed as _norm_decomposed
+from . import torch_functions as _torch_functions
 from .autocast_policy import CONVOLUTIONS
 from .embedding import PerMemberEmbedding, embedding_per_member, needs_embedding_rule
 
+# The norms whose kernels take a float32 layer with a float16/bfloat16 input (instance
+# norm: with a weight; without one it converts its statistics to the input's dtype).
+_NORMS = (F.layer_norm, F.batch_norm, F.group_norm, F.instance_norm)
 _POOLS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 _POOL_LAYERS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _NORM_LAYERS = (parametrizations._WeightNorm, parametrizations._SpectralNorm)
@@ -165,8 +171,12 @@ class VmapRewrites(TorchFunctionMode):
         kernels take: one dtype for the layer's tensors, the input's or float32 with a
         float16/bfloat16 input, whose result is rounded to the input's dtype (vmap's
         rules promote the one and return float32 for the other)."""
-        if func is F.batch_norm:
-            bound = _batch_norm_arguments(*args, **kwargs)
+        if func in (F.batch_norm, F.instance_norm):
+            bound = (
+                _batch_norm_arguments(*args, **kwargs)
+                if func is F.batch_norm
+                else _instance_norm_arguments(*args, **kwargs)
+            )
             named = dict(
                 zip(("running_mean", "running_var", "weight", "bias"), bound[1:5], strict=True)
             )
@@ -223,18 +233,29 @@ class VmapRewrites(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.check_dtypes and func in (F.layer_norm, F.batch_norm, F.group_norm):
+        func = _torch_functions.original(func)  # (a user's replacement runs once)
+        if (
+            self.check_dtypes
+            and func in _NORMS
+            # (Without a weight, torch's instance_norm converts the statistics itself.)
+            and (
+                func is not F.instance_norm
+                or _instance_norm_arguments(*args, **kwargs)[3] is not None
+            )
+        ):
             return self._in_kernel_dtypes(func, args, kwargs)
         return self._rewritten(func, args, kwargs)
 
     def _rewritten(self, func: Any, args: Any, kwargs: Any) -> Any:
         """``func(*args, **kwargs)``, or the rewrite this mode runs instead."""
         if self.decompose_norms and func is F.layer_norm:
+            _refuse_under_a_users_mode(func)
             return self._layer_norm(*args, **kwargs)
         if self.decompose_norms and func is F.batch_norm:
             bound = _batch_norm_arguments(*args, **kwargs)
             # Batch statistics, none kept (in eval mode torch refuses that, as in the loop).
             if bound[5] and bound[1] is None and bound[2] is None:
+                _refuse_under_a_users_mode(func)
                 return _norm_decomposed.batch_norm(*bound)
         if func is F.batch_norm:
             out = self.batch_norm.batch_norm(args, kwargs) if self.batch_norm else None
@@ -266,6 +287,22 @@ class VmapRewrites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _refuse_under_a_users_mode(func: Any) -> None:
+    """Refuse to compute ``func`` as elementary ops while a torch function or dispatch
+    mode of the user's is active: it would see those ops, not the call of the loop."""
+    if _torch_compat.foreign_mode_active():
+        name = func.__name__
+        raise RuntimeError(
+            f"{_entry.current()}: inside a grad transform (fe.value_and_grad's torch.func.grad, or "
+            f"your own) the ensemble computes F.{name} as elementary ops, which a torch "
+            "function or dispatch mode of your own, active here, would see instead of "
+            f"the F.{name} call the loop's module makes (expected no mode of your own "
+            "around such a call, got one). Call it outside your mode, or compute the "
+            "gradient with loss.backward() on the module face, which calls F."
+            f"{name} itself."
+        )
+
+
 def _layer_norm_arguments(
     input: Tensor,
     normalized_shape: Any,
@@ -274,6 +311,19 @@ def _layer_norm_arguments(
     eps: float = 1e-5,
 ) -> tuple[Any, ...]:
     return input, normalized_shape, weight, bias, eps
+
+
+def _instance_norm_arguments(
+    input: Tensor,
+    running_mean: Any = None,
+    running_var: Any = None,
+    weight: Any = None,
+    bias: Any = None,
+    use_input_stats: bool = True,
+    momentum: Any = 0.1,
+    eps: float = 1e-5,
+) -> tuple[Any, ...]:
+    return input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
 
 
 def _norm_tensors(m: nn.Module) -> tuple[Any, ...]:
