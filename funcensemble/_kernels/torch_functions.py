@@ -63,8 +63,8 @@ def original(func: Any) -> Any:
     user's replacement of a torch function (``F.layer_norm = wrapper``), the torch
     function it replaced. Raises if that one was replaced before funcensemble was
     imported (it cannot be found: the replacement would run twice)."""
-    if not _foreign(func):
-        return func
+    if torch.compiler.is_compiling() or not _foreign(func):
+        return func  # (Dynamo cannot trace the look at the code: compiled, as given)
     found = _SEEN.get(func)
     if found is not None:
         return found
