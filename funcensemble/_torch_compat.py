@@ -460,6 +460,16 @@ def _modes() -> list[Any]:
     return modes
 
 
+def foreign_function_mode_active() -> bool:
+    """Whether a torch function mode of the user's is active in this thread (see
+    [`foreign_mode_active`][]): it sees functional calls (``F.layer_norm``), which a
+    dispatch mode never sees."""
+    if not _function_mode_on():
+        return False
+    modes = torch.overrides._get_current_function_mode_stack()
+    return any(type(m).__module__.partition(".")[0] not in _OWN_MODES for m in modes)
+
+
 def foreign_mode_active() -> bool:
     """Whether a torch function or dispatch mode defined outside torch is active in this
     thread: a user's mode may change what an op computes (fake quantization, an adapter

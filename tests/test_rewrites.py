@@ -6,6 +6,7 @@ buffers and several ``torch.optim.Adam`` steps equal the plain loop over the mem
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from helpers import assert_trees_close, clone_modules, stacked_state, vmap_batch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrizations as P
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcensemble as fe
 
@@ -315,7 +317,10 @@ def test_instance_norm_under_autocast_computes_in_the_loops_dtypes(kwargs, train
     ],
 )
 @pytest.mark.parametrize("train", [True, False])
-def test_a_replaced_function_runs_once_per_call_as_in_the_loop(monkeypatch, name, make, x, train):
+@pytest.mark.parametrize("kind", ["function", "partial", "callable"])
+def test_a_replaced_function_runs_once_per_call_as_in_the_loop(
+    monkeypatch, name, make, x, train, kind
+):
     """A user's replacement of F.batch_norm (F.layer_norm, F.embedding, F.relu, ...):
     torch's own function hands a torch function mode the function under its own name,
     the replacement, which our modes under vmap then called again (exactly +1.0 off
@@ -328,11 +333,20 @@ def test_a_replaced_function_runs_once_per_call_as_in_the_loop(monkeypatch, name
     calls = []
     original = getattr(F, name)
 
-    def replacement(*args, **kwargs):
+    def replacement(*args, shift=1.0, **kwargs):
         calls.append(1)
-        return original(*args, **kwargs) + 1.0
+        return original(*args, **kwargs) + shift
 
-    monkeypatch.setattr(F, name, replacement)
+    class Replacement:
+        def __call__(self, *args, **kwargs):
+            return replacement(*args, **kwargs)
+
+    made = {
+        "function": replacement,
+        "partial": functools.partial(replacement, shift=1.0),
+        "callable": Replacement(),
+    }[kind]
+    monkeypatch.setattr(F, name, made)
     x = x.double() if x.is_floating_point() else x
     want = torch.stack([m(x) for m in loop])
     in_loop = len(calls)
@@ -397,6 +411,13 @@ class _NormTimesTwo(torch.overrides.TorchFunctionMode):
         return out * 2.0 if func in (F.layer_norm, F.batch_norm) else out
 
 
+class _Observing(TorchDispatchMode):
+    """A user's dispatch mode that only looks."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("norm", ["layer", "batch"])
 def test_norms_computed_as_elementary_ops_under_a_users_mode_are_refused(norm):
     """Inside a grad transform LayerNorm (and BatchNorm without kept statistics) run as
@@ -415,9 +436,16 @@ def test_norms_computed_as_elementary_ops_under_a_users_mode_are_refused(norm):
     def input_grad(p, b, x):
         return torch.func.grad(lambda xx: fmodel(p, b, xx).pow(2).sum())(x)
 
+    refused = pytest.raises(RuntimeError, match=rf"computes F\.{norm}_norm as elementary ops")
+    with _NormTimesTwo(), refused:
+        fe.vmap(input_grad)(params, buffers, x)
+    with _Observing():  # a dispatch mode sees aten ops either way: not refused
+        got = fe.vmap(input_grad)(params, buffers, x)
+    for i, m in enumerate(members):
+        xx = x.clone().requires_grad_()
+        want = torch.autograd.grad(m(xx).pow(2).sum(), xx)[0]
+        torch.testing.assert_close(got[i], want, rtol=1e-10, atol=1e-12)
     with _NormTimesTwo():
-        with pytest.raises(RuntimeError, match=rf"computes F\.{norm}_norm as elementary ops"):
-            fe.vmap(input_grad)(params, buffers, x)
         got = fe.vmap(fmodel)(params, buffers, x)
         want = torch.stack([m(x) for m in members])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -19,8 +19,8 @@ functional calls:
   directly (the same values; only the output's memory layout can differ);
 - ``F.layer_norm``, and ``F.batch_norm`` with batch statistics none kept, under a grad
   transform: as elementary ops, with torch's checks (see ``_norm_decomposed``);
-- ``F.layer_norm``, ``F.batch_norm``, ``F.group_norm`` and ``F.instance_norm`` (with a
-  weight) in a call whose tensors
+- ``F.layer_norm``, ``F.batch_norm``, ``F.group_norm`` and ``F.instance_norm`` in a call
+  whose tensors
   (inputs, parameters, buffers) have more than one floating dtype: vmap's rules promote
   parameters or statistics of another dtype than the input, where torch's kernels (the
   loop) refuse them or, for float32 ones with a float16/bfloat16 input, return the
@@ -51,8 +51,7 @@ from . import torch_functions as _torch_functions
 from .autocast_policy import CONVOLUTIONS
 from .embedding import PerMemberEmbedding, embedding_per_member, needs_embedding_rule
 
-# The norms whose kernels take a float32 layer with a float16/bfloat16 input (instance
-# norm: with a weight; without one it converts its statistics to the input's dtype).
+# The norms whose kernels take a float32 layer with a float16/bfloat16 input.
 _NORMS = (F.layer_norm, F.batch_norm, F.group_norm, F.instance_norm)
 _POOLS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 _POOL_LAYERS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
@@ -187,6 +186,15 @@ class VmapRewrites(TorchFunctionMode):
         tensors = [t for t in named.values() if t is not None]
         if not isinstance(input, Tensor) or not all(isinstance(t, Tensor) for t in tensors):
             return self._rewritten(func, args, kwargs)  # torch's own errors
+        if func is F.instance_norm and bound[3] is None:
+            # Without a weight, torch 2.13's instance_norm converts its statistics to the
+            # input's dtype, as vmap's rule does; torch 2.6's computes in float32, where
+            # vmap's rule refuses the dtypes ("expected scalar type"): that route then.
+            try:
+                return self._rewritten(func, args, kwargs)
+            except RuntimeError as error:
+                if "expected scalar type" not in str(error):
+                    raise
         wrong = _norm_decomposed.dtype_mismatch(input, **named)
         if wrong is not None:
             name = (
@@ -234,15 +242,7 @@ class VmapRewrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         func = _torch_functions.original(func)  # (a user's replacement runs once)
-        if (
-            self.check_dtypes
-            and func in _NORMS
-            # (Without a weight, torch's instance_norm converts the statistics itself.)
-            and (
-                func is not F.instance_norm
-                or _instance_norm_arguments(*args, **kwargs)[3] is not None
-            )
-        ):
+        if self.check_dtypes and func in _NORMS:
             return self._in_kernel_dtypes(func, args, kwargs)
         return self._rewritten(func, args, kwargs)
 
@@ -288,18 +288,19 @@ class VmapRewrites(TorchFunctionMode):
 
 
 def _refuse_under_a_users_mode(func: Any) -> None:
-    """Refuse to compute ``func`` as elementary ops while a torch function or dispatch
-    mode of the user's is active: it would see those ops, not the call of the loop."""
-    if _torch_compat.foreign_mode_active():
+    """Refuse to compute ``func`` as elementary ops while a torch function mode of the
+    user's is active: it would see those ops, not the call the loop's module makes (a
+    dispatch mode sees aten ops either way)."""
+    if _torch_compat.foreign_function_mode_active():
         name = func.__name__
         raise RuntimeError(
-            f"{_entry.current()}: inside a grad transform (fe.value_and_grad's torch.func.grad, or "
-            f"your own) the ensemble computes F.{name} as elementary ops, which a torch "
-            "function or dispatch mode of your own, active here, would see instead of "
-            f"the F.{name} call the loop's module makes (expected no mode of your own "
-            "around such a call, got one). Call it outside your mode, or compute the "
-            "gradient with loss.backward() on the module face, which calls F."
-            f"{name} itself."
+            f"{_entry.current()}: inside torch.func.grad under fe.vmap (yours, or "
+            "fe.value_and_grad's inside another transform or torch.compile), the ensemble "
+            f"computes F.{name} as elementary ops, which a torch function mode of your "
+            f"own, active here, would see instead of the F.{name} call the loop's module "
+            "makes (expected no function mode of your own around such a call, got one). "
+            "Call it outside your mode, or take the gradient with fe.value_and_grad, or "
+            f"loss.backward() on the module face, which call F.{name} itself."
         )
 
 

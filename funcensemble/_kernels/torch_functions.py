@@ -5,7 +5,7 @@ notebook, before or after ``import funcensemble``). The loop's modules then call
 replacement once per call. Two places of ours must do the same:
 
 - the MLP fast path, which calls no module and so none of those functions: it steps
-  aside while any is replaced ([`called_unchanged`][]);
+  aside while one that its layers' forwards call is replaced ([`calls_unchanged`][]);
 - our torch function modes under ``vmap`` (``_rewrites.VmapRewrites``,
   ``_autocast_policy.CpuAutocastPolicy``): torch's own ``F.layer_norm`` hands a mode the
   function found under its own name, which is then the replacement, already running
@@ -18,13 +18,17 @@ Example:
     True
 """
 
+import contextlib
 import os
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .._core import entry as _entry
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
@@ -39,12 +43,6 @@ def torch_own(fn: Any) -> bool:
     return code is not None and code.co_filename.startswith(_TORCH_DIR)
 
 
-def _foreign(fn: Any) -> bool:
-    """Whether ``fn`` is Python code outside torch (other callables are left alone)."""
-    code = getattr(fn, "__code__", None)
-    return code is not None and not code.co_filename.startswith(_TORCH_DIR)
-
-
 # Where torch's modules look their functions up at each call.
 _MODULES = (F, torch)
 # torch's own function under each name at import; a name already replaced then maps to
@@ -55,53 +53,67 @@ _AT_IMPORT: dict[tuple[Any, str], Any] = {
     for name, value in vars(module).items()
     if callable(value) and not isinstance(value, type) and not name.startswith("__")
 }
-_SEEN: dict[Any, Any] = {}  # a function outside torch -> what a mode runs for it
+_OWN_IDS = {id(value) for value in _AT_IMPORT.values() if value is not None}
+_SEEN: dict[Any, Any] = {}  # another callable -> what a mode runs for it
 
 
 def original(func: Any) -> Any:
     """The torch function a mode should run for ``func``: ``func`` itself, or, for a
-    user's replacement of a torch function (``F.layer_norm = wrapper``), the torch
-    function it replaced. Raises if that one was replaced before funcensemble was
-    imported (it cannot be found: the replacement would run twice)."""
-    if torch.compiler.is_compiling() or not _foreign(func):
-        return func  # (Dynamo cannot trace the look at the code: compiled, as given)
-    found = _SEEN.get(func)
+    user's replacement of a torch function (``F.layer_norm = wrapper``, a
+    ``functools.partial``, a callable object), the torch function it replaced. Raises
+    if that one was replaced before funcensemble was imported (it cannot be found: the
+    replacement would run twice)."""
+    if torch.compiler.is_compiling() or id(func) in _OWN_IDS:
+        return func  # (compiled: as given, Dynamo traces no such look-up)
+    try:
+        found = _SEEN.get(func)
+    except TypeError:  # unhashable: looked up each time
+        found = None
     if found is not None:
         return found
+    result = func  # a function of the user's own that dispatches like torch's, say
     for (module, name), own in _AT_IMPORT.items():
-        if getattr(module, name, None) is func:
+        if own is not func and getattr(module, name, None) is func:
             if own is None:
                 raise RuntimeError(
-                    f"{module.__name__}.{name} was replaced before funcensemble was "
-                    "imported, and the ensemble's calls inside vmap would run the "
-                    "replacement twice for one call of the members' modules (expected "
-                    f"torch's own {name} under that name when funcensemble is imported, "
-                    "got a replacement). Import funcensemble before replacing it."
+                    f"{_entry.current()}: {module.__name__}.{name} was replaced before "
+                    "funcensemble was imported, and the ensemble's calls inside vmap would "
+                    "run the replacement twice for one call of the members' modules "
+                    f"(expected torch's own {name} under that name when funcensemble is "
+                    "imported, got a replacement). Import funcensemble before replacing it."
                 )
-            _SEEN[func] = own
-            return own
-    _SEEN[func] = func  # a function of the user's own that dispatches like torch's
-    return func
+            result = own
+            break
+    with contextlib.suppress(TypeError):  # (unhashable: not kept)
+        _SEEN[func] = result
+    return result
 
 
 # The functions torch's forwards of the plain-MLP classes call, looked up at each call.
-_CALLED = (
-    (F, ("linear", "relu", "silu", "mish", "gelu", "leaky_relu", "elu", "softplus", "dropout")),
-    (torch, ("tanh", "sigmoid", "relu", "relu_")),
-)
-_CALLED_AT_IMPORT = [getattr(where, name) for where, names in _CALLED for name in names]
-_CALLED_ARE_TORCH_OWN = all(torch_own(f) for f in _CALLED_AT_IMPORT)
+_CALLS_OF: dict[type, tuple[tuple[Any, str], ...]] = {
+    nn.Linear: ((F, "linear"),),
+    nn.Tanh: ((torch, "tanh"),),
+    nn.ReLU: ((F, "relu"), (torch, "relu"), (torch, "relu_")),
+    nn.Sigmoid: ((torch, "sigmoid"),),
+    nn.SiLU: ((F, "silu"),),
+    nn.Mish: ((F, "mish"),),
+    nn.GELU: ((F, "gelu"),),
+    nn.LeakyReLU: ((F, "leaky_relu"),),
+    nn.ELU: ((F, "elu"),),
+    nn.Softplus: ((F, "softplus"),),
+    nn.Dropout: ((F, "dropout"),),
+}
 
 
-def called_unchanged() -> bool:
-    """Whether every function the plain MLP's forwards call is torch's, as at import."""
-    k = 0
-    for where, names in _CALLED:
-        for name in names:
-            if getattr(where, name) is not _CALLED_AT_IMPORT[k]:
+def calls_unchanged(kinds: Iterable[type]) -> bool:
+    """Whether every function the forwards of modules of ``kinds`` call is torch's own
+    (one replaced, before or after funcensemble's import, changes what they compute)."""
+    for kind in kinds:
+        for module, name in _CALLS_OF.get(kind, ()):
+            now = getattr(module, name)
+            if now is not _AT_IMPORT.get((module, name)) and not torch_own(now):
                 return False
-            k += 1
-    return _CALLED_ARE_TORCH_OWN
+    return True
 
 
 def module_calls_are_torch_own(kind: type) -> bool:
