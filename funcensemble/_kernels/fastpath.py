@@ -123,7 +123,7 @@ def plan(skeleton: nn.Module) -> Plan | None:
     if (
         not _visit(skeleton, "", steps)
         or not any(w for _, w, _ in steps)
-        or not _torch_functions.calls_unchanged({type(m) for m, _, _ in steps})
+        or not _torch_functions.calls_unchanged([type(m) for m, _, _ in steps])
     ):
         return None
     return steps

@@ -105,14 +105,24 @@ _CALLS_OF: dict[type, tuple[tuple[Any, str], ...]] = {
 }
 
 
+# The same as (class, ((module, name, torch's function at import), ...)): plain tuples
+# and identity tests, which Dynamo traces (the fast path's plan runs compiled too).
+_CALLS = tuple(
+    (kind, tuple((module, name, _AT_IMPORT.get((module, name))) for module, name in calls))
+    for kind, calls in _CALLS_OF.items()
+)
+
+
 def calls_unchanged(kinds: Iterable[type]) -> bool:
     """Whether every function the forwards of modules of ``kinds`` call is torch's own
     (one replaced, before or after funcensemble's import, changes what they compute)."""
-    for kind in kinds:
-        for module, name in _CALLS_OF.get(kind, ()):
-            now = getattr(module, name)
-            if now is not _AT_IMPORT.get((module, name)) and not torch_own(now):
-                return False
+    kinds = list(kinds)
+    for kind, calls in _CALLS:
+        if any(k is kind for k in kinds):
+            for module, name, at_import in calls:
+                now = getattr(module, name)
+                if now is not at_import and not torch_own(now):
+                    return False
     return True
 
 

@@ -484,8 +484,9 @@ def adam(
     ``update`` runs it on fresh copies of the state, so its inputs stay untouched.
     The CPU kernel rounds a tensor's last ``numel % vector width`` elements in scalar
     code, unlike the others, so ``update`` pads a leaf whose size is not a multiple
-    of 64 elements: a member's numbers then do not depend on how many members share
-    its tensors (split across devices or selected, it trains alike). On leaves of a
+    of 64 elements: the step a member gets then does not depend on how many members
+    share its tensors (split across devices or selected, it steps alike; the
+    gradients fed to it may differ by a rounding, see the scale-out how-to). On leaves of a
     multiple of 64 elements and without weight decay, ``update`` returns the kernel's
     own step, and ``apply_updates`` gives what ``update_`` gives, bit for bit in
     float32 and float64 (float16 and bfloat16 round the step to the parameter's
