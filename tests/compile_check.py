@@ -504,6 +504,21 @@ def user_mode() -> None:
         got = compiled(x)
     assert (want - plain).abs().max() > 0.5
     torch.testing.assert_close(got, plain)
+    # compile.md: a replaced function is not run as the loop runs it, compiled, for an
+    # ensemble as for one plain module compiled by torch.
+    layer_norm = F.layer_norm
+    F.layer_norm = lambda *a, **k: layer_norm(*a, **k) + 1.0
+    try:
+        norms = [nn.Sequential(nn.LayerNorm(4)).double() for _ in range(2)]
+        x = torch.randn(3, 4, dtype=torch.float64)
+        want = torch.stack([m(x) for m in norms])
+        torch.testing.assert_close(fe.Ensemble(copy.deepcopy(norms))(x), want)  # eagerly
+        ours = torch.compile(fe.Ensemble(copy.deepcopy(norms)), backend="aot_eager")(x)
+        alone = torch.compile(copy.deepcopy(norms[0]), backend="aot_eager")(x)
+        assert (alone - want[0]).abs().max() > 0.5
+        assert (ours - want).abs().max() > 0.5
+    finally:
+        F.layer_norm = layer_norm
 
 
 def partition() -> None:
