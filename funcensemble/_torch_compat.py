@@ -450,24 +450,18 @@ def ops_observed() -> bool:
     return _function_mode_on() or _dispatch_modes() > 0 or torch.jit.is_tracing()
 
 
-def _modes() -> list[Any]:
-    """The torch function and dispatch modes active in this thread."""
-    modes: list[Any] = []
-    if _function_mode_on():
-        modes += torch.overrides._get_current_function_mode_stack()
-    if _dispatch_modes() > 0:
-        modes += _python_dispatch._get_current_dispatch_mode_stack()
-    return modes
+def _any_of_the_users(modes: list[Any]) -> bool:
+    """Whether any of ``modes`` is defined outside torch and funcensemble."""
+    return any(type(m).__module__.partition(".")[0] not in _OWN_MODES for m in modes)
 
 
 def foreign_function_mode_active() -> bool:
     """Whether a torch function mode of the user's is active in this thread (see
     [`foreign_mode_active`][]): it sees functional calls (``F.layer_norm``), which a
     dispatch mode never sees."""
-    if not _function_mode_on():
-        return False
-    modes = torch.overrides._get_current_function_mode_stack()
-    return any(type(m).__module__.partition(".")[0] not in _OWN_MODES for m in modes)
+    return _function_mode_on() and _any_of_the_users(
+        torch.overrides._get_current_function_mode_stack()
+    )
 
 
 def foreign_mode_active() -> bool:
@@ -477,7 +471,10 @@ def foreign_mode_active() -> bool:
     own modes (``with torch.device(...)``, ``make_fx``'s tracer, ``FakeTensorMode``,
     ``FlopCounterMode``) record or count the ops as they compute, and funcensemble's own
     (its rewrites under ``vmap``, CPU autocast's policy) compute what the loop does."""
-    return any(type(m).__module__.partition(".")[0] not in _OWN_MODES for m in _modes())
+    return foreign_function_mode_active() or (
+        _dispatch_modes() > 0
+        and _any_of_the_users(_python_dispatch._get_current_dispatch_mode_stack())
+    )
 
 
 _OWN_MODES = ("torch", __name__.partition(".")[0])

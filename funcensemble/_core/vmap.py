@@ -180,9 +180,8 @@ def _explain(error: RuntimeError | ValueError, randomness: str, where: str) -> E
             "F.gaussian_nll_loss, write the loss out as the how-to page 'Regression: predicted "
             "variances and the mixture' does). Torch's message: " + message.splitlines()[0]
         )
-    if "inplace arithmetic(self, *extra_args) is not possible" in message and (
-        _torch_compat.inside_transform()
-    ):
+    in_place = "inplace arithmetic(self, *extra_args) is not possible" in message
+    if in_place and _torch_compat.inside_transform():
         return RuntimeError(
             f"{where}: forward changes in place a tensor that one of the vmap levels "
             "around it does not batch (expected in-place changes of tensors batched at "
@@ -196,7 +195,7 @@ def _explain(error: RuntimeError | ValueError, randomness: str, where: str) -> E
             "of forward. Torch's "
             "message: " + message.splitlines()[0]
         )
-    if "inplace arithmetic(self, *extra_args) is not possible" in message:
+    if in_place:
         return RuntimeError(
             f"{where}: forward changes in place a tensor that all members share (an "
             "input, or one made from inputs alone) with a value that differs between "

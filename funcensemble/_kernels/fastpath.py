@@ -292,7 +292,7 @@ def run(
         raise RuntimeError(meta_input_error(where, "the input", first.device))
     if first.is_complex():
         return None  # our backward passes transpose without conjugating: general path
-    refuse_inference_tensors(where, {n: params[n] for step in steps for n in step[1:] if n})
+    refuse_inference_tensors(where, params)
     n = first.shape[0]
     if member_dim is not None:
         x = x.movedim(member_dim, 0)

@@ -89,27 +89,24 @@ def original(func: Any) -> Any:
     return result
 
 
-# The functions torch's forwards of the plain-MLP classes call, looked up at each call.
-_CALLS_OF: dict[type, tuple[tuple[Any, str], ...]] = {
-    nn.Linear: ((F, "linear"),),
-    nn.Tanh: ((torch, "tanh"),),
-    nn.ReLU: ((F, "relu"), (torch, "relu"), (torch, "relu_")),
-    nn.Sigmoid: ((torch, "sigmoid"),),
-    nn.SiLU: ((F, "silu"),),
-    nn.Mish: ((F, "mish"),),
-    nn.GELU: ((F, "gelu"),),
-    nn.LeakyReLU: ((F, "leaky_relu"),),
-    nn.ELU: ((F, "elu"),),
-    nn.Softplus: ((F, "softplus"),),
-    nn.Dropout: ((F, "dropout"),),
-}
-
-
-# The same as (class, ((module, name, torch's function at import), ...)): plain tuples
-# and identity tests, which Dynamo traces (the fast path's plan runs compiled too).
+# The functions torch's forwards of the plain-MLP classes call, looked up at each call,
+# as (class, ((module, name, torch's function at import), ...)): plain tuples and
+# identity tests, which Dynamo traces (the fast path's plan runs compiled too).
 _CALLS = tuple(
     (kind, tuple((module, name, _AT_IMPORT.get((module, name))) for module, name in calls))
-    for kind, calls in _CALLS_OF.items()
+    for kind, calls in (
+        (nn.Linear, ((F, "linear"),)),
+        (nn.Tanh, ((torch, "tanh"),)),
+        (nn.ReLU, ((F, "relu"), (torch, "relu"), (torch, "relu_"))),
+        (nn.Sigmoid, ((torch, "sigmoid"),)),
+        (nn.SiLU, ((F, "silu"),)),
+        (nn.Mish, ((F, "mish"),)),
+        (nn.GELU, ((F, "gelu"),)),
+        (nn.LeakyReLU, ((F, "leaky_relu"),)),
+        (nn.ELU, ((F, "elu"),)),
+        (nn.Softplus, ((F, "softplus"),)),
+        (nn.Dropout, ((F, "dropout"),)),
+    )
 )
 
 
