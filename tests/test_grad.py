@@ -608,3 +608,92 @@ def test_an_ensemble_built_under_inference_mode_is_refused_in_training(arch, fac
     for mode in (torch.inference_mode, torch.no_grad):
         with mode():
             torch.testing.assert_close(call(), want)
+
+
+# -- results are the caller's own tensors ------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """A member whose loss can be one of its own tensors, or its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.register_buffer("count", torch.tensor(3.0))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize(
+    "returns",
+    ["parameter", "loss as aux", "buffer as aux", "input as aux", "parameter as aux"],
+)
+def test_losses_and_aux_share_no_memory_with_the_inputs(returns, chunk_size):
+    """The loop's torch.stack of per-member losses (and aux) is a new tensor: changing it
+    in place changes no parameter, buffer, input or other result."""
+    fmodel, params, buffers = fe.stack([Scaled() for _ in range(3)])
+    params = {k: v.detach().requires_grad_() for k, v in params.items()}
+    xs = torch.randn(3, 4)
+
+    def loss_fn(p, b, x):
+        loss = fmodel(p, b, x).sum()
+        if returns == "parameter":
+            return p["scale"]
+        if returns == "loss as aux":
+            return loss, loss
+        if returns == "buffer as aux":
+            return loss, b["count"]
+        if returns == "input as aux":
+            return loss, x
+        return loss, p["scale"]
+
+    has_aux = returns != "parameter"
+    step = fe.value_and_grad(loss_fn, in_dims=(0,), has_aux=has_aux, chunk_size=chunk_size)
+    out = step(params, buffers, xs)
+    results = [out[0], *(out[3:] if has_aux else ())]
+    held = {_storage(t) for t in (*params.values(), *buffers.values(), *out[2].values(), xs)}
+    ptrs = [_storage(t) for t in results]
+    assert not held & set(ptrs), returns
+    assert len(set(ptrs)) == len(ptrs), returns
+    before = [t.clone() for t in (*params.values(), *out[2].values(), xs)]
+    with torch.no_grad():
+        for t in results:
+            t.add_(1.0)
+    after = (*params.values(), *out[2].values(), xs)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("face", ["value_and_grad", "vmap", "torch.func.vmap"])
+@pytest.mark.parametrize("added", ["weight_norm", "pruning"])
+def test_a_weight_transform_added_to_an_mlp_after_stacking_is_refused(face, added):
+    """The MLP fast path runs only plain layers: a parametrization or pruning added to
+    ``fmodel.skeleton`` after ``fe.stack`` sends the call to the check that refuses it,
+    before anything runs, as for any other architecture."""
+    fmodel, params, buffers = fe.stack(
+        [nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)) for _ in range(3)]
+    )
+    x = torch.randn(4, 3)
+    loss_fn = lambda p, b, x: fmodel(p, b, x).pow(2).mean()  # noqa: E731
+    call = {
+        "value_and_grad": lambda: fe.value_and_grad(loss_fn)(params, buffers, x),
+        "vmap": lambda: fe.vmap(fmodel)(params, buffers, x),
+        "torch.func.vmap": lambda: torch.func.vmap(fmodel, in_dims=(0, 0, None))(
+            params, buffers, x
+        ),
+    }[face]
+    call()  # runs before
+    layer = fmodel.skeleton[0]
+    if added == "weight_norm":
+        torch.nn.utils.parametrizations.weight_norm(layer)
+        match = r"a parametrization \(_WeightNorm\) was added to `weight` of submodule `0`"
+    else:
+        torch.nn.utils.prune.l1_unstructured(layer, "weight", amount=0.3)
+        match = r"pruning was added to `weight` of submodule `0`"
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -285,11 +285,16 @@ class FunctionalModule:
         self, params: dict[str, Tensor], buffers: dict[str, Tensor], *args: Any, **kwargs: Any
     ) -> Any:
         compiling = torch.compiler.is_compiling()
-        if not compiling:
-            # A parametrization or pruning added to the ensemble's module after it was
-            # built would act on all members' stacked tensor at once: refused.
+        differ = compiling or keys_differ(self, params, buffers)
+        # A parametrization or pruning added to the ensemble's module after it was
+        # built would act on all members' stacked tensor at once: refused. Where the
+        # members had none, that check waits for a call the fast path does not take:
+        # the fast path runs only plain layer classes without hooks, so any added
+        # since sends the call on, to the check below, before anything has run.
+        deferred = compiling or not (differ or self._weight_transforms)
+        if not deferred:
             _weight_transforms.check_unchanged("Ensemble", self.skeleton, self._weight_transforms)
-        if compiling or keys_differ(self, params, buffers):
+        if differ:
             # Traced once: no cost per call. Eagerly, the fast path checks what it reads;
             # a key more or fewer than the module's tensors is refused here.
             _check_given(self._member_shapes, params, buffers, self.skeleton)
@@ -298,6 +303,8 @@ class FunctionalModule:
             fast = fast_call(self.skeleton, params, args, kwargs, None, where=entry)
             if fast is not None:
                 return fast
+        if deferred and not compiling:
+            _weight_transforms.check_unchanged("Ensemble", self.skeleton, self._weight_transforms)
         if not compiling and _torch_compat.jit_tracing():
             raise RuntimeError(
                 "torch.jit.trace cannot trace this ensemble (expected a plain MLP of "

@@ -390,14 +390,20 @@ def _check_unchanged(shared: list[tuple[str, Tensor, int]], where: str) -> None:
 
 
 def mapped_call(
-    fn: Callable[..., Any], randomness: Randomness, chunk_size: int | None, *, where: str
+    fn: Callable[..., Any],
+    randomness: Randomness,
+    chunk_size: int | None,
+    *,
+    where: str,
+    fresh: bool = True,
 ) -> Callable[[Any, Any, tuple[Any, ...], dict[str, Any], tuple[Any, ...]], Any]:
     """``fn`` mapped over members, taking ``(params, buffers, args, kwargs, dims)``.
 
     The layer under the public entry points: options checked by
     [`check_options`][], ``dims`` by ``_in_dims.per_argument``, and the stacked state by
     ``_num_members``; nothing is checked again here. Errors name ``where``, the entry
-    point the user called.
+    point the user called. ``fresh=False``: the outputs come back as the call made
+    them, for a caller that copies or checks them itself (see ``fresh_outputs``).
     """
 
     def one_member(params: Any, buffers: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -508,7 +514,7 @@ def mapped_call(
             ):
                 out = call()
                 _check_unchanged(shared, where)
-                if torch.compiler.is_compiling():
+                if torch.compiler.is_compiling() or not fresh:
                     return out
                 # An output may be a member's parameter, buffer or input itself.
                 return not_saved(out, params, buffers, args, kwargs)
