@@ -561,9 +561,14 @@ def main(argv: Sequence[str] | None = None) -> Log:
     if args.quick:
         values.update(QUICK)
     cfg = Config(**values)
-    if cfg.subset > cfg.critics or cfg.utd < 1 or cfg.warmup >= cfg.steps or cfg.threads < 1:
+    if (
+        not 1 <= cfg.subset <= cfg.critics
+        or cfg.utd < 1
+        or cfg.warmup >= cfg.steps
+        or cfg.threads < 1
+    ):
         raise SystemExit(
-            "need --subset <= --critics, --utd >= 1, --warmup < --steps and --threads >= 1"
+            "need 1 <= --subset <= --critics, --utd >= 1, --warmup < --steps and --threads >= 1"
         )
     _cli.require(
         parser.prog, *_cli.needs(quiet=args.quiet, plot=not args.no_plot, also=["gymnasium"])

@@ -400,11 +400,12 @@ def mutual_information(
 ) -> Float[Tensor, "*batch"]:
     """Predictive minus expected entropy, in nats: the epistemic uncertainty (BALD).
 
-    Computed as the equal quantity ``mean_i KL(p_i || mean_j p_j)``, which avoids the
-    cancellation of subtracting two nearly equal entropies, and clamped at 0 against
-    rounding. When all members predict the same distribution it is 0 up to that
-    rounding (about an ulp of the entropies: 6e-8 in float32 has been seen), and
-    exactly 0 for one member.
+    Computed as the equal quantity ``mean_i KL(p_i || mean_j p_j)``, and clamped at 0
+    against rounding. Its absolute error is within two ulps of the entropies (float32,
+    10 classes: up to 1.1e-7 measured), as for the difference of the two entropies: when
+    the members nearly agree (a mutual information of the order of 1e-6 in float32)
+    that is a large relative error, and float64 logits give more digits. It is exactly 0
+    for one member.
 
     Args:
         logits: Stacked classifier outputs ``[N, ..., C]``, classes last.

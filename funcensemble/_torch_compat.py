@@ -719,6 +719,35 @@ def grads_of(losses: Tensor, inputs: list[Tensor]) -> tuple[Tensor | None, ...]:
     return _run_backward((losses,), (ones,), False, False, tuple(inputs), True, False)
 
 
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory, each once (torch's
+    "non-overlapping and dense": contiguous in some order of its dims)."""
+    expected = 1
+    for size, stride in sorted(
+        (p for p in zip(t.shape, t.stride(), strict=True) if p[0] != 1), key=lambda p: p[1]
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def partly_shared(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` share some but not all of their memory: an in-place op
+    writing ``a`` from ``b`` fails then ("some elements of the input tensor and the
+    written-to tensor refer to a single memory location"). As torch's overlap check:
+    only dense layouts are compared (other layouts pass, and torch lets them run)."""
+    if a is b or not a.numel() or not b.numel() or not (_dense(a) and _dense(b)):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end, b_end = a_start + a.nbytes, b_start + b.nbytes
+    if a_start == b_start and a_end == b_end:
+        return False
+    return a_start < b_end and b_start < a_end
+
+
 def overlaps_itself(t: Tensor) -> bool:
     """Whether ``t``'s elements share memory (an expanded view): an in-place write
     into it fails. Unknown layouts count as not overlapping (torch decides then)."""

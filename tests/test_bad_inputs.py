@@ -406,6 +406,32 @@ register_simple(
     "chunk_size must be a positive int.*got bool",
     lambda: fe.vmap(len, chunk_size=True),
 )
+
+
+def _no_members(call: str, make: Callable[[int], nn.Module]) -> Callable[[], Any]:
+    """Stacked tensors sliced to no member: the MLP fast path divided by zero."""
+
+    def run() -> Any:
+        fmodel, params, buffers = stacked(3, make)
+        empty = {k: v[:0] for k, v in params.items()}, {k: v[:0] for k, v in buffers.items()}
+        x = torch.randn(5, 3, dtype=torch.float64)
+        if call == "vmap":
+            return fe.vmap(fmodel)(*empty, x)
+        return fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(*empty, x)
+
+    return run
+
+
+for _call in ("vmap", "value_and_grad"):
+    for _kind, _make in (("mlp", mlp), ("batchnorm", bn_net)):
+        register_simple(
+            f"{_call}-no-members-{_kind}",
+            ValueError,
+            f"{_call}: the stacked tensors have no members \\(expected a leading member "
+            "axis of at least 1, got 0 in `0.weight`\\)",
+            _no_members(_call, _make),
+        )
+
 register_simple(
     "vmap-in-dims-str",
     TypeError,

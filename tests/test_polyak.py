@@ -3,6 +3,7 @@
 the loop's lerp_ bit for bit)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -96,6 +97,16 @@ def test_tau_zero_and_one():
     assert torch.equal(target["w"], before)
     fe.optim.polyak_update_(target, online, 1.0)
     assert torch.equal(target["w"], online["w"])
+
+
+def test_tau_one_keeps_a_nan_or_infinite_target_value_as_the_loops_lerp_does():
+    """The docstring: tau=1 gives online's values where the target is finite only."""
+    target = torch.tensor([[math.nan, math.inf, -math.inf, 1.0]], dtype=torch.float64)
+    online = torch.tensor([[2.0, 3.0, 4.0, 5.0]], dtype=torch.float64)
+    loop = target.clone().lerp_(online, 1.0)
+    fe.optim.polyak_update_({"w": target}, {"w": online}, 1.0)
+    assert torch.equal(target[0, 3:], online[0, 3:])
+    assert target[0, :3].isnan().all() and loop[0, :3].isnan().all()
 
 
 def test_in_place_update_is_one_foreach_kernel():
@@ -252,6 +263,24 @@ def test_per_member_tau_on_half_leaves_is_the_loops_float_tau(dtype):
 def _inference_zeros() -> torch.Tensor:
     with torch.inference_mode():
         return torch.zeros(4, 3)
+
+
+def test_a_target_sharing_part_of_its_memory_with_online_is_refused_before_any_change():
+    """torch's lerp_ and copy_ raise on partly overlapping operands: they did so after
+    the earlier leaves had been averaged. The same tensor in both stays allowed."""
+    floats, ints = torch.zeros(8), torch.zeros(8, dtype=torch.long)
+    for shared, online_leaf in ((floats, floats[2:8]), (ints, ints[2:8])):
+        target = {"a": torch.zeros(4, 3), "z": shared[0:6]}
+        online = {"a": torch.ones(4, 3), "z": online_leaf}
+        with pytest.raises(ValueError, match=r"target\['z'\] shares part of its memory"):
+            fe.optim.polyak_update_(target, online, 0.5)
+        assert torch.equal(target["a"], torch.zeros(4, 3))
+        assert not shared.any()
+    same = {"a": torch.ones(4, 3)}
+    fe.optim.polyak_update_(same, same, 0.5)  # the loop's t.lerp_(t, tau): a no-op
+    assert torch.equal(same["a"], torch.ones(4, 3))
+    grid = torch.zeros(4, 4)  # disjoint halves of one tensor: allowed, as torch allows
+    fe.optim.polyak_update_({"a": grid[:, :2]}, {"a": grid[:, 2:] + 0}, 0.5)
 
 
 @pytest.mark.parametrize(

@@ -559,3 +559,17 @@ def test_complex_values_are_refused_before_a_subset_is_drawn(fn: str) -> None:
 def test_disagreement_of_no_classes_is_refused_as_the_loops_argmax_is():
     with pytest.raises(ValueError, match=r"disagreement: the logits have no classes"):
         fe.reduce.disagreement(torch.zeros(3, 4, 0))
+
+
+def test_mutual_information_is_within_an_ulp_of_the_entropies_in_float32() -> None:
+    """The docstring: an absolute error of about an ulp of the entropies (ln 10 here),
+    whatever the mutual information, so a large relative one where members nearly agree."""
+    torch.manual_seed(0)
+    base = torch.randn(1, 256, 10, dtype=torch.float64)
+    ulp = torch.finfo(torch.float32).eps * math.log(10)
+    for spread in (0.0, 1e-4, 1e-3, 1e-2):
+        logits = (base + spread * torch.randn(6, 256, 10, dtype=torch.float64)).float()
+        exact = fe.reduce.mutual_information(logits.double())
+        error = (fe.reduce.mutual_information(logits).double() - exact).abs().max().item()
+        assert error < 2 * ulp, (spread, error)
+    assert torch.equal(fe.reduce.mutual_information(base.float()), torch.zeros(256))

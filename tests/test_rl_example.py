@@ -95,11 +95,17 @@ def test_same_seed_same_run():
 
 @pytest.mark.parametrize(
     "options",
-    [["--critics", "2", "--subset", "3"], ["--utd", "0"], ["--threads", "0"]],
+    [
+        ["--critics", "2", "--subset", "3"],
+        ["--subset", "0"],
+        ["--subset", "-1"],  # was the min over N - 1 critics, silently
+        ["--utd", "0"],
+        ["--threads", "0"],
+    ],
 )
 def test_rejects_inconsistent_options(options):
     ex = load()
-    with pytest.raises(SystemExit, match="need --subset <= --critics"):
+    with pytest.raises(SystemExit, match=r"need 1 <= --subset <= --critics"):
         ex.main(options)
 
 

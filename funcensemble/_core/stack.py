@@ -199,6 +199,12 @@ def _num_members(where: str, params: Any, buffers: Any, *, checked: bool = False
                 "axis first, of one size N."
             )
     assert n is not None
+    if n == 0:
+        raise ValueError(
+            f"{where}: the stacked tensors have no members (expected a leading member axis "
+            f"of at least 1, got 0 in `{first_name}`), as fe.stack and Ensemble.select "
+            "refuse an empty ensemble. Select at least one member."
+        )
     return n
 
 

@@ -70,6 +70,13 @@ def _check(
             floats.append(i)
         if in_place and not torch.compiler.is_compiling():
             _check_writable(where, leaf_name(spec, i, "target"), t)
+            if _torch_compat.partly_shared(t, o):
+                raise ValueError(
+                    f"{where}: {leaf_name(spec, i, 'target')} shares part of its memory with "
+                    "the same leaf of online (expected separate tensors, or the same one: "
+                    "got overlapping slices of one tensor), which torch cannot update in "
+                    "place. Make the target a copy of online (e.g. .clone())."
+                )
     check_members(tau_, where, spec, targets, floats, "target", exact=False)  # (see _lerped)
     return targets, onlines, spec, tau_
 
@@ -141,8 +148,10 @@ def polyak_update_(
         target: The tree updated in place: an [`Ensemble`][funcensemble.Ensemble] or a
             pytree (e.g. dict) of tensors.
         online: The tree averaged in; same kind, structure, shapes, dtypes and devices.
-        tau: How far to move, in ``[0, 1]`` (``1`` copies ``online``); a float or a
-            ``[N]`` tensor of per-member values.
+        tau: How far to move, in ``[0, 1]``; a float or a ``[N]`` tensor of
+            per-member values. ``1`` gives ``online``'s values wherever ``target`` is
+            finite; a NaN or infinite target value gives NaN, as ``t.lerp_(o, 1.0)``
+            does (``0 * inf``): fill a fresh target with ``copy_``, not with ``tau=1``.
 
     Raises:
         ValueError: ``tau`` outside ``[0, 1]``, a per-member ``tau`` not matching the
