@@ -321,20 +321,25 @@ def check_options(
         positive_int(where, "chunk_size", chunk_size, or_none=True)
 
 
+# A shared input: its positional index or keyword, whether it is a tensor inside that
+# argument, the tensor and its version counter. Named only in an error (see _what).
+Shared = tuple[int | str, bool, Tensor, int]
+
+
 def _shared_inputs(
     args: tuple[Any, ...], dims: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[tuple[str, Tensor, int]]:
+) -> list[Shared]:
     """The tensors every member shares, with their version counters now: the tensor
     arguments not mapped, and the tensors inside other arguments (dicts, tuples,
     lists) on which the argument's in_dims puts ``None``."""
     if torch.compiler.is_compiling():
         return []
-    out: list[tuple[str, Tensor, int]] = []
+    out: list[Shared] = []
 
-    def add(what: str, a: Any, dim: Any, index: int) -> None:
+    def add(key: int | str, a: Any, dim: Any, index: int) -> None:
         if isinstance(a, Tensor):
             if dim is None and not a.is_inference():
-                out.append((what, a, a._version))
+                out.append((key, False, a, a._version))
             return
         if isinstance(dim, int) or isinstance(a, (str, int, float, bool)) or a is None:
             return  # mapped as a whole, or no tensor in it
@@ -343,13 +348,23 @@ def _shared_inputs(
             # An inference tensor (made under torch.inference_mode) keeps no version
             # counter: it cannot be checked (documented in inputs.md).
             if d is None and isinstance(leaf, Tensor) and not leaf.is_inference():
-                out.append((f"a tensor inside {what}", leaf, leaf._version))
+                out.append((key, True, leaf, leaf._version))
 
     for i, (a, d) in enumerate(zip(args, dims, strict=True)):
-        add(f"its positional argument {i}", a, d, i)
+        add(i, a, d, i)
     for k, a in kwargs.items():
-        add(f"its keyword argument {k!r}", a, None, 0)
+        add(k, a, None, 0)
     return out
+
+
+def _what(key: int | str, inside: bool) -> str:
+    """A shared input's name in messages."""
+    what = (
+        f"its keyword argument {key!r}"
+        if isinstance(key, str)
+        else f"its positional argument {key}"
+    )
+    return f"a tensor inside {what}" if inside else what
 
 
 def _refuse_meta_inputs(
@@ -363,24 +378,28 @@ def _refuse_meta_inputs(
         first = next(iter(buffers.values()), None)
     if not isinstance(first, Tensor) or first.is_meta:
         return
-    named = [(f"positional argument {i}", a) for i, a in enumerate(args)]
-    named += [(f"keyword argument {k!r}", a) for k, a in kwargs.items()]
-    for what, a in named:
+    for key, a in (*enumerate(args), *kwargs.items()):
         leaves = [a] if isinstance(a, Tensor) else _tree.flatten(a)[0]
         if any(isinstance(t, Tensor) and t.is_meta for t in leaves):
+            what = (
+                f"keyword argument {key!r}"
+                if isinstance(key, str)
+                else f"positional argument {key}"
+            )
             raise RuntimeError(meta_input_error(where, what, first.device))
 
 
-def _check_unchanged(shared: list[tuple[str, Tensor, int]], where: str) -> None:
+def _check_unchanged(shared: list[Shared], where: str) -> None:
     """Refuse a call that modified an input shared by all members in place.
 
     The loop's members modify it in turn, each seeing the changes of the members
     before it; here the one call modifies it once for all of them.
     """
-    for what, tensor, version in shared:
+    for key, inside, tensor, version in shared:
         if tensor._version != version:
             raise ValueError(
-                f"{where}: the function modified {what}, an input shared by all members, "
+                f"{where}: the function modified {_what(key, inside)}, an input shared by "
+                "all members, "
                 "in place (expected inputs left as they are: the loop's members would "
                 "each modify it in turn, every member seeing the changes of those before "
                 "it, where one vectorized call modifies it once). The input has been "

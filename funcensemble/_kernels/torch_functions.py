@@ -115,7 +115,7 @@ def calls_unchanged(kinds: Iterable[type]) -> bool:
     (one replaced, before or after funcensemble's import, changes what they compute)."""
     kinds = list(kinds)
     for kind, calls in _CALLS:
-        if any(k is kind for k in kinds):
+        if kind in kinds:  # (a class compares by identity)
             for module, name, at_import in calls:
                 now = getattr(module, name)
                 if now is not at_import and not torch_own(now):
