@@ -736,15 +736,20 @@ def partly_shared(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` share some but not all of their memory: an in-place op
     writing ``a`` from ``b`` fails then ("some elements of the input tensor and the
     written-to tensor refer to a single memory location"). As torch's overlap check:
-    only dense layouts are compared (other layouts pass, and torch lets them run)."""
+    only dense layouts are compared (other layouts pass, and torch lets them run); the
+    same memory in another order (a transpose) counts as partly shared. Tensors whose
+    memory Python cannot read (a DTensor, another wrapper subclass) count as not."""
     if a is b or not a.numel() or not b.numel() or not (_dense(a) and _dense(b)):
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    try:
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return False
+        a_start, b_start = a.data_ptr(), b.data_ptr()
+    except RuntimeError:  # "invalid python storage": a wrapper subclass holds no memory
         return False
-    a_start, b_start = a.data_ptr(), b.data_ptr()
     a_end, b_end = a_start + a.nbytes, b_start + b.nbytes
     if a_start == b_start and a_end == b_end:
-        return False
+        return a.stride() != b.stride()
     return a_start < b_end and b_start < a_end
 
 

@@ -669,15 +669,44 @@ def test_losses_and_aux_share_no_memory_with_the_inputs(returns, chunk_size):
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
-@pytest.mark.parametrize("face", ["value_and_grad", "vmap", "torch.func.vmap"])
-@pytest.mark.parametrize("added", ["weight_norm", "pruning"])
+_ADDED = {
+    "weight_norm": (
+        lambda m: torch.nn.utils.parametrizations.weight_norm(m),
+        r"a parametrization \(_WeightNorm\) was added to `weight` of submodule `0`",
+    ),
+    "spectral_norm": (
+        lambda m: torch.nn.utils.parametrizations.spectral_norm(m),
+        r"a parametrization \(_SpectralNorm\) was added to `weight` of submodule `0`",
+    ),
+    "pruning": (
+        lambda m: torch.nn.utils.prune.l1_unstructured(m, "weight", amount=0.3),
+        r"pruning was added to `weight` of submodule `0`",
+    ),
+    # The hook-based forms (which fe.stack refuses in members) gave torch's shape errors.
+    "legacy weight_norm": (
+        lambda m: torch.nn.utils.weight_norm(m),
+        r"torch.nn.utils.weight_norm was added to `weight` of submodule `0`.*Use "
+        r"torch.nn.utils.parametrizations.weight_norm on each member",
+    ),
+    "legacy spectral_norm": (
+        lambda m: torch.nn.utils.spectral_norm(m),
+        r"torch.nn.utils.spectral_norm was added to `weight` of submodule `0`.*Use "
+        r"torch.nn.utils.parametrizations.spectral_norm on each member",
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated:FutureWarning")
+@pytest.mark.parametrize("face", ["value_and_grad", "vmap", "torch.func.vmap", "Ensemble"])
+@pytest.mark.parametrize("added", sorted(_ADDED))
 def test_a_weight_transform_added_to_an_mlp_after_stacking_is_refused(face, added):
     """The MLP fast path runs only plain layers: a parametrization or pruning added to
-    ``fmodel.skeleton`` after ``fe.stack`` sends the call to the check that refuses it,
-    before anything runs, as for any other architecture."""
-    fmodel, params, buffers = fe.stack(
-        [nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)) for _ in range(3)]
-    )
+    the stacked module after building sends the call to the check that refuses it,
+    before anything runs, as for any other architecture (named before the shapes it
+    changed)."""
+    members = [nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)) for _ in range(3)]
+    ens = fe.Ensemble(members) if face == "Ensemble" else None
+    fmodel, params, buffers = fe.stack(members)
     x = torch.randn(4, 3)
     loss_fn = lambda p, b, x: fmodel(p, b, x).pow(2).mean()  # noqa: E731
     call = {
@@ -686,14 +715,10 @@ def test_a_weight_transform_added_to_an_mlp_after_stacking_is_refused(face, adde
         "torch.func.vmap": lambda: torch.func.vmap(fmodel, in_dims=(0, 0, None))(
             params, buffers, x
         ),
+        "Ensemble": lambda: ens(x),
     }[face]
     call()  # runs before
-    layer = fmodel.skeleton[0]
-    if added == "weight_norm":
-        torch.nn.utils.parametrizations.weight_norm(layer)
-        match = r"a parametrization \(_WeightNorm\) was added to `weight` of submodule `0`"
-    else:
-        torch.nn.utils.prune.l1_unstructured(layer, "weight", amount=0.3)
-        match = r"pruning was added to `weight` of submodule `0`"
+    add, match = _ADDED[added]
+    add(ens.stacked[0] if ens is not None else fmodel.skeleton[0])
     with pytest.raises(ValueError, match=match):
         call()

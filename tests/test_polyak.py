@@ -279,8 +279,26 @@ def test_a_target_sharing_part_of_its_memory_with_online_is_refused_before_any_c
     same = {"a": torch.ones(4, 3)}
     fe.optim.polyak_update_(same, same, 0.5)  # the loop's t.lerp_(t, tau): a no-op
     assert torch.equal(same["a"], torch.ones(4, 3))
+    square = torch.zeros(4, 4)  # the same memory read in another order, as torch sees it
+    target = {"a": torch.zeros(2), "z": square}
+    with pytest.raises(ValueError, match=r"target\['z'\] shares part of its memory"):
+        fe.optim.polyak_update_(target, {"a": torch.ones(2), "z": square.t()}, 0.5)
+    assert not target["a"].any()
     grid = torch.zeros(4, 4)  # disjoint halves of one tensor: allowed, as torch allows
-    fe.optim.polyak_update_({"a": grid[:, :2]}, {"a": grid[:, 2:] + 0}, 0.5)
+    fe.optim.polyak_update_({"a": grid[:, :2]}, {"a": grid[:, 2:]}, 0.5)
+
+
+def test_wrapper_subclass_leaves_are_averaged():
+    """A tensor subclass holding no memory of its own (DTensor, TwoTensor) passes the
+    overlap check, which reads memory addresses, and is averaged as the loop's lerp_."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    target = TwoTensor(torch.randn(3, 2), torch.randn(3, 2))
+    online = TwoTensor(torch.randn(3, 2), torch.randn(3, 2))
+    want = (target.a.lerp(online.a, 0.5), target.b.lerp(online.b, 0.5))
+    fe.optim.polyak_update_({"w": target}, {"w": online}, 0.5)
+    assert torch.equal(target.a, want[0]) and torch.equal(target.b, want[1])
 
 
 @pytest.mark.parametrize(

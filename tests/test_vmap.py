@@ -696,3 +696,16 @@ def test_a_loss_waiting_on_a_thread_that_calls_another_ensemble_does_not_deadloc
         whole = fe.value_and_grad(loss)(params, buffers, x)[0]
         chunked = fe.value_and_grad(loss, chunk_size=2)(params, buffers, x)[0]
     torch.testing.assert_close(chunked, whole)
+
+
+def test_stacked_tensors_with_no_members():
+    """fe.vmap and fe.value_and_grad refuse them (test_bad_inputs); unstack gives no
+    modules, and torch.func.vmap over an MLP's fmodel what it gives for any module
+    (the MLP fast path divided by zero)."""
+    fmodel, params, buffers = fe.stack(
+        [nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in range(3)]
+    )
+    empty = {k: v[:0] for k, v in params.items()}
+    assert fe.unstack(fmodel, empty, buffers) == []
+    out = torch.func.vmap(fmodel, in_dims=(0, 0, None))(empty, buffers, torch.randn(5, 3))
+    assert out.shape == (0, 5, 2)

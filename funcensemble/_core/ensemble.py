@@ -357,6 +357,12 @@ class Ensemble(nn.Module):
         with _turn(self):
             params, buffers = self.stacked_params(), self.stacked_buffers()
         if not _torch_compat.jit_tracing():  # (which refuses below, saying why)
+            if not torch.compiler.is_compiling():
+                # A weight transform added since changes the tensors' names and shapes:
+                # named first, before the shapes it changed are.
+                _weight_transforms.check_unchanged(
+                    "Ensemble", self.stacked, self.fmodel._weight_transforms
+                )
             _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building
         return mapped(params, buffers, args, kwargs, dims)
 

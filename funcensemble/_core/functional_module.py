@@ -289,8 +289,8 @@ class FunctionalModule:
         # A parametrization or pruning added to the ensemble's module after it was
         # built would act on all members' stacked tensor at once: refused. Where the
         # members had none, that check waits for a call the fast path does not take:
-        # the fast path runs only plain layer classes without hooks, so any added
-        # since sends the call on, to the check below, before anything has run.
+        # the fast path runs only plain layer classes without hooks, so one added since
+        # to a layer the call runs sends it on, to the check below, before anything ran.
         deferred = compiling or not (differ or self._weight_transforms)
         if not deferred:
             _weight_transforms.check_unchanged("Ensemble", self.skeleton, self._weight_transforms)

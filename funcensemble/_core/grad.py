@@ -358,7 +358,7 @@ def _value_and_grad(
     def run(
         params: Any, buffers: Any, trainable: set[str], args: tuple[Any, ...], kwargs: Any
     ) -> tuple[Any, ...]:
-        n = _num_members(where, params, buffers, checked=True)
+        n = _num_members(where, params, buffers, checked=True, computing=True)
         dims = _in_dims.per_argument(in_dims, args, n, where)
         buffers = {k: v.clone() for k, v in buffers.items()}
         if torch.compiler.is_compiling() or _torch_compat.inside_transform():

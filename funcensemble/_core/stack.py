@@ -175,9 +175,12 @@ def check_state_dicts(where: str, params: Any, buffers: Any) -> None:
         )
 
 
-def _num_members(where: str, params: Any, buffers: Any, *, checked: bool = False) -> int:
+def _num_members(
+    where: str, params: Any, buffers: Any, *, checked: bool = False, computing: bool = False
+) -> int:
     """N, the one leading size of every stacked tensor; ``checked``: the dicts have
-    passed [`check_state_dicts`][] already."""
+    passed [`check_state_dicts`][] already; ``computing``: a call computing the members'
+    results, which refuses N = 0 (``unstack`` of no members gives no modules)."""
     if not checked:
         check_state_dicts(where, params, buffers)
     sizes = {
@@ -199,7 +202,7 @@ def _num_members(where: str, params: Any, buffers: Any, *, checked: bool = False
                 "axis first, of one size N."
             )
     assert n is not None
-    if n == 0:
+    if n == 0 and computing:
         raise ValueError(
             f"{where}: the stacked tensors have no members (expected a leading member axis "
             f"of at least 1, got 0 in `{first_name}`), as fe.stack and Ensemble.select "

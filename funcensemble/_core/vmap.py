@@ -295,7 +295,7 @@ def vmap(
 
     @functools.wraps(fn)
     def mapped(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
-        n = _num_members("vmap", params, buffers)
+        n = _num_members("vmap", params, buffers, computing=True)
         return run(params, buffers, args, kwargs, _in_dims.per_argument(in_dims, args, n))
 
     return mapped

@@ -292,8 +292,10 @@ def run(
         raise RuntimeError(meta_input_error(where, "the input", first.device))
     if first.is_complex():
         return None  # our backward passes transpose without conjugating: general path
-    refuse_inference_tensors(where, params)
     n = first.shape[0]
+    if not n:
+        return None  # no members (sliced or assigned empty): the general path decides
+    refuse_inference_tensors(where, params)
     if member_dim is not None:
         x = x.movedim(member_dim, 0)
         if x.dim() < 2 or x.shape[0] != n:

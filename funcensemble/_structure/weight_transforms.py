@@ -10,6 +10,8 @@ method one threshold over all members. Members built with them are stacked with 
 
 from torch import nn
 from torch.nn.utils import parametrize, prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .._messages import submodule
 
@@ -27,7 +29,13 @@ def of(skeleton: nn.Module) -> Transforms:
         for hook in m._forward_pre_hooks.values():
             if isinstance(hook, prune.BasePruningMethod):
                 out.add((path, str(getattr(hook, "_tensor_name", "?")), ("pruning",)))
+            elif isinstance(hook, (WeightNorm, SpectralNorm)):  # the hook-based forms
+                out.add((path, str(getattr(hook, "name", "?")), (_LEGACY[type(hook)],)))
     return frozenset(out)
+
+
+# The hook-based reparametrizations (stack refuses members built with them).
+_LEGACY = {WeightNorm: "torch.nn.utils.weight_norm", SpectralNorm: "torch.nn.utils.spectral_norm"}
 
 
 def check_unchanged(where: str, skeleton: nn.Module, built: Transforms) -> None:
@@ -37,13 +45,23 @@ def check_unchanged(where: str, skeleton: nn.Module, built: Transforms) -> None:
         return
     changed = sorted(now ^ built)
     path, name, kinds = changed[0]
-    what = "pruning" if kinds == ("pruning",) else f"a parametrization ({', '.join(kinds)})"
+    legacy = kinds[0] in _LEGACY.values()
+    if kinds == ("pruning",) or legacy:
+        what = kinds[0] if legacy else "pruning"
+    else:
+        what = f"a parametrization ({', '.join(kinds)})"
     verb = "added to" if changed[0] in now else "removed from"
+    fix = (
+        "Use torch.nn.utils.parametrizations." + kinds[0].rsplit(".", 1)[1] + " on each "
+        "member before building the ensemble (the hook-based form cannot be stacked)"
+        if legacy
+        else "Apply it to each member before building the ensemble"
+    )
     raise ValueError(
         f"{where}: {what} was {verb} `{name}` of {submodule(path)} after the ensemble was "
         "built (expected the parametrizations and pruning the members were built with): "
         "on the stacked tensor it acts on all members at once (weight_norm takes one norm "
         "per member instead of one per row, pruning one threshold over all members), not "
-        "on each member's. Apply it to each member before building the ensemble, or build "
-        "a new one from the members (fe.Ensemble(ens.unstack()) after changing them)."
+        f"on each member's. {fix}, or build a new one from the members "
+        "(fe.Ensemble(ens.unstack()) after changing them)."
     )
