@@ -971,6 +971,31 @@ def test_outputs_sharing_memory_come_back_as_the_loops_separate_stacks():
         torch.testing.assert_close(second, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_an_output_every_member_returns_the_same_tensor_for_is_a_fresh_stack(n):
+    """A member returning an unregistered tensor attribute, which the members' skeleton
+    shares: vmap handed back a view of it (expanded over the members, or with one member
+    unsqueezed), so an in-place change to the output changed the attribute (with one
+    member silently). The loop's torch.stack gives a fresh tensor."""
+
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.table = torch.arange(4.0)  # not registered: one tensor for all members
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.lin(x), self.table
+
+    members = [WithTable() for _ in range(n)]
+    ens = fe.Ensemble(members)
+    _, table = ens(torch.randn(5, 3))
+    assert table.shape == (n, 4) and table.is_contiguous()
+    assert torch.equal(table, torch.stack([m.table for m in members]))
+    table.add_(1.0)  # the loop's stack is a copy: nothing else changes
+    assert torch.equal(ens.stacked.table, torch.arange(4.0))
+
+
 def test_an_output_another_outputs_op_saved_is_refused_at_backward_as_unsupported_md_says():
     class Squares(nn.Module):
         def __init__(self) -> None:

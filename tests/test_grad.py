@@ -632,14 +632,23 @@ def _storage(t):
 @pytest.mark.parametrize("chunk_size", [None, 2])
 @pytest.mark.parametrize(
     "returns",
-    ["parameter", "loss as aux", "buffer as aux", "input as aux", "parameter as aux"],
+    [
+        "parameter",
+        "loss as aux",
+        "buffer as aux",
+        "input as aux",
+        "parameter as aux",
+        "closed-over tensor as aux",
+    ],
 )
-def test_losses_and_aux_share_no_memory_with_the_inputs(returns, chunk_size):
+@pytest.mark.parametrize("n", [1, 3])
+def test_losses_and_aux_share_no_memory_with_the_inputs(returns, chunk_size, n):
     """The loop's torch.stack of per-member losses (and aux) is a new tensor: changing it
     in place changes no parameter, buffer, input or other result."""
-    fmodel, params, buffers = fe.stack([Scaled() for _ in range(3)])
+    fmodel, params, buffers = fe.stack([Scaled() for _ in range(n)])
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
-    xs = torch.randn(3, 4)
+    xs = torch.randn(n, 4)
+    table = torch.arange(4.0)
 
     def loss_fn(p, b, x):
         loss = fmodel(p, b, x).sum()
@@ -651,21 +660,23 @@ def test_losses_and_aux_share_no_memory_with_the_inputs(returns, chunk_size):
             return loss, b["count"]
         if returns == "input as aux":
             return loss, x
+        if returns == "closed-over tensor as aux":  # (with one member: silently a view)
+            return loss, table
         return loss, p["scale"]
 
     has_aux = returns != "parameter"
     step = fe.value_and_grad(loss_fn, in_dims=(0,), has_aux=has_aux, chunk_size=chunk_size)
     out = step(params, buffers, xs)
     results = [out[0], *(out[3:] if has_aux else ())]
-    held = {_storage(t) for t in (*params.values(), *buffers.values(), *out[2].values(), xs)}
+    held = {_storage(t) for t in (*params.values(), *buffers.values(), *out[2].values(), xs, table)}
     ptrs = [_storage(t) for t in results]
     assert not held & set(ptrs), returns
     assert len(set(ptrs)) == len(ptrs), returns
-    before = [t.clone() for t in (*params.values(), *out[2].values(), xs)]
+    before = [t.clone() for t in (*params.values(), *out[2].values(), xs, table)]
     with torch.no_grad():
         for t in results:
             t.add_(1.0)
-    after = (*params.values(), *out[2].values(), xs)
+    after = (*params.values(), *out[2].values(), xs, table)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 

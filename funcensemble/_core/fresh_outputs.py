@@ -8,8 +8,10 @@ Two ways a vectorized call's outputs differ from that, both fixed here by a copy
   operation");
 - an output sharing memory with another output (a member returning
   ``(h, h[..., :1])``), with the ensemble's parameters or buffers (a member returning
-  ``self.scale``) or with an input (a member returning its slice of the input):
-  changed in place, it would change those too, which the loop's stacks never do.
+  ``self.scale``), with an input (a member returning its slice of the input) or with
+  a tensor every member returned (a closed-over tensor, or an unregistered tensor
+  attribute): changed in place, it would change those too, which the loop's stacks
+  never do.
 
 Which ops save their output is read from their backward node's class (a
 ``_saved_result`` attribute), never by unpacking a saved tensor: that would run
@@ -37,6 +39,25 @@ def _saves_itself(t: Tensor) -> bool:
     if saves is None:
         saves = _SAVES_RESULT[cls] = "_saved_result" in dir(cls)
     return saves
+
+
+def _same_for_all(t: Tensor) -> bool:
+    """Whether ``t`` is an output every member returned the same tensor for (one not
+    batched by the call, a closed-over tensor or attribute): vmap hands it back as a
+    view of that tensor, expanded over the members (the member axis of stride 0), or
+    with one member, unsqueezed. The loop's torch.stack copies it."""
+    if not t.dim():
+        return False
+    if t.stride(0) == 0:
+        return True
+    base = t._base
+    return (
+        base is not None
+        and t.shape[0] == 1
+        and t.shape[1:] == base.shape
+        and t.data_ptr() == base.data_ptr()
+        and t.stride()[1:] == base.stride()
+    )
 
 
 def _storages(*trees: Any) -> set[int]:
@@ -68,7 +89,9 @@ def not_saved(out: Any, *held: Any) -> Any:
             ptr = leaf.untyped_storage().data_ptr() if leaf.numel() else 0
             shared = ptr != 0 and ptr in seen
             seen.add(ptr)
-            if shared or (leaf.requires_grad and _saves_itself(leaf)):
+            if _same_for_all(leaf):
+                leaf = leaf.clone(memory_format=torch.contiguous_format)
+            elif shared or (leaf.requires_grad and _saves_itself(leaf)):
                 leaf = leaf.clone()
         fresh.append(leaf)
     return _tree.unflatten(spec, fresh)

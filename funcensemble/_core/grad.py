@@ -11,7 +11,6 @@ from .._kernels.fastpath import refuse_inference_tensors
 from .._structure import chunk_state as _chunk_state
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
-from .fresh_outputs import not_saved
 from .in_dims import InDims
 from .rollback import rollback_on_error
 from .seeding import rng_state, set_rng_state
@@ -333,10 +332,11 @@ def _value_and_grad(
 
         loss_fn._signature_of = given_loss  # type: ignore[attr-defined]  # for messages
 
-    # The losses and aux come back as fresh tensors without the mapped call's check of
-    # each output against the inputs (a fifth of a small ensemble's call): the chunks'
-    # are copied into new tensors, and the whole call's are made fresh in run().
-    mapped_loss = mapped_call(loss_fn, randomness, chunk_size, where=where, fresh=False)
+    # The losses come back as fresh tensors without the mapped call's check of each
+    # output against the inputs (a fifth of a small ensemble's call): the chunks' are
+    # copied into new tensors, and the whole call's copied in run(). An aux is checked
+    # by the mapped call (before the detach that hides what it views).
+    mapped_loss = mapped_call(loss_fn, randomness, chunk_size, where=where, fresh=has_aux)
 
     def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:
         # buffers go in as an argument, not a closure: torch.func.grad forbids in-place
@@ -404,11 +404,9 @@ def _value_and_grad(
                 losses, grads, aux = _autograd_step(
                     mapped_loss, has_aux, params, buffers, args, kwargs, dims, trainable, where
                 )
-            # loss_fn may return a parameter, buffer or input itself (or a view of one),
-            # and aux anything: the caller gets tensors of its own, as the loop's do.
+            # loss_fn may return a parameter, buffer or input itself (or a view of one):
+            # the caller gets tensors of its own, as the loop's torch.stack gives.
             losses = losses.clone()
-            if has_aux:
-                aux = not_saved(aux, params, buffers, args, kwargs)
         if not torch.compiler.is_compiling() and not _torch_compat.inside_transform():
             # A buffer the forward wrote a differentiable value into (snap.copy_(w * 2))
             # comes back as a value, as the losses do: its graph would otherwise grow
