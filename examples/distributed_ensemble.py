@@ -55,7 +55,7 @@ def dataset(samples: int) -> tuple[Tensor, Tensor]:
     x = torch.cat(
         [
             torch.rand(samples // 2, 1, generator=g) * 2 - 3,
-            torch.rand(samples // 2, 1, generator=g) * 2 + 1,
+            torch.rand(samples - samples // 2, 1, generator=g) * 2 + 1,
         ]
     )
     return x, torch.sin(2 * x) + 0.1 * torch.randn(x.shape, generator=g)
@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps",
+        help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps (in place of "
+        "--members and --steps)",
     )
     _cli.add_common_options(parser, NAME)
     return parser
@@ -88,8 +89,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.members, args.steps = QUICK["members"], QUICK["steps"]
-    if args.members < 1 or args.steps < 1 or args.data_parallel < 1:
-        parser.error("--members, --steps and --data-parallel must be positive")
+    if args.members < 1 or args.steps < 1 or args.data_parallel < 1 or args.batch < 1:
+        parser.error("--members, --steps, --batch and --data-parallel must be positive")
+    if args.members < 2:  # (the spread reported at the end needs two)
+        parser.error("--members must be at least 2: the run reports the members' spread")
+    if args.samples < 2:
+        parser.error("--samples must be at least 2 (one point on each interval)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.data_parallel:
         parser.error(f"--data-parallel {args.data_parallel} does not divide the {world} ranks")

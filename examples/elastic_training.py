@@ -7,7 +7,9 @@ it (``fe.distributed.load``). Run it under ``torchrun --max-restarts``: when a r
 dies, torchrun restarts the whole group, and the run carries on from the last
 checkpoint. Its result is bitwise the result of a run that never crashed, because
 everything a step depends on is either in the checkpoint (parameters, Adam's state,
-the step) or derived from the step number (each step's batch)::
+the step, the batch size) or derived from the step number (each step's batch); a
+rerun with another ``--batch``, or fewer ``--steps`` than its newest checkpoint, is
+refused::
 
     torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
         examples/elastic_training.py --crash-after 30
@@ -71,7 +73,8 @@ def complete_steps(out: Path) -> list[int]:
 def remove_incomplete(out: Path) -> None:
     """Rank 0: delete what a save killed half-way left behind, so it can be written anew."""
     for path in out.glob("step-*"):
-        if path.is_dir() and not (path / COMPLETE).is_file():
+        ours = re.fullmatch(r"step-\d+", path.name) and path.is_dir()
+        if ours and not (path / COMPLETE).is_file():
             shutil.rmtree(path)
 
 
@@ -96,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps, "
-        f"a checkpoint every {QUICK['every']}",
+        f"a checkpoint every {QUICK['every']} (in place of --members, --steps and --every)",
     )
     _cli.add_common_options(parser, NAME)
     return parser
@@ -109,6 +112,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.members, args.steps, args.every = QUICK["members"], QUICK["steps"], QUICK["every"]
     if min(args.members, args.steps, args.every, args.keep, args.batch) < 1:
         parser.error("--members, --steps, --every, --keep and --batch must be positive")
+    if args.crash_after is not None and not 1 <= args.crash_after < args.steps:
+        parser.error(f"--crash-after must be a step from 1 to --steps - 1 ({args.steps - 1})")
     _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=False))
     return args
 
@@ -128,6 +133,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def train(args: argparse.Namespace) -> dict[str, Any]:
     shard = fe.distributed.MemberShard(args.members)
     say = print if shard.rank == 0 else (lambda *a, **k: None)
+    if args.crash_after is not None and not 0 <= args.crash_rank < shard.world_size:
+        raise SystemExit(
+            f"--crash-rank {args.crash_rank} is not a rank of this run (0 to "
+            f"{shard.world_size - 1}): --crash-after would kill nothing"
+        )
     if shard.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         remove_incomplete(args.out)
@@ -139,7 +149,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     params = {k: v.detach() for k, v in ens.stacked_params().items()}
     buffers = dict(ens.stacked_buffers())
     opt = fe.optim.adam(1e-2)
-    run = {"params": params, "opt": opt.init(params), "step": 0}
+    # The batch size is saved too: a run resumed with another one would match neither.
+    run = {"params": params, "opt": opt.init(params), "step": 0, "batch": args.batch}
     steps = complete_steps(args.out)
     newest = [steps[-1] if steps else None]
     if dist.is_initialized():
@@ -149,7 +160,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if newest[0] is not None:
         # Every rank reads its own members' rows, whatever world size wrote them.
         run = fe.distributed.load(checkpoint(args.out, newest[0]), run, shard)
-        say(f"resumed from step {run['step']} ({checkpoint(args.out, newest[0])})")
+        where = checkpoint(args.out, newest[0])
+        if run["batch"] != args.batch or run["step"] > args.steps:
+            raise SystemExit(
+                f"{where} was written with --batch {run['batch']} at step {run['step']}, "
+                f"and this run asks for --batch {args.batch} and --steps {args.steps}: resume "
+                "with the same --batch and --steps at least that step, or pass a new --out"
+            )
+        say(f"resumed from step {run['step']} ({where})")
     say(f"{args.members} members on {shard.world_size} rank(s), from step {run['step']}")
 
     x, y = dataset()
@@ -168,7 +186,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         done = s + 1
         if done % args.every == 0 or done == args.steps:
             fe.distributed.save(
-                checkpoint(args.out, done), {"params": params, "opt": state, "step": done}, shard
+                checkpoint(args.out, done),
+                {"params": params, "opt": state, "step": done, "batch": args.batch},
+                shard,
             )
             if shard.rank == 0:  # save returns once every rank's part is written
                 for old in complete_steps(args.out)[: -args.keep]:

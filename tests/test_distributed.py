@@ -1595,3 +1595,27 @@ def test_a_load_refused_on_one_rank_is_part_of_the_ranks_agreement(tmp_path, mon
     assert "rank 1: yes)" in message
     assert "a rank whose own object does not match the checkpoint is named above" in message
     assert len(seen) == 1  # the agreement ran before anything else was exchanged
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--members", "1"], "--members must be at least 2"),
+        (["--samples", "1"], "--samples must be at least 2"),
+        (["--batch", "0"], "must be positive"),
+    ],
+)
+def test_the_distributed_example_refuses_bad_options_before_anything_runs(options, message, capsys):
+    """They failed after training (--members 1, at the spread) or part-way through it,
+    with the previous checkpoint in --out already deleted."""
+    with pytest.raises(SystemExit):
+        _load_example().parse(options)
+    assert message in capsys.readouterr().err
+
+
+def test_the_distributed_example_trains_on_as_many_points_as_asked():
+    """An odd --samples drew indices up to it from one point fewer (an IndexError
+    part-way, or a quiet run on one point fewer)."""
+    for samples in (7, 8):
+        x, y = _load_example().dataset(samples)
+        assert x.shape == y.shape == (samples, 1)

@@ -171,7 +171,7 @@ def _final_checkpoint(example, out: Path, members: int) -> dict:
         .stacked_params()
         .items()
     }
-    template = {"params": params, "opt": fe.optim.adam(1e-2).init(params), "step": 0}
+    template = {"params": params, "opt": fe.optim.adam(1e-2).init(params), "step": 0, "batch": 0}
     return fe.distributed.load(example.checkpoint(out, example.QUICK["steps"]), template)
 
 
@@ -216,3 +216,39 @@ def test_the_example_resumes_from_its_newest_complete_checkpoint(tmp_path, capsy
     assert "resumed from step 8" in capsys.readouterr().out
     assert example.complete_steps(out) == [8, 12]
     assert_trees_equal(again, straight)
+
+
+def test_the_example_refuses_a_resume_with_other_options(tmp_path, capsys):
+    """A rerun asking for fewer steps than its newest checkpoint returned that step's
+    state as --steps' ("done: step 6" with step 12's parameters), and one with another
+    --batch matched neither run: both are refused now. A folder of the user's named
+    step-* is left alone."""
+    example = load_example("elastic_training")
+    out = tmp_path / "run"
+    example.main(["--quick", "--quiet", "--out", str(out)])  # checkpoints at 8 and 12
+    (out / "step-notes").mkdir()
+    for options in (["--steps", "6"], ["--steps", "16", "--batch", "8"]):
+        with pytest.raises(SystemExit, match=r"step-000012 was written with --batch 16 at step 12"):
+            example.main(["--members", "5", "--every", "4", "--quiet", "--out", str(out), *options])
+    resumed = example.main(
+        ["--members", "5", "--every", "4", "--steps", "16", "--quiet", "--out", str(out)]
+    )
+    assert resumed["step"] == 16 and example.complete_steps(out) == [12, 16]
+    assert (out / "step-notes").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--steps", "12", "--crash-after", "12"], "--crash-after must be a step from 1 to"),
+        (["--crash-after", "0"], "--crash-after must be a step from 1 to"),
+        (["--crash-after", "3", "--crash-rank", "1"], "--crash-rank 1 is not a rank of this run"),
+    ],
+)
+def test_the_example_refuses_a_crash_that_would_not_happen(tmp_path, options, message, capsys):
+    example = load_example("elastic_training")
+    with pytest.raises(SystemExit) as stopped:
+        example.main(["--quick", "--quiet", "--out", str(tmp_path / "run"), *options])
+    code = stopped.value.code  # argparse's error prints to stderr and exits with 2
+    assert message in (code if isinstance(code, str) else capsys.readouterr().err)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

@@ -984,16 +984,22 @@ def test_an_output_every_member_returns_the_same_tensor_for_is_a_fresh_stack(n):
             self.lin = nn.Linear(3, 2)
             self.table = torch.arange(4.0)  # not registered: one tensor for all members
 
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.lin(x), self.table
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.lin(x), self.table, self.table[:2], GRID.t()
 
+    GRID = torch.arange(6.0).reshape(2, 3)  # closed over, itself a view
     members = [WithTable() for _ in range(n)]
     ens = fe.Ensemble(members)
-    _, table = ens(torch.randn(5, 3))
-    assert table.shape == (n, 4) and table.is_contiguous()
-    assert torch.equal(table, torch.stack([m.table for m in members]))
-    table.add_(1.0)  # the loop's stack is a copy: nothing else changes
+    _, *outs = ens(torch.randn(5, 3))
+    for out, want in zip(
+        outs,
+        ([m.table for m in members], [m.table[:2] for m in members], [GRID.t()] * n),
+        strict=True,
+    ):
+        assert torch.equal(out, torch.stack(want))
+        out.add_(1.0)  # the loop's stack is a copy: nothing else changes
     assert torch.equal(ens.stacked.table, torch.arange(4.0))
+    assert torch.equal(GRID, torch.arange(6.0).reshape(2, 3))
 
 
 def test_an_output_another_outputs_op_saved_is_refused_at_backward_as_unsupported_md_says():

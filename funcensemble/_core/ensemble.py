@@ -309,7 +309,7 @@ class Ensemble(nn.Module):
     def _checked_num_members(self, where: str) -> int:
         """N, after checking every stacked tensor's shape (see ``checked_num_members``)."""
         return checked_num_members(
-            where, self.fmodel, self.stacked_params(), self.stacked_buffers()
+            where, self.fmodel, self.stacked_params(), self.stacked_buffers(), computing=True
         )
 
     @_taking_turns
@@ -357,13 +357,17 @@ class Ensemble(nn.Module):
         with _turn(self):
             params, buffers = self.stacked_params(), self.stacked_buffers()
         if not _torch_compat.jit_tracing():  # (which refuses below, saying why)
-            if not torch.compiler.is_compiling():
-                # A weight transform added since changes the tensors' names and shapes:
-                # named first, before the shapes it changed are.
-                _weight_transforms.check_unchanged(
-                    "Ensemble", self.stacked, self.fmodel._weight_transforms
-                )
-            _num_members("Ensemble", params, buffers, checked=True)  # one assigned after building
+            try:  # a tensor assigned after building
+                _num_members("Ensemble", params, buffers, checked=True, computing=True)
+            except ValueError:
+                if not torch.compiler.is_compiling():
+                    # A weight transform added since changes the tensors' names and
+                    # shapes: named rather than the shapes it changed (the call below
+                    # checks for one anyway: not twice a call).
+                    _weight_transforms.check_unchanged(
+                        "Ensemble", self.stacked, self.fmodel._weight_transforms
+                    )
+                raise
         return mapped(params, buffers, args, kwargs, dims)
 
     @_taking_turns

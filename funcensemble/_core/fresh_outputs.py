@@ -42,22 +42,32 @@ def _saves_itself(t: Tensor) -> bool:
 
 
 def _same_for_all(t: Tensor) -> bool:
-    """Whether ``t`` is an output every member returned the same tensor for (one not
-    batched by the call, a closed-over tensor or attribute): vmap hands it back as a
-    view of that tensor, expanded over the members (the member axis of stride 0), or
-    with one member, unsqueezed. The loop's torch.stack copies it."""
-    if not t.dim():
-        return False
-    if t.stride(0) == 0:
-        return True
-    base = t._base
-    return (
-        base is not None
-        and t.shape[0] == 1
-        and t.shape[1:] == base.shape
-        and t.data_ptr() == base.data_ptr()
-        and t.stride()[1:] == base.stride()
-    )
+    """Whether ``t`` is an output every member returned the same tensor for: vmap hands
+    it back expanded over the members (the member axis of stride 0), which an in-place
+    op refuses; the loop's torch.stack is a tensor of its own."""
+    return bool(t.dim()) and t.stride(0) == 0 and t.shape[0] > 1
+
+
+def unbatched_copied(out: Any) -> Any:
+    """``out``, returned by one member inside the call's own vmap, with a copy of each
+    tensor the vmap does not batch (a closed-over tensor, a tensor attribute every
+    member shares, or a view of one): vmap would hand back a view of that tensor
+    itself, which an in-place change to the output would change (with one member
+    silently). Outside a vmap, or while compiling, ``out`` as it is."""
+    if torch.compiler.is_compiling():
+        return out
+    level = _torch_compat.vmap_level()
+    if level is None:
+        return out
+    leaves, spec = _tree.flatten(out)
+    copied = False
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            found = _torch_compat.unwrap_at(leaf, level)
+            if found is None or found[1] is None:  # not batched by this vmap
+                leaves[k] = leaf.clone()
+                copied = True
+    return _tree.unflatten(spec, leaves) if copied else out
 
 
 def _storages(*trees: Any) -> set[int]:
@@ -71,10 +81,12 @@ def _storages(*trees: Any) -> set[int]:
 
 
 @torch.compiler.disable  # eager only: its callers return a traced call's outputs as they are
-def not_saved(out: Any, *held: Any) -> Any:
+def not_saved(out: Any, *held: Any, saved: bool = True) -> Any:
     """``out`` with a copy of every output its own op saved for the backward, and of
     every output sharing memory with an earlier one or with the tensors in ``held``
-    (the call's parameters, buffers and inputs)."""
+    (the call's parameters, buffers and inputs), or expanded over the members (see
+    ``unbatched_copied``). ``saved=False``: outputs that are detached once the caller's
+    own backward has run, for which the first copy protects nothing."""
     if torch.jit.is_tracing() or _torch_compat.inside_transform():
         # (A traced graph must not depend on grad mode; wrapped tensors are the
         # enclosing transform's to handle.)
@@ -91,7 +103,7 @@ def not_saved(out: Any, *held: Any) -> Any:
             seen.add(ptr)
             if _same_for_all(leaf):
                 leaf = leaf.clone(memory_format=torch.contiguous_format)
-            elif shared or (leaf.requires_grad and _saves_itself(leaf)):
+            elif shared or (saved and leaf.requires_grad and _saves_itself(leaf)):
                 leaf = leaf.clone()
         fresh.append(leaf)
     return _tree.unflatten(spec, fresh)

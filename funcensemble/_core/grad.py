@@ -335,8 +335,11 @@ def _value_and_grad(
     # The losses come back as fresh tensors without the mapped call's check of each
     # output against the inputs (a fifth of a small ensemble's call): the chunks' are
     # copied into new tensors, and the whole call's copied in run(). An aux is checked
-    # by the mapped call (before the detach that hides what it views).
-    mapped_loss = mapped_call(loss_fn, randomness, chunk_size, where=where, fresh=has_aux)
+    # by the mapped call (before the detach that hides what it views), except for outputs
+    # an op saved: detached after the backward here, they need no copy.
+    mapped_loss = mapped_call(
+        loss_fn, randomness, chunk_size, where=where, fresh=has_aux, saved=False
+    )
 
     def one_member(params: Any, buffers: Any, frozen: Any, *args: Any, **kwargs: Any) -> Any:
         # buffers go in as an argument, not a closure: torch.func.grad forbids in-place

@@ -271,11 +271,13 @@ def unstack(
     return [member_module(fmodel.skeleton, params, buffers, i) for i in range(n)]
 
 
-def checked_num_members(where: str, fmodel: FunctionalModule, params: Any, buffers: Any) -> int:
+def checked_num_members(
+    where: str, fmodel: FunctionalModule, params: Any, buffers: Any, *, computing: bool = False
+) -> int:
     """N, after checking every stacked tensor's shape: the member axis first, then the
     member's shape ``fmodel`` recorded at build (a tensor of another shape would be
-    sliced as if stacked)."""
-    n = _num_members(where, params, buffers)
+    sliced as if stacked); ``computing`` as for ``_num_members``."""
+    n = _num_members(where, params, buffers, computing=computing)
     for name, t in (*params.items(), *buffers.items()):
         kind, shape = fmodel._member_shapes.get(name, ("tensor", None))
         if shape is not None and t.shape[1:] != shape:

@@ -19,7 +19,7 @@ from . import entry as _entry
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
 from .call_arguments import arguments_error, refuse_an_ensemble
-from .fresh_outputs import not_saved
+from .fresh_outputs import not_saved, unbatched_copied
 from .functional_module import FunctionalModule, check_given, keys_differ
 from .in_dims import InDims
 from .rollback import rollback_on_error
@@ -415,6 +415,7 @@ def mapped_call(
     *,
     where: str,
     fresh: bool = True,
+    saved: bool = True,
 ) -> Callable[[Any, Any, tuple[Any, ...], dict[str, Any], tuple[Any, ...]], Any]:
     """``fn`` mapped over members, taking ``(params, buffers, args, kwargs, dims)``.
 
@@ -422,11 +423,13 @@ def mapped_call(
     [`check_options`][], ``dims`` by ``_in_dims.per_argument``, and the stacked state by
     ``_num_members``; nothing is checked again here. Errors name ``where``, the entry
     point the user called. ``fresh=False``: the outputs come back as the call made
-    them, for a caller that copies or checks them itself (see ``fresh_outputs``).
+    them, for a caller that copies or checks them itself (see ``fresh_outputs``);
+    ``saved=False``: outputs an op saved are not copied (``not_saved``'s ``saved``).
     """
 
     def one_member(params: Any, buffers: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-        return fn(params, buffers, *args, **kwargs)
+        out = fn(params, buffers, *args, **kwargs)
+        return unbatched_copied(out) if fresh else out
 
     skeleton = fn.skeleton if isinstance(fn, FunctionalModule) else None
 
@@ -536,7 +539,7 @@ def mapped_call(
                 if torch.compiler.is_compiling() or not fresh:
                     return out
                 # An output may be a member's parameter, buffer or input itself.
-                return not_saved(out, params, buffers, args, kwargs)
+                return not_saved(out, params, buffers, args, kwargs, saved=saved)
         except (RuntimeError, ValueError) as error:
             clear = _explain(error, randomness, where) or _buffer_with_history(
                 error, buffers, chunk_size is not None, where

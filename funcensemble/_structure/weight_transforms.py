@@ -30,7 +30,8 @@ def of(skeleton: nn.Module) -> Transforms:
             if isinstance(hook, prune.BasePruningMethod):
                 out.add((path, str(getattr(hook, "_tensor_name", "?")), ("pruning",)))
             elif isinstance(hook, (WeightNorm, SpectralNorm)):  # the hook-based forms
-                out.add((path, str(getattr(hook, "name", "?")), (_LEGACY[type(hook)],)))
+                kind = _LEGACY[WeightNorm if isinstance(hook, WeightNorm) else SpectralNorm]
+                out.add((path, str(getattr(hook, "name", "?")), (kind,)))
     return frozenset(out)
 
 
