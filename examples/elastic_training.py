@@ -159,8 +159,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.broadcast_object_list(newest, src=0)
     if newest[0] is not None:
         # Every rank reads its own members' rows, whatever world size wrote them.
-        run = fe.distributed.load(checkpoint(args.out, newest[0]), run, shard)
         where = checkpoint(args.out, newest[0])
+        try:
+            run = fe.distributed.load(where, run, shard)
+        except ValueError as error:
+            if "missing leaf `batch`" not in str(error):
+                raise
+            raise SystemExit(
+                f"{where} was written by an earlier version of this example, which did not "
+                "save --batch: pass a new --out"
+            ) from None
         if run["batch"] != args.batch or run["step"] > args.steps:
             raise SystemExit(
                 f"{where} was written with --batch {run['batch']} at step {run['step']}, "

@@ -190,6 +190,11 @@ def unwrap_at(t: Tensor, level: int) -> tuple[Tensor, int | None] | None:
 _is_legacy_batched = _require(_functorch, "is_legacy_batchedtensor", "torch._C._functorch", "2.0")
 
 
+def batched_at(t: Tensor, level: int) -> bool:
+    """Whether ``t``'s outermost ``torch.func`` wrapper batches it at ``level``."""
+    return bool(_is_batched(t)) and _level_of(t) == level
+
+
 def is_legacy_batched(t: Tensor) -> bool:
     """Whether ``t`` is batched by torch's legacy vmap (``torch.autograd.grad(...,
     is_grads_batched=True)``, vectorized ``torch.autograd.functional.jacobian``)."""

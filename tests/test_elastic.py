@@ -252,3 +252,16 @@ def test_the_example_refuses_a_crash_that_would_not_happen(tmp_path, options, me
     code = stopped.value.code  # argparse's error prints to stderr and exits with 2
     assert message in (code if isinstance(code, str) else capsys.readouterr().err)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_the_example_names_a_checkpoint_written_before_it_saved_the_batch(tmp_path):
+    example = load_example("elastic_training")
+    out = tmp_path / "run"
+    example.main(["--quick", "--quiet", "--out", str(out)])
+    saved = _final_checkpoint(example, out, example.QUICK["members"])
+    del saved["batch"]  # what the example wrote before it saved --batch
+    fe.distributed.save(example.checkpoint(out, 16), saved)
+    with pytest.raises(SystemExit, match=r"step-000016 was written by an earlier version"):
+        example.main(
+            ["--members", "5", "--steps", "20", "--every", "4", "--quiet", "--out", str(out)]
+        )

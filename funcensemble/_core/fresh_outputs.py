@@ -62,11 +62,9 @@ def unbatched_copied(out: Any) -> Any:
     leaves, spec = _tree.flatten(out)
     copied = False
     for k, leaf in enumerate(leaves):
-        if isinstance(leaf, Tensor):
-            found = _torch_compat.unwrap_at(leaf, level)
-            if found is None or found[1] is None:  # not batched by this vmap
-                leaves[k] = leaf.clone()
-                copied = True
+        if isinstance(leaf, Tensor) and not _torch_compat.batched_at(leaf, level):
+            leaves[k] = leaf.clone()
+            copied = True
     return _tree.unflatten(spec, leaves) if copied else out
 
 
