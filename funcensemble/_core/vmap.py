@@ -357,14 +357,14 @@ def _shared_inputs(
     return out
 
 
+def _argument(key: int | str) -> str:
+    """An argument's name in messages: its keyword, or its position."""
+    return f"keyword argument {key!r}" if isinstance(key, str) else f"positional argument {key}"
+
+
 def _what(key: int | str, inside: bool) -> str:
     """A shared input's name in messages."""
-    what = (
-        f"its keyword argument {key!r}"
-        if isinstance(key, str)
-        else f"its positional argument {key}"
-    )
-    return f"a tensor inside {what}" if inside else what
+    return f"a tensor inside its {_argument(key)}" if inside else f"its {_argument(key)}"
 
 
 def _refuse_meta_inputs(
@@ -381,12 +381,7 @@ def _refuse_meta_inputs(
     for key, a in (*enumerate(args), *kwargs.items()):
         leaves = [a] if isinstance(a, Tensor) else _tree.flatten(a)[0]
         if any(isinstance(t, Tensor) and t.is_meta for t in leaves):
-            what = (
-                f"keyword argument {key!r}"
-                if isinstance(key, str)
-                else f"positional argument {key}"
-            )
-            raise RuntimeError(meta_input_error(where, what, first.device))
+            raise RuntimeError(meta_input_error(where, _argument(key), first.device))
 
 
 def _check_unchanged(shared: list[Shared], where: str) -> None:

@@ -30,13 +30,13 @@ def of(skeleton: nn.Module) -> Transforms:
             if isinstance(hook, prune.BasePruningMethod):
                 out.add((path, str(getattr(hook, "_tensor_name", "?")), ("pruning",)))
             elif isinstance(hook, (WeightNorm, SpectralNorm)):  # the hook-based forms
-                kind = _LEGACY[WeightNorm if isinstance(hook, WeightNorm) else SpectralNorm]
+                kind = _LEGACY[0] if isinstance(hook, WeightNorm) else _LEGACY[1]
                 out.add((path, str(getattr(hook, "name", "?")), (kind,)))
     return frozenset(out)
 
 
 # The hook-based reparametrizations (stack refuses members built with them).
-_LEGACY = {WeightNorm: "torch.nn.utils.weight_norm", SpectralNorm: "torch.nn.utils.spectral_norm"}
+_LEGACY = ("torch.nn.utils.weight_norm", "torch.nn.utils.spectral_norm")
 
 
 def check_unchanged(where: str, skeleton: nn.Module, built: Transforms) -> None:
@@ -46,11 +46,9 @@ def check_unchanged(where: str, skeleton: nn.Module, built: Transforms) -> None:
         return
     changed = sorted(now ^ built)
     path, name, kinds = changed[0]
-    legacy = kinds[0] in _LEGACY.values()
-    if kinds == ("pruning",) or legacy:
-        what = kinds[0] if legacy else "pruning"
-    else:
-        what = f"a parametrization ({', '.join(kinds)})"
+    legacy = kinds[0] in _LEGACY
+    plain = legacy or kinds == ("pruning",)
+    what = kinds[0] if plain else f"a parametrization ({', '.join(kinds)})"
     verb = "added to" if changed[0] in now else "removed from"
     fix = (
         "Use torch.nn.utils.parametrizations." + kinds[0].rsplit(".", 1)[1] + " on each "
