@@ -336,3 +336,42 @@ def test_each_member_gets_the_loops_lerp_bit_for_bit(dtype, per_member):
         fe.optim.polyak_update_(target, online, tau)
     for k in want:
         assert torch.equal(target[k], want[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_member", [False, True])
+def test_both_forms_inside_torch_func_vmap_give_each_slice_the_loops_lerp(dtype, per_member):
+    """torch.func.vmap over a leading axis (e.g. seeds, each an ensemble of 3): the
+    multi-tensor kernels have no batching rule, and both forms raised torch's error."""
+    torch.manual_seed(0)
+    taus = [0.005, 0.3, 0.9] if per_member else [0.3] * 3
+    tau = torch.tensor(taus, dtype=torch.float64) if per_member else 0.3
+    target = {"w": torch.randn(2, 3, 8, 16).to(dtype), "n": torch.zeros(2, 3, dtype=torch.long)}
+    online = {"w": torch.randn(2, 3, 8, 16).to(dtype), "n": torch.ones(2, 3, dtype=torch.long)}
+    want = target["w"].clone()
+    for s in range(2):
+        for i in range(3):
+            want[s, i].lerp_(online["w"][s, i], taus[i])
+
+    def pure(t, o):
+        return fe.optim.polyak_update(t, o, tau)
+
+    got = torch.func.vmap(pure)(target, online)
+    assert torch.equal(got["w"], want) and torch.equal(got["n"], online["n"])
+
+    def in_place(t, o):
+        t = {k: v.clone() for k, v in t.items()}
+        fe.optim.polyak_update_(t, o, tau)
+        return t
+
+    got = torch.func.vmap(in_place)(target, online)
+    assert torch.equal(got["w"], want) and torch.equal(got["n"], online["n"])
+
+
+def test_an_expanded_target_inside_torch_func_vmap_is_refused_before_any_change():
+    """The memory checks look through the transform's wrappers at the tensors beneath."""
+    target = {"a": torch.zeros(2, 4, 3), "z": torch.zeros(2, 1, 3).expand(2, 4, 3)}
+    online = {"a": torch.ones(2, 4, 3), "z": torch.ones(2, 4, 3)}
+    with pytest.raises(ValueError, match=r"target\['z'\] is an expanded view"):
+        torch.func.vmap(lambda t, o: fe.optim.polyak_update_(t, o, 0.5))(target, online)
+    assert not target["a"].any()

@@ -69,6 +69,8 @@ def _check(
         if _averaged(t):
             floats.append(i)
         if in_place and not torch.compiler.is_compiling():
+            # Inside a torch.func transform the memory is the unwrapped tensors'.
+            t, o = _torch_compat.fully_unwrapped(t), _torch_compat.fully_unwrapped(o)
             _check_writable(where, leaf_name(spec, i, "target"), t)
             if _torch_compat.partly_shared(t, o):
                 raise ValueError(
@@ -114,13 +116,40 @@ def _lerped(ts: list[Tensor], os: list[Tensor], tau: Hyper) -> list[Tensor]:
     leaves, as the loop's ``t.lerp_(o, float(tau[i]))`` computes (a tau cast to the
     leaf's dtype would be rounded: 0.3 becomes 0.30078125 in bfloat16)."""
     if not isinstance(tau.value, Tensor) or not any(t.dtype in _HALF for t in ts):
-        return list(torch._foreach_lerp(ts, os, per_leaf(tau, ts)))
+        return _lerp(ts, os, per_leaf(tau, ts), in_place=False)
     out = []
     for t, o, w in zip(ts, os, per_leaf(tau, ts, [_wide(t) for t in ts]), strict=True):
         out.append(
             t.to(w.dtype).lerp(o.to(w.dtype), w).to(t.dtype) if t.dtype in _HALF else t.lerp(o, w)
         )
     return out
+
+
+def _lerp(
+    ts: list[Tensor], os: list[Tensor], weights: float | list[Tensor], *, in_place: bool
+) -> list[Tensor]:
+    """``ts[k].lerp(os[k], w)`` for every leaf: one multi-tensor kernel, or one op per
+    leaf inside a ``torch.func`` transform (the multi-tensor ops have no batching rule)."""
+    if not _torch_compat.inside_transform():
+        if in_place:
+            torch._foreach_lerp_(ts, os, weights)
+            return ts
+        return list(torch._foreach_lerp(ts, os, weights))
+    ws = [weights] * len(ts) if isinstance(weights, float) else weights
+    out = [t.lerp(o, w) for t, o, w in zip(ts, os, ws, strict=True)]
+    if in_place:  # (lerp_ falls back to a slow loop with a warning; copy_ is batched)
+        _copy_(ts, out)
+        return ts
+    return out
+
+
+def _copy_(ts: list[Tensor], os: list[Tensor]) -> None:
+    """``ts[k].copy_(os[k])`` for every leaf (per leaf inside a transform, as ``_lerp``)."""
+    if not _torch_compat.inside_transform():
+        torch._foreach_copy_(ts, os)
+        return
+    for t, o in zip(ts, os, strict=True):
+        t.copy_(o)
 
 
 def _wide(t: Tensor) -> torch.dtype:
@@ -142,7 +171,9 @@ def polyak_update_(
     ``num_batches_tracked``) cannot be averaged: they are copied from ``online``,
     whatever ``tau``; complex leaves are averaged. Everything is checked before anything
     changes (a target that cannot be written in place, such as an expanded view or an
-    inference tensor, is refused); no autograd history is recorded.
+    inference tensor, is refused); no autograd history is recorded. Inside a
+    ``torch.func`` transform (e.g. a ``vmap`` over seeds) it runs one op per leaf, with
+    the same numbers.
 
     Args:
         target: The tree updated in place: an [`Ensemble`][funcensemble.Ensemble] or a
@@ -171,11 +202,11 @@ def polyak_update_(
         if floats:
             ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
             if isinstance(tau_.value, Tensor) and any(t.dtype in _HALF for t in ts):
-                torch._foreach_copy_(ts, _lerped(ts, os, tau_))
+                _copy_(ts, _lerped(ts, os, tau_))
             else:
-                torch._foreach_lerp_(ts, os, per_leaf(tau_, ts))
+                _lerp(ts, os, per_leaf(tau_, ts), in_place=True)
         if others:
-            torch._foreach_copy_([targets[i] for i in others], [onlines[i] for i in others])
+            _copy_([targets[i] for i in others], [onlines[i] for i in others])
 
 
 def polyak_update(target: StackedTree, online: StackedTree, tau: float | PerMember) -> StackedTree:
@@ -217,8 +248,9 @@ def polyak_update(target: StackedTree, online: StackedTree, tau: float | PerMemb
     with torch.no_grad():
         if floats:
             ts, os = [targets[i] for i in floats], [onlines[i] for i in floats]
+            fresh_leaves = not _torch_compat.inside_transform()  # (wrapped: no leaves)
             for i, new in zip(floats, _lerped(ts, os, tau_), strict=True):
-                out[i] = new.requires_grad_(targets[i].requires_grad)
+                out[i] = new.requires_grad_(targets[i].requires_grad) if fresh_leaves else new
         for i in others:
             out[i] = onlines[i].clone()
     return spec.unflatten(out)
