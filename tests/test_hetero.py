@@ -1093,7 +1093,8 @@ def test_a_loss_written_without_fmodel_says_what_it_is_given():
 def test_an_optimizer_file_loads_into_groups_of_the_same_order_only(tmp_path):
     """hetero.md: the optimizer state records no grouping; it loads into groups of the
     same sizes and architectures in the same group order (members interleaved
-    otherwise included), and groups met in another order are refused by their shapes."""
+    otherwise included); groups met in another order are refused by their shapes where
+    these differ, and load by group position where they agree."""
     torch.manual_seed(0)
     narrow = [nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)) for _ in range(2)]
     wide = [nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)) for _ in range(2)]
@@ -1117,3 +1118,16 @@ def test_an_optimizer_file_loads_into_groups_of_the_same_order_only(tmp_path):
         with pytest.raises(ValueError, match="shape"):
             fe.load(tmp_path / "opt.safetensors", other_opt)
         assert_trees_close(other_opt.state, before, rtol=0, atol=0)
+    # Groups of the same shapes swapped (Tanh first, then ReLU first): no shape tells
+    # them apart, and the Tanh group's state goes to the ReLU group.
+    relu = [nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)) for _ in range(2)]
+    hens = fe.HeteroEnsemble([narrow[0], relu[0], narrow[1], relu[1]])
+    opt = fe.optim.EnsembleOptimizer(hens, hens.optimizer(fe.optim.adam, lr=0.01))
+    hens(torch.randn(5, 4)).pow(2).sum().backward()
+    opt.step()
+    fe.save(tmp_path / "same_shapes.safetensors", opt)
+    other = fe.HeteroEnsemble(copy.deepcopy([relu[0], narrow[0], relu[1], narrow[1]]))
+    other_opt = fe.optim.EnsembleOptimizer(other, other.optimizer(fe.optim.adam, lr=0.01))
+    fe.load(tmp_path / "same_shapes.safetensors", other_opt)
+    assert isinstance(other.groups[0].stacked[1], nn.ReLU)
+    assert_trees_close(other_opt.state, opt.state, rtol=0, atol=0)

@@ -274,7 +274,8 @@ def value_and_grad(
             backward grows with ``chunk_size``, not N (the ``[N, ...]`` gradients
             are still whole); each chunk is one more call, so smaller chunks are
             slower. Results are the chunks' results in member order: the same
-            values as without chunking, ``None`` gradients included; with
+            values as without chunking to rounding (a kernel may round a member
+            otherwise in a smaller stack), ``None`` gradients included; with
             ``randomness="different"`` the same draws as
             ``vmap(..., chunk_size=chunk_size)``, with ``"same"`` one draw shared by
             every chunk. Under ``torch.compile`` or another ``torch.func``

@@ -50,14 +50,16 @@ class ShardedEnsemble:
     the devices compute at the same time. Outputs come back gathered on one device, or
     left sharded as a [`PerShard`][funcensemble.distributed.PerShard] value. Each
     member computes what it computes in the single-device
-    [`Ensemble`][funcensemble.Ensemble], bit for bit in the test suite on the CPU,
-    except that a member alone on its device, or a small product (a member that is
-    one narrow Linear), may run other kernels and differ by rounding (a float32
-    convolution: a few ulps; see "Does the split change the numbers?" in the
-    scale-out guide), and that a gradient which is pure rounding noise
-    (a Linear's bias right before a BatchNorm, whose true gradient is zero) may differ
-    by that noise, which Adam then scales up. Several shards may share a device (e.g.
-    ``["cpu", "cpu"]``).
+    [`Ensemble`][funcensemble.Ensemble] to rounding, and bit for bit for the test
+    suite's MLPs and convolutions on the CPU. Where a kernel rounds according to how
+    many members share it, or where a member starts in memory, the split changes a
+    member's numbers by a few ulps: "Does the split change the numbers?" in the
+    scale-out guide lists the five known cases (BatchNorm on 2-D inputs, a float32
+    convolution alone on its device, a member that is one narrow Linear, a member whose
+    activations start unaligned, torch's fused in-place Adam) with measured figures. A
+    gradient which is pure rounding noise (a Linear's bias right before a BatchNorm,
+    whose true gradient is zero) may differ by that noise, which Adam then scales up.
+    Several shards may share a device (e.g. ``["cpu", "cpu"]``).
 
     Args:
         members: An [`Ensemble`][funcensemble.Ensemble] (its options are kept unless
