@@ -105,7 +105,7 @@ def _require(owner: Any, name: str, where: str, since: str) -> Any:
     if found is None:
         raise ImportError(
             f"funcensemble: this torch ({torch.__version__}) lacks {where}.{name}, which "
-            f"funcensemble needs (expected torch >= {since}). Install torch >= 2.4."
+            f"funcensemble needs (expected torch >= {since}). Install torch >= 2.6."
         )
     return found
 

@@ -6,17 +6,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def declared_floors() -> dict[str, str]:
-    """``{name: floor}`` of pyproject.toml's runtime dependencies."""
+def declared_ranges() -> dict[str, tuple[str, str | None]]:
+    """``{name: (floor, cap or None)}`` of pyproject.toml's runtime dependencies."""
     text = (ROOT / "pyproject.toml").read_text()
     block = re.search(r"^dependencies = \[(.*?)^\]", text, re.M | re.S)[1]  # no tomllib on 3.10
     requirements = re.findall(r'^\s*"([^"]+)"', block, re.M)
-    floors = {}
+    ranges = {}
     for requirement in requirements:
-        name, floor = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement).groups()
-        floors[name] = floor
-    assert len(floors) == 5, requirements
-    return floors
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)(?:,<([0-9.]+))?", requirement)
+        ranges[match[1]] = (match[2], match[3])
+    assert len(ranges) == 5, requirements
+    return ranges
+
+
+def declared_floors() -> dict[str, str]:
+    """``{name: floor}`` of pyproject.toml's runtime dependencies."""
+    return {name: floor for name, (floor, _) in declared_ranges().items()}
+
+
+def test_torch_is_capped_above_the_release_make_test_pins_and_nothing_else_is():
+    """A torch newer than the pinned one is not tested (2.14.1 changed what compiles)."""
+    pinned = re.search(
+        r"^TORCH_DEV := torch==(\d+)\.(\d+)\.\d+$", (ROOT / "Makefile").read_text(), re.M
+    )
+    caps = {name: cap for name, (_, cap) in declared_ranges().items() if cap is not None}
+    assert caps == {"torch": f"{pinned[1]}.{int(pinned[2]) + 1}"}
+    for doc in (ROOT / "README.md", ROOT / "docs" / "how-to" / "versions.md"):
+        assert f"below {caps['torch']}" in " ".join(doc.read_text().split()), doc.name
 
 
 def oldest_pins() -> dict[str, str]:
