@@ -223,6 +223,16 @@ def fully_unwrapped(t: Tensor) -> Tensor:
     return t
 
 
+def batch_levels(t: Tensor) -> frozenset[int]:
+    """The levels of the ``torch.func.vmap`` calls that batch ``t`` (empty outside any)."""
+    levels = set()
+    while _is_wrapped(t):
+        if _is_batched(t):
+            levels.add(int(_level_of(t)))
+        t = _unwrap(t)
+    return frozenset(levels)
+
+
 def add_batch_dim(t: Tensor, dim: int, level: int) -> Tensor:
     """``t`` handed back to the vmap at ``level`` as a BatchedTensor batched along ``dim``."""
     return _add_batch_dim(t, dim, level)
@@ -756,6 +766,22 @@ def partly_shared(a: Tensor, b: Tensor) -> bool:
     if a_start == b_start and a_end == b_end:
         return a.stride() != b.stride()
     return a_start < b_end and b_start < a_end
+
+
+def shares_memory_otherwise(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` lie in one storage without being the same elements in
+    the same order. Coarser than ``partly_shared`` (disjoint parts of one storage
+    count): for the tensors beneath ``torch.func`` wrappers, whose layout says nothing
+    of what each batch entry reads."""
+    if a is b or not a.numel() or not b.numel():
+        return False
+    try:
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return False
+        same = a.data_ptr() == b.data_ptr()
+    except RuntimeError:  # "invalid python storage": a wrapper subclass holds no memory
+        return False
+    return not (same and a.shape == b.shape and a.stride() == b.stride())
 
 
 def overlaps_itself(t: Tensor) -> bool:

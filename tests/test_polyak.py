@@ -377,3 +377,39 @@ def test_an_expanded_target_inside_torch_func_vmap_is_refused_before_any_change(
     with pytest.raises(ValueError, match=r"target\['z'\] is an expanded view"):
         torch.func.vmap(lambda t, o: fe.optim.polyak_update_(t, o, 0.5))(target, online)
     assert not target["a"].any()
+
+
+def test_inside_vmap_a_target_not_mapped_where_online_is_or_sharing_memory_is_refused_first():
+    """vmap cannot write a shared target from a mapped value: the earlier leaves were
+    written before torch refused a later one. Slices of one tensor read per seed
+    overlap where the tensor beneath does not look dense: they were averaged."""
+    target = {"a": torch.zeros(2, 3, 4), "n": torch.zeros(3, dtype=torch.long)}
+    online = {"a": torch.ones(2, 3, 4), "n": torch.ones(2, 3, dtype=torch.long)}
+    update = torch.func.vmap(
+        lambda t, o: fe.optim.polyak_update_(t, o, 0.5),
+        in_dims=({"a": 0, "n": None}, 0),
+        out_dims=None,
+    )
+    with pytest.raises(ValueError, match=r"target\['n'\] is not batched by every torch.func.vmap"):
+        update(target, online)
+    assert not target["a"].any() and not target["n"].any()
+    base = torch.arange(20.0).reshape(2, 5, 2)
+    grid = base.clone()
+    with pytest.raises(ValueError, match=r"target\['w'\] shares part of its memory"):
+        torch.func.vmap(
+            lambda t, o: fe.optim.polyak_update_({"w": t}, {"w": o}, 0.5), out_dims=None
+        )(grid[:, 1:], grid[:, :4])
+    assert torch.equal(grid, base)
+
+
+def test_under_torch_func_grad_a_captured_target_is_updated_as_before():
+    """Only a missing batching rule sends the update to one op per leaf: under grad
+    the multi-tensor kernel runs, as outside any transform."""
+    target, online = {"w": torch.zeros(3, 2)}, {"w": torch.ones(3, 2)}
+
+    def loss(x):
+        fe.optim.polyak_update_(target, online, 0.3)
+        return (x**2).sum()
+
+    torch.func.grad(loss)(torch.randn(3))
+    assert torch.equal(target["w"], torch.zeros(3, 2).lerp_(torch.ones(3, 2), 0.3))

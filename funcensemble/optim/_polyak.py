@@ -69,18 +69,41 @@ def _check(
         if _averaged(t):
             floats.append(i)
         if in_place and not torch.compiler.is_compiling():
-            # Inside a torch.func transform the memory is the unwrapped tensors'.
-            t, o = _torch_compat.fully_unwrapped(t), _torch_compat.fully_unwrapped(o)
-            _check_writable(where, leaf_name(spec, i, "target"), t)
-            if _torch_compat.partly_shared(t, o):
-                raise ValueError(
-                    f"{where}: {leaf_name(spec, i, 'target')} shares part of its memory with "
-                    "the same leaf of online (expected separate tensors, or the same one: "
-                    "got overlapping slices of one tensor), which torch cannot update in "
-                    "place. Make the target a copy of online (e.g. .clone())."
-                )
+            _check_in_place(where, leaf_name(spec, i, "target"), t, o, tau_)
     check_members(tau_, where, spec, targets, floats, "target", exact=False)  # (see _lerped)
     return targets, onlines, spec, tau_
+
+
+def _check_in_place(where: str, name: str, t: Tensor, o: Tensor, tau: Hyper) -> None:
+    """Refuse a target leaf that cannot take its new value in place, before any changes."""
+    wrapped = _torch_compat.is_wrapped(t) or _torch_compat.is_wrapped(o)
+    # Inside a torch.func transform the memory is the unwrapped tensors'.
+    t_, o_ = _torch_compat.fully_unwrapped(t), _torch_compat.fully_unwrapped(o)
+    _check_writable(where, name, t_)
+    if wrapped:
+        levels = _torch_compat.batch_levels(o)
+        if _averaged(t) and isinstance(tau.value, Tensor):
+            levels |= _torch_compat.batch_levels(tau.value)
+        if not levels <= _torch_compat.batch_levels(t):
+            raise ValueError(
+                f"{where}: {name} is not batched by every torch.func.vmap that batches its "
+                "new value (expected a target mapped wherever online or tau is, got one "
+                "shared by the vmap's calls), and vmap cannot write it in place. Map the "
+                "target as online (in_dims), or use polyak_update, which returns new tensors."
+            )
+    if not wrapped:
+        shared = _torch_compat.partly_shared(t, o)
+    else:  # one tensor beneath both may be mapped along other dims: only t is o is safe
+        shared = t_ is o_ or _torch_compat.shares_memory_otherwise(t_, o_)
+    if shared and t is not o:
+        raise ValueError(
+            f"{where}: {name} shares part of its memory with the same leaf of online "
+            "(expected separate tensors, or the same one: got overlapping slices of one "
+            "tensor"
+            + (", or parts of one tensor inside a torch.func transform" if wrapped else "")
+            + "), which torch cannot update in place. Make the target a copy of online "
+            "(e.g. .clone())."
+        )
 
 
 def _averaged(t: Tensor) -> bool:
@@ -125,16 +148,25 @@ def _lerped(ts: list[Tensor], os: list[Tensor], tau: Hyper) -> list[Tensor]:
     return out
 
 
+def _unbatchable(error: RuntimeError) -> bool:
+    """Whether a multi-tensor op failed for want of a vmap batching rule (before it
+    computed anything)."""
+    return _torch_compat.missing_batching_rule(str(error)) is not None
+
+
 def _lerp(
     ts: list[Tensor], os: list[Tensor], weights: float | list[Tensor], *, in_place: bool
 ) -> list[Tensor]:
     """``ts[k].lerp(os[k], w)`` for every leaf: one multi-tensor kernel, or one op per
-    leaf inside a ``torch.func`` transform (the multi-tensor ops have no batching rule)."""
-    if not _torch_compat.inside_transform():
+    leaf under ``torch.func.vmap`` (the multi-tensor ops have no batching rule there)."""
+    try:
         if in_place:
             torch._foreach_lerp_(ts, os, weights)
             return ts
         return list(torch._foreach_lerp(ts, os, weights))
+    except RuntimeError as error:
+        if not _unbatchable(error):
+            raise
     ws = [weights] * len(ts) if isinstance(weights, float) else weights
     out = [t.lerp(o, w) for t, o, w in zip(ts, os, ws, strict=True)]
     if in_place:  # (lerp_ falls back to a slow loop with a warning; copy_ is batched)
@@ -144,10 +176,13 @@ def _lerp(
 
 
 def _copy_(ts: list[Tensor], os: list[Tensor]) -> None:
-    """``ts[k].copy_(os[k])`` for every leaf (per leaf inside a transform, as ``_lerp``)."""
-    if not _torch_compat.inside_transform():
+    """``ts[k].copy_(os[k])`` for every leaf (one op per leaf under vmap, as ``_lerp``)."""
+    try:
         torch._foreach_copy_(ts, os)
         return
+    except RuntimeError as error:
+        if not _unbatchable(error):
+            raise
     for t, o in zip(ts, os, strict=True):
         t.copy_(o)
 
@@ -171,9 +206,9 @@ def polyak_update_(
     ``num_batches_tracked``) cannot be averaged: they are copied from ``online``,
     whatever ``tau``; complex leaves are averaged. Everything is checked before anything
     changes (a target that cannot be written in place, such as an expanded view or an
-    inference tensor, is refused); no autograd history is recorded. Inside a
-    ``torch.func`` transform (e.g. a ``vmap`` over seeds) it runs one op per leaf, with
-    the same numbers.
+    inference tensor, is refused); no autograd history is recorded. Under
+    ``torch.func.vmap`` (e.g. over seeds) it runs one op per leaf, with the same
+    numbers; a target leaf must be mapped wherever its online leaf or ``tau`` is.
 
     Args:
         target: The tree updated in place: an [`Ensemble`][funcensemble.Ensemble] or a
