@@ -52,13 +52,24 @@ def error(got: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> float
 
 
 def test_float32_ensemble_is_as_close_to_exact_as_the_float32_loop_and_float64_matches():
-    ours, loops = [], []
+    ours, loops, apart, moves = [], [], [], []
     for seed in SEEDS:
         ms, x, y = members(seed)
         wide = [copy.deepcopy(m).double() for m in ms]
         exact = loop_grads(wide, x.double(), y.double())
         assert error(ensemble_grads(wide, x.double(), y.double()), exact) < 1e-11
-        loops.append(error(loop_grads(ms, x, y), exact))
+        loop = loop_grads(ms, x, y)
+        loops.append(error(loop, exact))
         ours.append(error(ensemble_grads(ms, x, y), exact))
+        # The loop's own answer when every input moves by one rounding (the next float up).
+        nudged = loop_grads(ms, torch.nextafter(x, torch.full_like(x, float("inf"))), y)
+        scale = max(v.abs().max().item() for v in exact.values())
+        apart.append(error(ensemble_grads(ms, x, y), loop) * _scale(loop) / scale)
+        moves.append(max((nudged[n] - loop[n]).abs().max().item() for n in loop) / scale)
     assert max(loops) > 1e-5  # the magnification the page describes, on the loop alone
     assert max(ours) < 2 * max(loops), (ours, loops)
+    assert max(apart) < 2e-4 and max(apart) <= max(moves), (apart, moves)
+
+
+def _scale(grads: dict[str, torch.Tensor]) -> float:
+    return max(v.abs().max().item() for v in grads.values())
