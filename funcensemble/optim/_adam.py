@@ -506,7 +506,12 @@ def adam(
     parameter and its total change) from ``Adam(fused=True)`` for the fused kernel,
     and no further from torch's for-loop Adam than ``Adam(fused=True)`` is; 4 ulps
     from ``Adam(foreach=True)`` for ``update``'s multi-tensor ops and 8 for
-    ``update_``'s; and 1e-12 in float64. A NaN or inf in one member's
+    ``update_``'s; and 1e-12 in float64. Those bounds are the test's, on a
+    well-conditioned problem: each step differs by a rounding or two, but where weight
+    decay feeds a parameter back into its gradient, or steps are far larger than a
+    parameter's net change (``beta2=0``), such a difference can grow over the steps
+    (to hundreds of those ulps in a randomized search), as any rounding difference
+    would there. A NaN or inf in one member's
     gradient makes that member's parameters and state what torch.optim makes of them
     (NaN); every other member is untouched, bit for bit. In float16 ``eps=1e-8``
     rounds to 0 in torch's for-loop and foreach Adam, whose updates then turn NaN where
