@@ -768,20 +768,13 @@ def partly_shared(a: Tensor, b: Tensor) -> bool:
     return a_start < b_end and b_start < a_end
 
 
-def shares_memory_otherwise(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` lie in one storage without being the same elements in
-    the same order. Coarser than ``partly_shared`` (disjoint parts of one storage
-    count): for the tensors beneath ``torch.func`` wrappers, whose layout says nothing
-    of what each batch entry reads."""
-    if a is b or not a.numel() or not b.numel():
-        return False
+def same_storage(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` lie in one storage, wherever in it (tensors whose memory
+    Python cannot read, a DTensor or another wrapper subclass, count as not)."""
     try:
-        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-            return False
-        same = a.data_ptr() == b.data_ptr()
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     except RuntimeError:  # "invalid python storage": a wrapper subclass holds no memory
         return False
-    return not (same and a.shape == b.shape and a.stride() == b.stride())
 
 
 def overlaps_itself(t: Tensor) -> bool:

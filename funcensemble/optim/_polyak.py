@@ -80,7 +80,9 @@ def _check_in_place(where: str, name: str, t: Tensor, o: Tensor, tau: Hyper) -> 
     # Inside a torch.func transform the memory is the unwrapped tensors'.
     t_, o_ = _torch_compat.fully_unwrapped(t), _torch_compat.fully_unwrapped(o)
     _check_writable(where, name, t_)
-    if wrapped:
+    if not wrapped:
+        shared = _torch_compat.partly_shared(t, o)
+    else:
         levels = _torch_compat.batch_levels(o)
         if _averaged(t) and isinstance(tau.value, Tensor):
             levels |= _torch_compat.batch_levels(tau.value)
@@ -91,10 +93,9 @@ def _check_in_place(where: str, name: str, t: Tensor, o: Tensor, tau: Hyper) -> 
                 "shared by the vmap's calls), and vmap cannot write it in place. Map the "
                 "target as online (in_dims), or use polyak_update, which returns new tensors."
             )
-    if not wrapped:
-        shared = _torch_compat.partly_shared(t, o)
-    else:  # one tensor beneath both may be mapped along other dims: only t is o is safe
-        shared = t_ is o_ or _torch_compat.shares_memory_otherwise(t_, o_)
+        # The tensor beneath may be mapped along other dims for each: what a member
+        # reads is unknown, so any memory in common counts (only t is o is safe).
+        shared = _torch_compat.same_storage(t_, o_)
     if shared and t is not o:
         raise ValueError(
             f"{where}: {name} shares part of its memory with the same leaf of online "
