@@ -77,12 +77,13 @@ def _check(
 def _check_in_place(where: str, name: str, t: Tensor, o: Tensor, tau: Hyper) -> None:
     """Refuse a target leaf that cannot take its new value in place, before any changes."""
     wrapped = _torch_compat.is_wrapped(t) or _torch_compat.is_wrapped(o)
-    # Inside a torch.func transform the memory is the unwrapped tensors'.
-    t_, o_ = _torch_compat.fully_unwrapped(t), _torch_compat.fully_unwrapped(o)
-    _check_writable(where, name, t_)
     if not wrapped:
+        _check_writable(where, name, t)
         shared = _torch_compat.partly_shared(t, o)
     else:
+        # Inside a torch.func transform the memory is the unwrapped tensors'.
+        t_, o_ = _torch_compat.fully_unwrapped(t), _torch_compat.fully_unwrapped(o)
+        _check_writable(where, name, t_)
         levels = _torch_compat.batch_levels(o)
         if _averaged(t) and isinstance(tau.value, Tensor):
             levels |= _torch_compat.batch_levels(tau.value)
