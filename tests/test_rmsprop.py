@@ -213,6 +213,93 @@ def test_a_members_momentum_set_to_zero_and_back_resumes_its_buffer():
         )
 
 
+def _momentum_switch(first, then, face):
+    """Two members stepped 4 times by fe.optim.rmsprop, its momentum ``first`` for two
+    steps and ``then`` after, on ``face``; and by torch.optim.RMSprop per member, with
+    the group's momentum set likewise. Returns (ours, the loop's) parameters."""
+    n = 2
+    torch.manual_seed(0)
+    params = {"w": torch.randn(n, 3, dtype=torch.float64)}
+    loop = [torch.nn.Parameter(params["w"][i].clone()) for i in range(n)]
+    per_member = lambda m: torch.tensor(m, dtype=torch.float64) if isinstance(m, list) else m  # noqa: E731
+    each = lambda m, i: m[i] if isinstance(m, list) else m  # noqa: E731
+    opts = [torch.optim.RMSprop([p], lr=0.01, momentum=each(first, i)) for i, p in enumerate(loop)]
+    transform = fe.optim.rmsprop(0.01, momentum=per_member(first))
+    eo = fe.optim.EnsembleOptimizer(params, transform) if face == "EnsembleOptimizer" else None
+    state = transform.init(params)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        momentum = first if step < 2 else then
+        transform = fe.optim.rmsprop(0.01, momentum=per_member(momentum))
+        grads = torch.randn(n, 3, dtype=torch.float64, generator=g)
+        before = params["w"].clone()
+        try:
+            if face == "EnsembleOptimizer":
+                eo.transform = transform
+                params["w"].grad = grads.clone()
+                eo.step()
+            elif face == "update_":
+                state = transform.update_({"w": grads}, state, params)
+            else:
+                updates, state = transform.update({"w": grads}, state, params)
+                params = fe.optim.apply_updates(params, updates)
+        except ValueError:
+            assert torch.equal(params["w"], before)  # refused before any change
+            raise
+        for i in range(n):
+            opts[i].param_groups[0]["momentum"] = each(momentum, i)
+            loop[i].grad = grads[i].clone()
+            opts[i].step()
+    return params["w"], torch.stack([p.detach() for p in loop])
+
+
+@pytest.mark.parametrize("face", ["EnsembleOptimizer", "update_", "update"])
+def test_a_momentum_of_zeros_per_member_steps_a_state_made_without_momentum(face):
+    """Every member's momentum is still 0, so torch.optim.RMSprop steps on without a
+    buffer; this was refused as if momentum had been switched on."""
+    ours, loop = _momentum_switch(0.0, [0.0, 0.0], face)
+    torch.testing.assert_close(ours, loop, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="holds no buffer"):
+        _momentum_switch(0.0, [0.0, 0.9], face)  # torch: KeyError('momentum_buffer')
+
+
+def test_a_member_whose_momentum_was_zero_from_the_start_starts_its_buffer_at_zero():
+    """A [N] momentum gives every member a buffer from the start, zeros for a member
+    whose momentum is 0; switched on, it steps from there, which is the loop's step with
+    a zero buffer made at the switch (torch.optim.RMSprop made it none: KeyError)."""
+    with pytest.raises(KeyError, match="momentum_buffer"):
+        _momentum_switch([0.0, 0.5], 0.9, "update")
+    ours, _ = _momentum_switch([0.0, 0.5], [0.0, 0.5], "update")
+    n = 2
+    torch.manual_seed(0)
+    w = torch.randn(n, 3, dtype=torch.float64)
+    loop = [torch.nn.Parameter(w[i].clone()) for i in range(n)]
+    opts = [
+        torch.optim.RMSprop([p], lr=0.01, momentum=m) for p, m in zip(loop, [0.0, 0.5], strict=True)
+    ]
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = torch.randn(n, 3, dtype=torch.float64, generator=g)
+        for i in range(n):
+            if step == 2:
+                opts[i].param_groups[0]["momentum"] = 0.9
+                opts[i].state[loop[i]].setdefault("momentum_buffer", torch.zeros(3, dtype=w.dtype))
+            loop[i].grad = grads[i].clone()
+            opts[i].step()
+    params = {"w": w.clone()}
+    transform = fe.optim.rmsprop(0.01, momentum=torch.tensor([0.0, 0.5], dtype=torch.float64))
+    state = transform.init(params)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step == 2:
+            transform = fe.optim.rmsprop(0.01, momentum=0.9)
+        grads = torch.randn(n, 3, dtype=torch.float64, generator=g)
+        state = transform.update_({"w": grads}, state, params)
+    expected = torch.stack([p.detach() for p in loop])
+    torch.testing.assert_close(params["w"], expected, rtol=1e-12, atol=1e-14)
+    assert not torch.equal(ours, params["w"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize(
     "kwargs",

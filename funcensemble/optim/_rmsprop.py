@@ -123,7 +123,15 @@ def _rmsprop_direction(
         if not active:
             return spec.unflatten([None] * len(steps)), state
         check_like(where, "the update", spec, active, grads, sq, "state.square_avg")
-        if buffered:
+        # A state made without momentum stepped by a [N] momentum of zeros: no member
+        # has momentum, so it steps on without a buffer, as torch.optim.RMSprop does
+        # (which reads a buffer only for a momentum above 0).
+        moving = buffered and not (
+            is_per_member(momentum)
+            and all(bufs[i] is None for i in active)
+            and not bool(momentum.value.ne(0).any())
+        )
+        if moving:
             check_like(where, "the update", spec, active, grads, bufs, "state.momentum_buffer")
         if centered:
             check_like(where, "the update", spec, active, grads, gavg, "state.grad_avg")
@@ -140,7 +148,7 @@ def _rmsprop_direction(
             check_members(h, where, spec, grads, active)
         if lr is not None:
             check_members(lr[1], lr[0], spec, grads, active)
-            if params is not None and (buffered or apply) and not decays:
+            if params is not None and (moving or apply) and not decays:
                 ps = leaves_like(where, "params", spec, params)
                 check_like(where, "the update", spec, active, grads, ps)
         out = [None] * len(steps)
@@ -166,7 +174,7 @@ def _rmsprop_direction(
                     avg = s.sqrt()
                 avg = avg.add_(_view(eps, g))
                 neg = None if lr is None else -_view(lr[1], g)
-                if not buffered:
+                if not moving:
                     out[i] = _plain(g, avg, neg, ps[i] if apply else None)
                     new_steps[i] = steps[i] + 1
                     continue
