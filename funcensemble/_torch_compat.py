@@ -63,6 +63,11 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   buffer is ever reused.
 - ``torch.autograd.forward_ad._current_level`` (1.x): a forward-AD dual level is
   active (the fused Linear layers have no forward-mode rule; the plain ops do).
+- ``torch._dynamo.comptime.comptime`` and ``torch._dynamo.decorators.skip`` (2.0): read
+  the fake tensors' version counters while Dynamo traces, to refuse a compiled call that
+  changes a shared input in place ([`mark_traced_version`][],
+  [`refuse_traced_change`][]); keep Dynamo from compiling the eager check's own frames
+  ([`never_compiled`][]).
 - ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
   ``torch.serialization._get_layout`` (2.2): names a DCP ``.metadata`` pickle holds,
   allowed by our restricted unpickler (``_dcp_metadata.py``); and DCP's
@@ -92,6 +97,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._dynamo.comptime import comptime as _comptime
+from torch._dynamo.decorators import skip as _dynamo_skip
 from torch._functorch import pyfunctorch as _pyfunctorch
 from torch.nn.modules import module as module_mod
 from torch.nn.utils import parametrize as _parametrize
@@ -781,3 +788,65 @@ def overlaps_itself(t: Tensor) -> bool:
     """Whether ``t``'s elements share memory (an expanded view): an in-place write
     into it fails. Unknown layouts count as not overlapping (torch decides then)."""
     return torch._debug_has_internal_overlap(t) == 1
+
+
+# A shared input changed in place, seen while torch.compile traces. Eagerly, a shared
+# input's version counter before and after the call says whether the function changed
+# it (_core/vmap.py). A compiled graph cannot read it (a traced ``_version`` is an
+# unbacked number, and fails for a torch.func transform's inputs), but Dynamo traces on
+# fake tensors whose own version counters move with every in-place op it traces:
+# ``torch._dynamo.comptime`` (2.0) runs a function at trace time that reads them.
+# Nothing enters the graph; eagerly ``comptime`` does nothing.
+_TRACED_VERSIONS = "_funcensemble_traced_versions"
+
+
+def _fake_of(ctx: Any) -> Any:
+    """The fake tensor Dynamo traces for the local ``t`` of comptime's caller, or
+    ``None`` (an inference tensor keeps no version counter: not checked, as eagerly)."""
+    try:
+        fake = ctx.get_local("t").as_fake()
+    except Exception:  # not a tensor Dynamo holds a fake value of
+        return None
+    if not isinstance(fake, Tensor):
+        return None
+    fake = fully_unwrapped(fake)  # as _core/vmap.py's eager check reads it
+    return None if fake.is_inference() else fake
+
+
+def _mark_at_trace(ctx: Any) -> None:
+    fake = _fake_of(ctx)
+    if fake is not None:
+        fake.__dict__.setdefault(_TRACED_VERSIONS, []).append(fake._version)
+
+
+def _check_at_trace(ctx: Any) -> None:
+    fake = _fake_of(ctx)
+    if fake is None:
+        return
+    marks = fake.__dict__.get(_TRACED_VERSIONS)
+    if not marks:
+        # Marked in another trace: a graph break between the two split the call, and
+        # the part in between ran eagerly, unseen here. Refused, never guessed.
+        raise RuntimeError(ctx.get_local("split").as_python_constant())
+    if fake._version != marks.pop():
+        raise ValueError(ctx.get_local("changed").as_python_constant())
+
+
+def mark_traced_version(t: Tensor) -> None:
+    """While ``torch.compile`` traces: note the version of ``t``'s fake tensor."""
+    _comptime(_mark_at_trace)
+
+
+def refuse_traced_change(t: Tensor, changed: str, split: str) -> None:
+    """While ``torch.compile`` traces: raise ``ValueError(changed)`` if the ops traced
+    since ``mark_traced_version(t)`` changed ``t`` in place (at trace time, so the
+    compiled call never runs), ``RuntimeError(split)`` if that mark is in another trace.
+    Dynamo hands either on inside an error of its own (``InternalTorchDynamoError``)."""
+    _comptime(_check_at_trace)
+
+
+def never_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, whose own frame Dynamo never compiles (``torch._dynamo.decorators.skip``, 2.0; the
+    frames it calls are compiled as usual). No cost eagerly: it marks the code object.
+    Called from traced code it breaks the graph: call it from eager code only."""
+    return _dynamo_skip(fn)

@@ -749,12 +749,52 @@ class _DoublesItsInput(nn.Module):
         return self.lin(x)
 
 
+class _DoublesItsInputThenBreaks(_DoublesItsInput):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        torch._dynamo.graph_break()
+        return self.lin(x)
+
+
+class _DoublesItsDictInput(_DoublesItsInput):
+    def forward(self, d: dict) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(d["x"])
+
+
+def _refused_unchanged(
+    fn: Callable[..., object],
+    args: tuple,
+    x: torch.Tensor,
+    also: str = "",
+    *,
+    before: bool = True,
+    **options: object,
+) -> None:
+    """``torch.compile(fn, **options)(*args)`` raises naming the shared input (or saying
+    ``also``), and, ``before``, while tracing: ``x`` is as it was."""
+    x0 = x.clone()
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, **options)(*args)
+    except Exception as error:  # Dynamo hands ours on inside an error of its own
+        said = f"{error} {error.__cause__}"
+        ours = "Refused while torch.compile traced the call" if before else "shared by all"
+        assert ours in said or (also and also in said), said
+    else:
+        raise AssertionError("a compiled call changed a shared input in place and ran")
+    if before:
+        assert torch.equal(x, x0), "refused while tracing, yet the input changed"
+
+
 def shared_input_in_place() -> None:
-    """compile.md: the check of shared inputs changed in place runs eagerly only (a
-    traced version counter fails for dict arguments, inference tensors and the inputs
-    of a caller's own torch.func transform): compiled, such a forward runs as one call
-    does, every member seeing the input doubled once, where the loop's members double
-    it in turn; eagerly it is refused."""
+    """compile.md, inputs.md: a forward that changes a shared input in place is refused
+    under torch.compile too: while tracing (the fake tensors' version counters), before
+    the input changes, for every face, with and without fullgraph; with a graph break
+    inside the forward, by the eager check around the eagerly run call (after the
+    change, as eagerly). Never the one call's result, which differs from the loop's
+    (where members change it in turn). torch 2.14 runs a compiled value_and_grad's
+    forward where 2.13's torch.func.grad refused it ("would mutate a captured Tensor"),
+    and returned the one call's result before this check."""
     torch.manual_seed(0)
     members = [_DoublesItsInput().double() for _ in range(3)]
     x0 = torch.randn(5, 4, dtype=torch.float64)
@@ -765,22 +805,62 @@ def shared_input_in_place() -> None:
         assert "modified its positional argument 0, an input shared" in str(error), error
     else:
         raise AssertionError("eagerly, an in-place shared input ran")
-    x = x0.clone()
-    got = torch.compile(ens, backend="aot_eager")(x)
-    one_call = torch.stack([m.lin(x0 * 2) for m in members])  # each sees x doubled once
-    torch.testing.assert_close(got, one_call, rtol=0, atol=1e-14)
-    assert torch.equal(x, x0 * 2)
-    # A compiled value_and_grad: torch.func.grad refuses the change of a captured input.
-    loss = fe.value_and_grad(lambda p, b, x: ens.fmodel(p, b, x).sum())
-    torch._dynamo.reset()
-    try:
-        torch.compile(loss, backend="aot_eager")(
-            ens.stacked_params(), ens.stacked_buffers(), x0.clone()
-        )
-    except Exception as error:  # Dynamo wraps torch.func's RuntimeError
-        assert "would mutate a captured Tensor" in str(error), error
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+    loss = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())
+    chunked = fe.vmap(fmodel, chunk_size=2)
+    dict_fmodel, dict_params, dict_buffers = fe.stack(
+        [_DoublesItsDictInput().double() for _ in range(3)]
+    )
+    # 2.13 and older: torch.func.grad refuses it first, while tracing too.
+    grad_says = "would mutate a captured Tensor"
+    for fullgraph in (False, True):
+        for backend in ("aot_eager", "inductor"):
+            x = x0.clone()
+            options = {"backend": backend, "fullgraph": fullgraph}
+            _refused_unchanged(ens, (x,), x, **options)
+            also = grad_says if fullgraph or not _torch_compat_2_14() else ""
+            _refused_unchanged(loss, (params, buffers, x), x, also, **options)
+        options = {"backend": "aot_eager", "fullgraph": fullgraph}
+        _refused_unchanged(chunked, (params, buffers, x), x, **options)
+        dict_args = (dict_params, dict_buffers, {"x": x})
+        _refused_unchanged(fe.vmap(dict_fmodel), dict_args, x, **options)
+    # Inside a torch.func.vmap of the caller's own (over seeds): the counter read is the
+    # plain tensor's, which an in-place op through the wrapper moves.
+    xs = torch.randn(2, 5, 4, dtype=torch.float64)
+    over_seeds = torch.func.vmap(lambda xx: fe.vmap(fmodel)(params, buffers, xx))
+    # (2.13 and older run it eagerly, at a graph break of their own: refused after.)
+    _refused_unchanged(over_seeds, (xs,), xs, before=_torch_compat_2_14(), backend="aot_eager")
+    try:  # eagerly too, after the change
+        over_seeds(xs.clone())
+    except ValueError as error:
+        assert "an input shared by all members" in str(error), error
     else:
-        raise AssertionError("a compiled value_and_grad ran an in-place shared input")
+        raise AssertionError("a vmap over seeds changed a shared input and ran")
+    # A graph break inside the forward: Dynamo runs the mapped call eagerly (it cannot
+    # resume inside it), and the eager check refuses it once the input has changed.
+    breaking = [_DoublesItsInputThenBreaks().double() for _ in range(3)]
+    fmodel, params, buffers = fe.stack(copy.deepcopy(breaking))
+    loss = fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())
+    for call in (
+        lambda x: torch.compile(fe.Ensemble(copy.deepcopy(breaking)), backend="aot_eager")(x),
+        lambda x: torch.compile(fe.vmap(fmodel), backend="aot_eager")(params, buffers, x),
+        lambda x: torch.compile(loss, backend="aot_eager")(params, buffers, x),
+    ):
+        torch._dynamo.reset()
+        x = x0.clone()
+        try:
+            call(x)
+        except Exception as error:
+            said = f"{error} {error.__cause__}"
+            assert "an input shared by all members" in said or grad_says in said, said
+        else:
+            raise AssertionError("a compiled call with a graph break changed a shared input")
+
+
+def _torch_compat_2_14() -> bool:
+    """Whether this torch runs a compiled value_and_grad's forward that changes a shared
+    input (2.14; older ones stop in torch.func.grad, "would mutate a captured Tensor")."""
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
 class _Logs(nn.Module):

@@ -974,6 +974,38 @@ def test_a_shared_input_changed_in_place_is_refused_after_one_change(face, chunk
     assert torch.equal(x, torch.full((5, 4), 2.0))
 
 
+@pytest.mark.parametrize("face", ["vmap", "value_and_grad"])
+def test_a_shared_input_changed_through_a_vmap_of_ones_own_is_refused(face):
+    """Inside a torch.func.vmap over seeds, the input every member shares is a wrapper
+    whose own version counter an in-place op leaves alone: the plain tensor's is read."""
+
+    class Doubles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2.0)
+            return self.lin(x)
+
+    fmodel, params, buffers = fe.stack([Doubles() for _ in range(3)])
+    per_seed = {
+        "vmap": lambda x: fe.vmap(fmodel)(params, buffers, x),
+        "value_and_grad": lambda x: fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(
+            params, buffers, x
+        )[0],
+    }[face]
+    xs = torch.ones(2, 5, 4)
+    if face == "vmap":
+        with pytest.raises(ValueError, match=r"an input shared by all members.* modified once"):
+            torch.func.vmap(per_seed)(xs)
+        assert torch.equal(xs, torch.full((2, 5, 4), 2.0))
+    else:  # inside a transform value_and_grad runs torch.func.grad, which refuses first
+        with pytest.raises(RuntimeError, match="would mutate a captured Tensor"):
+            torch.func.vmap(per_seed)(xs)
+        assert torch.equal(xs, torch.ones(2, 5, 4))
+
+
 @pytest.mark.parametrize("face", ["module", "vmap"])
 def test_a_chunked_write_with_autograd_history_into_a_buffer_is_explained(face):
     # The second chunk's write failed inside torch ("a leaf Variable that requires

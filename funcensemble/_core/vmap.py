@@ -322,39 +322,69 @@ def check_options(
 
 
 # A shared input: its positional index or keyword, whether it is a tensor inside that
-# argument, the tensor and its version counter. Named only in an error (see _what).
-Shared = tuple[int | str, bool, Tensor, int]
+# argument, and the tensor. Named only in an error (see _what).
+Shared = tuple[int | str, bool, Tensor]
 
 
 def _shared_inputs(
     args: tuple[Any, ...], dims: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[Shared]:
-    """The tensors every member shares, with their version counters now: the tensor
-    arguments not mapped, and the tensors inside other arguments (dicts, tuples,
-    lists) on which the argument's in_dims puts ``None``."""
-    if torch.compiler.is_compiling():
-        return []
+    """The tensors every member shares: the tensor arguments not mapped, and the tensors
+    inside other arguments (dicts, tuples, lists) on which the argument's in_dims puts
+    ``None``."""
     out: list[Shared] = []
 
     def add(key: int | str, a: Any, dim: Any, index: int) -> None:
         if isinstance(a, Tensor):
-            if dim is None and not a.is_inference():
-                out.append((key, False, a, a._version))
+            if dim is None:
+                out.append((key, False, a))
             return
         if isinstance(dim, int) or isinstance(a, (str, int, float, bool)) or a is None:
             return  # mapped as a whole, or no tensor in it
-        leaves, flat = _in_dims.leaf_dims(index, a, dim)
+        if dim is None:  # every leaf shared (the pytree walk of leaf_dims, which
+            # Dynamo cannot trace for a None prefix, is not needed)
+            leaves = _tree.flatten(a)[0]
+            flat = [None] * len(leaves)
+        else:
+            leaves, flat = _in_dims.leaf_dims(index, a, dim)
         for leaf, d in zip(leaves, flat, strict=True):
-            # An inference tensor (made under torch.inference_mode) keeps no version
-            # counter: it cannot be checked (documented in inputs.md).
-            if d is None and isinstance(leaf, Tensor) and not leaf.is_inference():
-                out.append((key, True, leaf, leaf._version))
+            if d is None and isinstance(leaf, Tensor):
+                out.append((key, True, leaf))
 
     for i, (a, d) in enumerate(zip(args, dims, strict=True)):
         add(i, a, d, i)
     for k, a in kwargs.items():
         add(k, a, None, 0)
     return out
+
+
+# Eagerly, the version counters are read by these two. Called from a ``run`` that
+# Dynamo runs eagerly (it cannot resume a graph break inside run's ``with`` block, so it
+# runs the whole frame eagerly, and compiles the frames run calls, one by one), they
+# must not be compiled themselves, where a version counter is traced: Dynamo skips
+# their frames (no cost eagerly). No comprehensions in them: a frame of its own.
+def _versions(shared: list[Shared]) -> list[int]:
+    """The shared tensors' version counters now (-1 for an inference tensor, made under
+    ``torch.inference_mode()``, which keeps none: documented in inputs.md). Read on the
+    plain tensor inside any ``torch.func`` wrapper of the caller's own (a vmap over
+    seeds): an in-place op through the wrapper moves the plain tensor's counter only."""
+    out = []
+    for _, _, tensor in shared:
+        plain = _torch_compat.fully_unwrapped(tensor)
+        out.append(-1 if plain.is_inference() else plain._version)
+    return out
+
+
+def _first_changed(shared: list[Shared], versions: list[int]) -> int | None:
+    """The index of the first shared tensor whose version counter moved, or ``None``."""
+    for i, (_, _, tensor) in enumerate(shared):
+        if versions[i] >= 0 and _torch_compat.fully_unwrapped(tensor)._version != versions[i]:
+            return i
+    return None
+
+
+_versions = _torch_compat.never_compiled(_versions)
+_first_changed = _torch_compat.never_compiled(_first_changed)
 
 
 def _argument(key: int | str) -> str:
@@ -384,23 +414,53 @@ def _refuse_meta_inputs(
             raise RuntimeError(meta_input_error(where, _argument(key), first.device))
 
 
-def _check_unchanged(shared: list[Shared], where: str) -> None:
+def _check_unchanged(shared: list[Shared], versions: list[int] | None, where: str) -> None:
     """Refuse a call that modified an input shared by all members in place.
 
     The loop's members modify it in turn, each seeing the changes of the members
-    before it; here the one call modifies it once for all of them.
+    before it; here the one call modifies it once for all of them. ``versions``: the
+    version counters ``_versions`` read before the call, or ``None`` in a call that
+    ``torch.compile`` traces, where the fake tensors' counters are compared while
+    tracing, before the compiled call ever runs (``_torch_compat.refuse_traced_change``).
     """
-    for key, inside, tensor, version in shared:
-        if tensor._version != version:
-            raise ValueError(
-                f"{where}: the function modified {_what(key, inside)}, an input shared by "
-                "all members, "
-                "in place (expected inputs left as they are: the loop's members would "
-                "each modify it in turn, every member seeing the changes of those before "
-                "it, where one vectorized call modifies it once). The input has been "
-                "modified once. Clone it at the start of forward (x = x.clone()), or "
-                "avoid the in-place op (e.g. nn.ReLU(inplace=False) on the input)."
+    if versions is None:
+        for key, inside, tensor in shared:
+            _torch_compat.refuse_traced_change(
+                tensor,
+                _changed_message(where, key, inside, compiled=True),
+                _split_message(where, key, inside),
             )
+        return
+    i = _first_changed(shared, versions)
+    if i is not None:
+        key, inside, _ = shared[i]
+        raise ValueError(_changed_message(where, key, inside, compiled=False))
+
+
+def _changed_message(where: str, key: int | str, inside: bool, *, compiled: bool) -> str:
+    return (
+        f"{where}: the function modified {_what(key, inside)}, an input shared by "
+        "all members, "
+        "in place (expected inputs left as they are: the loop's members would "
+        "each modify it in turn, every member seeing the changes of those before "
+        "it, where one vectorized call modifies it once). "
+        + (
+            "Refused while torch.compile traced the call: the input is as it was. "
+            if compiled
+            else "The input has been modified once. "
+        )
+        + "Clone it at the start of forward (x = x.clone()), or "
+        "avoid the in-place op (e.g. nn.ReLU(inplace=False) on the input)."
+    )
+
+
+def _split_message(where: str, key: int | str, inside: bool) -> str:
+    return (
+        f"{where}: torch.compile split the call at a graph break, so whether the "
+        f"function modified {_what(key, inside)}, an input shared by all members, in "
+        "place cannot be checked (expected the call traced whole, or run eagerly, "
+        "got it traced in parts). Call it eagerly, or compile it without graph breaks."
+    )
 
 
 def mapped_call(
@@ -495,7 +555,7 @@ def mapped_call(
                     out = one_member(p, b, flat[-2], flat[-1])
                 # After each chunk: a shared input changed in place is refused once it
                 # has been changed once, not once per chunk.
-                _check_unchanged(shared, where)
+                _check_unchanged(shared, versions, where)
                 return out
 
             vmapped = torch.func.vmap(
@@ -516,6 +576,12 @@ def mapped_call(
                     return vmapped(*state, args, kwargs)
 
         shared = _shared_inputs(args, dims, kwargs)
+        versions: list[int] | None = None
+        if not torch.compiler.is_compiling():
+            versions = _versions(shared)
+        else:
+            for _, _, tensor in shared:
+                _torch_compat.mark_traced_version(tensor)
         # (Not while compiling: Dynamo traces no context variable; messages are eager's.)
         token = (
             None
@@ -530,7 +596,7 @@ def mapped_call(
                 _cpu_autocast_policy(where),
             ):
                 out = call()
-                _check_unchanged(shared, where)
+                _check_unchanged(shared, versions, where)
                 if torch.compiler.is_compiling() or not fresh:
                     return out
                 # An output may be a member's parameter, buffer or input itself.
