@@ -63,11 +63,9 @@ Inventory (the floor is torch 2.6, ``pyproject.toml``; every call exists from it
   buffer is ever reused.
 - ``torch.autograd.forward_ad._current_level`` (1.x): a forward-AD dual level is
   active (the fused Linear layers have no forward-mode rule; the plain ops do).
-- ``torch._dynamo.comptime.comptime`` and ``torch._dynamo.decorators.skip`` (2.0): read
-  the fake tensors' version counters while Dynamo traces, to refuse a compiled call that
-  changes a shared input in place ([`mark_traced_version`][],
-  [`refuse_traced_change`][]); keep Dynamo from compiling the eager check's own frames
-  ([`never_compiled`][]).
+- ``torch._dynamo.comptime.comptime`` (2.0): read the fake tensors' version counters
+  while Dynamo traces, to refuse a compiled call that changes a shared input in place
+  ([`mark_traced_version`][], [`refuse_traced_change`][]).
 - ``torch.distributed.checkpoint.filesystem._StorageInfo`` and
   ``torch.serialization._get_layout`` (2.2): names a DCP ``.metadata`` pickle holds,
   allowed by our restricted unpickler (``_dcp_metadata.py``); and DCP's
@@ -98,7 +96,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._dynamo.comptime import comptime as _comptime
-from torch._dynamo.decorators import skip as _dynamo_skip
 from torch._functorch import pyfunctorch as _pyfunctorch
 from torch.nn.modules import module as module_mod
 from torch.nn.utils import parametrize as _parametrize
@@ -843,10 +840,3 @@ def refuse_traced_change(t: Tensor, changed: str, split: str) -> None:
     compiled call never runs), ``RuntimeError(split)`` if that mark is in another trace.
     Dynamo hands either on inside an error of its own (``InternalTorchDynamoError``)."""
     _comptime(_check_at_trace)
-
-
-def never_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, whose own frame Dynamo never compiles (``torch._dynamo.decorators.skip``, 2.0; the
-    frames it calls are compiled as usual). No cost eagerly: it marks the code object.
-    Called from traced code it breaks the graph: call it from eager code only."""
-    return _dynamo_skip(fn)
