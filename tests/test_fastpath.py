@@ -675,8 +675,10 @@ def test_a_forward_replaced_before_import_is_called():
 @pytest.mark.parametrize(
     "act", [nn.Tanh(), nn.ReLU(), nn.GELU(), nn.Softplus(2.0, 10.0)], ids=lambda m: type(m).__name__
 )
-# (torch loads its forward-AD decompositions with the deprecated torch.jit.script)
+# (torch loads its forward-AD decompositions with the deprecated torch.jit.script, which
+# warns with a DeprecationWarning up to 2.13 and a FutureWarning from 2.14)
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 @pytest.mark.parametrize("face", ["ensemble", "vmap"])
 def test_forward_mode_tangents_equal_the_loop(act, face):
     """torch.func.jvp over the input and forward-AD duals of the parameters give each
