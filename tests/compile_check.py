@@ -15,6 +15,11 @@ from torch.nn import functional as F
 
 import funcensemble as fe
 
+# torch 2.14 changed what a compiled call does where 2.13 stopped (docs/how-to/versions.md):
+# Dynamo runs a frame eagerly when the code it traces raises, and carries forward-mode
+# tangents through the MLP ops; each check below says which.
+TORCH_2_14 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+
 
 def make_members(n: int) -> list[nn.Module]:
     torch.manual_seed(0)
@@ -408,15 +413,28 @@ def randomness_limits() -> None:
     try:
         torch.compile(error_mode, fullgraph=True)(params, buffers, x)
     except Exception as error:
-        assert "randomness error mode" in str(error), str(error)[-2000:]
+        # 2.14: Dynamo's Unsupported, carrying the eager mode's message (it traces our
+        # check's raise); 2.13 and older: torch's own wording, from inside tracing.
+        says = "draws random numbers" if TORCH_2_14 else "randomness error mode"
+        assert says in str(error), str(error)[-2000:]
     else:
         raise AssertionError("randomness='error' with Dropout compiled")
+    if TORCH_2_14:  # without fullgraph, Dynamo runs the call eagerly, which refuses it
+        torch._dynamo.reset()
+        try:
+            torch.compile(error_mode)(params, buffers, x)
+        except RuntimeError as error:
+            assert "draws random numbers" in str(error), str(error)[-2000:]
+        else:
+            raise AssertionError("randomness='error' with Dropout ran compiled")
 
 
 def second_derivatives() -> None:
     """compile.md: a gradient of a gradient through the compiled MLP ops stops with a
-    RuntimeError naming them; torch.func.hessian stops under fullgraph (Dynamo's
-    Unsupported) and, without fullgraph, runs as eager code does."""
+    RuntimeError naming them (torch 2.14: Dynamo runs it eagerly instead, the loop's
+    values, and stops under fullgraph with Unsupported carrying that message);
+    torch.func.hessian stops under fullgraph (Dynamo's Unsupported) and, without
+    fullgraph, runs as eager code does."""
     torch.manual_seed(0)
     members = [
         nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double() for _ in range(2)
@@ -434,12 +452,27 @@ def second_derivatives() -> None:
     def hessian(p):
         return torch.func.hessian(total)(p)["0.weight"]["0.weight"]
 
-    try:
-        torch.compile(grad_of_grad)(params)
-    except RuntimeError as error:
-        assert "second derivatives through a plain MLP" in str(error), str(error)[-2000:]
+    if TORCH_2_14:
+        # Dynamo runs the call eagerly where tracing meets the refusal: the loop's values.
+        got = torch.compile(grad_of_grad)(params)
+        want = _grad_of_grad_of_the_loop(members, x, y)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k])
+        torch._dynamo.reset()
+        try:
+            torch.compile(grad_of_grad, fullgraph=True)(params)
+        except Exception as error:
+            assert type(error).__name__ == "Unsupported", type(error)
+            assert "second derivatives through a plain MLP" in str(error), str(error)[-2000:]
+        else:
+            raise AssertionError("a gradient of a gradient through the MLP ops compiled whole")
     else:
-        raise AssertionError("a compiled gradient of a gradient through the MLP ops ran")
+        try:
+            torch.compile(grad_of_grad)(params)
+        except RuntimeError as error:
+            assert "second derivatives through a plain MLP" in str(error), str(error)[-2000:]
+        else:
+            raise AssertionError("a compiled gradient of a gradient through the MLP ops ran")
     torch._dynamo.reset()
     try:
         torch.compile(hessian, fullgraph=True)(params)
@@ -451,10 +484,26 @@ def second_derivatives() -> None:
     torch.testing.assert_close(torch.compile(hessian)(params), hessian(params))
 
 
+def _grad_of_grad_of_the_loop(
+    members: list[nn.Module], x: torch.Tensor, y: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """second_derivatives' grad_of_grad, member by member: the gradient of the sum of
+    the first layer's weight gradient, stacked."""
+    per_member = []
+    for m in copy.deepcopy(members):
+        loss = F.mse_loss(m(x), y)
+        (g,) = torch.autograd.grad(loss, m[0].weight, create_graph=True)
+        names = [k for k, _ in m.named_parameters()]
+        grads = torch.autograd.grad(g.sum(), [p for _, p in m.named_parameters()])
+        per_member.append(dict(zip(names, grads, strict=True)))
+    return {k: torch.stack([g[k] for g in per_member]) for k in per_member[0]}
+
+
 def forward_mode() -> None:
-    """compile.md: a compiled fe.vmap given a dual tensor returns its output without a
-    tangent (as torch's own compiled vmap of functional_call does), and the compiled
-    module face stops asking for a jvp; eagerly each member's tangent comes back."""
+    """compile.md: eagerly each member's tangent comes back. Compiled, on torch 2.14 too,
+    for both faces; on 2.13 and older a compiled fe.vmap given a dual tensor returns its
+    output without a tangent (as torch's own compiled vmap of functional_call does), and
+    the compiled module face stops asking for a jvp."""
     import torch.autograd.forward_ad as fwad
 
     torch.manual_seed(0)
@@ -470,8 +519,15 @@ def forward_mode() -> None:
         got = fwad.unpack_dual(compiled(params, fwad.make_dual(x, v)))
         eager = fwad.unpack_dual(fe.vmap(fmodel)(params, buffers, fwad.make_dual(x, v)))
         want = torch.stack([fwad.unpack_dual(m(fwad.make_dual(x, v))).tangent for m in members])
-        assert got.tangent is None, "a compiled call now carries the tangent: update compile.md"
         torch.testing.assert_close(eager.tangent, want)
+        if TORCH_2_14:  # each member's tangent, compiled, on both faces
+            torch.testing.assert_close(got.tangent, want)
+            torch.testing.assert_close(got.primal, eager.primal)
+            module = fwad.unpack_dual(torch.compile(ens)(fwad.make_dual(x, v)))
+            torch.testing.assert_close(module.tangent, want)
+            torch.testing.assert_close(module.primal, eager.primal)
+            return
+        assert got.tangent is None, "a compiled call now carries the tangent: update compile.md"
         try:
             torch.compile(ens)(fwad.make_dual(x, v))
         except Exception as error:
@@ -818,7 +874,7 @@ def shared_input_in_place() -> None:
             x = x0.clone()
             options = {"backend": backend, "fullgraph": fullgraph}
             _refused_unchanged(ens, (x,), x, **options)
-            also = grad_says if fullgraph or not _torch_compat_2_14() else ""
+            also = grad_says if fullgraph or not TORCH_2_14 else ""
             _refused_unchanged(loss, (params, buffers, x), x, also, **options)
         options = {"backend": "aot_eager", "fullgraph": fullgraph}
         _refused_unchanged(chunked, (params, buffers, x), x, **options)
@@ -829,7 +885,7 @@ def shared_input_in_place() -> None:
     xs = torch.randn(2, 5, 4, dtype=torch.float64)
     over_seeds = torch.func.vmap(lambda xx: fe.vmap(fmodel)(params, buffers, xx))
     # (2.13 and older run it eagerly, at a graph break of their own: refused after.)
-    _refused_unchanged(over_seeds, (xs,), xs, before=_torch_compat_2_14(), backend="aot_eager")
+    _refused_unchanged(over_seeds, (xs,), xs, before=TORCH_2_14, backend="aot_eager")
     try:  # eagerly too, after the change
         over_seeds(xs.clone())
     except ValueError as error:
@@ -855,12 +911,6 @@ def shared_input_in_place() -> None:
             assert "an input shared by all members" in said or grad_says in said, said
         else:
             raise AssertionError("a compiled call with a graph break changed a shared input")
-
-
-def _torch_compat_2_14() -> bool:
-    """Whether this torch runs a compiled value_and_grad's forward that changes a shared
-    input (2.14; older ones stop in torch.func.grad, "would mutate a captured Tensor")."""
-    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
 class _Logs(nn.Module):

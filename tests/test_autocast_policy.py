@@ -167,7 +167,7 @@ def test_sdpa_vectorized_runs_the_math_kernel(x):
         got = fe.vmap(lambda p, b, x: CASES[case](p["p"], x))(params, buffers, x)
     assert torch.equal(got, math)
     newer = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
-    assert SDPA_LOOP_KERNEL_IS_NOT_MATH == newer
+    assert newer == SDPA_LOOP_KERNEL_IS_NOT_MATH
     assert torch.equal(loop, math) != newer
 
 
