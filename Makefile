@@ -1,7 +1,8 @@
 # Two entry points: `make demo` and `make test`. Each creates ./.venv on first use and
 # installs everything into it (the CPU wheel of torch is pinned here, for dev and CI only;
 # the library itself requires torch>=2.6). `make test-oldest` runs the tests again in
-# ./.venv-oldest, on the oldest versions pyproject.toml allows (CI runs both).
+# ./.venv-oldest, on the oldest versions pyproject.toml allows, and `make test-newest` in
+# ./.venv-newest, on the newest torch release it allows (CI runs all three).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,8 +20,14 @@ PYTHON_OLDEST ?= $(shell PYENV_VERSION=3.10 python3.10 -c 'import sys; print(sys
 PYTEST_WORKERS ?= 2
 OLD_VENV := .venv-oldest
 OLD_STAMP := $(OLD_VENV)/.installed
+# The newest torch release CI tests: pyproject.toml caps torch below its next minor
+# release (tests/test_versions.py checks that they agree). Its CUDA build, as PyPI has it
+# (about 5.5 GB installed), runs on the CPU.
+TORCH_NEWEST := torch==2.14.1
+NEW_VENV := .venv-newest
+NEW_STAMP := $(NEW_VENV)/.installed
 
-.PHONY: install demo test test-oldest lint docs bench clean
+.PHONY: install demo test test-oldest test-newest lint docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,12 +70,26 @@ test-oldest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -c 'import sys, torch; print("oldest versions: Python", sys.version.split()[0], "torch", torch.__version__)'
 	$(OLD_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not slow and not multiprocess"
 
+$(NEW_STAMP): pyproject.toml Makefile .ci/lean_install.py
+	$(PYTHON) -m venv --clear $(NEW_VENV)
+	@df -h . | tail -1 | awk '{print "disk free before the newest install: " $$4}'
+	$(NEW_VENV)/bin/python .ci/lean_install.py $(TORCH_NEWEST)
+	$(NEW_VENV)/bin/python -m pip install --quiet --no-cache-dir -e '.[dev]' $(TORCH_NEWEST)
+	touch $(NEW_STAMP)
+
+# The test suite less its slow and multi-process tests, as test-oldest, plus the compiled
+# checks of what the newest torch changed (marked `newest`: the in-place change of a
+# shared input, second derivatives, forward mode, randomness), on the newest torch.
+test-newest: $(NEW_STAMP)
+	$(NEW_VENV)/bin/python -c 'import sys, torch; print("newest versions: Python", sys.version.split()[0], "torch", torch.__version__)'
+	$(NEW_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m "(not slow and not multiprocess) or newest"
+
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]' $(TORCH_DEV)
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) site
+	rm -rf $(VENV) $(OLD_VENV) $(NEW_VENV) site
 
 # The quickstart notebook is committed with its outputs, which the docs site renders:
 # re-execute it in a fresh kernel and store them (seconds). The test run checks that they

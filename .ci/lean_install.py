@@ -8,6 +8,9 @@ resolves the whole set first (metadata only), then installs each distribution on
 own with ``--no-deps --no-cache-dir``, so at most one wheel lies on disk beside what is
 already installed.
 
+The newest torch CI tests (``make test-newest``) is installed the same way: PyPI's
+default build of it is the CUDA one too (about 5.5 GB installed).
+
 Run it with the target environment's interpreter::
 
     .venv-oldest/bin/python .ci/lean_install.py torch==2.6.0

@@ -17,14 +17,19 @@ def run_check(face: str) -> None:
     assert done.stdout.strip().endswith("OK")
 
 
+# `newest`: make test-newest runs these too, on the newest torch CI tests (what torch 2.14
+# changed, and a whole fullgraph step of each face).
+NEWEST = pytest.mark.newest
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "face",
     [
-        "functional",
+        pytest.param("functional", marks=NEWEST),
         "in_place",
         "module",
-        "mlp",
+        pytest.param("mlp", marks=NEWEST),
         "frozen",
         "functional_mlp",
         "functional_mlp_vmap",
@@ -36,10 +41,10 @@ def run_check(face: str) -> None:
         "optimizer_limits",
         "transform_swaps",
         "cumulative_batch_norm",
-        "shared_input_in_place",
+        pytest.param("shared_input_in_place", marks=NEWEST),
         "embedding_max_norm",
         "container_under_compile",
-        "forward_mode",
+        pytest.param("forward_mode", marks=NEWEST),
         "user_mode",
     ],
 )
@@ -56,6 +61,7 @@ def test_compiled_apply_updates_on_trainable_params_is_a_clear_error():
 
 
 @pytest.mark.slow
+@NEWEST
 def test_compiled_randomness_limits_are_as_documented():
     """compile.md: randomness="same" with chunk_size needs a graph break; "error" stops
     with torch's wording (see the script)."""
@@ -63,6 +69,7 @@ def test_compiled_randomness_limits_are_as_documented():
 
 
 @pytest.mark.slow
+@NEWEST
 def test_compiled_second_derivatives_are_as_documented():
     """compile.md: grad of grad through the MLP ops is refused naming them; hessian stops
     under fullgraph and otherwise computes what eager code does (see the script)."""
