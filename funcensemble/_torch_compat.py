@@ -797,16 +797,11 @@ def overlaps_itself(t: Tensor) -> bool:
 _TRACED_VERSIONS = "_funcensemble_traced_versions"
 
 
-def _fake_of(ctx: Any) -> Any:
+def _fake_of(ctx: Any) -> Tensor | None:
     """The fake tensor Dynamo traces for the local ``t`` of comptime's caller, or
-    ``None`` (an inference tensor keeps no version counter: not checked, as eagerly)."""
-    try:
-        fake = ctx.get_local("t").as_fake()
-    except Exception:  # not a tensor Dynamo holds a fake value of
-        return None
-    if not isinstance(fake, Tensor):
-        return None
-    fake = fully_unwrapped(fake)  # as _core/vmap.py's eager check reads it
+    ``None`` (an inference tensor keeps no version counter: not checked, as eagerly).
+    Anything unexpected raises, refusing the compile, rather than skipping the check."""
+    fake = fully_unwrapped(ctx.get_local("t").as_fake())  # as vmap.py's eager check reads
     return None if fake.is_inference() else fake
 
 
@@ -838,5 +833,6 @@ def refuse_traced_change(t: Tensor, changed: str, split: str) -> None:
     """While ``torch.compile`` traces: raise ``ValueError(changed)`` if the ops traced
     since ``mark_traced_version(t)`` changed ``t`` in place (at trace time, so the
     compiled call never runs), ``RuntimeError(split)`` if that mark is in another trace.
-    Dynamo hands either on inside an error of its own (``InternalTorchDynamoError``)."""
+    Dynamo hands either on inside an error of its own (``InternalTorchDynamoError``),
+    whose message starts with the type's name and ours."""
     _comptime(_check_at_trace)

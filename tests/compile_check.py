@@ -836,6 +836,9 @@ def _refused_unchanged(
         said = f"{error} {error.__cause__}"
         ours = "Refused while torch.compile traced the call" if before else "shared by all"
         assert ours in said or (also and also in said), said
+        if before and ours in said:  # compile.md: inside Dynamo's error, ours first
+            assert type(error).__name__ == "InternalTorchDynamoError", type(error)
+            assert str(error).startswith("ValueError: "), said
     else:
         raise AssertionError("a compiled call changed a shared input in place and ran")
     if before:

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, runtime_typecheck_off
 
 import funcensemble as fe
 from funcensemble import _torch_compat
@@ -206,3 +206,31 @@ def test_lower_vmap_steps_out_of_the_innermost_vmap_and_back() -> None:
     outer = torch.func.vmap(torch.func.vmap(f))(torch.zeros(2, 3))
     assert torch.equal(outer, torch.ones(2, 3))  # the inner vmap lowered to the outer one
     assert torch.equal(torch.func.vmap(f)(torch.zeros(2)), -torch.ones(2))
+
+
+@pytest.mark.parametrize("case", ["unchanged", "changed", "marked_elsewhere"])
+def test_a_traced_change_is_refused_while_tracing(case):
+    """The fake tensor's version counter, read at trace time: a change between the mark
+    and the check is refused before the compiled call runs; a check without its mark
+    in the same trace (a call split by a graph break) is refused, never passed."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if case != "marked_elsewhere":
+            _torch_compat.mark_traced_version(x)
+        if case == "changed":
+            x.mul_(2)
+        _torch_compat.refuse_traced_change(x, "changed in place", "split by a graph break")
+        return x + 1
+
+    x = torch.ones(3)
+    torch._dynamo.reset()
+    with runtime_typecheck_off():
+        if case == "unchanged":
+            assert torch.equal(torch.compile(fn, backend="eager", fullgraph=True)(x), x + 1)
+            fn(x)  # eagerly nothing is read
+            return
+        kind, says = (ValueError, "changed") if case == "changed" else (RuntimeError, "split")
+        with pytest.raises(Exception, match=says) as raised:  # Dynamo's, wrapping ours
+            torch.compile(fn, backend="eager", fullgraph=True)(x)
+    assert str(raised.value).startswith(f"{kind.__name__}: {says}"), raised.value
+    assert torch.equal(x, torch.ones(3))  # refused while tracing: nothing ran
