@@ -417,6 +417,7 @@ def randomness_limits() -> None:
         # check's raise); 2.13 and older: torch's own wording, from inside tracing.
         says = "draws random numbers" if TORCH_2_14 else "randomness error mode"
         assert says in str(error), str(error)[-2000:]
+        assert not TORCH_2_14 or type(error).__name__ == "Unsupported", type(error)
     else:
         raise AssertionError("randomness='error' with Dropout compiled")
     if TORCH_2_14:  # without fullgraph, Dynamo runs the call eagerly, which refuses it
