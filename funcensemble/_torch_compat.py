@@ -799,7 +799,8 @@ _TRACED_VERSIONS = "_funcensemble_traced_versions"
 
 def _fake_of(ctx: Any) -> Tensor | None:
     """The fake tensor Dynamo traces for the local ``t`` of comptime's caller, or
-    ``None`` (an inference tensor keeps no version counter: not checked, as eagerly).
+    ``None`` for an inference tensor, which keeps no version counter (Dynamo's fakes of
+    inference tensors keep one: a compiled call is stricter than an eager one there).
     Anything unexpected raises, refusing the compile, rather than skipping the check."""
     fake = fully_unwrapped(ctx.get_local("t").as_fake())  # as vmap.py's eager check reads
     return None if fake.is_inference() else fake

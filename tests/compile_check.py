@@ -835,7 +835,11 @@ def _refused_unchanged(
         torch.compile(fn, **options)(*args)
     except Exception as error:  # Dynamo hands ours on inside an error of its own
         said = f"{error} {error.__cause__}"
-        ours = "Refused while torch.compile traced the call" if before else "shared by all"
+        ours = (
+            "Refused while torch.compile or torch.export traced the call"
+            if before
+            else "shared by all"
+        )
         assert ours in said or (also and also in said), said
         if before and ours in said:  # compile.md: inside Dynamo's error, ours first
             assert type(error).__name__ == "InternalTorchDynamoError", type(error)

@@ -1006,6 +1006,46 @@ def test_a_shared_input_changed_through_a_vmap_of_ones_own_is_refused(face):
         assert torch.equal(xs, torch.ones(2, 5, 4))
 
 
+@pytest.mark.parametrize("view", [False, True])
+def test_a_shared_input_changed_in_place_is_refused_by_a_non_strict_export(view):
+    """torch.export's default (non-strict) tracing runs forward in Python on fake
+    tensors, outside Dynamo, where the trace-time check does nothing: the program
+    exported, and ran 3.2 off the loop (x[0].mul_(2) applied once for all members)."""
+
+    class Doubles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            (x[0] if view else x).mul_(2.0)
+            return self.lin(x)
+
+    ens = fe.Ensemble([Doubles() for _ in range(3)]).eval()
+    x = torch.ones(5, 4)
+    with pytest.raises(ValueError, match=r"shared by all members.* torch.export traced the call"):
+        torch.export.export(ens, (x,), strict=False)
+    assert torch.equal(x, torch.ones(5, 4))
+
+
+def test_a_change_through_data_is_not_seen_as_inputs_md_says():
+    """``x.data`` has a version counter of its own: the check cannot see a change made
+    through it (inputs.md says so; autograd's own checks miss it in the loop too)."""
+
+    class DoublesData(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.data.mul_(2.0)
+            return self.lin(x)
+
+    x = torch.ones(5, 4)
+    fe.Ensemble([DoublesData() for _ in range(3)])(x)
+    assert torch.equal(x, torch.full((5, 4), 2.0))  # changed once, not refused
+
+
 @pytest.mark.parametrize("face", ["module", "vmap"])
 def test_a_chunked_write_with_autograd_history_into_a_buffer_is_explained(face):
     # The second chunk's write failed inside torch ("a leaf Variable that requires

@@ -362,7 +362,7 @@ def _shared_inputs(
 # Dynamo runs eagerly (it cannot resume a graph break inside run's ``with`` block, so it
 # runs the whole frame eagerly, and compiles the frames run calls, one by one), they
 # must not be compiled themselves, where a version counter is traced: compile_disabled
-# (a quarter of a microsecond a call, eagerly).
+# (about 0.3 µs a call each on torch 2.13, 0.2 µs on 2.14, eagerly).
 def _versions(shared: list[Shared]) -> list[int]:
     """The shared tensors' version counters now (-1 for an inference tensor, made under
     ``torch.inference_mode()``, which keeps none: documented in inputs.md). Read on the
@@ -420,8 +420,9 @@ def _check_unchanged(shared: list[Shared], versions: list[int] | None, where: st
     The loop's members modify it in turn, each seeing the changes of the members
     before it; here the one call modifies it once for all of them. ``versions``: the
     version counters ``_versions`` read before the call, or ``None`` in a call that
-    ``torch.compile`` traces, where the fake tensors' counters are compared while
-    tracing, before the compiled call ever runs (``_torch_compat.refuse_traced_change``).
+    Dynamo traces (``torch.compile``, a strict ``torch.export``), where the fake
+    tensors' counters are compared while tracing, before the compiled call ever runs
+    (``_torch_compat.refuse_traced_change``).
     """
     if versions is None:
         for key, inside, tensor in shared:
@@ -434,7 +435,9 @@ def _check_unchanged(shared: list[Shared], versions: list[int] | None, where: st
     i = _first_changed(shared, versions)
     if i is not None:
         key, inside, _ = shared[i]
-        raise ValueError(_changed_message(where, key, inside, compiled=False))
+        # (Traced by a non-strict torch.export: on fake tensors, the input is as it was.)
+        traced = torch.compiler.is_compiling()
+        raise ValueError(_changed_message(where, key, inside, compiled=traced))
 
 
 def _changed_message(where: str, key: int | str, inside: bool, *, compiled: bool) -> str:
@@ -445,7 +448,7 @@ def _changed_message(where: str, key: int | str, inside: bool, *, compiled: bool
         "each modify it in turn, every member seeing the changes of those before "
         "it, where one vectorized call modifies it once). "
         + (
-            "Refused while torch.compile traced the call: the input is as it was. "
+            "Refused while torch.compile or torch.export traced the call: the input is as it was. "
             if compiled
             else "The input has been modified once. "
         )
@@ -577,7 +580,9 @@ def mapped_call(
 
         shared = _shared_inputs(args, dims, kwargs)
         versions: list[int] | None = None
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_dynamo_compiling():
+            # Eagerly, and under a non-strict torch.export, which runs this Python on
+            # fake tensors whose version counters can be read: compared after the call.
             versions = _versions(shared)
         else:
             for _, _, tensor in shared:
