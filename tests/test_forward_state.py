@@ -944,22 +944,31 @@ def test_a_large_collection_is_put_back_as_a_whole():
     assert len(ens.stacked.buffer) == len(loop[0].buffer) == 5001
 
 
+def _doubles(x: torch.Tensor) -> None:
+    x.mul_(2.0)
+
+
+class ChangesItsInput(nn.Module):
+    """A Linear(4, 2) after ``change(x)``, an in-place change of its input (doubling it
+    by default); members given one function have the same architecture."""
+
+    def __init__(self, change=_doubles) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.change = change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.change(x)
+        return self.lin(x)
+
+
 @pytest.mark.parametrize("chunk_size", [None, 1, 2])
 @pytest.mark.parametrize("face", ["vmap", "value_and_grad", "Ensemble"])
 def test_a_shared_input_changed_in_place_is_refused_after_one_change(face, chunk_size):
     """The message says the input "has been modified once": a chunked fe.vmap ran every
     chunk before checking, doubling the input once per chunk (x16 with chunk_size=1)."""
 
-    class Doubles(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x.mul_(2.0)
-            return self.lin(x)
-
-    members = [Doubles() for _ in range(4)]
+    members = [ChangesItsInput() for _ in range(4)]
     fmodel, params, buffers = fe.stack(members)
     x = torch.ones(5, 4)
     call = {
@@ -979,16 +988,7 @@ def test_a_shared_input_changed_through_a_vmap_of_ones_own_is_refused(face):
     """Inside a torch.func.vmap over seeds, the input every member shares is a wrapper
     whose own version counter an in-place op leaves alone: the plain tensor's is read."""
 
-    class Doubles(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x.mul_(2.0)
-            return self.lin(x)
-
-    fmodel, params, buffers = fe.stack([Doubles() for _ in range(3)])
+    fmodel, params, buffers = fe.stack([ChangesItsInput() for _ in range(3)])
     per_seed = {
         "vmap": lambda x: fe.vmap(fmodel)(params, buffers, x),
         "value_and_grad": lambda x: fe.value_and_grad(lambda p, b, x: fmodel(p, b, x).sum())(
@@ -1012,16 +1012,8 @@ def test_a_shared_input_changed_in_place_is_refused_by_a_non_strict_export(view)
     tensors, outside Dynamo, where the trace-time check does nothing: the program
     exported, and ran 3.2 off the loop (x[0].mul_(2) applied once for all members)."""
 
-    class Doubles(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            (x[0] if view else x).mul_(2.0)
-            return self.lin(x)
-
-    ens = fe.Ensemble([Doubles() for _ in range(3)]).eval()
+    change = (lambda x: x[0].mul_(2.0)) if view else _doubles
+    ens = fe.Ensemble([ChangesItsInput(change) for _ in range(3)]).eval()
     x = torch.ones(5, 4)
     with pytest.raises(ValueError, match=r"shared by all members.* torch.export traced the call"):
         torch.export.export(ens, (x,), strict=False)
@@ -1032,17 +1024,11 @@ def test_a_change_through_data_is_not_seen_as_inputs_md_says():
     """``x.data`` has a version counter of its own: the check cannot see a change made
     through it (inputs.md says so; autograd's own checks miss it in the loop too)."""
 
-    class DoublesData(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x.data.mul_(2.0)
-            return self.lin(x)
+    def doubles_data(x: torch.Tensor) -> None:
+        x.data.mul_(2.0)
 
     x = torch.ones(5, 4)
-    fe.Ensemble([DoublesData() for _ in range(3)])(x)
+    fe.Ensemble([ChangesItsInput(doubles_data) for _ in range(3)])(x)
     assert torch.equal(x, torch.full((5, 4), 2.0))  # changed once, not refused
 
 
