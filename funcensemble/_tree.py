@@ -4,6 +4,7 @@
 ``None`` or an input of ``None`` keeps its place, as in ``torch.func``'s own trees.
 """
 
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -38,15 +39,82 @@ def leaves(tree: Any) -> list[Any]:
     return optree.tree_leaves(tree, none_is_leaf=True)
 
 
-def broadcast_prefix(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
-    """``prefix`` (a pytree matching a prefix of ``spec``, e.g. an ``in_dims`` entry)
-    broadcast to one value per leaf of ``spec``, or ``None`` if it is no prefix of it.
+# The containers optree flattens as nodes whose children it names by key (any of the
+# three matches any other with the same keys) or by position (the same type only).
+_MAPPINGS = (dict, OrderedDict, defaultdict)
+_SEQUENCES = (list, tuple)
+
+
+class _OtherNode(Exception):
+    """A prefix node the walk does not know (a deque, a class registered with optree)."""
+
+
+def broadcast_prefix(prefix: Any, tree: Any) -> list[Any] | None:
+    """``prefix`` (a pytree matching a prefix of ``tree``, e.g. an ``in_dims`` entry)
+    broadcast to one value per leaf of ``tree``, or ``None`` if it is no prefix of it.
 
     A leaf of ``prefix`` (an int or ``None``) stands for the whole subtree at its place,
-    as ``torch.func.vmap`` reads ``in_dims``. The values come in ``spec``'s leaf order,
+    as ``torch.func.vmap`` reads ``in_dims``. The values come in ``tree``'s leaf order,
     matched by key: a dict and an ``OrderedDict`` flatten in different key orders (sorted,
-    and as inserted), so the prefix's own leaf order may not be ``spec``'s.
+    and as inserted), so the prefix's own leaf order may not be ``tree``'s.
+
+    The prefix's dicts, lists, tuples and namedtuples are walked here, and ``tree``'s
+    leaves found by their paths: under ``torch.compile``, Dynamo cannot flatten a dict
+    of ints with optree (torch 2.13), nor unflatten one. Other prefix nodes go through
+    optree's ``flatten_up_to``.
     """
+    found: dict[tuple[Any, ...], Any] = {}
+    try:
+        if not _walk(prefix, tree, (), found):
+            return None
+    except _OtherNode:
+        return _broadcast_by_spec(prefix, flatten(tree)[1])
+    out = []
+    for path in optree.tree_paths(tree, none_is_leaf=True):
+        # Exactly one of the path's heads is a prefix leaf (the walk matched every
+        # container above it): the leaf's own path at the longest.
+        end = 0
+        while path[:end] not in found:
+            end += 1
+        out.append(found[path[:end]])
+    return out
+
+
+def _walk(prefix: Any, tree: Any, path: tuple[Any, ...], found: dict[tuple[Any, ...], Any]) -> bool:
+    """Record in ``found`` the path of each of ``prefix``'s leaves in ``tree``; ``False``
+    where a container of ``prefix`` is not ``tree``'s at the same place."""
+    if prefix is None or isinstance(prefix, int):
+        found[path] = prefix
+        return True
+    if type(prefix) in _MAPPINGS:
+        if type(tree) not in _MAPPINGS or set(prefix) != set(tree):
+            return False
+        return all(_walk(prefix[k], tree[k], (*path, k), found) for k in prefix)
+    if type(prefix) in _SEQUENCES or _is_namedtuple(prefix):
+        if type(tree) is not type(prefix) or len(tree) != len(prefix):
+            return False
+        return all(
+            _walk(p, t, (*path, i), found)
+            for i, (p, t) in enumerate(zip(prefix, tree, strict=True))
+        )
+    raise _OtherNode
+
+
+def _is_namedtuple(x: Any) -> bool:
+    """Whether ``x`` is a namedtuple (``optree.is_namedtuple_instance``, in Python for
+    Dynamo)."""
+    cls = type(x)
+    fields = getattr(cls, "_fields", None)
+    return (
+        issubclass(cls, tuple)
+        and isinstance(fields, tuple)
+        and all(type(f) is str for f in fields)
+        and callable(getattr(cls, "_make", None))
+    )
+
+
+def _broadcast_by_spec(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
+    """``broadcast_prefix`` by optree's own matching, for any prefix node (eager only)."""
     try:
         prefix_leaves, prefix_spec = flatten(prefix)
         # Each of spec's leaves replaced by its position, to see where each subtree lands.
@@ -59,6 +127,29 @@ def broadcast_prefix(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
         for position in leaves(subtree):
             out[position] = value
     return out
+
+
+def spelled_out(prefix: Any, tree: Any) -> Any:
+    """``prefix`` with each of its dicts rebuilt as ``tree``'s container at that place
+    (its type, its key order); ``prefix`` must be a prefix of ``tree``.
+
+    ``torch.func.vmap`` pairs a dict of ``in_dims`` with its argument's keys by
+    position: given in another key order, it would map the wrong leaf.
+    """
+    if type(prefix) in _MAPPINGS:
+        items = [(k, spelled_out(prefix[k], tree[k])) for k in tree]
+        if type(tree) is defaultdict:
+            return defaultdict(tree.default_factory, items)
+        return type(tree)(items)
+    if type(prefix) in _SEQUENCES:
+        return type(prefix)(spelled_out(p, t) for p, t in zip(prefix, tree, strict=True))
+    if _is_namedtuple(prefix):
+        return type(prefix)(*(spelled_out(p, t) for p, t in zip(prefix, tree, strict=True)))
+    if prefix is None or isinstance(prefix, int):
+        return prefix
+    # Another node (see broadcast_prefix): one value per leaf, in tree's own structure.
+    _, spec = flatten(tree)
+    return unflatten(spec, _broadcast_by_spec(prefix, spec))
 
 
 def check_same_structure(

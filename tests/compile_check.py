@@ -6,6 +6,7 @@ Dynamo cannot trace; users compile the plain library, as this script does.
 
 import copy
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 
 import optree
@@ -1066,6 +1067,87 @@ def transform_swaps() -> None:
         torch.testing.assert_close(compiled[k], v, rtol=1e-5, atol=1e-6)
 
 
+class DictInput(nn.Module):
+    """Reads a dict input: ``obs`` through a Linear, plus a per-member ``shift``'s sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, d: dict) -> torch.Tensor:
+        return self.l(d["obs"]) + d["shift"].sum()
+
+
+def dict_inputs() -> None:
+    """Dict arguments split over members under fullgraph compile: in_dims 0, None and a
+    dict prefix given in another key order than the argument's (with an OrderedDict
+    argument too), on fe.vmap, value_and_grad + update_ and the module face, against
+    the loop in float64. Dynamo could not flatten such a dict of ints with optree."""
+    n = 3
+    torch.manual_seed(0)
+    members = [DictInput().double() for _ in range(n)]
+    obs = torch.randn(n, 5, 4, dtype=torch.float64)
+    shift = torch.randn(n, 3, dtype=torch.float64)
+    y = torch.randn(n, 5, 2, dtype=torch.float64)
+    cases = [  # (in_dims entry, the argument, member i's argument)
+        (0, {"obs": obs, "shift": shift}, lambda i: {"obs": obs[i], "shift": shift[i]}),
+        (None, {"obs": obs[0], "shift": shift[0]}, lambda i: {"obs": obs[0], "shift": shift[0]}),
+        (
+            {"shift": 0, "obs": None},
+            {"obs": obs[1], "shift": shift},
+            lambda i: {"obs": obs[1], "shift": shift[i]},
+        ),
+        (
+            {"obs": 0, "shift": None},
+            OrderedDict(shift=shift[2], obs=obs),
+            lambda i: {"obs": obs[i], "shift": shift[2]},
+        ),
+    ]
+    for dim, arg, member_arg in cases:
+        want = torch.stack([m(member_arg(i)) for i, m in enumerate(members)])
+        # Inference, functional face.
+        fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+        torch._dynamo.reset()
+        got = torch.compile(fe.vmap(fmodel, in_dims=(dim,)), fullgraph=True)(params, buffers, arg)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        # Three training steps, functional face, against the loop with torch.optim.
+        loop = copy.deepcopy(members)
+        loop_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in loop]
+        opt = fe.optim.adam(lr=1e-2)
+        state = opt.init(params)
+        value_and_grad = fe.value_and_grad(
+            lambda p, b, d, t, fmodel=fmodel: F.mse_loss(fmodel(p, b, d), t), in_dims=(dim, 0)
+        )
+
+        def step(params, buffers, state, d, t, value_and_grad=value_and_grad, opt=opt):
+            losses, grads, buffers = value_and_grad(params, buffers, d, t)
+            return opt.update_(grads, state, params), losses
+
+        compiled = torch.compile(step, fullgraph=True)
+        # The module face, compiled with the same in_dims.
+        ens = fe.Ensemble(copy.deepcopy(members))
+        ens_opt = torch.optim.Adam(ens.parameters(), lr=1e-2)
+        ens_step = torch.compile(lambda d, dim=dim, ens=ens: ens(d, in_dims=(dim,)), fullgraph=True)
+        for _ in range(3):
+            want_losses = []
+            for i, (m, o) in enumerate(zip(loop, loop_opts, strict=True)):
+                o.zero_grad()
+                loss = F.mse_loss(m(member_arg(i)), y[i])
+                loss.backward()
+                o.step()
+                want_losses.append(loss.detach())
+            state, losses = compiled(params, buffers, state, arg, y)
+            torch.testing.assert_close(losses, torch.stack(want_losses), rtol=1e-12, atol=1e-12)
+            ens_opt.zero_grad()
+            ((ens_step(arg) - y) ** 2).mean((1, 2)).sum().backward()
+            ens_opt.step()
+        for k in params:
+            want_k = torch.stack([dict(m.named_parameters())[k] for m in loop]).detach()
+            torch.testing.assert_close(params[k].detach(), want_k, rtol=1e-12, atol=1e-12)
+            got_k = ens.state_dict()[f"stacked.{k}"]
+            torch.testing.assert_close(got_k, want_k, rtol=1e-12, atol=1e-12)
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
@@ -1091,6 +1173,7 @@ if __name__ == "__main__":
         "shared_input_in_place": shared_input_in_place,
         "embedding_max_norm": embedding_max_norm,
         "container_under_compile": container_under_compile,
+        "dict_inputs": dict_inputs,
     }
     faces[sys.argv[1]]()
     print("OK")

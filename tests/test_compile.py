@@ -44,6 +44,7 @@ NEWEST = pytest.mark.newest
         pytest.param("shared_input_in_place", marks=NEWEST),
         "embedding_max_norm",
         "container_under_compile",
+        pytest.param("dict_inputs", marks=NEWEST),
         pytest.param("forward_mode", marks=NEWEST),
         "user_mode",
     ],

@@ -1,6 +1,7 @@
 """funcensemble's pytree helpers (optree, None kept as a leaf)."""
 
-from collections import OrderedDict, namedtuple
+import random
+from collections import OrderedDict, defaultdict, deque, namedtuple
 
 import pytest
 import torch
@@ -32,8 +33,9 @@ Pair = namedtuple("Pair", "a b")
     ],
 )
 def test_broadcast_prefix_reads_in_dims_as_vmap_does(prefix, tree, expected):
-    _, spec = _tree.flatten(tree)
-    assert _tree.broadcast_prefix(prefix, spec) == expected
+    assert _tree.broadcast_prefix(prefix, tree) == expected
+    # The walk (dicts, lists, tuples, namedtuples) agrees with optree's own matching.
+    assert _tree._broadcast_by_spec(prefix, _tree.flatten(tree)[1]) == expected
 
 
 def test_none_is_a_leaf_and_dict_order_comes_back():
@@ -59,3 +61,89 @@ def test_check_same_structure_says_what_differs():
         ValueError, match=r"f: grads do not match the expected structure \(expected"
     ):
         _tree.check_same_structure("f", "grads", spec, {"w": 1}, "Fix.")
+
+
+Triple = namedtuple("Triple", "a b c")
+
+
+def _random_tree(rng, depth):
+    """A random pytree of ints and ``None`` in dicts, OrderedDicts, defaultdicts,
+    lists, tuples, namedtuples and deques (which the walk hands to optree)."""
+    kind = rng.randrange(9 if depth else 2)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.randrange(3)
+    size = rng.randrange(4)
+    children = [_random_tree(rng, depth - 1) for _ in range(size)]
+    keys = rng.sample(["a", "b", "c", 1, 2], size)
+    if kind == 2:
+        return dict(zip(keys, children, strict=True))
+    if kind == 3:
+        return OrderedDict(zip(keys, children, strict=True))
+    if kind == 4:
+        return defaultdict(list, zip(keys, children, strict=True))
+    if kind == 5:
+        return children
+    if kind == 6:
+        return tuple(children)
+    if kind == 7:
+        return Triple(*(children + [None] * 3)[:3])
+    return deque(children)
+
+
+def _prefixes(rng, tree):
+    """Prefixes of ``tree`` (an int or None for a subtree, containers kept or retyped
+    among the mappings), and near misses: a key added or dropped, a sequence retyped
+    or shortened."""
+    if rng.random() < 0.3 or tree is None or isinstance(tree, int):
+        return rng.choice([None, 0, 1])
+    if isinstance(tree, dict):
+        out = {k: _prefixes(rng, v) for k, v in tree.items()}
+        r = rng.random()
+        if r < 0.1:
+            out["z"] = 0
+        elif r < 0.2 and out:
+            out.pop(next(iter(out)))
+        kind = rng.choice([dict, OrderedDict, lambda items: defaultdict(int, items)])
+        return kind(list(out.items()))
+    children = [_prefixes(rng, v) for v in tree]
+    r = rng.random()
+    if r < 0.1 and children:
+        children = children[:-1]
+    if isinstance(tree, Triple):
+        return Triple(*(children + [None] * 3)[:3]) if r >= 0.2 else tuple(children)
+    if isinstance(tree, deque):
+        return deque(children)
+    kind = type(tree) if r >= 0.2 else rng.choice([list, tuple])
+    return kind(children)
+
+
+def _assert_dicts_like(prefix, tree):
+    """Every dict of ``prefix`` is ``tree``'s at its place: same type, same key order."""
+    if isinstance(prefix, dict):
+        assert type(prefix) is type(tree) and list(prefix) == list(tree)
+        for k in prefix:
+            _assert_dicts_like(prefix[k], tree[k])
+    elif isinstance(prefix, (list, tuple, deque)):
+        for p, t in zip(prefix, tree, strict=True):
+            _assert_dicts_like(p, t)
+
+
+def test_broadcast_prefix_walk_agrees_with_optree_on_random_trees():
+    rng = random.Random(0)
+    matched = refused = 0
+    for _ in range(3000):
+        tree = _random_tree(rng, 3)
+        prefix = _prefixes(rng, tree)
+        want = _tree._broadcast_by_spec(prefix, _tree.flatten(tree)[1])
+        assert _tree.broadcast_prefix(prefix, tree) == want, (prefix, tree)
+        if want is None:
+            refused += 1
+            continue
+        matched += 1
+        # Spelled out: the tree's own containers and key order, the same broadcast.
+        spelled = _tree.spelled_out(prefix, tree)
+        assert _tree.broadcast_prefix(spelled, tree) == want
+        _assert_dicts_like(spelled, tree)
+    assert matched > 1000 and refused > 300  # both sides of the walk were exercised

@@ -31,7 +31,7 @@ def check_type(where: str, in_dims: Any) -> None:
             "for all."
         )
     if isinstance(in_dims, tuple):
-        for entry in _tree.flatten(in_dims)[0]:
+        for entry in _tree.leaves(in_dims):
             if isinstance(entry, bool) or not (entry is None or isinstance(entry, int)):
                 raise TypeError(
                     f"{where}: in_dims holds {entry!r}, a {type(entry).__name__} (expected "
@@ -68,8 +68,7 @@ def arg_dims(in_dims: InDims, num_args: int, where: str = "vmap") -> tuple[Any, 
 
 def leaf_dims(index: int, arg: Any, dim: Any, where: str = "vmap") -> tuple[list[Any], list[Any]]:
     """``arg``'s leaves and the member dim of each (``dim`` broadcast over ``arg``)."""
-    leaves, spec = _tree.flatten(arg)
-    flat = _tree.broadcast_prefix(dim, spec)
+    flat = _tree.broadcast_prefix(dim, arg)
     if flat is None:
         raise ValueError(
             f"{where}: in_dims entry {index} ({dim!r}) does not match the structure of "
@@ -77,7 +76,7 @@ def leaf_dims(index: int, arg: Any, dim: Any, where: str = "vmap") -> tuple[list
             "or None for the whole argument, or a pytree with the argument's keys and "
             "lengths."
         )
-    return leaves, flat
+    return _tree.leaves(arg), flat
 
 
 def _after(where: str) -> str:
@@ -104,10 +103,10 @@ def check_member_sizes(
 ) -> tuple[Any, ...]:
     """Check every mapped leaf has ``n`` members along its dim.
 
-    Returns ``dims`` with each non-``None`` entry spelled out over its argument's whole
-    structure (one int or ``None`` per leaf, in the argument's own container order):
-    ``torch.func.vmap`` pairs a dict entry of ``in_dims`` with the argument's keys by
-    position, so a dict given in another key order would map the wrong leaf.
+    Returns ``dims`` with each dict in an entry rebuilt in its argument's own container
+    type and key order (``_tree.spelled_out``): ``torch.func.vmap`` pairs a dict entry of
+    ``in_dims`` with the argument's keys by position, so a dict given in another key
+    order would map the wrong leaf.
     """
     out = []
     for index, (arg, dim) in enumerate(zip(args, dims, strict=True)):
@@ -137,7 +136,7 @@ def check_member_sizes(
                     f"dim {d}, but the ensemble has {n} members. A per-member input needs "
                     "one slice per member; pass in_dims=None for an input shared by all."
                 )
-        out.append(dim if isinstance(dim, int) else _tree.unflatten(_tree.flatten(arg)[1], flat))
+        out.append(dim if isinstance(dim, int) else _tree.spelled_out(dim, arg))
     return tuple(out)
 
 
