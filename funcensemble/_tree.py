@@ -71,12 +71,15 @@ def broadcast_prefix(prefix: Any, tree: Any) -> list[Any] | None:
         return _broadcast_by_spec(prefix, flatten(tree)[1])
     out = []
     for path in optree.tree_paths(tree, none_is_leaf=True):
-        # Exactly one of the path's heads is a prefix leaf (the walk matched every
-        # container above it): the leaf's own path at the longest.
-        end = 0
-        while path[:end] not in found:
-            end += 1
-        out.append(found[path[:end]])
+        # One of the path's heads is a prefix leaf (the walk matched every container
+        # above it), unless a container names its children otherwise than by key or
+        # position (a namedtuple registered with optree by field name).
+        for end in range(len(path) + 1):
+            if path[:end] in found:
+                out.append(found[path[:end]])
+                break
+        else:
+            return _broadcast_by_spec(prefix, flatten(tree)[1])
     return out
 
 
@@ -101,16 +104,20 @@ def _walk(prefix: Any, tree: Any, path: tuple[Any, ...], found: dict[tuple[Any, 
 
 
 def _is_namedtuple(x: Any) -> bool:
-    """Whether ``x`` is a namedtuple (``optree.is_namedtuple_instance``, in Python for
-    Dynamo)."""
+    """Whether ``x`` is a namedtuple that optree flattens as one, by position (in Python
+    for Dynamo): a namedtuple class registered with optree as a node of its own names
+    its children as it likes, and goes through optree's matching instead."""
     cls = type(x)
     fields = getattr(cls, "_fields", None)
-    return (
+    if not (
         issubclass(cls, tuple)
         and isinstance(fields, tuple)
         and all(type(f) is str for f in fields)
         and callable(getattr(cls, "_make", None))
-    )
+    ):
+        return False
+    entry = optree.register_pytree_node.get(cls)  # optree's generic namedtuple entry
+    return entry is not None and entry.type is not cls
 
 
 def _broadcast_by_spec(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
@@ -129,7 +136,7 @@ def _broadcast_by_spec(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
     return out
 
 
-def spelled_out(prefix: Any, tree: Any) -> Any:
+def in_key_order(prefix: Any, tree: Any) -> Any:
     """``prefix`` with each of its dicts rebuilt as ``tree``'s container at that place
     (its type, its key order); ``prefix`` must be a prefix of ``tree``.
 
@@ -137,14 +144,14 @@ def spelled_out(prefix: Any, tree: Any) -> Any:
     position: given in another key order, it would map the wrong leaf.
     """
     if type(prefix) in _MAPPINGS:
-        items = [(k, spelled_out(prefix[k], tree[k])) for k in tree]
+        items = [(k, in_key_order(prefix[k], tree[k])) for k in tree]
         if type(tree) is defaultdict:
             return defaultdict(tree.default_factory, items)
         return type(tree)(items)
     if type(prefix) in _SEQUENCES:
-        return type(prefix)(spelled_out(p, t) for p, t in zip(prefix, tree, strict=True))
+        return type(prefix)(in_key_order(p, t) for p, t in zip(prefix, tree, strict=True))
     if _is_namedtuple(prefix):
-        return type(prefix)(*(spelled_out(p, t) for p, t in zip(prefix, tree, strict=True)))
+        return type(prefix)(*(in_key_order(p, t) for p, t in zip(prefix, tree, strict=True)))
     if prefix is None or isinstance(prefix, int):
         return prefix
     # Another node (see broadcast_prefix): one value per leaf, in tree's own structure.

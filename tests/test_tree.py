@@ -1,8 +1,10 @@
 """funcensemble's pytree helpers (optree, None kept as a leaf)."""
 
 import random
+import warnings
 from collections import OrderedDict, defaultdict, deque, namedtuple
 
+import optree
 import pytest
 import torch
 
@@ -99,7 +101,9 @@ def _prefixes(rng, tree):
     if rng.random() < 0.3 or tree is None or isinstance(tree, int):
         return rng.choice([None, 0, 1])
     if isinstance(tree, dict):
-        out = {k: _prefixes(rng, v) for k, v in tree.items()}
+        items = [(k, _prefixes(rng, v)) for k, v in tree.items()]
+        rng.shuffle(items)  # the prefix's key order need not be the tree's
+        out = dict(items)
         r = rng.random()
         if r < 0.1:
             out["z"] = 0
@@ -143,7 +147,38 @@ def test_broadcast_prefix_walk_agrees_with_optree_on_random_trees():
             continue
         matched += 1
         # Spelled out: the tree's own containers and key order, the same broadcast.
-        spelled = _tree.spelled_out(prefix, tree)
+        spelled = _tree.in_key_order(prefix, tree)
         assert _tree.broadcast_prefix(spelled, tree) == want
         _assert_dicts_like(spelled, tree)
     assert matched > 1000 and refused > 300  # both sides of the walk were exercised
+
+
+# A namedtuple class registered with optree as a node of its own, in the namespace
+# funcensemble reads (optree only warns): it may name and order its children as it likes.
+_GLOBAL = optree.registry.__dict__.get("__GLOBAL_NAMESPACE", "")
+
+
+@pytest.mark.parametrize(
+    ("entries", "swapped"), [(("a", "b"), False), ((0, 1), True)], ids=["by_name", "swapped"]
+)
+def test_broadcast_prefix_reads_a_registered_namedtuple_as_optree_does(entries, swapped):
+    Swapped = namedtuple("Swapped", "a b")
+
+    def flatten(t):
+        return ((t.b, t.a) if swapped else (t.a, t.b)), None, entries
+
+    def unflatten(_, children):
+        return Swapped(*(reversed(children) if swapped else children))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # optree: namedtuples are nodes already
+        optree.register_pytree_node(Swapped, flatten, unflatten, namespace=_GLOBAL)
+    try:
+        tree = Swapped([1, 2], None)
+        prefix = Swapped(0, None)
+        want = [None, 0, 0] if swapped else [0, 0, None]
+        assert _tree._broadcast_by_spec(prefix, _tree.flatten(tree)[1]) == want
+        assert _tree.broadcast_prefix(prefix, tree) == want
+        assert _tree.broadcast_prefix({"x": prefix}, {"x": tree}) == want
+    finally:
+        optree.unregister_pytree_node(Swapped, namespace=_GLOBAL)

@@ -104,7 +104,7 @@ def check_member_sizes(
     """Check every mapped leaf has ``n`` members along its dim.
 
     Returns ``dims`` with each dict in an entry rebuilt in its argument's own container
-    type and key order (``_tree.spelled_out``): ``torch.func.vmap`` pairs a dict entry of
+    type and key order (``_tree.in_key_order``): ``torch.func.vmap`` pairs a dict entry of
     ``in_dims`` with the argument's keys by position, so a dict given in another key
     order would map the wrong leaf.
     """
@@ -136,7 +136,7 @@ def check_member_sizes(
                     f"dim {d}, but the ensemble has {n} members. A per-member input needs "
                     "one slice per member; pass in_dims=None for an input shared by all."
                 )
-        out.append(dim if isinstance(dim, int) else _tree.spelled_out(dim, arg))
+        out.append(dim if isinstance(dim, int) else _tree.in_key_order(dim, arg))
     return tuple(out)
 
 

@@ -74,6 +74,24 @@ def check_kept(where: str, skeleton: nn.Module, modules: list[nn.Module], before
         )
 
 
+class _PassedIn:
+    """The tensors passed in, tested by identity: ``t in passed``.
+
+    By ``id()`` eagerly (a set); compiled, by ``is`` against each (torch 2.10 to 2.12
+    cannot trace ``id()`` of a tensor made inside the traced call, such as vmap's
+    wrappers, and stop ``fullgraph`` there).
+    """
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.tensors = tensors
+        self.ids = None if torch.compiler.is_compiling() else {id(t) for t in tensors}
+
+    def __contains__(self, value: object) -> bool:
+        if self.ids is not None:
+            return id(value) in self.ids
+        return any(value is t for t in self.tensors)
+
+
 def carry_rebound(
     where: str,
     params: dict[str, Tensor],
@@ -89,9 +107,9 @@ def carry_rebound(
     value. Everything is checked before anything is written; ``before_writing`` gets
     the names about to be written (saved, to be put back if the call fails later).
     """
-    passed = {id(t) for t in params.values()} | {id(t) for t in buffers.values()}
+    passed = _PassedIn([*params.values(), *buffers.values()])
     for name, old in params.items():
-        if id(after.get(name, old)) not in passed:
+        if after.get(name, old) not in passed:
             raise ValueError(
                 f"{where}: the forward re-assigned the parameter `{name}` (expected "
                 "parameters to stay the tensors passed in). Compute the new value as a "
@@ -100,7 +118,7 @@ def carry_rebound(
     rebound: list[tuple[str, Tensor, Tensor]] = []
     for name, old in buffers.items():
         new = after.get(name, old)
-        if id(new) in passed:
+        if new in passed:
             continue
         if (
             not isinstance(new, Tensor)
