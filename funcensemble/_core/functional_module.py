@@ -198,7 +198,11 @@ def _tags_and_tensors(
 @torch.compiler.assume_constant_result
 def _tagged(skeleton: nn.Module) -> bool:
     """Whether any of the skeleton's tensors has a tag, asked by torch.compile while it
-    traces: a constant of the graph, evaluated at each compilation."""
+    traces: a constant of the graph, evaluated at each compilation.
+
+    torch 2.10 and 2.11 stop here (a module is no constant to their Dynamo). Left so:
+    past this stop, their inductor computed wrong training steps (versions.md).
+    """
     return bool(_tags_and_tensors(skeleton)[0])
 
 
