@@ -45,6 +45,7 @@ NEWEST = pytest.mark.newest
         "embedding_max_norm",
         "container_under_compile",
         pytest.param("dict_inputs", marks=NEWEST),
+        pytest.param("float64_steps", marks=NEWEST),
         pytest.param("forward_mode", marks=NEWEST),
         "user_mode",
     ],
