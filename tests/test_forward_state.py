@@ -14,7 +14,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from helpers import Snapshot
+from helpers import Snapshot, export_queries_vmapped_layout
 from torch import nn
 
 import funcensemble as fe
@@ -1015,8 +1015,13 @@ def test_a_shared_input_changed_in_place_is_refused_by_a_non_strict_export(view)
     change = (lambda x: x[0].mul_(2.0)) if view else _doubles
     ens = fe.Ensemble([ChangesItsInput(change) for _ in range(3)]).eval()
     x = torch.ones(5, 4)
-    with pytest.raises(ValueError, match=r"shared by all members.* torch.export traced the call"):
-        torch.export.export(ens, (x,), strict=False)
+    refused = r"shared by all members.* torch.export traced the call"
+    if export_queries_vmapped_layout():  # or torch 2.6's tracer stops first (versions.md)
+        with pytest.raises((ValueError, RuntimeError), match=rf"{refused}|NYI: querying"):
+            torch.export.export(ens, (x,), strict=False)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            torch.export.export(ens, (x,), strict=False)
     assert torch.equal(x, torch.ones(5, 4))
 
 
