@@ -1192,6 +1192,36 @@ def float64_steps() -> None:
                 torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=f"{norm} {kind}")
 
 
+def attention_autocast() -> None:
+    """Eval-mode TransformerEncoderLayer members under bfloat16 autocast: eager mode
+    refuses the ensemble; compiled without gradients it computes what torch.compile of
+    each member computes (float32, where the eager loop returns bfloat16); compiled with
+    gradients it stops with torch's own error (compile.md)."""
+    torch.manual_seed(0)
+    members = [
+        nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval() for _ in range(3)
+    ]
+    ens = fe.Ensemble(copy.deepcopy(members)).eval()
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        try:
+            ens(x)
+        except RuntimeError as error:
+            assert "MultiheadAttention under torch.autocast" in str(error), error
+        else:
+            raise AssertionError("eager attention under autocast ran")
+        with torch.no_grad():
+            alone = torch.stack([torch.compile(copy.deepcopy(m))(x) for m in members])
+            got = torch.compile(ens)(x)
+        torch.testing.assert_close(got, alone, rtol=1e-6, atol=1e-6)
+        try:
+            torch.compile(ens)(x)
+        except Exception as error:  # Dynamo wraps torch's RuntimeError
+            assert "derivative for aten::_transformer_encoder_layer_fwd" in str(error), error
+        else:
+            raise AssertionError("compiled attention with gradients under autocast ran")
+
+
 if __name__ == "__main__":
     faces = {
         "frozen": frozen_gradients,
@@ -1219,6 +1249,7 @@ if __name__ == "__main__":
         "container_under_compile": container_under_compile,
         "dict_inputs": dict_inputs,
         "float64_steps": float64_steps,
+        "attention_autocast": attention_autocast,
     }
     faces[sys.argv[1]]()
     print("OK")

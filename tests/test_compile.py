@@ -46,6 +46,7 @@ NEWEST = pytest.mark.newest
         "container_under_compile",
         pytest.param("dict_inputs", marks=NEWEST),
         pytest.param("float64_steps", marks=NEWEST),
+        "attention_autocast",
         pytest.param("forward_mode", marks=NEWEST),
         "user_mode",
     ],
