@@ -49,6 +49,9 @@ class _OtherNode(Exception):
     """A prefix node the walk does not know (a deque, a class registered with optree)."""
 
 
+_NO_MATCH = object()  # what _walk returns where the prefix does not match the tree
+
+
 def broadcast_prefix(prefix: Any, tree: Any) -> list[Any] | None:
     """``prefix`` (a pytree matching a prefix of ``tree``, e.g. an ``in_dims`` entry)
     broadcast to one value per leaf of ``tree``, or ``None`` if it is no prefix of it.
@@ -57,6 +60,27 @@ def broadcast_prefix(prefix: Any, tree: Any) -> list[Any] | None:
     as ``torch.func.vmap`` reads ``in_dims``. The values come in ``tree``'s leaf order,
     matched by key: a dict and an ``OrderedDict`` flatten in different key orders (sorted,
     and as inserted), so the prefix's own leaf order may not be ``tree``'s.
+    """
+    matched = _match(prefix, tree)
+    return None if matched is None else matched[0]
+
+
+def in_key_order(prefix: Any, tree: Any) -> Any:
+    """``prefix`` with each of its dicts rebuilt as ``tree``'s container at that place
+    (its type, its key order); ``prefix`` must be a prefix of ``tree``.
+
+    ``torch.func.vmap`` pairs a dict of ``in_dims`` with its argument's keys by
+    position: given in another key order, it would map the wrong leaf.
+    """
+    matched = _match(prefix, tree)
+    if matched is None:
+        raise ValueError(f"in_key_order: {prefix!r} is no prefix of the tree")
+    return matched[1]
+
+
+def _match(prefix: Any, tree: Any) -> tuple[list[Any], Any] | None:
+    """``broadcast_prefix`` and ``in_key_order`` of ``prefix`` over ``tree`` together, or
+    ``None`` if it is no prefix of it.
 
     The prefix's dicts, lists, tuples and namedtuples are walked here, and ``tree``'s
     leaves found by their paths: under ``torch.compile``, Dynamo cannot flatten a dict
@@ -65,41 +89,55 @@ def broadcast_prefix(prefix: Any, tree: Any) -> list[Any] | None:
     """
     found: dict[tuple[Any, ...], Any] = {}
     try:
-        if not _walk(prefix, tree, (), found):
-            return None
+        rebuilt = _walk(prefix, tree, (), found)
     except _OtherNode:
-        return _broadcast_by_spec(prefix, flatten(tree)[1])
-    out = []
+        return _match_by_spec(prefix, tree)
+    if rebuilt is _NO_MATCH:
+        return None
+    values = []
     for path in optree.tree_paths(tree, none_is_leaf=True):
         # One of the path's heads is a prefix leaf (the walk matched every container
         # above it), unless a container names its children otherwise than by key or
         # position (a namedtuple registered with optree by field name).
         for end in range(len(path) + 1):
             if path[:end] in found:
-                out.append(found[path[:end]])
+                values.append(found[path[:end]])
                 break
         else:
-            return _broadcast_by_spec(prefix, flatten(tree)[1])
-    return out
+            return _match_by_spec(prefix, tree)
+    return values, rebuilt
 
 
-def _walk(prefix: Any, tree: Any, path: tuple[Any, ...], found: dict[tuple[Any, ...], Any]) -> bool:
-    """Record in ``found`` the path of each of ``prefix``'s leaves in ``tree``; ``False``
-    where a container of ``prefix`` is not ``tree``'s at the same place."""
+def _walk(prefix: Any, tree: Any, path: tuple[Any, ...], found: dict[tuple[Any, ...], Any]) -> Any:
+    """Record in ``found`` the path of each of ``prefix``'s leaves in ``tree``, and return
+    ``prefix`` with its dicts rebuilt as ``tree``'s; ``_NO_MATCH`` where a container of
+    ``prefix`` is not ``tree``'s at the same place."""
     if prefix is None or isinstance(prefix, int):
         found[path] = prefix
-        return True
+        return prefix
     if type(prefix) in _MAPPINGS:
         if type(tree) not in _MAPPINGS or set(prefix) != set(tree):
-            return False
-        return all(_walk(prefix[k], tree[k], (*path, k), found) for k in prefix)
-    if type(prefix) in _SEQUENCES or _is_namedtuple(prefix):
+            return _NO_MATCH
+        items = []
+        for k in tree:
+            child = _walk(prefix[k], tree[k], (*path, k), found)
+            if child is _NO_MATCH:
+                return _NO_MATCH
+            items.append((k, child))
+        if type(tree) is defaultdict:
+            return defaultdict(tree.default_factory, items)
+        return type(tree)(items)
+    namedtuple = _is_namedtuple(prefix)
+    if type(prefix) in _SEQUENCES or namedtuple:
         if type(tree) is not type(prefix) or len(tree) != len(prefix):
-            return False
-        return all(
-            _walk(p, t, (*path, i), found)
-            for i, (p, t) in enumerate(zip(prefix, tree, strict=True))
-        )
+            return _NO_MATCH
+        children = []
+        for i, (p, t) in enumerate(zip(prefix, tree, strict=True)):
+            child = _walk(p, t, (*path, i), found)
+            if child is _NO_MATCH:
+                return _NO_MATCH
+            children.append(child)
+        return type(prefix)(*children) if namedtuple else type(prefix)(children)
     raise _OtherNode
 
 
@@ -120,6 +158,14 @@ def _is_namedtuple(x: Any) -> bool:
     return entry is not None and entry.type is not cls
 
 
+def _match_by_spec(prefix: Any, tree: Any) -> tuple[list[Any], Any] | None:
+    """``_match`` by optree's own matching, for any prefix node (eager only); the prefix
+    comes back spelled out, one value per leaf in ``tree``'s own structure."""
+    _, spec = flatten(tree)
+    values = _broadcast_by_spec(prefix, spec)
+    return None if values is None else (values, unflatten(spec, values))
+
+
 def _broadcast_by_spec(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
     """``broadcast_prefix`` by optree's own matching, for any prefix node (eager only)."""
     try:
@@ -134,29 +180,6 @@ def _broadcast_by_spec(prefix: Any, spec: PyTreeSpec) -> list[Any] | None:
         for position in leaves(subtree):
             out[position] = value
     return out
-
-
-def in_key_order(prefix: Any, tree: Any) -> Any:
-    """``prefix`` with each of its dicts rebuilt as ``tree``'s container at that place
-    (its type, its key order); ``prefix`` must be a prefix of ``tree``.
-
-    ``torch.func.vmap`` pairs a dict of ``in_dims`` with its argument's keys by
-    position: given in another key order, it would map the wrong leaf.
-    """
-    if type(prefix) in _MAPPINGS:
-        items = [(k, in_key_order(prefix[k], tree[k])) for k in tree]
-        if type(tree) is defaultdict:
-            return defaultdict(tree.default_factory, items)
-        return type(tree)(items)
-    if type(prefix) in _SEQUENCES:
-        return type(prefix)(in_key_order(p, t) for p, t in zip(prefix, tree, strict=True))
-    if _is_namedtuple(prefix):
-        return type(prefix)(*(in_key_order(p, t) for p, t in zip(prefix, tree, strict=True)))
-    if prefix is None or isinstance(prefix, int):
-        return prefix
-    # Another node (see broadcast_prefix): one value per leaf, in tree's own structure.
-    _, spec = flatten(tree)
-    return unflatten(spec, _broadcast_by_spec(prefix, spec))
 
 
 def check_same_structure(
