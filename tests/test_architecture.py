@@ -283,6 +283,13 @@ def test_bad_in_dims(bn_train: tuple) -> None:
         call(({"a": 0},), x)
     with pytest.raises(TypeError, match=r"argument 0 is mapped \(in_dims 0\) but holds a float"):
         fe.vmap(lambda p, b, s: s, in_dims=(0,))(params, buffers, 1.5)
+    # A None inside a mapped dict is named by its key, with what to pass instead.
+    with pytest.raises(
+        TypeError,
+        match=r"leaf `\['mask'\]` of argument 0 is mapped \(in_dims 0\) but holds a NoneType;"
+        r".* Give that leaf None in an in_dims entry shaped like the argument",
+    ):
+        call((0,), {"x": x, "mask": None})
     with pytest.raises(ValueError, match=r"argument 0 has 3 dimension\(s\); it cannot be split"):
         call((3,), x)
     # Wrong types: beartype in the test run, funcensemble's own TypeError for users.

@@ -117,14 +117,11 @@ def check_member_sizes(
             leaves, flat = [arg], [dim]  # what flattening a tensor gives, without the walk
         else:
             leaves, flat = leaf_dims(index, arg, dim, where)
-        for leaf, d in zip(leaves, flat, strict=True):
+        for position, (leaf, d) in enumerate(zip(leaves, flat, strict=True)):
             if d is None:
                 continue
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"{where}: argument {index} is mapped (in_dims {d}) but holds a "
-                    f"{type(leaf).__name__}; only tensors can be split over members."
-                )
+                raise TypeError(_not_a_tensor(where, index, arg, position, leaf, d))
             if not -leaf.dim() <= d < leaf.dim():
                 raise ValueError(
                     f"{where}: argument {index} has {leaf.dim()} dimension(s); it cannot be "
@@ -138,6 +135,23 @@ def check_member_sizes(
                 )
         out.append(dim if isinstance(dim, int) else _tree.in_key_order(dim, arg))
     return tuple(out)
+
+
+def _not_a_tensor(where: str, index: int, arg: Any, position: int, leaf: Any, dim: int) -> str:
+    """The refusal of a mapped leaf that is not a tensor, naming it within its argument."""
+    if leaf is arg:
+        return (
+            f"{where}: argument {index} is mapped (in_dims {dim}) but holds a "
+            f"{type(leaf).__name__}; only tensors can be split over members. Pass "
+            "in_dims None for that argument."
+        )
+    path = _tree.flatten_with_paths(arg)[0][position]
+    return (
+        f"{where}: leaf `{path}` of argument {index} is mapped (in_dims {dim}) but holds a "
+        f"{type(leaf).__name__}; only tensors can be split over members. Give that leaf "
+        "None in an in_dims entry shaped like the argument (e.g. {'x': 0, 'mask': None} "
+        "for a dict of a per-member tensor and a None)."
+    )
 
 
 def per_argument(
