@@ -752,13 +752,17 @@ def _dense(t: Tensor) -> bool:
 
 
 def partly_shared(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` share some but not all of their memory: an in-place op
-    writing ``a`` from ``b`` fails then ("some elements of the input tensor and the
-    written-to tensor refer to a single memory location"). As torch's overlap check:
-    only dense layouts are compared (other layouts pass, and torch lets them run); the
-    same memory in another order (a transpose) counts as partly shared. Tensors whose
-    memory Python cannot read (a DTensor, another wrapper subclass) count as not."""
-    if a is b or not a.numel() or not b.numel() or not (_dense(a) and _dense(b)):
+    """Whether ``a`` and ``b`` share some of their elements' memory without being one
+    view of it (the same start, shape and strides): an in-place op writing ``a`` from
+    ``b`` would then read elements it has already written. The loop over members, whose
+    slices are often dense where the stacked tensors are not (``base[:, 1:4]``), has
+    torch refuse that ("some elements of the input tensor and the written-to tensor
+    refer to a single memory location"), or reads members it has already updated.
+    The same memory in another order (a transpose) counts as partly shared; strided
+    views that interleave without a common element (``base[:, ::2]`` and
+    ``base[:, 1::2]``) do not. Tensors whose memory Python cannot read (a DTensor,
+    another wrapper subclass) count as not."""
+    if a is b or not a.numel() or not b.numel():
         return False
     try:
         if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
@@ -766,10 +770,43 @@ def partly_shared(a: Tensor, b: Tensor) -> bool:
         a_start, b_start = a.data_ptr(), b.data_ptr()
     except RuntimeError:  # "invalid python storage": a wrapper subclass holds no memory
         return False
-    a_end, b_end = a_start + a.nbytes, b_start + b.nbytes
-    if a_start == b_start and a_end == b_end:
-        return a.stride() != b.stride()
-    return a_start < b_end and b_start < a_end
+    if (a_start, a.shape, a.stride(), a.dtype) == (b_start, b.shape, b.stride(), b.dtype):
+        return False  # one view: each element is read where it is written
+    if not (a_start < b_start + _extent(b) and b_start < a_start + _extent(a)):
+        return False
+    if _dense(a) and _dense(b):
+        return True
+    return _elements_meet(a, b, a_start - b_start)
+
+
+def _extent(t: Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last (strides are >= 0)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+# Above this many elements, strided views whose ranges overlap count as sharing memory
+# without the element-by-element comparison (which holds two int64 offsets per element).
+_EXACT_OVERLAP_LIMIT = 1 << 24
+
+
+def _elements_meet(a: Tensor, b: Tensor, shift: int) -> bool:
+    """Whether strided ``a`` and ``b``, ``a`` starting ``shift`` bytes after ``b``, have
+    an element in common. Unaligned or differently sized elements count as meeting."""
+    size = a.element_size()
+    if b.element_size() != size or shift % size:
+        return True
+    if max(a.numel(), b.numel()) > _EXACT_OVERLAP_LIMIT:
+        return True
+    return bool(torch.isin(_offsets(a) + shift // size, _offsets(b)).any())
+
+
+def _offsets(t: Tensor) -> Tensor:
+    """Each element's offset, in elements, from ``t``'s first one (int64, on the CPU)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return offsets.reshape(-1)
 
 
 def same_storage(a: Tensor, b: Tensor) -> bool:

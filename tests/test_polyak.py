@@ -3,6 +3,7 @@
 the loop's lerp_ bit for bit)."""
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -288,6 +289,61 @@ def test_a_target_sharing_part_of_its_memory_with_online_is_refused_before_any_c
     assert not target["a"].any()
     grid = torch.zeros(4, 4)  # disjoint halves of one tensor: allowed, as torch allows
     fe.optim.polyak_update_({"a": grid[:, :2]}, {"a": grid[:, 2:]}, 0.5)
+
+
+@pytest.mark.parametrize(("target_cols", "online_cols"), [((1, 4), (0, 3)), ((0, 3), (1, 4))])
+def test_strided_targets_sharing_elements_with_online_are_refused(target_cols, online_cols):
+    """Each member's row slices of one tensor are dense, so the loop's lerp_ refuses
+    them; the stacked views are not, and were averaged in place, reading elements
+    already written (member 0 became [0.5, 1.25, 2.125], not [0.5, 1.5, 2.5])."""
+    base = torch.arange(30, dtype=torch.float64).reshape(3, 10)
+    target, online = base[:, slice(*target_cols)], base[:, slice(*online_cols)]
+    loop = base.clone()
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        loop[0, slice(*target_cols)].lerp_(loop[0, slice(*online_cols)], 0.5)
+    with pytest.raises(ValueError, match=r"target\['w'\] shares part of its memory"):
+        fe.optim.polyak_update_({"w": target}, {"w": online}, 0.5)
+    assert torch.equal(base, torch.arange(30, dtype=torch.float64).reshape(3, 10))
+
+
+def test_strided_views_of_one_tensor_with_no_element_in_common_are_averaged_as_the_loop():
+    base = torch.arange(24, dtype=torch.float64).reshape(3, 8)
+    want = base.clone()
+    for i in range(3):
+        want[i, ::2].lerp_(want[i, 1::2], 0.25)
+    fe.optim.polyak_update_({"w": base[:, ::2]}, {"w": base[:, 1::2]}, 0.25)
+    assert torch.equal(base, want)
+
+
+def test_partly_shared_agrees_with_the_elements_each_view_reads():
+    """Random strided views of one storage against a set of each view's element
+    offsets: partly shared exactly when the sets meet and the views differ."""
+    from funcensemble import _torch_compat
+
+    gen = torch.Generator().manual_seed(0)
+    storage = torch.zeros(200)
+
+    def view() -> torch.Tensor:
+        dims = int(torch.randint(1, 4, (), generator=gen))
+        size = [int(s) for s in torch.randint(1, 5, (dims,), generator=gen)]
+        stride = [int(s) for s in torch.randint(0, 12, (dims,), generator=gen)]
+        stride = [s if s else 1 for s in stride]
+        offset = int(torch.randint(0, 60, (), generator=gen))
+        return storage.as_strided(size, stride, offset)
+
+    def elements(t: torch.Tensor) -> set[int]:
+        return {t[i].data_ptr() for i in itertools.product(*map(range, t.shape))}
+
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        a, b = view(), view()
+        if _torch_compat.overlaps_itself(a) or _torch_compat.overlaps_itself(b):
+            continue
+        one_view = (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
+        want = bool(elements(a) & elements(b)) and not one_view
+        assert _torch_compat.partly_shared(a, b) == want, (a.shape, a.stride(), b.shape)
+        seen[want] += 1
+    assert min(seen.values()) > 100, seen
 
 
 def test_wrapper_subclass_leaves_are_averaged():
