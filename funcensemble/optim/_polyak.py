@@ -9,6 +9,7 @@ from torch import Tensor
 from .. import _torch_compat
 from .._core.tree_view import Stacked, state_view
 from .._types import StackedTree
+from . import _aliasing
 from ._hyper import (
     Hyper,
     PerMember,
@@ -70,8 +71,32 @@ def _check(
             floats.append(i)
         if in_place and not torch.compiler.is_compiling():
             _check_in_place(where, leaf_name(spec, i, "target"), t, o, tau_)
+    if in_place and not torch.compiler.is_compiling():
+        _check_across_leaves(where, spec, targets, onlines)
     check_members(tau_, where, spec, targets, floats, "target", exact=False)  # (see _lerped)
     return targets, onlines, spec, tau_
+
+
+def _check_across_leaves(
+    where: str, spec: optree.PyTreeSpec, targets: list[Any], onlines: list[Any]
+) -> None:
+    """Refuse target leaves sharing memory with one another or with another leaf of
+    online: the loop would read, leaf after leaf, values it has already averaged."""
+    ts = [i for i, t in enumerate(targets) if isinstance(t, Tensor)]
+    os = [i for i, o in enumerate(onlines) if isinstance(o, Tensor)]
+    clash = _aliasing.first_clash(
+        [targets[i] for i in ts], [onlines[i] for i in os], allowed=lambda w, r: ts[w] == os[r]
+    )
+    if clash is None:
+        return
+    w, r = clash
+    first = leaf_name(spec, ts[w], "target")
+    second = leaf_name(spec, os[r], "online") if r >= 0 else leaf_name(spec, ts[-1 - r], "target")
+    raise ValueError(
+        f"{where}: {first} shares memory with {second} (expected separate tensors, got "
+        "views of one tensor), so averaging one leaf in place would change what another "
+        "reads. Make the target a copy of online (e.g. a .clone() of each leaf)."
+    )
 
 
 def _check_in_place(where: str, name: str, t: Tensor, o: Tensor, tau: Hyper) -> None:
@@ -79,7 +104,7 @@ def _check_in_place(where: str, name: str, t: Tensor, o: Tensor, tau: Hyper) -> 
     wrapped = _torch_compat.is_wrapped(t) or _torch_compat.is_wrapped(o)
     if not wrapped:
         _check_writable(where, name, t)
-        shared = _torch_compat.partly_shared(t, o)
+        shared = _aliasing.partly_shared(t, o)
     else:
         # Inside a torch.func transform the memory is the unwrapped tensors'.
         t_, o_ = _torch_compat.fully_unwrapped(t), _torch_compat.fully_unwrapped(o)
@@ -115,15 +140,13 @@ def _averaged(t: Tensor) -> bool:
 
 def _check_writable(where: str, name: str, t: Tensor) -> None:
     """Refuse, before any leaf changes, a target leaf an in-place write would fail on."""
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        problem, fix = "an inference tensor", "clone it outside torch.inference_mode()"
-    elif _torch_compat.overlaps_itself(t):
-        problem, fix = "an expanded view whose elements share memory", "pass a .clone()"
-    else:
+    problem = _aliasing.unwritable(t)
+    if problem is None:
         return
     raise ValueError(
-        f"{where}: {name} is {problem}, which cannot be updated in place (expected a "
-        f"tensor that owns its elements, got {problem}). Make the target writable: {fix}."
+        f"{where}: {name} is {problem[0]}, which cannot be updated in place (expected a "
+        f"tensor that owns its elements, got {problem[0]}). Make the target writable: "
+        f"{problem[1]}."
     )
 
 

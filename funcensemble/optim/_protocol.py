@@ -18,6 +18,7 @@ from .._messages import a, expected_got
 from .._torch_compat import set_grad_enabled_fast
 from .._tree import check_same_structure, flatten
 from .._types import StackedTree
+from . import _aliasing
 from ._recipes import rebuildable
 
 # Any optree pytree (dict, list, tuple, NamedTuple, ...) whose leaves are tensors or None.
@@ -96,9 +97,13 @@ class GradientTransformation(NamedTuple):
         old values. A transform checks everything before it writes anything, and
         ``update_`` checks ``grads`` against ``params`` first: a call that raises
         leaves ``params`` and ``state`` as they were, in a
-        [`chain`][funcensemble.optim.chain] too. ``params`` must hold each tensor
-        once: one under two names is stepped twice (not checked here, on every step;
-        [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] refuses it).
+        [`chain`][funcensemble.optim.chain] too. Parameters and gradients sharing
+        memory are refused: one tensor under two names (it would be stepped twice),
+        views of one tensor (``base[:, 1:]`` and ``base[:, :4]``: the step would read
+        what it has already written, where the loop's step of each member's slice
+        refuses it), gradients that are the parameters. So are parameters torch
+        cannot write in place (an expanded view, an inference tensor). The state is
+        not compared with them: pass the one ``init`` or the previous step returned.
 
         Args:
             grads: Gradients shaped like ``params``; None for a leaf without one.
@@ -123,6 +128,8 @@ class GradientTransformation(NamedTuple):
             >>> torch.allclose(params["w"], torch.full((4, 3), 0.9)), state[0].count["w"]
             (True, tensor(1.))
         """
+        if not torch.compiler.is_compiling():
+            check_writable_apart("update_", grads, params)
         # torch.no_grad() as a context manager costs as much as a small kernel here.
         grad_was_enabled = torch.is_grad_enabled()
         set_grad_enabled_fast(False)
@@ -139,6 +146,59 @@ class GradientTransformation(NamedTuple):
         finally:
             set_grad_enabled_fast(grad_was_enabled)
         return state
+
+
+def check_writable_apart(where: str, grads: PyTree, params: PyTree) -> None:
+    """Refuse, before anything is written, an in-place step the loop would not compute:
+    a parameter torch cannot write in place (an expanded view, an inference tensor),
+    or parameters stepped and gradients sharing memory (one tensor under two names,
+    views of one tensor, gradients that are the parameters). The step would read
+    values it has already changed, or fail halfway with torch's error; the loop over
+    members refuses them, or never meets them (its parameters and their ``.grad`` are
+    tensors of their own). The state is not compared, on every step (about 10 us
+    more): pass the one ``init`` or the previous step returned.
+    """
+    p_leaves, spec = flatten(params)
+    g_leaves, g_spec = flatten(grads)
+    if g_spec != spec:  # the transform's own check says how they differ
+        return
+    stepped = [
+        i
+        for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True))
+        if isinstance(g, Tensor) and isinstance(p, Tensor)
+    ]
+    written = [p_leaves[i] for i in stepped]
+    for i, p in zip(stepped, written, strict=True):
+        problem = (p.is_inference() or not p.is_contiguous()) and _aliasing.unwritable(p)
+        if problem:
+            raise ValueError(
+                f"{where}: {leaf_name(spec, i)} is {problem[0]}, which cannot be stepped in "
+                f"place (expected a tensor that owns its elements, got {problem[0]}). Make "
+                f"the parameter writable: {problem[1]}."
+            )
+    clash = _aliasing.first_clash(written, [g_leaves[i] for i in stepped])
+    if clash is not None:
+        w, r = clash
+        first = leaf_name(spec, stepped[w])
+        second = (
+            leaf_name(spec, stepped[r], "grads") if r >= 0 else leaf_name(spec, stepped[-1 - r])
+        )
+        raise ValueError(_shared_memory(where, first, second))
+
+
+def _shared_memory(where: str, first: str, second: str) -> str:
+    """The refusal of two tensors of an in-place step that share memory."""
+    if second.startswith("grads"):
+        expected = "gradients in tensors of their own"
+        fix = "Pass gradients that own their memory (e.g. a .clone() of each)"
+    else:
+        expected = "each parameter once, in memory of its own"
+        fix = "Pass each parameter once, as a tensor of its own (e.g. a .clone())"
+    return (
+        f"{where}: {first} shares memory with {second} (expected {expected}, got views "
+        "of one memory), so stepping in place would change what the step reads after "
+        f"it, or step one tensor twice. {fix}."
+    )
 
 
 class Traits(NamedTuple):

@@ -1,0 +1,155 @@
+"""In-place steps over tensors that share memory (optim/_aliasing.py): refused before
+anything changes, where the loop over members refuses them or computes otherwise.
+
+Found by an audit: stacked views of one tensor (``base[:, 1:]`` and ``base[:, :4]``)
+are not dense, so torch's own overlap check passes them, and the step read values it
+had already written (sgd 0.36 off, rmsprop 962 off, with no error); each member's slice
+is dense, and the loop's step refuses it.
+"""
+
+import optree
+import pytest
+import torch
+
+import funcensemble as fe
+
+F64 = torch.float64
+
+OPTIMIZERS = {
+    "sgd": lambda: fe.optim.sgd(lr=0.5),
+    "sgd-momentum": lambda: fe.optim.sgd(lr=0.5, momentum=0.9, weight_decay=0.1),
+    "adam": lambda: fe.optim.adam(lr=0.1),
+    "adamw": lambda: fe.optim.adamw(lr=0.1, weight_decay=0.5),
+    "rmsprop": lambda: fe.optim.rmsprop(lr=0.1),
+    "identity": lambda: fe.optim.chain(),
+}
+
+
+def _snapshot(*trees):
+    return [t.clone() for tree in trees for t in optree.tree_leaves(tree) if torch.is_tensor(t)]
+
+
+def _refused_unchanged(opt, grads, state, params, match):
+    before = _snapshot(grads, state, params)
+    with pytest.raises(ValueError, match=match):
+        opt.update_(grads, state, params)
+    after = _snapshot(grads, state, params)
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_gradients_overlapping_their_parameters_are_refused(name):
+    base = torch.arange(15, dtype=F64).reshape(3, 5)
+    params, grads = {"w": base[:, 1:]}, {"w": base[:, :4]}
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        loop = base.clone()  # the loop's step on member 0's dense slices
+        torch.optim.SGD([torch.nn.Parameter(loop[0, 1:])], lr=0.5)
+        loop[0, 1:].add_(loop[0, :4], alpha=-0.5)
+    opt = OPTIMIZERS[name]()
+    _refused_unchanged(
+        opt, grads, opt.init(params), params, r"params\['w'\] shares memory with grads\['w'\]"
+    )
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_gradients_that_are_the_parameters_or_another_members_are_refused(name):
+    """The same tensor as gradient (adamw decays it before torch.optim reads it, where
+    the fused kernel reads it first: 3e-10 apart), or each member's gradient being its
+    neighbour's parameters (the loop reads a neighbour already stepped)."""
+    opt = OPTIMIZERS[name]()
+    w = torch.randn(3, 4, dtype=F64)
+    _refused_unchanged(opt, {"w": w}, opt.init({"w": w}), {"w": w}, "shares memory with grads")
+    base = torch.randn(4, 4, dtype=F64)
+    params, grads = {"w": base[1:]}, {"w": base[:3]}
+    _refused_unchanged(opt, grads, opt.init(params), params, "shares memory with grads")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_parameters_sharing_memory_are_refused(name):
+    """One tensor under two names would be stepped twice; overlapping views of one
+    tensor read what the other leaf's step wrote."""
+    opt = OPTIMIZERS[name]()
+    w = torch.randn(3, 4, dtype=F64)
+    params = {"a": w, "b": w}
+    grads = {"a": torch.ones(3, 4, dtype=F64), "b": torch.ones(3, 4, dtype=F64)}
+    state = opt.init({"a": w.clone(), "b": w.clone()})
+    _refused_unchanged(opt, grads, state, params, r"params\['a'\] shares memory with params\['b'\]")
+    base = torch.randn(4, 4, dtype=F64)
+    params = {"a": base[:3], "b": base[1:]}
+    _refused_unchanged(opt, grads, opt.init(params), params, "shares memory with params")
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("leaf", ["expanded", "inference"])
+def test_a_parameter_torch_cannot_write_is_refused_before_any_leaf_steps(name, leaf):
+    """Torch's own error came from the second leaf, after the first had stepped (and
+    Adam's counts and moments had moved)."""
+    opt = OPTIMIZERS[name]()
+    if leaf == "expanded":
+        b = torch.ones(1, 4, dtype=F64).expand(3, 4)
+        match = r"params\['b'\] is an expanded view"
+    else:
+        with torch.inference_mode():
+            b = torch.ones(3, 4, dtype=F64)
+        match = r"params\['b'\] is an inference tensor"
+    params = {"a": torch.ones(3, 4, dtype=F64), "b": b}
+    grads = {"a": torch.ones(3, 4, dtype=F64), "b": torch.ones(3, 4, dtype=F64)}
+    _refused_unchanged(opt, grads, opt.init({"a": params["a"], "b": b.clone()}), params, match)
+
+
+def test_the_ensemble_optimizer_refuses_gradients_overlapping_its_parameters():
+    base = torch.arange(15, dtype=F64).reshape(3, 5)
+    w = torch.nn.Parameter(base[:, 1:])
+    eo = fe.optim.EnsembleOptimizer({"w": w}, fe.optim.sgd(lr=0.5))
+    w.grad = base[:, :4]
+    with pytest.raises(ValueError, match=r"params\['w'\] shares memory with grads\['w'\]"):
+        eo.step()
+    assert torch.equal(base, torch.arange(15, dtype=F64).reshape(3, 5))
+
+
+TORCH_OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.5),
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, weight_decay=0.1),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.1),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.5),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_views_of_one_tensor_with_no_element_in_common_step_as_the_loop(name):
+    """Interleaved strided views (params the even columns, gradients the odd ones)
+    share a storage but no element: stepped as torch.optim steps each member."""
+    base = torch.randn(3, 8, dtype=F64)
+    want = base.clone()
+    for i in range(3):
+        p = torch.nn.Parameter(want[i, ::2].clone())
+        p.grad = want[i, 1::2].clone()
+        if name == "identity":  # chain(): the gradients are the updates, added
+            p.data += p.grad
+        else:
+            TORCH_OPTIMIZERS[name]([p]).step()
+        want[i, ::2] = p.detach()
+    opt = OPTIMIZERS[name]()
+    params = {"w": base[:, ::2]}
+    opt.update_({"w": base[:, 1::2]}, opt.init(params), params)
+    torch.testing.assert_close(base, want, rtol=1e-12, atol=1e-12)
+
+
+def test_polyak_refuses_target_leaves_sharing_memory_with_other_leaves():
+    """Leaf by leaf, the loop's lerp_ reads what an earlier leaf's average wrote."""
+    x = torch.randn(4, 3, dtype=F64)
+    cases = [
+        ({"a": torch.zeros(3, 3, dtype=F64), "b": x[1:]}, {"a": x[:3], "b": torch.ones(3, 3)}),
+        ({"a": x[:3], "b": x[1:]}, {"a": torch.ones(3, 3, dtype=F64), "b": torch.ones(3, 3)}),
+    ]
+    for target, online in cases:
+        online["b"] = online["b"].to(F64)
+        before = _snapshot(target, online)
+        with pytest.raises(ValueError, match=r"target\['\w'\] shares memory with"):
+            fe.optim.polyak_update_(target, online, 0.3)
+        assert all(
+            torch.equal(b, a) for b, a in zip(before, _snapshot(target, online), strict=True)
+        )
+    same = {"a": x.clone(), "b": x.clone()}
+    fe.optim.polyak_update_(same, same, 0.3)  # each leaf averaged with itself: allowed
