@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .._structure.same_value import closure_values
-from ..optim._protocol import GradientTransformation, PyTree, with_traits
+from ..optim._protocol import GradientTransformation, PyTree, step_in_place, with_traits
 from ..optim._recipes import record_parts
 from . import group_errors
 
@@ -313,7 +313,8 @@ def grouped(
                     leaves = optree.tree_leaves((p, s), none_is_leaf=False)
                     saved += [(x, x.clone()) for x in leaves if isinstance(x, Tensor)]
                 with group_errors.naming(where, k, members[k], len(per_group)):
-                    states.append(t.update_(g, s, p))
+                    # (The whole tree's memory was checked by the update_ running this.)
+                    states.append(step_in_place(t, g, s, p, check=False))
         except BaseException:
             with torch.no_grad():
                 for x, copy in saved:

@@ -10,6 +10,7 @@ check looks at dense tensors only. So the in-place steps (``update_``,
 or write, and refuse a step whose tensors share an element.
 """
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,14 +18,14 @@ from torch import Tensor
 
 from .. import _torch_compat
 
-# Above this many elements, strided views whose ranges overlap count as sharing memory
-# without the element-by-element comparison (which holds two int64 offsets per element).
-_EXACT_LIMIT = 1 << 24
+# Above this many runs of contiguous elements, strided views whose ranges overlap count
+# as sharing memory without the run-by-run comparison (which holds an int64 per run).
+_EXACT_LIMIT = 1 << 26
 
 
 def partly_shared(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` share some of their elements' memory without being one
-    view of it (the same start, shape and strides): an in-place op writing ``a`` from
+    view of it (the same start, shape, strides and dtype): an in-place op writing ``a`` from
     ``b`` would then read elements it has already written. The same memory in another
     order (a transpose) counts as partly shared; strided views that interleave with no
     element in common (``base[:, ::2]`` and ``base[:, 1::2]``) do not. Tensors whose
@@ -32,7 +33,7 @@ def partly_shared(a: Tensor, b: Tensor) -> bool:
     if a is b:
         return False
     span_a, span_b = _span(a), _span(b)
-    if span_a is None or span_b is None or _one_view(a, b):
+    if span_a is None or span_b is None or one_view(a, b):
         return False
     return _meet(a, b, span_a, span_b)
 
@@ -62,27 +63,23 @@ def first_clash(
     DTensor, while compiling) are not compared. The usual case, no two byte ranges
     overlapping, costs one sort of the ranges.
     """
+    tensors = [*written, *read]
     spans = []
-    for is_written, tensors in ((True, written), (False, read)):
-        for index, t in enumerate(tensors):
-            try:
-                start = t.data_ptr()
-            except RuntimeError:  # a wrapper subclass or a functorch tensor holds no memory
-                continue
-            if start:  # not empty, nor a meta or fake tensor
-                end = start + t.nbytes if t.is_contiguous() else _end(t, start)
-                spans.append((start, end, is_written, index, t))
-    spans.sort(key=_start)
+    for k, t in enumerate(tensors):
+        try:
+            start = t.data_ptr()
+        except RuntimeError:  # a wrapper subclass or a functorch tensor holds no memory
+            continue
+        if start:  # not empty, nor a meta or fake tensor
+            spans.append((start, start + t.nbytes if t.is_contiguous() else _end(t, start), k))
+    spans.sort()  # plain ints: no tensor is ever compared
     reach = 0
-    for s in spans:
-        if s[0] < reach:
-            return _first_clash_among(spans, allowed)
-        reach = max(reach, s[1])
+    for start, end, _ in spans:
+        if start < reach:
+            return _first_clash_among(spans, tensors, len(written), allowed)
+        if end > reach:
+            reach = end
     return None
-
-
-def _start(span: tuple[int, int, bool, int, Tensor]) -> int:
-    return span[0]
 
 
 def _end(t: Tensor, start: int) -> int:
@@ -92,24 +89,29 @@ def _end(t: Tensor, start: int) -> int:
 
 
 def _first_clash_among(
-    spans: list[tuple[int, int, bool, int, Tensor]], allowed: Callable[[int, int], bool] | None
+    spans: list[tuple[int, int, int]],
+    tensors: list[Tensor],
+    num_written: int,
+    allowed: Callable[[int, int], bool] | None,
 ) -> tuple[int, int] | None:
-    """[`first_clash`][] where some ranges overlap: compare the tensors element by
-    element (``spans`` sorted by start)."""
-    open_: list[tuple[int, int, bool, int, Tensor]] = []
+    """[`first_clash`][] where some ranges overlap: compare the tensors whose ranges
+    do (``spans`` sorted by start; ``tensors`` the written ones, then the read)."""
+    open_: list[tuple[int, int, int]] = []
     for s in spans:
         open_ = [o for o in open_ if o[1] > s[0]]
         for o in open_:
-            if not (o[2] or s[2]):  # two tensors only read
+            w, r = sorted((o[2], s[2]))  # a written one first, where there is one
+            if w >= num_written:  # two tensors only read
                 continue
-            w, r = (o, s) if o[2] else (s, o)
-            if w[4].device != r[4].device or not _meet(w[4], r[4], w[:2], r[:2]):
-                continue
-            if not r[2]:  # a written and a read tensor
-                if allowed and _one_view(w[4], r[4]) and allowed(w[3], r[3]):
+            a, b = tensors[w], tensors[r]
+            if r >= num_written:
+                j = r - num_written
+                if allowed is not None and one_view(a, b) and allowed(w, j):
                     continue
-                return (w[3], r[3])
-            return (w[3], -1 - r[3])
+                if a.device == b.device and _meet(a, b, _span(a), _span(b)):
+                    return (w, j)
+            elif a.device == b.device and _meet(a, b, _span(a), _span(b)):
+                return (w, -1 - r)
         open_.append(s)
     return None
 
@@ -126,7 +128,7 @@ def _span(t: Tensor) -> tuple[int, int] | None:
     return start, (start + t.nbytes if t.is_contiguous() else _end(t, start))
 
 
-def _one_view(a: Tensor, b: Tensor) -> bool:
+def one_view(a: Tensor, b: Tensor) -> bool:
     return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
         b.data_ptr(),
         b.shape,
@@ -142,9 +144,47 @@ def _meet(a: Tensor, b: Tensor, span_a: Sequence[int], span_b: Sequence[int]) ->
     if _dense(a) and _dense(b):  # each fills its range
         return True
     size, shift = a.element_size(), span_a[0] - span_b[0]
-    if b.element_size() != size or shift % size or max(a.numel(), b.numel()) > _EXACT_LIMIT:
+    if b.element_size() != size or shift % size:
         return True
-    return bool(torch.isin(_offsets(a) + shift // size, _offsets(b)).any())
+    layout_a, layout_b = _run_layout(a), _run_layout(b)
+    if (
+        max(math.prod(s for s, _ in layout_a[0]), math.prod(s for s, _ in layout_b[0]))
+        > _EXACT_LIMIT
+    ):
+        return True
+    starts_a, run_a = _run_starts(*layout_a)
+    starts_b, run_b = _run_starts(*layout_b)
+    starts_a = starts_a + shift // size
+    starts_b = torch.sort(starts_b).values
+    # The last run of b starting before each run of a ends; all of b's runs have one
+    # length, so an earlier one ends earlier too.
+    last = torch.searchsorted(starts_b, starts_a + run_a) - 1
+    ends_b = starts_b[last.clamp(min=0)] + run_b
+    return bool(((last >= 0) & (ends_b > starts_a)).any())
+
+
+def _run_layout(t: Tensor) -> tuple[list[tuple[int, int]], int]:
+    """``t``'s runs of contiguous elements: the (size, stride) of the dims outside them,
+    and their length (its innermost dims that fill one block make one run)."""
+    dims = sorted(
+        ((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1), key=_stride
+    )
+    run = 1
+    while dims and dims[0][1] == run:
+        run *= dims.pop(0)[0]
+    return dims, run
+
+
+def _run_starts(dims: list[tuple[int, int]], run: int) -> tuple[Tensor, int]:
+    """The runs' starts, in elements from the first (int64, on the CPU), and length."""
+    starts = torch.zeros((), dtype=torch.int64, device="cpu")
+    for size, stride in reversed(dims):
+        starts = starts.unsqueeze(-1) + torch.arange(size, device="cpu") * stride
+    return starts.reshape(-1), run
+
+
+def _stride(dim: tuple[int, int]) -> int:
+    return dim[1]
 
 
 def _dense(t: Tensor) -> bool:
@@ -158,11 +198,3 @@ def _dense(t: Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _offsets(t: Tensor) -> Tensor:
-    """Each element's offset, in elements, from ``t``'s first one (int64, on the CPU)."""
-    offsets = torch.zeros((), dtype=torch.int64, device="cpu")
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size, device="cpu") * stride
-    return offsets.reshape(-1)

@@ -20,7 +20,7 @@ from .._core.tree_view import Stacked, adapted, state_view
 from .._messages import a, expected_got, key_difference
 from .._types import StackedTensor
 from ._members import check_state_like, count_mask, count_sizes, grown, selected
-from ._protocol import EmptyState, GradientTransformation, PyTree, flatten
+from ._protocol import EmptyState, GradientTransformation, PyTree, flatten, step_in_place
 from ._recipes import describe
 from ._transforms import ScheduleState
 
@@ -326,7 +326,14 @@ class EnsembleOptimizer:
                 )
             grads[name] = p.grad
         try:
-            self.state = self.transform.update_(grads, self.state, self.params)
+            self.state = step_in_place(
+                self.transform,
+                grads,
+                self.state,
+                self.params,
+                where="EnsembleOptimizer.step",
+                grads_root=None,
+            )
         except TypeError as error:
             if "the state is not this transform's" not in str(error):
                 raise

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._tree import leaves
-from ._protocol import GradientTransformation, PyTree, with_traits
+from ._protocol import GradientTransformation, PyTree, step_in_place, with_traits
 from ._recipes import Recipe, describe, record_recipe
 
 Labels = Mapping[str, str] | Callable[[str], str]
@@ -226,8 +226,9 @@ def partition(
                 if k < len(order) - 1 and not torch.compiler.is_compiling():
                     tensors = [*_tensors(mine), *_tensors(state[label])]
                     saved += [(t, t.clone()) for t in tensors]
-                new_state[label] = parts[label].update_(
-                    part(grads, group, label), state[label], mine
+                # (The whole tree's memory was checked by the update_ that runs this.)
+                new_state[label] = step_in_place(
+                    parts[label], part(grads, group, label), state[label], mine, check=False
                 )
         except BaseException:
             with torch.no_grad():

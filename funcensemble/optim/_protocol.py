@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .._messages import a, expected_got
-from .._torch_compat import set_grad_enabled_fast
+from .._torch_compat import is_wrapped, set_grad_enabled_fast
 from .._tree import check_same_structure, flatten
 from .._types import StackedTree
 from . import _aliasing
@@ -128,76 +128,105 @@ class GradientTransformation(NamedTuple):
             >>> torch.allclose(params["w"], torch.full((4, 3), 0.9)), state[0].count["w"]
             (True, tensor(1.))
         """
-        if not torch.compiler.is_compiling():
-            check_writable_apart("update_", grads, params)
-        # torch.no_grad() as a context manager costs as much as a small kernel here.
-        grad_was_enabled = torch.is_grad_enabled()
-        set_grad_enabled_fast(False)
-        try:
-            applies = traits(self).applies
-            if not applies:
-                # The gradients against the parameters before any state is written: a
-                # transform that never reads the parameters (a learning rate) would
-                # step its count and leave the refusal to the add below.
-                _checked_updates("update_", params, grads, ("grads", "the gradient"))
-            updates, state = inplace_form(self)(grads, state, params)
-            if not applies:
-                add_updates_("update_", params, updates)
-        finally:
-            set_grad_enabled_fast(grad_was_enabled)
-        return state
+        return step_in_place(self, grads, state, params)
 
 
-def check_writable_apart(where: str, grads: PyTree, params: PyTree) -> None:
+def step_in_place(
+    transform: GradientTransformation,
+    grads: PyTree,
+    state: Any,
+    params: PyTree,
+    *,
+    where: str = "update_",
+    grads_root: str | None = "grads",
+    check: bool = True,
+) -> Any:
+    """``transform.update_(grads, state, params)``, named ``where`` in its refusals.
+
+    ``grads_root`` names the gradients (None: ``params['w'].grad``, as
+    ``EnsembleOptimizer.step`` reads them). ``check=False`` skips the shared-memory
+    check, for a part of a tree whose whole has been checked (a partition's labels, a
+    HeteroEnsemble's groups).
+    """
+    if check and not torch.compiler.is_compiling():
+        check_writable_apart(where, grads, params, grads_root)
+    # torch.no_grad() as a context manager costs as much as a small kernel here.
+    grad_was_enabled = torch.is_grad_enabled()
+    set_grad_enabled_fast(False)
+    try:
+        applies = traits(transform).applies
+        if not applies:
+            # The gradients against the parameters before any state is written: a
+            # transform that never reads the parameters (a learning rate) would
+            # step its count and leave the refusal to the add below.
+            _checked_updates("update_", params, grads, ("grads", "the gradient"))
+        updates, state = inplace_form(transform)(grads, state, params)
+        if not applies:
+            add_updates_("update_", params, updates)
+    finally:
+        set_grad_enabled_fast(grad_was_enabled)
+    return state
+
+
+def check_writable_apart(
+    where: str, grads: PyTree, params: PyTree, grads_root: str | None = "grads"
+) -> None:
     """Refuse, before anything is written, an in-place step the loop would not compute:
     a parameter torch cannot write in place (an expanded view, an inference tensor),
     or parameters stepped and gradients sharing memory (one tensor under two names,
     views of one tensor, gradients that are the parameters). The step would read
     values it has already changed, or fail halfway with torch's error; the loop over
     members refuses them, or never meets them (its parameters and their ``.grad`` are
-    tensors of their own). The state is not compared, on every step (about 10 us
-    more): pass the one ``init`` or the previous step returned.
+    tensors of their own). The state is not compared, on every step (about 5 us
+    more): pass the one ``init`` or the previous step returned. Tensors inside a
+    ``torch.func`` transform, and others whose memory Python cannot read (a DTensor),
+    are not compared.
     """
     p_leaves, spec = flatten(params)
-    g_leaves, g_spec = flatten(grads)
-    if g_spec != spec:  # the transform's own check says how they differ
+    try:
+        g_leaves = spec.flatten_up_to(grads)
+    except (ValueError, TypeError):  # the transform's own check says how they differ
         return
-    stepped = [
-        i
-        for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True))
-        if isinstance(g, Tensor) and isinstance(p, Tensor)
-    ]
-    written = [p_leaves[i] for i in stepped]
-    for i, p in zip(stepped, written, strict=True):
-        problem = (p.is_inference() or not p.is_contiguous()) and _aliasing.unwritable(p)
-        if problem:
-            raise ValueError(
-                f"{where}: {leaf_name(spec, i)} is {problem[0]}, which cannot be stepped in "
-                f"place (expected a tensor that owns its elements, got {problem[0]}). Make "
-                f"the parameter writable: {problem[1]}."
-            )
-    clash = _aliasing.first_clash(written, [g_leaves[i] for i in stepped])
-    if clash is not None:
-        w, r = clash
-        first = leaf_name(spec, stepped[w])
-        second = (
-            leaf_name(spec, stepped[r], "grads") if r >= 0 else leaf_name(spec, stepped[-1 - r])
+    stepped, written, read = [], [], []
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+        if isinstance(g, Tensor) and isinstance(p, Tensor):
+            if (p.is_inference() or not p.is_contiguous()) and not is_wrapped(p):
+                problem = _aliasing.unwritable(p)
+                if problem is not None:
+                    raise ValueError(
+                        f"{where}: {leaf_name(spec, i)} is {problem[0]}, which cannot be "
+                        f"stepped in place (expected a tensor that owns its elements, got "
+                        f"{problem[0]}). Make the parameter writable: {problem[1]}."
+                    )
+            stepped.append(i)
+            written.append(p)
+            read.append(g)
+    clash = _aliasing.first_clash(written, read)
+    if clash is None:
+        return
+    w, r = clash
+    param = leaf_name(spec, stepped[w])
+    if r >= 0:
+        i = stepped[r]
+        grad = leaf_name(spec, i, grads_root) if grads_root else f"{leaf_name(spec, i)}.grad"
+        raise ValueError(
+            f"{where}: {grad} shares memory with {param} (expected gradients in tensors of "
+            "their own, got views of the parameters' memory), so the step would read "
+            "values it has already written. Pass gradients that own their memory (e.g. a "
+            ".clone() of each)."
         )
-        raise ValueError(_shared_memory(where, first, second))
-
-
-def _shared_memory(where: str, first: str, second: str) -> str:
-    """The refusal of two tensors of an in-place step that share memory."""
-    if second.startswith("grads"):
-        expected = "gradients in tensors of their own"
-        fix = "Pass gradients that own their memory (e.g. a .clone() of each)"
-    else:
-        expected = "each parameter once, in memory of its own"
-        fix = "Pass each parameter once, as a tensor of its own (e.g. a .clone())"
-    return (
-        f"{where}: {first} shares memory with {second} (expected {expected}, got views "
-        "of one memory), so stepping in place would change what the step reads after "
-        f"it, or step one tensor twice. {fix}."
+    first, second = sorted((stepped[w], stepped[-1 - r]))
+    one, other = leaf_name(spec, first), leaf_name(spec, second)
+    if _aliasing.one_view(written[w], written[-1 - r]):
+        raise ValueError(
+            f"{where}: {one} and {other} are one tensor under two names (expected each "
+            "parameter once, got it twice), which would be stepped twice. Drop the second "
+            "name (the loop steps a tied weight once)."
+        )
+    raise ValueError(
+        f"{where}: {one} shares memory with {other} (expected parameters in memory of "
+        "their own, got overlapping views of one tensor), so stepping one would change "
+        "what the other's step reads. Pass each as a tensor of its own (e.g. a .clone())."
     )
 
 
