@@ -369,7 +369,8 @@ def test_save_path_errors(tmp_path: Path) -> None:
             TypeError,
             r"leaf `\['n'\]` is a float64 \(expected a Tensor .*, got float64\)",
         ),
-        ({"z": torch.ones(2, dtype=torch.complex64)}, TypeError, "complex64, which safetensors"),
+        ({"z": torch.ones(2, dtype=torch.complex64)}, TypeError, "complex64, which funcensemble"),
+        ({"z": torch.empty(2, dtype=torch.uint32)}, TypeError, r"uint32, .*\.to\(torch\.int64\)"),
         ({"s": torch.eye(2).to_sparse()}, TypeError, "sparse_coo tensor; only dense"),
         ({"m": torch.empty(2, device="meta")}, ValueError, "meta device"),
     ],
@@ -1347,3 +1348,60 @@ def test_a_per_member_hyperparameter_is_recorded_with_its_dtype(tmp_path):
     assert torch.equal(
         same.state[0].momentum_buffer["weight"], opt.state[0].momentum_buffer["weight"]
     )
+
+
+class _Scaled(nn.Module):
+    """A module keeping a calibrated scale as extra state (part of its state_dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+    def get_extra_state(self):
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state):
+        self.scale = state["scale"]
+
+
+def test_an_ensemble_with_extra_state_is_refused_by_save_and_load(tmp_path):
+    """The file holds parameters and buffers only: fe.save dropped the scale with no
+    word, and fe.load left the fresh ensemble's 1.0 where the saved one had 3.0."""
+    members = [_Scaled() for _ in range(2)]
+    for m in members:
+        m.scale = 3.0
+    ens = fe.Ensemble(members)
+    path = tmp_path / "extra.safetensors"
+    with pytest.raises(TypeError, match=r"^save: the root module \(_Scaled\) keeps extra state"):
+        fe.save(path, ens)
+    assert not path.exists()
+    fe.save(path, fe.Ensemble([nn.Sequential(nn.Linear(3, 2)) for _ in range(2)]))
+    fresh = fe.Ensemble([_Scaled() for _ in range(2)])
+    before = {k: v.clone() for k, v in fresh.state_dict().items() if torch.is_tensor(v)}
+    with pytest.raises(TypeError, match=r"^load: .* so loading would keep this ensemble's own"):
+        fe.load(path, fresh)
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in before.items())
+    # What the message offers: torch.save of state_dict() carries it.
+    torch.save(ens.state_dict(), tmp_path / "extra.pt")
+    fresh.load_state_dict(torch.load(tmp_path / "extra.pt", weights_only=False))
+    x = torch.randn(4, 3)
+    assert fresh.stacked.scale == 3.0 and torch.equal(fresh(x), ens(x))
+
+
+def test_a_torch_optimizers_file_into_an_ensemble_optimizer_is_refused_by_name(tmp_path):
+    """It was refused with a list of every missing and extra leaf, ending by advising
+    the very call that was made."""
+    ens = fe.Ensemble([nn.Linear(3, 2) for _ in range(2)])
+    torch_opt = torch.optim.Adam(ens.parameters(), lr=0.01)
+    ens(torch.randn(4, 3)).sum().backward()
+    torch_opt.step()
+    fe.save(tmp_path / "adam.safetensors", torch_opt)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(lr=0.01))
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"holds a torch.optim optimizer's state \(expected an"):
+        fe.load(tmp_path / "adam.safetensors", opt)
+    assert_trees_equal(opt.state_dict(), state)

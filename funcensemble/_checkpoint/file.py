@@ -61,8 +61,10 @@ def savable(where: str, label: str, t: Tensor) -> Tensor:
         )
     if t.dtype not in DTYPES:
         raise TypeError(
-            f"{where}: {label} has dtype {t.dtype}, which safetensors cannot store. Convert "
-            "it first (e.g. torch.view_as_real for a complex tensor)."
+            f"{where}: {label} has dtype {t.dtype}, which funcensemble's checkpoint files "
+            "do not store (expected a float, int or bool dtype of torch's classic set: "
+            "float64/32/16, bfloat16, int64/32/16/8, uint8, bool). Convert it first (e.g. "
+            "torch.view_as_real for a complex tensor, .to(torch.int64) for a uint32 one)."
         )
     if t.device.type == "meta":
         raise ValueError(

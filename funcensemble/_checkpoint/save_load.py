@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 
 import optree
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._core.ensemble import Ensemble
 from .._hetero.ensemble import HeteroEnsemble
-from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, tensor_spec
+from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, submodule, tensor_spec
 from .._structure.architecture import Architecture
 from ..optim._ensemble_optimizer import EnsembleOptimizer
 from . import torch_optim as _torch_optim
@@ -74,10 +74,31 @@ def _contents(where: str, obj: Any) -> _Contents:
         "a Tensor or a Python bool, int, float or str (None is kept as structure)",
     )
     if isinstance(obj, Ensemble):
+        _refuse_extra_state(where, obj.stacked.named_modules())
         return _Contents("ensemble", leaves, treedef, "this ensemble")
     if isinstance(obj, HeteroEnsemble):
+        _refuse_extra_state(where, obj.groups.named_modules())
         return _Contents("hetero_ensemble", leaves, treedef, "this ensemble")
     return _Contents("pytree", leaves, treedef, "the template")
+
+
+def _refuse_extra_state(where: str, modules: Any) -> None:
+    """Refuse an ensemble whose modules keep extra state (``get_extra_state``, part of
+    their ``state_dict``): the file holds parameters and buffers only, so saving would
+    drop it and loading would leave the ensemble's own in place of the saved one."""
+    for path, module in modules:
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            what = (
+                "saving would drop it"
+                if where == "save"
+                else "loading would keep this ensemble's own"
+            )
+            raise TypeError(
+                f"{where}: {submodule(path)} ({type(module).__name__}) keeps extra state "
+                f"(get_extra_state), which a checkpoint file does not hold (expected "
+                f"parameters and buffers only), so {what}. Save ens.state_dict() with "
+                "torch.save and restore it with ens.load_state_dict(), which carry it."
+            )
 
 
 def _counts_as_saved(contents: _Contents, obj: Any, tensors: dict[str, Tensor]) -> _Contents:
@@ -144,9 +165,10 @@ def save(path: str | os.PathLike, obj: Any) -> None:
             ``torch.optim`` optimizer, stored as its ``state_dict()``.
 
     Raises:
-        TypeError: ``obj`` is another ``nn.Module`` (pass its ``state_dict()``), or
-            has a leaf of another type, a sparse tensor or a dtype safetensors cannot
-            store (complex).
+        TypeError: ``obj`` is another ``nn.Module`` (pass its ``state_dict()``), an
+            ensemble whose modules keep extra state (``get_extra_state``, which the
+            file does not hold), or has a leaf of another type, a sparse tensor or a
+            dtype funcensemble's files do not store (complex, uint16/32/64, float8).
         FileNotFoundError: The directory of ``path`` does not exist.
         IsADirectoryError: ``path`` is a directory.
 
@@ -353,7 +375,9 @@ def load(path: str | os.PathLike, obj: T) -> T:
         ValueError: An unreadable, corrupt or invalid file, or one that does not match
             ``obj``; or ``obj`` holds tensors on the meta device.
         FileNotFoundError: No file at ``path``.
-        TypeError: ``obj`` is another ``nn.Module`` or has a leaf of an unsupported type.
+        TypeError: ``obj`` is another ``nn.Module``, an ensemble whose modules keep
+            extra state (``get_extra_state``, which the file does not hold), or has a
+            leaf of an unsupported type.
 
     Example:
         >>> import os, tempfile, torch, funcensemble as fe
@@ -415,6 +439,15 @@ def load(path: str | os.PathLike, obj: T) -> T:
             _check_hetero(where, name, obj, header)
 
     header, tensors, verified = read_checkpoint(where, path, check)
+    if isinstance(obj, EnsembleOptimizer) and any(
+        key.startswith("['param_groups']") for key in [*header["values"], *tensors]
+    ):
+        raise ValueError(
+            f"{where}: '{name}' holds a torch.optim optimizer's state (expected an "
+            "EnsembleOptimizer's, saved by fe.save(path, ensemble_optimizer), got one with "
+            "param_groups), which does not map onto stacked parameters. Stack the "
+            "members' optimizer states yourself, or start the ensemble's optimizer fresh."
+        )
     if isinstance(obj, EnsembleOptimizer) and "['transform']" not in header["values"]:
         # A file from before the transform was recorded: its state alone, not compared.
         contents = replace(
