@@ -66,12 +66,9 @@ def first_clash(
     tensors = [*written, *read]
     spans = []
     for k, t in enumerate(tensors):
-        try:
-            start = t.data_ptr()
-        except RuntimeError:  # a wrapper subclass or a functorch tensor holds no memory
-            continue
-        if start:  # not empty, nor a meta or fake tensor
-            spans.append((start, start + t.nbytes if t.is_contiguous() else _end(t, start), k))
+        span = _span(t)
+        if span is not None:
+            spans.append((*span, k))
     spans.sort()  # plain ints: no tensor is ever compared
     reach = 0
     for start, end, _ in spans:
@@ -129,6 +126,7 @@ def _span(t: Tensor) -> tuple[int, int] | None:
 
 
 def one_view(a: Tensor, b: Tensor) -> bool:
+    """The same elements in the same order: each is read where it is written."""
     return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
         b.data_ptr(),
         b.shape,
@@ -192,7 +190,7 @@ def _dense(t: Tensor) -> bool:
     "non-overlapping and dense": contiguous in some order of its dims)."""
     expected = 1
     for size, stride in sorted(
-        (p for p in zip(t.shape, t.stride(), strict=True) if p[0] != 1), key=lambda p: p[1]
+        (p for p in zip(t.shape, t.stride(), strict=True) if p[0] != 1), key=_stride
     ):
         if stride != expected:
             return False
