@@ -1405,3 +1405,55 @@ def test_a_torch_optimizers_file_into_an_ensemble_optimizer_is_refused_by_name(t
     with pytest.raises(ValueError, match=r"holds a torch.optim optimizer's state \(expected an"):
         fe.load(tmp_path / "adam.safetensors", opt)
     assert_trees_equal(opt.state_dict(), state)
+
+
+@pytest.mark.parametrize("into_amsgrad", [False, True])
+def test_a_torch_optim_file_replaces_the_state_of_an_optimizer_that_has_more(
+    tmp_path, into_amsgrad
+):
+    """torch's load_state_dict puts the file's state in place of the optimizer's, whole:
+    a file saved while one layer had no state yet (frozen, then thawed) loads into an
+    optimizer that has stepped every layer, and that layer's state is dropped. fe.load
+    refused it (the optimizer's own state was the template), as it refused a file with
+    entries the optimizer lacked (amsgrad's max_exp_avg_sq, into one without)."""
+    torch.manual_seed(0)
+
+    ens = fe.Ensemble(
+        [nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in range(2)]
+    )
+    xs = [torch.randn(5, 3) for _ in range(4)]
+
+    def step(o, x):
+        o.zero_grad()
+        ens(x).square().sum().backward()
+        o.step()
+
+    saved = torch.optim.Adam(ens.parameters(), lr=0.1, amsgrad=True)
+    for name, p in ens.named_parameters():
+        p.requires_grad_(not name.startswith("stacked.2."))
+    step(saved, xs[0])
+    for p in ens.parameters():
+        p.requires_grad_(True)
+    assert len(saved.state) == 2
+    fe.save(tmp_path / "opt.st", saved)
+    start = {k: v.clone() for k, v in ens.state_dict().items()}
+
+    def stepped():
+        ens.load_state_dict(start)
+        o = torch.optim.Adam(ens.parameters(), lr=0.1, amsgrad=into_amsgrad)
+        step(o, xs[1])
+        ens.load_state_dict(start)
+        return o
+
+    ours, theirs = stepped(), stepped()
+    assert len(ours.state) == 4
+    fe.load(tmp_path / "opt.st", ours)
+    theirs.load_state_dict(saved.state_dict())
+    assert_trees_equal(ours.state_dict(), theirs.state_dict())
+    results = []
+    for o in (ours, theirs):
+        ens.load_state_dict(start)
+        for x in xs[2:]:
+            step(o, x)
+        results.append({k: v.clone() for k, v in ens.state_dict().items()})
+    assert_trees_equal(results[0], results[1])

@@ -20,6 +20,7 @@ from torch import Tensor
 _STATE_ENTRY = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]$")
 _GROUP_ENTRY = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]$")
 _GROUP_PREFIX = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]")  # betas' too
+_STATE_PREFIX = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]")  # nested ones too
 
 # The entries torch's learning-rate schedulers add to an optimizer's groups (LRScheduler:
 # initial_lr; OneCycleLR: max_lr, min_lr and, cycling momentum, max_momentum and
@@ -63,7 +64,16 @@ def template(
     for group, saved in zip(opt.param_groups, own["param_groups"], strict=True):
         params.update(zip(saved["params"], group["params"], strict=True))
     found: dict[int, dict[str, Any]] = {}
-    state = {i: dict(s) for i, s in own["state"].items()}
+    # torch's load_state_dict puts the file's state in place of the optimizer's, whole:
+    # a parameter the file has no state for has none after it (its own is dropped), and
+    # each parameter's entries are the file's. The optimizer's own tensors stand in
+    # where it has them, so that their dtypes are checked; the others are made below.
+    entries_saved = {(int(m[1]), m[2]) for m in map(_STATE_PREFIX.match, (*tensors, *values)) if m}
+    state: dict[int, dict[str, Any]] = {}
+    for i, entry in sorted(entries_saved):
+        if entry in own["state"].get(i, {}):
+            state.setdefault(i, {})[entry] = own["state"][i][entry]
+    kept = {(i, entry) for i, entries in state.items() for entry in entries}
     groups = [dict(g) for g in own["param_groups"]]
     for key, value in (*tensors.items(), *values.items()):
         match = _STATE_ENTRY.match(key)
@@ -75,14 +85,15 @@ def template(
             # optimizer's (lr=1 for lr=0.1, momentum=0 for 0.9, foreach=None for False):
             # only which entries each group has is this optimizer's to match.
             groups[int(entry[1])][entry[2]] = value
+        nested = _STATE_PREFIX.match(key)
         if match:
             found.setdefault(int(match[1]), {})[match[2]] = value
-        elif key.startswith("['state']") and not state:
+        elif nested and (int(nested[1]), nested[2]) not in kept:
             raise ValueError(
                 f"{where}: '{name}' holds nested optimizer state (`{key}`: LBFGS keeps "
                 "its history in lists), which cannot be rebuilt for an optimizer without "
-                "state yet (expected tensors and numbers per parameter). Load it into the "
-                "optimizer after one step, or keep such an optimizer's state_dict with "
+                "that state yet (expected tensors and numbers per parameter). Load it into "
+                "the optimizer after one step, or keep such an optimizer's state_dict with "
                 "torch.save and torch.load."
             )
     saved = {(int(m[1]), m[2]) for m in map(_GROUP_PREFIX.match, (*tensors, *values)) if m}
@@ -110,18 +121,19 @@ def template(
                     "same order). Load it into an optimizer built over the parameters it "
                     "was saved from."
                 )
-        if i not in state:
+        for entry, v in entries.items():
+            if entry in state.get(i, {}):
+                continue
             # What the first step makes: a tensor shaped like its parameter (an
             # elementwise optimizer's) has the parameter's dtype, so that a file of
             # another dtype is refused, as by an optimizer that has stepped.
-            state[i] = {
-                entry: (
+            state.setdefault(i, {})[entry] = (
+                (
                     torch.zeros_like(v, dtype=p.dtype)
                     if isinstance(opt, _ELEMENTWISE) and v.dim() > 0 and v.is_floating_point()
                     else torch.zeros_like(v)
                 )
                 if isinstance(v, Tensor)
                 else v
-                for entry, v in entries.items()
-            }
+            )
     return {"state": state, "param_groups": groups}
