@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import traceback
+import types
 from pathlib import Path
 
 import jaxtyping
@@ -1305,7 +1306,8 @@ def test_a_hook_capturing_the_members_own_tensor_is_refused() -> None:
         return m
 
     with pytest.raises(
-        ValueError, match=r"holds its parameter `weight` in `forward hook 0 \(its captured values\)"
+        ValueError,
+        match=r"holds its parameter `weight` in `forward hook 0 \(its captured variable weight\)`",
     ):
         fe.Ensemble([member() for _ in range(2)])
 
@@ -1502,6 +1504,80 @@ def test_weak_references_to_the_members_own_modules_are_refused_and_others_kept(
     scale.grad = None
     fe.Ensemble(members)(x).sum().backward()
     torch.testing.assert_close(scale.grad, want)
+
+
+def _captures_in_hook() -> nn.Module:
+    m = lin(3, 3)
+    m.register_forward_hook(lambda mod, args, out: out * m.weight.sum())
+    return m
+
+
+def _captures_in_forward() -> nn.Module:
+    m = nn.Module()
+    m.lin = lin(3, 3)
+    m.forward = lambda x: torch.tanh(m.lin(x))
+    return m
+
+
+def _captures_in_list() -> nn.Module:
+    m = nn.Module()
+    m.lin = lin(3, 3)
+    step = m.lin.forward  # a bound method, itself fine, here reached through a closure
+    m.steps = [lambda h: step(h) * 2]
+    m.forward = types.MethodType(lambda self, x: self.steps[0](x), m)
+    return m
+
+
+def _captures_as_default() -> nn.Module:
+    m = lin(3, 3)
+
+    def hook(mod, args, m=m):
+        return (args[0] * m.weight.mean(),)
+
+    m.register_forward_pre_hook(hook)
+    return m
+
+
+_CAPTURES = {
+    "hook": (
+        _captures_in_hook,
+        r"`forward hook 0 \(its captured variable m\)`",
+    ),
+    "forward": (_captures_in_forward, r"`forward \(its captured variable m\)`"),
+    "list": (_captures_in_list, r"`steps\[0\] \(its captured variable step\)\.__self__`"),
+    "default": (_captures_as_default, r"`forward pre-hook 0 \(its default m\)`"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CAPTURES))
+def test_a_function_capturing_the_members_own_module_is_refused(case) -> None:
+    """Copying a module copies no function: a hook, an instance forward or a lambda
+    that captured the member's own module (not the module it is given) still reached
+    member 0's original in the one copy every member runs through. The ensemble ran
+    with no error: every member was scaled by member 0's weight, or an instance forward
+    gave member 0's output for every member (1.8 off the loop), its gradients lost."""
+    make, where = _CAPTURES[case]
+    for build in (fe.Ensemble, fe.stack):
+        with pytest.raises(ValueError, match=r"captures its own .* in " + where):
+            build([make() for _ in range(3)])
+
+
+def test_functions_reaching_the_module_through_their_arguments_compute_as_the_loop() -> None:
+    """What the refusal above advises: the hook's module argument, and a bound method
+    (which the copy rebinds), as a hook and as an instance forward."""
+
+    def make() -> nn.Module:
+        m = nn.Module()
+        m.lin = lin(3, 3)
+        m.lin.register_forward_hook(lambda mod, args, out: out * mod.weight.sum())
+        m.forward = m.lin.forward
+        return m
+
+    torch.manual_seed(0)
+    members = [make() for _ in range(3)]
+    x = torch.randn(4, 3)
+    want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(fe.Ensemble(members)(x), want)
 
 
 @pytest.mark.parametrize("how", ["registered", "proxy", "plain"])

@@ -147,6 +147,57 @@ def test_checkpoints_are_plain_dcp_keyed_by_state_dict_names(tmp_path: Path) -> 
     assert_trees_equal(target["params"], run["params"])
 
 
+class _Calibrated(nn.Module):
+    """A module keeping a scale as extra state, as a tensor, a float or a dict."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.kind, self.scale = kind, 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+    def get_extra_state(self) -> Any:
+        kinds = {"tensor": torch.tensor(self.scale), "float": self.scale}
+        return kinds.get(self.kind, {"scale": self.scale})
+
+    def set_extra_state(self, state: Any) -> None:
+        self.scale = float(state["scale"] if isinstance(state, dict) else state)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "float", "dict"])
+def test_an_ensemble_with_extra_state_is_refused_before_anything_changes(
+    tmp_path: Path, kind: str
+) -> None:
+    """A checkpoint holds parameters and buffers. Extra state kept as a tensor was
+    written, but loading copied into the tensor get_extra_state had just made, so a
+    saved scale of 3.0 came back 1.0 with no error (outputs 3.0 off); as a float, the
+    load failed after the weights were overwritten; as a dict, save died of a KeyError.
+    Plain dcp.save of ens.state_dict() writes it too, and loads the same way."""
+    members = [_Calibrated(kind) for _ in range(2)]
+    for m in members:
+        m.scale = 3.0
+    ens = fe.Ensemble(members)
+    with pytest.raises(TypeError, match=r"^distributed.save: .* keeps extra state .*drop it"):
+        fe.distributed.save(tmp_path / "ens", ens)
+    assert not (tmp_path / "ens" / ".metadata").exists()
+    fresh = fe.Ensemble([_Calibrated(kind) for _ in range(2)])
+    before = {k: v.clone() for k, v in fresh.state_dict().items() if torch.is_tensor(v)}
+    written = tmp_path / "plain"
+    if kind == "tensor":
+        dcp_save_alone(ens.state_dict(), written)
+    else:
+        fe.distributed.save(
+            written, fe.Ensemble([nn.Sequential(nn.Linear(3, 2)) for _ in range(2)])
+        )
+    with pytest.raises(TypeError, match=r"^distributed.load: .* keep this ensemble's own"):
+        fe.distributed.load(written, fresh)
+    after = fresh.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    assert fresh.stacked.scale == 1.0
+
+
 # --- .metadata is never unpickled with the standard unpickler ------------------------------
 
 

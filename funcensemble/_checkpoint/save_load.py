@@ -19,15 +19,16 @@ from typing import Any, TypeVar
 
 import optree
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._core.ensemble import Ensemble
 from .._hetero.ensemble import HeteroEnsemble
-from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, submodule, tensor_spec
+from .._messages import a, ensemble_leaf, key_difference, pytree_leaf, tensor_spec
 from .._structure.architecture import Architecture
 from ..optim._ensemble_optimizer import EnsembleOptimizer
 from . import torch_optim as _torch_optim
 from .counts import count_paths, layout_as_saved
+from .extra_state import refuse_extra_state
 from .file import (
     VALUE_TYPES,
     Spec,
@@ -74,31 +75,12 @@ def _contents(where: str, obj: Any) -> _Contents:
         "a Tensor or a Python bool, int, float or str (None is kept as structure)",
     )
     if isinstance(obj, Ensemble):
-        _refuse_extra_state(where, obj.stacked.named_modules())
+        refuse_extra_state(where, obj.stacked.named_modules())
         return _Contents("ensemble", leaves, treedef, "this ensemble")
     if isinstance(obj, HeteroEnsemble):
-        _refuse_extra_state(where, obj.groups.named_modules())
+        refuse_extra_state(where, obj.groups.named_modules())
         return _Contents("hetero_ensemble", leaves, treedef, "this ensemble")
     return _Contents("pytree", leaves, treedef, "the template")
-
-
-def _refuse_extra_state(where: str, modules: Any) -> None:
-    """Refuse an ensemble whose modules keep extra state (``get_extra_state``, part of
-    their ``state_dict``): the file holds parameters and buffers only, so saving would
-    drop it and loading would leave the ensemble's own in place of the saved one."""
-    for path, module in modules:
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            what = (
-                "saving would drop it"
-                if where == "save"
-                else "loading would keep this ensemble's own"
-            )
-            raise TypeError(
-                f"{where}: {submodule(path)} ({type(module).__name__}) keeps extra state "
-                f"(get_extra_state), which a checkpoint file does not hold (expected "
-                f"parameters and buffers only), so {what}. Save ens.state_dict() with "
-                "torch.save and restore it with ens.load_state_dict(), which carry it."
-            )
 
 
 def _counts_as_saved(contents: _Contents, obj: Any, tensors: dict[str, Tensor]) -> _Contents:

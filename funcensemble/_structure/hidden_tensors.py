@@ -15,7 +15,9 @@ captured values) would then silently compute something the loop does not:
   it, so the gradient the loop gives it would be lost.
 
 A weak reference to the member's own module or tensor is refused too: copying keeps it
-as it is, so in the copy it would still reach member 0's original. Optimizers and
+as it is, so in the copy it would still reach member 0's original. So is a function
+that captured the member's own module (a hook's closure over ``m``, a default ``m=m``):
+copying keeps functions as they are, with what they captured. Optimizers and
 schedulers kept on a member are not searched (they hold the parameters for training).
 
 All are refused, naming the member, the submodule and the attribute. Other unregistered
@@ -99,12 +101,18 @@ def _storage_address(t: Tensor) -> int:
         return 0
 
 
-def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None:
-    if isinstance(value, _SKIP) or depth > _DEPTH or id(value) in seen:
+def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bool = False) -> None:
+    """Raise ``_Found`` for what ``value`` reaches that the member's copy cannot hold.
+
+    ``captured``: reached through a function's captured values, defaults or attributes,
+    which copying a module does not copy (``copy.deepcopy`` keeps functions as they are).
+    """
+    key = (id(value), captured)
+    if isinstance(value, _SKIP) or depth > _DEPTH or key in seen:
         return
     if isinstance(value, _NOT_READ_BY_FORWARD):
         return
-    seen.add(id(value))
+    seen.add(key)
     if isinstance(value, weakref.ProxyTypes):
         # A proxy passes every attribute to its target, __class__ and __dict__ too.
         if id(getattr(value, "__dict__", None)) in own.dicts:
@@ -126,6 +134,9 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
         return
     if isinstance(value, nn.Module):
         if id(value) in own.modules:
+            if captured:
+                # The copy's function still reaches member 0's original module.
+                raise _Found(path, _CapturedOwn(value))
             return  # the member's own submodules are checked as such
         tensors = (*value.named_parameters(), *value.named_buffers())
         for name, t in tensors:
@@ -136,9 +147,9 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
         # A foreign frozen module is a value, but what it holds may be the member's.
         for k, v in vars(value).items():
             if k not in TORCH_OWN:
-                _visit(v, f"{path}.{k}", own, seen, depth + 1)
+                _visit(v, f"{path}.{k}", own, seen, depth + 1, captured)
         for k, v in value._modules.items():
-            _visit(v, f"{path}.{k}", own, seen, depth + 1)
+            _visit(v, f"{path}.{k}", own, seen, depth + 1, captured)
         return
     if isinstance(value, weakref.ref):
         target = value()
@@ -150,30 +161,50 @@ def _visit(value: Any, path: str, own: _Own, seen: set[int], depth: int) -> None
     step = depth + 1
     if isinstance(value, dict):
         for k, v in value.items():
-            _visit(k, f"{path} (a key)", own, seen, step)
-            _visit(v, f"{path}[{k!r}]", own, seen, step)
+            _visit(k, f"{path} (a key)", own, seen, step, captured)
+            _visit(v, f"{path}[{k!r}]", own, seen, step, captured)
     elif isinstance(value, (list, tuple, set, frozenset)):
         for k, v in enumerate(value):
-            _visit(v, f"{path}[{k}]", own, seen, step)
+            _visit(v, f"{path}[{k}]", own, seen, step, captured)
     elif isinstance(value, functools.partial):
-        _visit((value.func, value.args, value.keywords), path, own, seen, step)
+        _visit((value.func, value.args, value.keywords), path, own, seen, step, captured)
     elif isinstance(value, types.MethodType):
-        _visit(value.__func__, path, own, seen, step)
-        _visit(value.__self__, f"{path}.__self__", own, seen, step)
+        # Copying rebinds a method to the copy of its module (unless the method itself
+        # was reached through a function, which is not copied).
+        _visit(value.__func__, path, own, seen, step, captured)
+        _visit(value.__self__, f"{path}.__self__", own, seen, step, captured)
     elif isinstance(value, types.FunctionType):
-        cells = [c for c in closure_values(value) if c is not EMPTY]
-        extras = (cells, value.__defaults__, value.__kwdefaults__, dict(vars(value)))
-        _visit(extras, f"{path} (its captured values)", own, seen, step)
+        code = value.__code__
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = value.__defaults__ or ()
+        extras = {
+            **{
+                f"its captured variable {name}": v
+                for name, v in zip(code.co_freevars, closure_values(value), strict=True)
+                if v is not EMPTY
+            },
+            **dict(
+                zip(
+                    [f"its default {n}" for n in positional[len(positional) - len(defaults) :]],
+                    defaults,
+                    strict=True,
+                )
+            ),
+            **{f"its default {k}": v for k, v in (value.__kwdefaults__ or {}).items()},
+            **{f"its attribute {k}": v for k, v in vars(value).items()},
+        }
+        for where, v in extras.items():
+            _visit(v, f"{path} ({where})", own, seen, step, captured=True)
         return
     if isinstance(value, type):
         return
     fields = getattr(value, "__dict__", None)
     if isinstance(fields, dict):  # (an object may answer __dict__ with anything)
         for k, v in list(fields.items()):
-            _visit(v, f"{path}.{k}", own, seen, step)
+            _visit(v, f"{path}.{k}", own, seen, step, captured)
     for name in slot_names(type(value)):
         if hasattr(value, name):
-            _visit(getattr(value, name), f"{path}.{name}", own, seen, step)
+            _visit(getattr(value, name), f"{path}.{name}", own, seen, step, captured)
 
 
 class _Alias(NamedTuple):
@@ -181,6 +212,13 @@ class _Alias(NamedTuple):
 
     tensor: Any
     of: tuple[str, str]
+
+
+class _CapturedOwn:
+    """The member's own module, found among a function's captured values."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
 
 
 class _WeakToOwn:
@@ -210,6 +248,18 @@ def _error(
             "0's original, and every member would compute with member 0's tensors. Hold a "
             "plain reference that torch does not register "
             "(object.__setattr__(self, name, module)), or reach the module through the tree."
+        )
+    if isinstance(value, _CapturedOwn):
+        return ValueError(
+            f"{where}: {holder} holds a function that captures its own "
+            f"{type(value.module).__name__} in `{found.path}` (a closure's variable, a "
+            "default argument or an attribute of the function; expected functions to reach "
+            "the module through their arguments). Copying a module does not copy "
+            "functions, so in the one copy every member runs through, the function would "
+            "still reach member 0's original module, and every member would compute with "
+            "member 0's tensors. Use the module a hook is given (hook(module, args, "
+            "output)), self in a method of the module's class, or a bound method "
+            "(module.method), which the copy rebinds to itself."
         )
     if isinstance(value, _Alias):
         noun, name = value.of

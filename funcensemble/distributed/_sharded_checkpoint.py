@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._checkpoint.counts import count_paths, layout_as_saved
+from .._checkpoint.extra_state import refuse_extra_state
 from .._checkpoint.paths import dotted_key, flatten_by_key
 from .._core.ensemble import Ensemble
 from .._hetero.ensemble import HeteroEnsemble
@@ -104,6 +105,7 @@ def _flatten(where: str, obj: Any) -> _Flat:
         # record is a string, which DCP's shards do not hold: not compared here).
         return _flatten(where, {"state": obj.state_dict()["state"]})
     if isinstance(obj, Ensemble):
+        refuse_extra_state(where, obj.stacked.named_modules())
         kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
         leaves = dict(obj.state_dict(keep_vars=True))
         labels = {k: f"{kinds.get(id(v), 'buffer')} `{k}`" for k, v in leaves.items()}
