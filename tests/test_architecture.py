@@ -2175,3 +2175,74 @@ def test_an_ensemble_inside_a_member_is_refused_in_plain_words(inner, build):
         getattr(fe, build)([Heads(), Heads()])
     with pytest.raises(TypeError, match=r"member 0 is an fe\.Ensemble .*ens\.concat"):
         fe.Ensemble([fe.Ensemble([nn.Linear(2, 3)]) for _ in range(2)])
+
+
+def test_a_class_holding_a_parametrizations_dict_of_its_own_is_compared_as_itself() -> None:
+    """Two classes differing in forward, both keeping a ModuleDict named
+    `parametrizations`, were taken for parametrize's subclasses of one base: member 1
+    ran member 0's forward with no error (13.5 off the loop)."""
+
+    class Base(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin(3, 2)
+            self.parametrizations = nn.ModuleDict()
+
+    class A(Base):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.lin(x)
+
+    class B(Base):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.lin(x) * 10
+
+    with pytest.raises(TypeError, match=r"member 1 is a \S*B; member 0 is a \S*A "):
+        fe.Ensemble([A(), B(), A()])
+
+
+def test_values_in_slots_are_refused() -> None:
+    """A module class with __slots__: the slot was neither compared nor copied
+    (nn.Module.__getstate__ keeps __dict__), so forward's getattr(self, 'scale', 1.0)
+    gave 1.0 for every member with no error (scales 2, 5, 2: 6.0 off the loop)."""
+
+    class Scaled(nn.Module):
+        __slots__ = ("scale",)
+
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.lin = lin(3, 2)
+            self.scale = scale
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.lin(x) * getattr(self, "scale", 1.0)
+
+    for build in (fe.Ensemble, fe.stack):
+        with pytest.raises(
+            TypeError,
+            match=r"member 0 has the root module \(Scaled\) with values in __slots__ \(`scale`",
+        ):
+            build([Scaled(s) for s in (2.0, 5.0, 2.0)])
+
+
+def test_an_attribute_copy_cannot_copy_is_named() -> None:
+    """Identical members holding a torch.finfo were refused with deepcopy's bare
+    "cannot pickle 'torch.finfo' object"."""
+
+    class Clamped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(lin(3, 2))
+            self.body[0].finfo = torch.finfo(torch.float32)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.body(x)
+
+    for build in (fe.Ensemble, fe.stack):
+        with pytest.raises(
+            TypeError,
+            match=r"member 0's `finfo` of submodule `body.0` \(Linear\) could not be copied "
+            r"\(copy.deepcopy raised TypeError: .*finfo",
+        ):
+            build([Clamped() for _ in range(2)])
+    with pytest.raises(TypeError, match=r"^Ensemble.from_factory: member 0's `finfo`"):
+        fe.Ensemble.from_factory(Clamped, num_members=2)

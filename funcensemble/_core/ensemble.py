@@ -264,7 +264,8 @@ class Ensemble(nn.Module):
         with global_rng_restored_on_error():
             members = (build(i) for i in range(num_members))
             first, params, buffers = stack_members(where, members, num_members, alive=False)
-        return cls._from_stacked(meta_skeleton(first), params, buffers, randomness, chunk_size)
+        skeleton = meta_skeleton(first, where=where)
+        return cls._from_stacked(skeleton, params, buffers, randomness, chunk_size)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("randomness", "chunk_size") and "fmodel" in self.__dict__:

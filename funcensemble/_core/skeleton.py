@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._messages import submodule
 from .._structure.attributes import TORCH_OWN
 from .._structure.tensor_tags import tensor_tags
 
@@ -134,6 +135,7 @@ def replace_tensors(
     make_param: Callable[[str, Tensor], Tensor],
     make_buffer: Callable[[str, Tensor], Tensor],
     kept: dict[Location, object] | None = None,
+    where: str = "funcensemble",
 ) -> nn.Module:
     """Deep-copy ``module``, building each parameter and buffer with the callables.
 
@@ -153,7 +155,10 @@ def replace_tensors(
         if id(buffer) not in memo:
             memo[id(buffer)] = make_buffer(name, buffer)
     tensors = [t for t in (*params.values(), *buffers.values()) if tensor_tags(t)]
-    copied = copy.deepcopy(module, memo)
+    try:
+        copied = copy.deepcopy(module, memo)
+    except Exception as error:
+        raise _not_copied(where, module, memo, error) from error
     for t in tensors:  # attributes set on a tensor (a tag such as `p.no_decay = True`)
         new = memo[id(t)]
         if new is not t:
@@ -162,14 +167,42 @@ def replace_tensors(
     return copied
 
 
-def meta_skeleton(module: nn.Module, kept: dict[Location, object] | None = None) -> nn.Module:
+def _not_copied(where: str, module: nn.Module, memo: dict, error: Exception) -> TypeError:
+    """The error for a module ``copy.deepcopy`` failed on, naming the attribute it
+    failed on where one alone fails."""
+    for path, sub in module.named_modules():
+        for name, value in vars(sub).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            try:
+                copy.deepcopy(value, dict(memo))
+            except Exception as found:
+                error, place = found, f"`{name}` of {submodule(path)} ({type(sub).__name__})"
+                break
+        else:
+            continue
+        break
+    else:
+        place = f"{submodule('')} ({type(module).__name__})"
+    return TypeError(
+        f"{where}: member 0's {place} could not be copied (copy.deepcopy raised "
+        f"{type(error).__name__}: {error}; expected attributes that copy.deepcopy copies). "
+        "An ensemble runs every member through one copy of member 0. Keep such an object "
+        "out of the module (a module-level constant, or a value computed in forward), or "
+        "give its class a __deepcopy__."
+    )
+
+
+def meta_skeleton(
+    module: nn.Module, kept: dict[Location, object] | None = None, where: str = "funcensemble"
+) -> nn.Module:
     """A weightless copy of ``module`` whose tensors live on the meta device; ``kept``:
     the objects it holds by reference (by default those ``module`` keeps)."""
 
     def to_meta(_: str, t: Tensor) -> Tensor:
         return torch.empty_like(t, device="meta")
 
-    return replace_tensors(module, to_meta, to_meta, kept)
+    return replace_tensors(module, to_meta, to_meta, kept, where)
 
 
 def modes(module: nn.Module) -> dict[str, bool]:

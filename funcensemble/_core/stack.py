@@ -94,7 +94,7 @@ def stack_as(
     """[`stack`][funcensemble.stack], with errors naming the public entry point ``where``."""
     modules = member_list(where, modules)
     first, params, buffers = stack_members(where, iter(modules), len(modules), alive=True)
-    return FunctionalModule(meta_skeleton(first)), params, buffers
+    return FunctionalModule(meta_skeleton(first, where=where)), params, buffers
 
 
 def put_member(stacked: Mapping[str, Tensor], i: int, values: Mapping[str, Any]) -> None:

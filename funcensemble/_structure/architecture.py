@@ -23,6 +23,7 @@ from .attributes import (
     twin_classes,
 )
 from .hidden_tensors import check_no_hidden_tensors
+from .same_value import slot_names
 
 # Layers whose fused kernels have no vmap batching rule. torch.func.vmap would raise
 # an obscure "Batching rule not implemented" error or fall back to a per-member loop.
@@ -102,6 +103,16 @@ def check_is_module(where: str, index: int, module: object) -> nn.Module:
             raise TypeError(
                 f"{where}: member {index} contains {type(sub).__name__} at {submodule(name)}. "
                 + _UNBATCHABLE_HINT
+            )
+        slots = [n for n in slot_names(type(sub)) if hasattr(sub, n)]
+        if slots:
+            raise TypeError(
+                f"{where}: member {index} has {submodule(name)} ({type(sub).__name__}) "
+                f"with values in __slots__ ({', '.join(f'`{n}`' for n in slots)}; expected "
+                "a module's attributes in its __dict__). Copying a module keeps only its "
+                "__dict__ (nn.Module.__getstate__), so the one copy every member runs "
+                "through would lose them, and they would not be compared across members. "
+                "Drop __slots__ from the class, so that these are ordinary attributes."
             )
         compiled = _torch_compat.compiled_module(sub)
         if compiled is not None:

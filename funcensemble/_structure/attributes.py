@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .._messages import submodule
 from .same_value import SameValue, draws, show
@@ -77,7 +78,17 @@ def _parametrized(module: nn.Module) -> bool:
 
 def original_class(module: nn.Module) -> type:
     """The module's class, before torch.nn.utils.parametrize replaced it."""
-    return type(module).__bases__[0] if _parametrized(module) else type(module)
+    cls = type(module)
+    return cls.__bases__[0] if _parametrized(module) and _made_by_parametrize(cls) else cls
+
+
+def _made_by_parametrize(cls: type) -> bool:
+    """Whether ``cls`` is the subclass parametrize makes (``Parametrized<Base>``, with
+    nothing of its own that forward reads), not a class of the user's that happens to
+    hold a ``parametrizations`` ModuleDict (whose own forward would then go unseen)."""
+    if len(cls.__bases__) != 1 or cls.__module__ != parametrize.__name__:
+        return False
+    return cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}"
 
 
 def _class_name(module: nn.Module) -> str:
