@@ -20,6 +20,7 @@ import sys
 import traceback
 import types
 from pathlib import Path
+from typing import Any
 
 import jaxtyping
 import numpy as np
@@ -1576,6 +1577,51 @@ def test_functions_reaching_the_module_through_their_arguments_compute_as_the_lo
     torch.manual_seed(0)
     members = [make() for _ in range(3)]
     x = torch.randn(4, 3)
+    want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(fe.Ensemble(members)(x), want)
+
+
+def _wraps_forward(module: nn.Module) -> nn.Module:
+    """accelerate's add_hook_to_module: forward becomes a partial over the module, whose
+    function functools.wraps marks with the module's own forward (`__wrapped__`)."""
+    module._old_forward = module.forward
+
+    @functools.wraps(module._old_forward)
+    def new_forward(module: nn.Module, *args: Any) -> Tensor:
+        return module._old_forward(*args) * 2
+
+    module.forward = functools.update_wrapper(
+        functools.partial(new_forward, module), module._old_forward
+    )
+    return module
+
+
+def _load_pre_hook(module: nn.Module) -> nn.Module:
+    """torch's public register_load_state_dict_pre_hook, which holds the module weakly
+    (its copy holds the copy)."""
+    module.register_load_state_dict_pre_hook(lambda mod, *args: None)
+    return module
+
+
+def _quantization_prepared(module: nn.Module) -> nn.Module:
+    """torch.ao's prepare keeps observer factories closing over the module in qconfig."""
+    import torch.ao.quantization as quantization
+
+    module.qconfig = quantization.default_qconfig
+    return quantization.prepare(module, inplace=False)
+
+
+# torch.ao's notes on its observers, and its deprecation (torch 2.10 and later).
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+@pytest.mark.parametrize("wrap", [_wraps_forward, _load_pre_hook, _quantization_prepared])
+def test_what_only_seems_to_capture_the_member_is_kept_and_computes_as_the_loop(wrap) -> None:
+    """False refusals of the check above, found by its review: a functools.wraps record
+    (__wrapped__, never called through), torch's wrapper of a hook given the module (a
+    weak reference its copy swaps for the copy), and torch.ao's qconfig (read by
+    prepare, not by forward)."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(wrap(lin(4, 4)), nn.Tanh()) for _ in range(3)]
+    x = torch.randn(5, 4)
     want = torch.stack([m(x) for m in members])
     torch.testing.assert_close(fe.Ensemble(members)(x), want)
 

@@ -1108,8 +1108,8 @@ def test_an_optimizer_whose_state_is_not_shaped_like_its_parameters_round_trips(
         opt.step(closure)
     fe.save(tmp_path / "opt.st", opt)
     fresh = make(ens.parameters(), lr=0.1)
-    if kind == "LBFGS":  # its history lists cannot be rebuilt for a fresh one
-        with pytest.raises(ValueError, match=r"holds nested optimizer state"):
+    if kind == "LBFGS":  # its history (lists holding None) cannot be rebuilt for a fresh one
+        with pytest.raises(ValueError, match=r"holds optimizer state whose entries without"):
             fe.load(tmp_path / "opt.st", fresh)
         assert fresh.state_dict()["state"] == {}
         fresh = opt  # the optimizer itself, stepped, loads it
@@ -1457,3 +1457,88 @@ def test_a_torch_optim_file_replaces_the_state_of_an_optimizer_that_has_more(
             step(o, x)
         results.append({k: v.clone() for k, v in ens.state_dict().items()})
     assert_trees_equal(results[0], results[1])
+
+
+def test_an_lbfgs_file_with_empty_history_resumes_as_torch_loads_it(tmp_path):
+    """LBFGS(max_iter=1) after one step holds empty history lists, which leave no leaf
+    in the file: a template built from the file's leaves dropped them, the load passed
+    and the next step died of a TypeError. They are kept, and the step matches torch's;
+    a fresh LBFGS, which lacks them, is refused before anything changes."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(5, 3)
+
+    def closure(o):
+        def run():
+            o.zero_grad()
+            loss = model(x).square().sum()
+            loss.backward()
+            return loss
+
+        return run
+
+    def lbfgs():
+        return torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=1)
+
+    saved = lbfgs()
+    saved.step(closure(saved))
+    fe.save(tmp_path / "opt.st", saved)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ours, theirs = lbfgs(), lbfgs()
+    for o in (ours, theirs):
+        o.step(closure(o))
+    fe.load(tmp_path / "opt.st", ours)
+    theirs.load_state_dict(saved.state_dict())
+    assert_trees_equal(ours.state_dict(), theirs.state_dict())
+    after = []
+    for o in (ours, theirs):
+        model.load_state_dict(start)
+        o.step(closure(o))
+        after.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert_trees_equal(after[0], after[1])
+    fresh = lbfgs()
+    with pytest.raises(ValueError, match=r"holds optimizer state whose entries without tensors"):
+        fe.load(tmp_path / "opt.st", fresh)
+    assert not fresh.state
+
+
+class _LegacyScaled(nn.Linear):
+    """State kept the way before get_extra_state: its own _save_to_state_dict entry."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.scale = 1.0
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "scale"] = torch.tensor(self.scale)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        self.scale = float(state_dict.pop(prefix + "scale"))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize("how", ["file", "sharded"])
+def test_state_dict_entries_beyond_parameters_and_buffers_are_refused(tmp_path, how):
+    """A module adding its own state_dict entry (_save_to_state_dict, or a state-dict
+    hook) was saved without it, or loaded into a throwaway tensor: a scale of 3.0 came
+    back 1.0 with no error (outputs 3x off), where the loop's load_state_dict restores
+    it."""
+    members = [_LegacyScaled() for _ in range(2)]
+    for m in members:
+        m.scale = 3.0
+    ens = fe.Ensemble(members)
+    save, load = (fe.save, fe.load) if how == "file" else (fe.distributed.save, fe.distributed.load)
+    where = "" if how == "file" else "distributed."
+    path = tmp_path / "ckpt"
+    with pytest.raises(TypeError, match=rf"^{where}save: state_dict\(\) holds `stacked.scale`"):
+        save(path, ens)
+    assert not path.exists() or not any(path.iterdir())
+    save(tmp_path / "plain", fe.Ensemble([nn.Linear(2, 2) for _ in range(2)]))
+    fresh = fe.Ensemble([_LegacyScaled() for _ in range(2)])
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(TypeError, match=rf"^{where}load: .* keep this ensemble's own"):
+        load(tmp_path / "plain", fresh)
+    assert_trees_equal(fresh.state_dict(), before)

@@ -75,10 +75,10 @@ def _contents(where: str, obj: Any) -> _Contents:
         "a Tensor or a Python bool, int, float or str (None is kept as structure)",
     )
     if isinstance(obj, Ensemble):
-        refuse_extra_state(where, obj.stacked.named_modules())
+        refuse_extra_state(where, obj.stacked, "stacked.")
         return _Contents("ensemble", leaves, treedef, "this ensemble")
     if isinstance(obj, HeteroEnsemble):
-        refuse_extra_state(where, obj.groups.named_modules())
+        refuse_extra_state(where, obj.groups, "groups.")
         return _Contents("hetero_ensemble", leaves, treedef, "this ensemble")
     return _Contents("pytree", leaves, treedef, "the template")
 
@@ -401,6 +401,17 @@ def load(path: str | os.PathLike, obj: T) -> T:
                 str(error),
             )
             raise ValueError(message.replace("the template", this)) from None
+        if str(_contents(where, own).treedef) != header["treedef"]:
+            # Same leaves, other structure: entries without tensors (None, an empty
+            # list) that this optimizer's state lacks, or holds where the file has none.
+            raise ValueError(
+                f"{where}: '{name}' holds optimizer state whose entries without tensors "
+                f"(None, or an empty list such as LBFGS's history before it has any) "
+                f"differ from this {type(obj).__name__} optimizer's (expected the same "
+                "entries as the file's, None and empty lists included). Load it into an "
+                "optimizer that has stepped as the saved one had, or keep such an "
+                "optimizer's state_dict with torch.save and torch.load."
+            )
         obj.load_state_dict(loaded)
         return obj
     contents = _contents(where, obj)

@@ -14,12 +14,14 @@ entries each group has are checked.
 import re
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 
 _STATE_ENTRY = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]$")
 _GROUP_ENTRY = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]$")
 _GROUP_PREFIX = re.compile(r"^\['param_groups'\]\[(\d+)\]\['([^'\]]+)'\]")  # betas' too
+_INDEXES = re.compile(r"(\[\d+\])+")  # a list's positions: [3][0]
 _STATE_PREFIX = re.compile(r"^\['state'\]\[(\d+)\]\['([^'\]]+)'\]")  # nested ones too
 
 # The entries torch's learning-rate schedulers add to an optimizer's groups (LRScheduler:
@@ -74,6 +76,7 @@ def template(
         if entry in own["state"].get(i, {}):
             state.setdefault(i, {})[entry] = own["state"][i][entry]
     kept = {(i, entry) for i, entries in state.items() for entry in entries}
+    listed: dict[tuple[int, str], dict[tuple[int, ...], Any]] = {}
     groups = [dict(g) for g in own["param_groups"]]
     for key, value in (*tensors.items(), *values.items()):
         match = _STATE_ENTRY.match(key)
@@ -88,6 +91,10 @@ def template(
         nested = _STATE_PREFIX.match(key)
         if match:
             found.setdefault(int(match[1]), {})[match[2]] = value
+        elif nested and _INDEXES.fullmatch(key[nested.end() :]):
+            # A list of the file's (LBFGS's history), rebuilt at the file's length.
+            index = tuple(int(k) for k in re.findall(r"\d+", key[nested.end() :]))
+            listed.setdefault((int(nested[1]), nested[2]), {})[index] = value
         elif nested and (int(nested[1]), nested[2]) not in kept:
             raise ValueError(
                 f"{where}: '{name}' holds nested optimizer state (`{key}`: LBFGS keeps "
@@ -96,6 +103,16 @@ def template(
                 "the optimizer after one step, or keep such an optimizer's state_dict with "
                 "torch.save and torch.load."
             )
+    for (i, entry), leaves in listed.items():
+        mine = own["state"].get(i, {}).get(entry)
+        state.setdefault(i, {})[entry] = _as_lists(leaves, mine)
+    for i, entries in state.items():
+        # Entries with nothing in them (None, an empty list: LBFGS's history before it
+        # has any) leave no leaf in the file: the optimizer's own stand in, and the
+        # comparison of structures (load) refuses a file that lacks them.
+        for entry, v in own["state"].get(i, {}).items():
+            if entry not in entries and not optree.tree_leaves(v, none_is_leaf=False):
+                entries[entry] = v
     saved = {(int(m[1]), m[2]) for m in map(_GROUP_PREFIX.match, (*tensors, *values)) if m}
     for g, group in enumerate(groups):
         for entry in _SCHEDULER_ENTRIES & group.keys():
@@ -137,3 +154,25 @@ def template(
                 else v
             )
     return {"state": state, "param_groups": groups}
+
+
+def _as_lists(leaves: dict[tuple[int, ...], Any], like: Any = None) -> list[Any]:
+    """Nested lists holding a fresh copy of each leaf at its index path; a position
+    without one (LBFGS's ``al``, None until used) is None, or what ``like`` (the
+    optimizer's own list) holds there when that holds no tensor."""
+    heads: dict[int, dict[tuple[int, ...], Any]] = {}
+    for index, value in leaves.items():
+        heads.setdefault(index[0], {})[index[1:]] = value
+    like = like if isinstance(like, list) else []
+    out = []
+    for k in range(max(max(heads) + 1, len(like))):
+        mine = like[k] if k < len(like) else None
+        rest = heads.get(k)
+        if rest is None:
+            out.append(mine if not optree.tree_leaves(mine, none_is_leaf=False) else None)
+        elif () in rest:
+            value = rest[()]
+            out.append(torch.zeros_like(value) if isinstance(value, Tensor) else value)
+        else:
+            out.append(_as_lists(rest, mine))
+    return out

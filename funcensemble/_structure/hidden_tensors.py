@@ -42,6 +42,18 @@ _DEPTH = 32  # how deep containers and plain objects are followed
 # (an RL agent keeps its optimizer on the module).
 _NOT_READ_BY_FORWARD = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
 _SKIP = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)
+# torch's wrapper of a hook registered with the module (register_load_state_dict_pre_hook):
+# it holds the module weakly, and its copy holds the copy (its __getstate__ and
+# __setstate__ swap the weak reference for the module), so only its hook is searched.
+_WRAPPED_HOOK = getattr(torch.nn.modules.module, "_WrappedHook", None)
+
+
+def _quantization_config(value: Any) -> bool:
+    """A torch.ao QConfig: observer factories ``prepare`` calls, not ``forward``."""
+    cls = type(value)
+    return cls.__name__ in ("QConfig", "QConfigDynamic") and cls.__module__.startswith(
+        "torch.ao.quantization"
+    )
 
 
 class _Found(Exception):
@@ -110,9 +122,12 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
     key = (id(value), captured)
     if isinstance(value, _SKIP) or depth > _DEPTH or key in seen:
         return
-    if isinstance(value, _NOT_READ_BY_FORWARD):
+    if isinstance(value, _NOT_READ_BY_FORWARD) or _quantization_config(value):
         return
     seen.add(key)
+    if _WRAPPED_HOOK is not None and isinstance(value, _WRAPPED_HOOK):
+        _visit(value.hook, f"{path}.hook", own, seen, depth + 1, captured)
+        return
     if isinstance(value, weakref.ProxyTypes):
         # A proxy passes every attribute to its target, __class__ and __dict__ too.
         if id(getattr(value, "__dict__", None)) in own.dicts:
@@ -167,7 +182,8 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
         for k, v in enumerate(value):
             _visit(v, f"{path}[{k}]", own, seen, step, captured)
     elif isinstance(value, functools.partial):
-        _visit((value.func, value.args, value.keywords), path, own, seen, step, captured)
+        for field in ("func", "args", "keywords"):
+            _visit(getattr(value, field), f"{path}.{field}", own, seen, step, captured)
     elif isinstance(value, types.MethodType):
         # Copying rebinds a method to the copy of its module (unless the method itself
         # was reached through a function, which is not copied).
@@ -194,7 +210,10 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
             **{f"its attribute {k}": v for k, v in vars(value).items()},
         }
         for where, v in extras.items():
-            _visit(v, f"{path} ({where})", own, seen, step, captured=True)
+            # functools.wraps' __wrapped__ is a record of what was wrapped, not called
+            # through it (a wrapper that calls it holds it among its captured values).
+            wrapped = where == "its attribute __wrapped__"
+            _visit(v, f"{path} ({where})", own, seen, step, captured=not wrapped)
         return
     if isinstance(value, type):
         return

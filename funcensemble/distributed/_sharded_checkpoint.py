@@ -105,7 +105,7 @@ def _flatten(where: str, obj: Any) -> _Flat:
         # record is a string, which DCP's shards do not hold: not compared here).
         return _flatten(where, {"state": obj.state_dict()["state"]})
     if isinstance(obj, Ensemble):
-        refuse_extra_state(where, obj.stacked.named_modules())
+        refuse_extra_state(where, obj.stacked, "stacked.")
         kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
         leaves = dict(obj.state_dict(keep_vars=True))
         labels = {k: f"{kinds.get(id(v), 'buffer')} `{k}`" for k, v in leaves.items()}
