@@ -668,6 +668,42 @@ def test_an_ensemble_optimizer_saves_and_loads_itself(tmp_path):
     assert_trees_equal(other.state_dict(), grown.state_dict())
 
 
+def test_an_ensemble_optimizer_checkpoint_keeps_its_transform_record(tmp_path):
+    """The sharded checkpoint kept the state only: loaded into adam(1e-3) or adamw with
+    weight decay, it resumed with those hyperparameters with no error, where fe.load
+    refuses and torch.optim's load_state_dict puts the saved ones back. Now the record's
+    SHA-256 is written once and compared; a checkpoint without it (saved before, or a
+    template of the state alone) loads as before."""
+    import torch.distributed.checkpoint as dcp_module
+
+    ens = fe.Ensemble.from_factory(worker.make_member, num_members=3, seed=0)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    ens(torch.randn(8, 4, dtype=torch.float64)).square().sum().backward()
+    opt.step()
+    fe.distributed.save(tmp_path / "opt", opt)
+    assert {f"transform_sha256.{i}" for i in range(4)} <= set(
+        dcp_module.FileSystemReader(tmp_path / "opt").read_metadata().state_dict_metadata
+    )
+    for other in (fe.optim.adam(1e-3), fe.optim.adamw(1e-2, weight_decay=0.5)):
+        into = fe.optim.EnsembleOptimizer(ens, other)
+        before = into.state_dict()
+        with pytest.raises(ValueError, match=r"was saved by an optimizer whose transform or "):
+            fe.distributed.load(tmp_path / "opt", into)
+        assert_trees_equal(into.state_dict(), before)
+    same = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    fe.distributed.load(tmp_path / "opt", same)
+    assert_trees_equal(same.state_dict(), opt.state_dict())
+    # A template of the state alone ignores the record.
+    template = {"state": fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2)).state_dict()["state"]}
+    back = fe.distributed.load(tmp_path / "opt", template)
+    assert_trees_equal(back["state"], opt.state_dict()["state"])
+    # A checkpoint without the record (the state alone, as before) loads, not compared.
+    fe.distributed.save(tmp_path / "old", {"state": opt.state_dict()["state"]})
+    older = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-3))
+    fe.distributed.load(tmp_path / "old", older)
+    assert_trees_equal(older.state_dict()["state"], opt.state_dict()["state"])
+
+
 def test_checkpoint_errors(tmp_path):
     ens = fe.Ensemble.from_factory(worker.make_member, num_members=4, seed=0)
     path = tmp_path / "ens"

@@ -19,6 +19,7 @@ DCP records each chunk's offset and size, so any mesh can read any rows.
 """
 
 import contextlib
+import hashlib
 import inspect
 import os
 import warnings
@@ -58,6 +59,10 @@ from ._mesh import member_dtensor
 from ._slices import narrow_members
 
 T = TypeVar("T")
+# An EnsembleOptimizer's transform record (its hyperparameters, as state_dict() holds
+# it), stored as the SHA-256 of its text in four int64 values written once: DCP's
+# shards hold tensors, and a string would be a pickle to read back.
+_RECORD = "transform_sha256"
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 _NO_DIST_WARNING = DCP_NO_PROCESS_GROUP_WARNING
 
@@ -101,9 +106,8 @@ def _refuse_hetero(where: str, obj: Any) -> None:
 def _flatten(where: str, obj: Any) -> _Flat:
     _refuse_hetero(where, obj)
     if isinstance(obj, EnsembleOptimizer):
-        # Stored as its state_dict()'s state, as fe.save stores it (the transform's
-        # record is a string, which DCP's shards do not hold: not compared here).
-        return _flatten(where, {"state": obj.state_dict()["state"]})
+        # Its state_dict()'s state, as fe.save stores it, and its transform's record.
+        return _flatten(where, {"state": obj.state_dict()["state"], _RECORD: _record(obj)})
     if isinstance(obj, Ensemble):
         refuse_extra_state(where, obj.stacked, "stacked.")
         kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
@@ -119,6 +123,12 @@ def _flatten(where: str, obj: Any) -> _Flat:
         key=dotted_key,
     )
     return _Flat(leaves, treedef, {})
+
+
+def _record(opt: EnsembleOptimizer) -> list[int]:
+    """The SHA-256 of the optimizer's transform record, as four int64 values."""
+    digest = hashlib.sha256(opt._described.encode()).digest()
+    return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
 
 
 def _spread(shard: MemberShard) -> bool:
@@ -199,7 +209,8 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             a pytree such as ``{"params": params, "buffers": buffers,
             "opt": opt_state, "step": 10}``, or this rank's
             [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] (stored as its
-            ``state_dict()``, as [`fe.save`][funcensemble.save] stores it).
+            ``state_dict()``, as [`fe.save`][funcensemble.save] stores it, its
+            transform's record as its SHA-256, which ``load`` compares).
         shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
             Optional in a single process, where ``obj`` holds all members.
 
@@ -488,6 +499,13 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     flat = _flatten(where, obj)
     metadata, checksums = _metadata(where, path)
     saved = dict(metadata.state_dict_metadata)
+    recorded = [k for k in saved if k.startswith(f"{_RECORD}.")]
+    if isinstance(obj, EnsembleOptimizer) and not recorded:
+        # Saved before the record was kept (or as a pytree of the state): not compared.
+        flat = _flatten(where, {"state": obj.state_dict()["state"]})
+    elif not isinstance(obj, EnsembleOptimizer) and f"{_RECORD}.0" not in flat.leaves:
+        for key in recorded:  # an optimizer's checkpoint into a template of its state
+            del saved[key]
     num_members = _saved_members(where, name, flat, saved)
     if shard is None:
         shard = MemberShard(1 if num_members is None else num_members)
@@ -577,6 +595,18 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             out.append(type(leaf)(value.item()))
     loaded = flat.treedef.unflatten(out)
     if isinstance(obj, EnsembleOptimizer):
-        obj.load_state_dict(loaded)
+        if loaded.get(_RECORD, _record(obj)) != _record(obj):
+            raise ValueError(
+                f"{where}: '{name}' was saved by an optimizer whose transform or "
+                f"hyperparameters differ from this one's,\n  {obj._described}\n(expected "
+                "the same transform and hyperparameters; the checkpoint records them by "
+                "their SHA-256): torch.optim's load_state_dict would put the saved "
+                "hyperparameters back, while this state holds none and would continue "
+                "with these. Build the optimizer with the saved transform and load; to "
+                "change hyperparameters on purpose, assign the new one afterwards "
+                "(opt.transform = ..., as torch.optim users set param_groups after "
+                "loading)."
+            )
+        obj.load_state_dict({"state": loaded["state"]})
         return obj  # type: ignore[return-value]
     return loaded
