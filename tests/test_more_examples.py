@@ -32,6 +32,7 @@ def load(name: str) -> ModuleType:
     return load_example(name)
 
 
+@pytest.mark.slow  # a whole (quick) run of the example: make test only
 def test_deep_ensemble_quick_widens_away_from_the_data(tmp_path, capsys):
     example = load("deep_ensemble_regression")
     plot = tmp_path / "deep_ensemble.png"
@@ -47,6 +48,7 @@ def test_deep_ensemble_quick_widens_away_from_the_data(tmp_path, capsys):
     assert "widens away from the data" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a whole (quick) run of the example: make test only
 def test_deep_ensemble_nll_quick_splits_the_predictive_variance(tmp_path, capsys):
     example = load("deep_ensemble_regression")
     result = example.main(["--quick", "--nll", "--out", str(tmp_path)])
@@ -77,6 +79,7 @@ def test_deep_ensemble_rejects_one_member():
         load("deep_ensemble_regression").main(["--members", "1", "--no-plot"])
 
 
+@pytest.mark.slow  # a whole (quick) run of the example: make test only
 def test_lr_sweep_quick_finds_a_finite_best_lr(tmp_path, capsys):
     example = load("lr_sweep")
     plot = tmp_path / "lr_sweep.png"
@@ -108,6 +111,7 @@ def test_lr_sweep_fails_when_the_best_member_differs_from_torch_optim(monkeypatc
         example.main(["--members", "2", "--steps", "3", "--samples", "16", "--no-plot"])
 
 
+@pytest.mark.slow  # a whole (quick) run of the example: make test only
 def test_digits_quick_ensemble_beats_one_model(tmp_path, capsys):
     pytest.importorskip("sklearn")
     example = load("digits_ensemble")
@@ -288,6 +292,7 @@ def test_notebook_runs_top_to_bottom_as_stored():
     assert not differences, "\n".join(differences) + "\nRe-run and store it: make notebook"
 
 
+@pytest.mark.slow  # a whole (quick) run of the example: make test only
 def test_pbt_digits_quick_beats_fixed_learning_rates(tmp_path, capsys):
     pytest.importorskip("sklearn")
     example = load("pbt_digits")
