@@ -1407,6 +1407,14 @@ def test_a_torch_optimizers_file_into_an_ensemble_optimizer_is_refused_by_name(t
     assert_trees_equal(opt.state_dict(), state)
 
 
+def _load_as_torch_does(path, ours, theirs, saved):
+    """fe.load of ``saved``'s file into ``ours``, and torch's load_state_dict of its
+    state_dict into ``theirs``, leave the two optimizers with equal states."""
+    fe.load(path, ours)
+    theirs.load_state_dict(saved.state_dict())
+    assert_trees_equal(ours.state_dict(), theirs.state_dict())
+
+
 @pytest.mark.parametrize("into_amsgrad", [False, True])
 def test_a_torch_optim_file_replaces_the_state_of_an_optimizer_that_has_more(
     tmp_path, into_amsgrad
@@ -1447,9 +1455,7 @@ def test_a_torch_optim_file_replaces_the_state_of_an_optimizer_that_has_more(
 
     ours, theirs = stepped(), stepped()
     assert len(ours.state) == 4
-    fe.load(tmp_path / "opt.st", ours)
-    theirs.load_state_dict(saved.state_dict())
-    assert_trees_equal(ours.state_dict(), theirs.state_dict())
+    _load_as_torch_does(tmp_path / "opt.st", ours, theirs, saved)
     results = []
     for o in (ours, theirs):
         ens.load_state_dict(start)
@@ -1486,9 +1492,7 @@ def test_an_lbfgs_file_with_empty_history_resumes_as_torch_loads_it(tmp_path):
     ours, theirs = lbfgs(), lbfgs()
     for o in (ours, theirs):
         o.step(closure(o))
-    fe.load(tmp_path / "opt.st", ours)
-    theirs.load_state_dict(saved.state_dict())
-    assert_trees_equal(ours.state_dict(), theirs.state_dict())
+    _load_as_torch_does(tmp_path / "opt.st", ours, theirs, saved)
     after = []
     for o in (ours, theirs):
         model.load_state_dict(start)

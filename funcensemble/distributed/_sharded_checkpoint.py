@@ -595,7 +595,8 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             out.append(type(leaf)(value.item()))
     loaded = flat.treedef.unflatten(out)
     if isinstance(obj, EnsembleOptimizer):
-        if loaded.get(_RECORD, _record(obj)) != _record(obj):
+        record = _record(obj)
+        if loaded.get(_RECORD, record) != record:
             raise ValueError(
                 f"{where}: '{name}' was saved by an optimizer whose transform or "
                 f"hyperparameters differ from this one's,\n  {obj._described}\n(expected "
