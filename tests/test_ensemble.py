@@ -1217,3 +1217,54 @@ def test_torch_swap_of_module_tensors_is_refused_before_anything_is_converted():
         assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
     ens.double()  # with the flag off, as usual
     assert ens.stacked[0].weight.dtype == torch.float64
+
+
+class _TakesInDims(nn.Module):
+    """A member whose forward has a parameter named like the Ensemble's own keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, in_dims: object = None) -> torch.Tensor:
+        return self.lin(x) * (10.0 if in_dims is not None else 1.0)
+
+
+class _TakesAnyKeywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return self.lin(x) * (10.0 if kwargs else 1.0)
+
+
+def test_in_dims_keyword_the_members_forward_also_takes_is_refused() -> None:
+    # Found by an audit: ens(x, in_dims=...) took the keyword for itself, so a member
+    # whose forward has a parameter `in_dims` ran with its default (9.8 off the loop).
+    torch.manual_seed(0)
+    members = [_TakesInDims() for _ in range(3)]
+    loop = clone_modules(members)
+    ens = fe.Ensemble(members)
+    x = torch.randn(2, 4)
+    before = copy.deepcopy(ens.state_dict())
+    for given in ((None,), None, 0):
+        with pytest.raises(ValueError, match=r"in_dims= is both the Ensemble's own keyword"):
+            ens(x, in_dims=given)
+    assert_trees_equal(ens.state_dict(), before)
+    # Without the keyword the member's default applies, as in the loop; positionally the
+    # member's parameter is passed as in the loop.
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
+    torch.testing.assert_close(ens(x, (None,)), torch.stack([m(x, (None,)) for m in loop]))
+
+
+def test_in_dims_keyword_is_the_ensembles_for_a_forward_taking_any_keywords() -> None:
+    # A forward with **kwargs names no parameter in_dims: the Ensemble's meaning, as
+    # documented (and the loop's equivalent call passes no keyword).
+    torch.manual_seed(0)
+    members = [_TakesAnyKeywords() for _ in range(3)]
+    loop = clone_modules(members)
+    ens = fe.Ensemble(members)
+    xs = torch.randn(3, 2, 4)
+    out = ens(xs, in_dims=0)
+    torch.testing.assert_close(out, torch.stack([m(x) for m, x in zip(loop, xs, strict=True)]))

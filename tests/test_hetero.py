@@ -1131,3 +1131,59 @@ def test_an_optimizer_file_loads_into_groups_of_the_same_order_only(tmp_path):
     fe.load(tmp_path / "same_shapes.safetensors", other_opt)
     assert isinstance(other.groups[0].stacked[1], nn.ReLU)
     assert_trees_close(other_opt.state, opt.state, rtol=0, atol=0)
+
+
+class _Head(nn.Module):
+    """A member whose forward has parameters named like the HeteroEnsemble's keywords."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor, stack: bool = False, in_dims: object = None) -> torch.Tensor:
+        h = self.lin(x)[..., :3]
+        scale = 10.0 if in_dims is not None else 1.0
+        return scale * (torch.cat([h, h], -1) if stack else torch.cat([h, 2 * h], -1))
+
+
+@pytest.mark.parametrize("keyword", [{"stack": True}, {"stack": False}, {"in_dims": None}])
+def test_own_keyword_the_members_forward_also_takes_is_refused(keyword: dict) -> None:
+    # Found by an audit: hens(x, stack=True) took `stack` for itself, so members whose
+    # forward has a parameter `stack` ran with their default (0.76 off the loop).
+    torch.manual_seed(0)
+    members = [_Head(3), _Head(5), _Head(3)]
+    loop = copy.deepcopy(members)
+    hens = fe.HeteroEnsemble(members)
+    x = torch.randn(2, 4)
+    name = next(iter(keyword))
+    with pytest.raises(ValueError, match=rf"{name}= is both the HeteroEnsemble's own keyword"):
+        hens(x, **keyword)
+    # Without the keywords the members' defaults apply, as in the loop; positionally
+    # their parameters are passed as in the loop.
+    torch.testing.assert_close(hens(x), torch.stack([m(x) for m in loop]))
+    torch.testing.assert_close(hens(x, True), torch.stack([m(x, True) for m in loop]))
+
+
+class _TakesInDims(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, in_dims: object = None) -> torch.Tensor:
+        return self.lin(x) * (10.0 if in_dims is not None else 1.0)
+
+
+def test_in_dims_not_given_is_not_passed_to_the_groups() -> None:
+    # A group whose members' forward takes `in_dims` refuses it: the HeteroEnsemble
+    # passes it on only where the call gave it.
+    torch.manual_seed(0)
+    members = [mlp(3), _TakesInDims(), mlp(5)]
+    loop = copy.deepcopy(members)
+    hens = fe.HeteroEnsemble(members)
+    x = torch.randn(2, 4)
+    for stack in (True, False):
+        outs = hens(x, stack=stack)
+        for out, m in zip(outs, loop, strict=True):
+            torch.testing.assert_close(out, m(x))
+    with pytest.raises(ValueError, match=r"in_dims= is both .*\(_TakesInDims.forward\)"):
+        hens(x, in_dims=None)

@@ -16,8 +16,8 @@ from .._structure import weight_transforms as _weight_transforms
 from .._structure.architecture import Architecture, check_is_module, check_same_architecture
 from .._types import StackedParameters, StackedTensors, StackedTree
 from . import in_dims as _in_dims
+from . import own_keywords, wrapper_call
 from . import turns as _turns
-from . import wrapper_call
 from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
 from .in_dims import InDims
@@ -180,6 +180,8 @@ class Ensemble(nn.Module):
         self.randomness: Randomness = randomness
         self.chunk_size = chunk_size
         self.fmodel = FunctionalModule._of_stacked(self.stacked)
+        # The call's own keywords that the members' forward also takes (refused there).
+        self._keywords_taken = own_keywords.taken_by_forward(self.stacked)
         # Report the members' mode: an ensemble of eval-mode members is in eval mode.
         # (Not self.train(...): that would overwrite submodules' own, possibly mixed, flags.)
         self.training = skeleton.training
@@ -324,6 +326,10 @@ class Ensemble(nn.Module):
         return dict(self.stacked.named_buffers())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        taken = self.__dict__.get("_keywords_taken", ())  # (not in pickles of before)
+        if taken:
+            forward = f"{type(self.stacked).__name__}.forward"
+            own_keywords.refuse_clash("Ensemble", ("in_dims",), taken, forward, kwargs)
         # Global forward hooks run on the members' modules, not on the Ensemble itself.
         return wrapper_call.call(self, "Ensemble", args, kwargs)
 
@@ -338,7 +344,9 @@ class Ensemble(nn.Module):
             *args: Positional inputs, shared by all members unless ``in_dims`` says
                 otherwise.
             in_dims: As in [`vmap`][funcensemble.vmap]: ``0`` to give each member its
-                own slice of every positional input, or one entry per input.
+                own slice of every positional input, or one entry per input. Where
+                the members' ``forward`` has a parameter ``in_dims`` too, passing it by
+                keyword is refused: pass the member's positionally.
             **kwargs: Keyword inputs, shared by all members.
         """
         if in_dims is None:  # inputs shared by all members: nothing to check

@@ -10,9 +10,10 @@ from torch import Tensor, nn
 from .. import _torch_compat
 from .._checkpoint.state_dict_checks import check_groups_loadable
 from .._core import in_dims as _in_dims
-from .._core import wrapper_call
+from .._core import own_keywords, wrapper_call
 from .._core.ensemble import Ensemble, check_no_swap
 from .._core.in_dims import InDims
+from .._core.own_keywords import OWN
 from .._core.rollback import rollback_on_error
 from .._core.stack import member_list
 from .._core.tree_view import register_view
@@ -212,6 +213,11 @@ class HeteroEnsemble(nn.Module):
         return select_inputs(args, dims, self._index[g])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for ens in self.groups:
+            taken = ens.__dict__.get("_keywords_taken", ())
+            if taken:
+                forward = f"{type(ens.stacked).__name__}.forward"
+                own_keywords.refuse_clash("HeteroEnsemble", OWN, taken, forward, kwargs)
         # Global forward hooks run on the members' modules, not on the HeteroEnsemble itself.
         return wrapper_call.call(self, "HeteroEnsemble", args, kwargs)
 
@@ -232,7 +238,9 @@ class HeteroEnsemble(nn.Module):
             stack: True: outputs stacked ``[N, ...]``, which needs every member's output
                 to have one structure, shape, dtype and device. False: a list of N
                 per-member outputs.
-            **kwargs: Keyword inputs, shared by all members.
+            **kwargs: Keyword inputs, shared by all members. Where a member's
+                ``forward`` has a parameter ``in_dims`` or ``stack``, passing that name
+                by keyword is refused (it is the ensemble's): pass it positionally.
 
         Raises:
             ValueError: With ``stack=True``, members whose outputs differ in structure,
@@ -245,13 +253,10 @@ class HeteroEnsemble(nn.Module):
             outs = []
             for g, ens in enumerate(self.groups):
                 with group_errors.naming(where, g, self.group_members[g], len(self.groups)):
-                    outs.append(
-                        ens(
-                            *self._inputs(g, args, dims),
-                            in_dims=None if in_dims is None else dims,
-                            **kwargs,
-                        )
-                    )
+                    # (in_dims only where given: a group refuses it where its members'
+                    # forward takes a parameter of that name.)
+                    own = {} if in_dims is None else {"in_dims": dims}
+                    outs.append(ens(*self._inputs(g, args, dims), **own, **kwargs))
             if stack:
                 return regroup(where, "output", outs, self.group_members, _STACK_FIX)
         return per_member(outs, self.group_members, self.num_members)
