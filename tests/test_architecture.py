@@ -266,8 +266,14 @@ def test_per_member_input_with_wrong_leading_size(bn_train: tuple, n_given: int)
     # Along another member dim, and inside a pytree argument.
     with pytest.raises(ValueError, match=r"argument 1 has size 2 along its member dim 1, but"):
         fe.vmap(lambda p, b, a, y: a, in_dims=(None, 1))(params, buffers, x, torch.ones(5, 2))
-    with pytest.raises(ValueError, match=r"argument 0 has size 4 along its member dim 0"):
+    with pytest.raises(ValueError, match=r"leaf `\['x'\]` of argument 0 has size 4 along"):
         fe.vmap(lambda p, b, d: d["x"], in_dims=({"x": 0},))(params, buffers, {"x": torch.ones(4)})
+    # The leaf at fault is named, not only its argument (found by an audit).
+    both = {"x": torch.ones(3, 2), "off": torch.ones(4, 2)}
+    with pytest.raises(ValueError, match=r"leaf `\['off'\]` of argument 0 has size 4 along"):
+        fe.vmap(lambda p, b, d: d["x"], in_dims=({"x": 0, "off": 0},))(params, buffers, both)
+    with pytest.raises(ValueError, match=r"leaf `\['x'\]` of argument 0 has 0 dimension"):
+        fe.vmap(lambda p, b, d: d["x"], in_dims=({"x": 0},))(params, buffers, {"x": torch.ones(())})
 
 
 def test_bad_in_dims(bn_train: tuple) -> None:

@@ -345,6 +345,33 @@ def test_ensemble_randomness() -> None:
     assert strict.eval()(x).shape == (3, 6, 32)
 
 
+def test_dropout_masks_against_the_loops_as_randomness_md_says() -> None:
+    # randomness.md: one nn.Dropout on the CPU draws the loop's masks with
+    # randomness="different"; with two, the ensemble draws the first layer's masks for
+    # all members first, so the draws are not the loop's.
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 32)
+            self.first, self.second = nn.Dropout(0.5), nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(self.lin(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    for make, same in (
+        (lambda: nn.Sequential(nn.Linear(4, 32), nn.Dropout(0.5)), True),
+        (Two, False),
+    ):
+        members = [make() for _ in range(4)]
+        ens = fe.Ensemble(members)
+        torch.manual_seed(1)
+        out = ens(x)
+        torch.manual_seed(1)
+        assert torch.equal(out, torch.stack([m(x) for m in members])) is same
+
+
 # --- load_state_dict: every bad state_dict is refused before anything is copied --------
 
 

@@ -124,17 +124,25 @@ def check_member_sizes(
                 raise TypeError(_not_a_tensor(where, index, arg, position, leaf, d))
             if not -leaf.dim() <= d < leaf.dim():
                 raise ValueError(
-                    f"{where}: argument {index} has {leaf.dim()} dimension(s); it cannot be "
-                    f"split over members along dim {d}."
+                    f"{where}: {_named(index, arg, position, leaf)} has {leaf.dim()} "
+                    f"dimension(s); it cannot be split over members along dim {d}."
                 )
             if leaf.shape[d] != n:
                 raise ValueError(
-                    f"{where}: argument {index} has size {leaf.shape[d]} along its member "
-                    f"dim {d}, but the ensemble has {n} members. A per-member input needs "
-                    "one slice per member; pass in_dims=None for an input shared by all."
+                    f"{where}: {_named(index, arg, position, leaf)} has size "
+                    f"{leaf.shape[d]} along its member dim {d}, but the ensemble has {n} "
+                    "members. A per-member input needs one slice per member; pass "
+                    "in_dims=None for an input shared by all."
                 )
         out.append(dim if isinstance(dim, int) else _tree.in_key_order(dim, arg))
     return tuple(out)
+
+
+def _named(index: int, arg: Any, position: int, leaf: Any) -> str:
+    """A mapped leaf as a message names it: its argument, and where it lies within it."""
+    if leaf is arg:
+        return f"argument {index}"
+    return f"leaf `{_tree.flatten_with_paths(arg)[0][position]}` of argument {index}"
 
 
 def _not_a_tensor(where: str, index: int, arg: Any, position: int, leaf: Any, dim: int) -> str:
