@@ -275,6 +275,23 @@ def test_bad_arguments_are_refused_when_built(build, error, match):
         build()
 
 
+def test_numpy_step_counts_are_taken_as_ints():
+    # Found by an audit: len(loader) * epochs as a NumPy integer was refused, where
+    # torch's LinearLR and CosineAnnealingLR take it (a NumPy bool stays refused).
+    import numpy as np
+
+    for build in (
+        lambda s: fe.optim.linear_warmup(0.1, s(3)),
+        lambda s: fe.optim.cosine_decay(0.1, s(10), min_lr=0.01),
+        lambda s: fe.optim.warmup_cosine(0.1, s(2), s(9)),
+    ):
+        plain, numpy = build(int), build(np.int64)
+        for count in range(12):
+            assert torch.equal(torch.as_tensor(numpy(count)), torch.as_tensor(plain(count)))
+    with runtime_typecheck_off(), pytest.raises(TypeError, match="must be an int"):
+        fe.optim.linear_warmup(0.1, np.bool_(True))
+
+
 def test_a_bad_count_is_refused():
     with runtime_typecheck_off(), pytest.raises(TypeError, match="called with the step count"):
         fe.optim.cosine_decay(0.1, 5)(1.5)

@@ -20,7 +20,6 @@ from ._protocol import (
 )
 from ._recipes import rebuildable
 
-
 # Norms whose batched reduction over each member's row gives, bit for bit, the norm
 # over that member's own tensor (checked in tests/test_clip.py; 1, 3 and 0.5 do not).
 _BATCHED_NORMS = (2.0, float("inf"))

@@ -1,8 +1,10 @@
 """Learning-rate schedules (warm-up, cosine decay), each setting one number or one per member."""
 
 import math
+import numbers
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -13,7 +15,7 @@ from ._recipes import rebuildable
 # What a schedule is called with: the number of previous updates (ScheduleState.count).
 Count = Int[Tensor, ""] | int
 LearningRate = Float[Tensor, ""] | Float[Tensor, " member"]
-Steps = int | Int[Tensor, " member"]
+Steps = int | np.integer | Int[Tensor, " member"]
 PerMember = float | Float[Tensor, " member"]
 
 
@@ -39,6 +41,8 @@ def _steps(where: str, name: str, value: object, minimum: int) -> float | Tensor
                 f"{int(value[member])} for member {member}."
             )
         return value.detach().to(torch.float64)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)  # a NumPy integer (len(loader) * epochs), as torch's take it
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
             f"{where}: {name} must be an int or a 1-D integer tensor of per-member values "
