@@ -1027,3 +1027,26 @@ def test_a_schedule_keeps_its_count_in_the_second_element_of_the_state(make):
     state = make(fe.optim.cosine_decay(1e-2, 100)).init({"w": torch.zeros(2, 3)})
     assert type(state[1]).__name__ == "ScheduleState" and int(state[1].count) == 0
     assert type(make(1e-2).init({"w": torch.zeros(2, 3)})[1]).__name__ == "EmptyState"
+
+
+def test_apply_updates_inside_torch_func_transforms():
+    # Found by an audit: under vmap apply_updates failed with torch's batching-rule error
+    # (its multi-tensor add), under grad with torch's requires_grad_() error.
+    torch.manual_seed(0)
+    params, updates = (
+        {"w": torch.randn(2, 3, 4), "b": torch.randn(2, 3)},
+        {"w": torch.randn(2, 3, 4), "b": None},
+    )
+    moved = torch.func.vmap(fe.optim.apply_updates, in_dims=(0, {"w": 0, "b": None}))(
+        params, updates
+    )
+    assert torch.equal(moved["w"], params["w"] + updates["w"])
+    assert torch.equal(moved["b"], params["b"])
+    trainable = {"w": torch.randn(3, 4, requires_grad=True)}
+    with pytest.raises(
+        RuntimeError,
+        match=r"require grad inside a torch.func transform \(got params\['w'\]",
+    ):
+        torch.func.grad(lambda p: fe.optim.apply_updates(p, {"w": torch.ones(3, 4)})["w"].sum())(
+            trainable
+        )

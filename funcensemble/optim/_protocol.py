@@ -14,6 +14,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .. import _torch_compat
 from .._messages import a, expected_got
 from .._torch_compat import is_wrapped, set_grad_enabled_fast
 from .._tree import check_same_structure, flatten
@@ -789,6 +790,10 @@ def apply_updates(params: StackedTree, updates: StackedTree) -> StackedTree:
         RuntimeError: Under ``torch.compile``, a parameter with an update requires
             grad: a compiled graph cannot return new autograd leaves. Step in place
             with [`update_`][funcensemble.optim.GradientTransformation.update_] there.
+            The same inside a ``torch.func`` transform (``grad``, ``vmap``), which
+            cannot make new autograd leaves either; parameters that do not require
+            grad are added there one leaf at a time (``vmap`` has no rule for the
+            multi-tensor add).
 
     Example:
         >>> import torch, funcensemble as fe
@@ -811,8 +816,22 @@ def apply_updates(params: StackedTree, updates: StackedTree) -> StackedTree:
             "cannot make its outputs autograd leaves). Step in place inside the compiled "
             "function instead: state = opt.update_(grads, state, params)."
         )
+    inside = _torch_compat.inside_transform()
+    if inside and any(leaves[i].requires_grad for i in active):
+        # torch refuses requires_grad_() there; returning the sums without it would turn
+        # trainable parameters into frozen ones (as under compile, above).
+        raise RuntimeError(
+            f"{where}: cannot return new parameters that require grad inside a torch.func "
+            f"transform (got {leaf_name(spec, active[0])} with requires_grad=True; "
+            "torch.func.grad and vmap cannot make new autograd leaves). Add the updates "
+            "there yourself (p + u for each leaf whose update is not None) to "
+            "differentiate through the step, or call apply_updates outside the transform."
+        )
     with torch.no_grad():
-        new = torch._foreach_add([leaves[i] for i in active], [ups[i] for i in active])
+        if inside:  # one op per leaf: the multi-tensor add has no batching rule
+            new = [leaves[i] + ups[i] for i in active]
+        else:
+            new = torch._foreach_add([leaves[i] for i in active], [ups[i] for i in active])
     for i, t in zip(active, new, strict=True):
         if leaves[i].requires_grad:
             t.requires_grad_(True)
