@@ -346,6 +346,21 @@ def test_per_member_work_across_groups_of_one_size_is_refused():
     group = {k: v for k, v in params.items() if k.startswith("groups.0.")}
     fe.optim.EnsembleOptimizer(group, clip)
     fe.optim.sgd(lr=lr).init(group)
+    # Group 0 of two HeteroEnsembles in one module holds unrelated members too (found by
+    # an audit: the groups were told apart by their number alone).
+    both = nn.ModuleDict({"a": hens, "b": fe.HeteroEnsemble([mlp(3), mlp(3)])})
+    flat = dict(both.named_parameters())
+    grads = {k: torch.ones_like(v) for k, v in flat.items()}
+    message = r"params\['a\.groups\.0\.stacked\..*'\] and params\['a\.groups\.1\."
+    with pytest.raises(ValueError, match=message):
+        fe.optim.clip_by_global_norm(1.0).update(grads, fe.optim.EmptyState())
+    zeros = {k: v for k, v in grads.items() if ".groups.0." in k}
+    message = r"params\['a\.groups\.0\.stacked\..*'\] and params\['b\.groups\.0\."
+    with pytest.raises(ValueError, match=message):
+        fe.optim.clip_by_global_norm(1.0).update(zeros, fe.optim.EmptyState())
+    nested = {"a": group, "b": {k: v for k, v in params.items() if k.startswith("groups.1.")}}
+    with pytest.raises(ValueError, match=r"params\['a'\]\['groups\.0\..*params\['b'\]"):
+        fe.optim.sgd(lr=lr).init(nested)
 
 
 def test_schedule_values_are_routed():

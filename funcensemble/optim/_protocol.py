@@ -417,8 +417,9 @@ def leaf_name(spec: optree.PyTreeSpec, index: int, root: str = "params") -> str:
     return optree.treespec_accessors(spec)[index].codify(root)
 
 
-# A HeteroEnsemble's stacked names: `groups.<g>.stacked.<name>`, one member axis per group.
-_HETERO_GROUP = re.compile(r"groups\.(\d+)\.stacked\.")
+# A HeteroEnsemble's stacked names: `groups.<g>.stacked.<name>`, one member axis per group;
+# a group is named with the path to it (`a.groups.0` and `b.groups.0`: two ensembles').
+_HETERO_GROUP = re.compile(r"^(.*?groups\.\d+)\.stacked\.")
 
 
 _ONE_GROUP_AT_A_TIME = (
@@ -427,11 +428,16 @@ _ONE_GROUP_AT_A_TIME = (
 )
 
 
+def _dotted(accessor: Any) -> str:
+    """A leaf's path as one dotted name: ``{"a": {"b.c": t}}`` -> ``a.b.c``."""
+    return ".".join(str(entry.entry) for entry in accessor)
+
+
 @functools.lru_cache(maxsize=64)
 def _hetero_groups(spec: optree.PyTreeSpec) -> tuple[str | None, ...] | None:
     """Each leaf's HeteroEnsemble group (by its path), or None when no leaf has one."""
     found = tuple(
-        None if (m := _HETERO_GROUP.search(a.codify())) is None else m.group(1)
+        None if (m := _HETERO_GROUP.match(_dotted(a))) is None else m.group(1)
         for a in optree.treespec_accessors(spec)
     )
     return found if any(g is not None for g in found) else None
