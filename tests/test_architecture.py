@@ -19,6 +19,7 @@ import subprocess
 import sys
 import traceback
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -2004,6 +2005,77 @@ def test_a_numpy_view_of_a_members_own_tensor_is_refused() -> None:
     match = r"holds an array sharing memory with its parameter `lin.bias` in `bias_np`"
     with pytest.raises(ValueError, match=match):
         fe.Ensemble(members)
+
+
+class _WindowNet(nn.Module):
+    """Keeps a history and a window on it (a view) as two attributes; forward writes
+    through the window and reads the whole history."""
+
+    def __init__(self, window: Callable[[np.ndarray], Any]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.hist = np.zeros(4)
+        self.head = window(self.hist)
+
+    def forward(self, x):
+        self.hist[:1] += 1 if isinstance(self.head, torch.Tensor) else 0
+        if isinstance(self.head, np.ndarray):
+            self.head += 1
+        return self.lin(x) * float(self.hist.sum())
+
+
+@pytest.mark.parametrize(
+    "window, other",
+    [
+        (lambda a: a[:1], "head"),
+        (lambda a: [a[1:3]], r"head\[0\]"),
+        (lambda a: {"w": a.reshape(2, 2).T}, r"head\['w'\]"),
+        (lambda a: torch.from_numpy(a), "head"),
+    ],
+    ids=["view", "view-in-list", "transposed-in-dict", "from_numpy"],
+)
+def test_numpy_memory_held_under_two_names_is_refused(window, other) -> None:
+    # Found by an audit: copying the member copied the array and its view on their own,
+    # so a write through the view no longer reached the array (1.2 to 3.7 off the loop
+    # after three calls).
+    members = [_WindowNet(window) for _ in range(3)]
+    match = rf"member 0 \(_WindowNet\) holds NumPy memory under two names, `hist` and `{other}`"
+    with pytest.raises(ValueError, match=match):
+        fe.Ensemble(members)
+
+
+class _TwoNames(nn.Module):
+    def __init__(self, first: np.ndarray, second: np.ndarray) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        self.first += 1
+        return self.lin(x) * float(self.first.sum() + 10 * self.second.sum())
+
+
+def test_numpy_arrays_held_once_or_interleaved_still_stack() -> None:
+    # One array under two names is one object in the copy too; views that share no
+    # element (evens and odds) need no link. Both compute as the loop.
+    def once():
+        a = np.zeros(4)
+        return _TwoNames(a, a)
+
+    def interleaved():
+        a = np.zeros(4)
+        return _TwoNames(a[::2], a[1::2])
+
+    torch.manual_seed(0)
+    for make in (once, interleaved):
+        members = [make() for _ in range(3)]
+        loop = [make() for _ in range(3)]
+        for m, twin in zip(members, loop, strict=True):
+            twin.load_state_dict(m.state_dict())
+        ens = fe.Ensemble(members)
+        x = torch.randn(5, 3)
+        for _ in range(3):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
 
 
 def test_a_constant_attribute_of_its_own_memory_still_stacks() -> None:

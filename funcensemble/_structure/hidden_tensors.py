@@ -78,7 +78,7 @@ def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
                 storages.setdefault(address, (end, noun, name))
     own_modules = {id(m) for m in module.modules()}
     # The members' modules' __dict__ ids: a weak proxy shows its target's.
-    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()}, storages)
+    own = _Own(registered, own_modules, {id(vars(m)) for m in module.modules()}, storages, [])
     for path, sub in module.named_modules():
         entries = [(k, v) for k, v in vars(sub).items() if k not in BOOKKEEPING]
         for table, noun in HOOKS.items():
@@ -101,6 +101,7 @@ class _Own(NamedTuple):
     modules: set[int]
     dicts: set[int]  # its modules' __dict__s
     storages: dict[int, tuple[int, str, str]]  # its tensors' memory: address -> (end, noun, name)
+    held: list[tuple[Any, int, int, str]]  # unregistered arrays and tensors: (it, lo, hi, path)
 
 
 def _storage_address(t: Tensor) -> int:
@@ -139,6 +140,8 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
         address = _storage_address(value)
         if address and address in own.storages:
             raise _Found(path, _Alias(value, own.storages[address][1:]))
+        if address and value.device.type == "cpu":
+            _hold(value, address, address + value.untyped_storage().nbytes(), path, own)
         return
     if isinstance(value, np.ndarray):
         # A NumPy view of a member's tensor (t.numpy()): memory inside one of its storages.
@@ -146,6 +149,8 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
         for base, (end, noun, name) in own.storages.items():
             if value.nbytes and base <= start < end:
                 raise _Found(path, _Alias(value, (noun, name)))
+        if value.size:
+            _hold(value, *_byte_bounds(value), path, own)
         return
     if isinstance(value, nn.Module):
         if id(value) in own.modules:
@@ -226,6 +231,45 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
             _visit(getattr(value, name), f"{path}.{name}", own, seen, step, captured)
 
 
+# np.shares_memory's "too hard to tell" (np.exceptions since NumPy 1.25, np before).
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError
+
+
+def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
+    """The first and one-past-last byte addresses an array's elements occupy."""
+    lo = hi = a.__array_interface__["data"][0]
+    for size, stride in zip(a.shape, a.strides, strict=True):
+        reach = (size - 1) * stride
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo, hi + a.itemsize
+
+
+def _hold(value: Any, lo: int, hi: int, path: str, own: _Own) -> None:
+    """Record an unregistered array or tensor; raise where it shares memory with another
+    one held elsewhere and either is a NumPy array: ``copy.deepcopy`` copies arrays one
+    by one (a tensor's views keep their link), so a write through one would no longer
+    reach the other in the copy every member runs through, where it does in the loop."""
+    for other, start, end, where in own.held:
+        if other is value or not (start < hi and lo < end):
+            continue
+        if isinstance(value, Tensor) and isinstance(other, Tensor):
+            continue
+        if isinstance(value, np.ndarray) and isinstance(other, np.ndarray):
+            try:
+                if not np.shares_memory(value, other, max_work=10_000):
+                    continue  # interleaved, not overlapping (a[::2] and a[1::2])
+            except _TOO_HARD:
+                pass  # could not tell: refused as sharing
+        raise _Found(path, _SharedArray(where))
+    own.held.append((value, lo, hi, path))
+
+
+class _SharedArray(NamedTuple):
+    """An unregistered array (or tensor) sharing memory with one held at ``other``."""
+
+    other: str
+
+
 class _Alias(NamedTuple):
     """An unregistered tensor or array sharing memory with the member's own ``(noun, name)``."""
 
@@ -279,6 +323,16 @@ def _error(
             "member 0's tensors. Use the module a hook is given (hook(module, args, "
             "output)), self in a method of the module's class, or a bound method "
             "(module.method), which the copy rebinds to itself."
+        )
+    if isinstance(value, _SharedArray):
+        return ValueError(
+            f"{where}: {holder} holds NumPy memory under two names, `{value.other}` and "
+            f"`{found.path}` (a view of an array, or an array and a tensor made from "
+            "it with torch.from_numpy; expected each array held once). An ensemble runs "
+            "every member through one copy of member 0, and copying a module copies each "
+            "array on its own: a write through one name would no longer reach the other, "
+            "where it does in the loop. Hold the array once and take the view in forward "
+            "(e.g. self.hist[:1] there)."
         )
     if isinstance(value, _Alias):
         noun, name = value.of
