@@ -180,6 +180,46 @@ def test_export_argument_errors() -> None:
         fe.export_state_dicts(ens, params, buffers)
     with pytest.raises(TypeError, match=r"needs its stacked params and buffers"):
         fe.export_state_dicts(fmodel)
+    # Anything else is named (found by an audit: AttributeErrors, or advice about a
+    # FunctionalModule for a plain module).
+    sds = fe.export_state_dicts(fmodel, params, buffers)
+    with runtime_typecheck_off():
+        with pytest.raises(TypeError, match=r"export_state_dicts: expected .*got Linear"):
+            fe.export_state_dicts(nn.Linear(3, 2))
+        with pytest.raises(TypeError, match=r"import_state_dicts: expected .*got Func.*fe\.stack"):
+            fe.import_state_dicts(fmodel, sds)
+        with pytest.raises(TypeError, match=r"import_state_dicts: expected .*got Linear"):
+            fe.import_state_dicts(nn.Linear(3, 2), sds)
+
+
+@pytest.mark.parametrize("hetero", [False, True])
+def test_import_refuses_views_of_the_ensembles_own_tensors(hetero: bool) -> None:
+    # Found by an audit: per-member dicts sliced from ens.state_dict() (to reorder the
+    # members) were read after earlier members had been written, so every member became
+    # old member 2, with no error.
+    torch.manual_seed(0)
+    widths = [3, 5, 3] if hetero else [3, 3, 3]
+    members = [nn.Sequential(nn.Linear(2, w), nn.Linear(w, 1)) for w in widths]
+    ens = fe.HeteroEnsemble(members) if hetero else fe.Ensemble(members)
+    before = snapshot(ens)
+    exported = fe.export_state_dicts(ens)
+    perm = [2, 1, 0]
+    if hetero:  # a dict of member 0's own row in its group
+        group = ens.groups[0].stacked.state_dict()
+        views = [{k: v[0] for k, v in group.items()}, *exported[1:]]
+    else:
+        stacked = ens.stacked.state_dict()
+        views = [{k: v[perm[i]] for k, v in stacked.items()} for i in range(3)]
+    with pytest.raises(
+        ValueError,
+        match=r"member 0's `0.weight` shares memory with the ensemble's own `(groups.0.)?stacked",
+    ):
+        fe.import_state_dicts(ens, views)
+    assert_trees_equal(snapshot(ens), before)
+    # Cloned first, they are imported as the loop's load_state_dict of each would.
+    fe.import_state_dicts(ens, [{k: v.clone() for k, v in d.items()} for d in views])
+    expected = [exported[perm[i]] for i in range(3)] if not hetero else exported
+    assert_trees_equal(fe.export_state_dicts(ens), expected)
 
 
 class WithExtraState(nn.Module):

@@ -60,6 +60,12 @@ def export_state_dicts(
                 "FunctionalModule returned by fe.stack."
             )
         members = ensemble.unstack()
+    elif not isinstance(ensemble, FunctionalModule):
+        raise TypeError(
+            f"{where}: expected an fe.Ensemble, an fe.HeteroEnsemble, or a FunctionalModule "
+            f"with its stacked params and buffers, got {type(ensemble).__name__}. A plain "
+            "module's own state_dict() is its export."
+        )
     else:
         if params is None or buffers is None:
             raise TypeError(
@@ -99,8 +105,11 @@ def import_state_dicts(
         ``ensemble`` itself.
 
     Raises:
-        TypeError: ``state_dicts`` is not a sequence of mappings of tensors.
-        ValueError: Not one dict per member, or a dict with missing or extra keys, a
+        TypeError: ``ensemble`` is not an ``Ensemble`` or ``HeteroEnsemble``, or
+            ``state_dicts`` is not a sequence of mappings of tensors.
+        ValueError: A tensor sharing memory with the ensemble's own (a slice of
+            ``ens.state_dict()``: clone it first, or use ``copy_members_``). Not one
+            dict per member, or a dict with missing or extra keys, a
             different shape or dtype, tied names holding different values, or extra
             states that differ between members.
 
@@ -113,6 +122,17 @@ def import_state_dicts(
         True
     """
     where = "import_state_dicts"
+    if not isinstance(ensemble, (Ensemble, HeteroEnsemble)):
+        hint = (
+            "For the functional face, build new stacked tensors from loaded modules: "
+            "fe.stack(modules)."
+            if isinstance(ensemble, FunctionalModule)
+            else "Load a plain module with its own load_state_dict."
+        )
+        raise TypeError(
+            f"{where}: expected an fe.Ensemble or fe.HeteroEnsemble to copy the members "
+            f"into, got {type(ensemble).__name__}. {hint}"
+        )
     if isinstance(state_dicts, Mapping) or not isinstance(state_dicts, Sequence):
         raise TypeError(
             f"{where}: expected a sequence of state_dicts, one per member, got a "
@@ -135,6 +155,7 @@ def import_state_dicts(
         ]
     else:
         parts = [(ensemble, list(range(n)))]
+    _refuse_own_memory(where, ensemble, state_dicts)
     # Every group's dicts are checked before any group is written.
     writes = [
         _checked(where, ens, [state_dicts[i] for i in members], members) for ens, members in parts
@@ -142,6 +163,46 @@ def import_state_dicts(
     for write in writes:
         write()
     return ensemble
+
+
+def _refuse_own_memory(
+    where: str, ensemble: Ensemble | HeteroEnsemble, state_dicts: Sequence[Any]
+) -> None:
+    """Refuse dicts holding the ensemble's own memory (``ens.state_dict()`` sliced per
+    member): the members are written one after another, so a later member's dict would
+    read what an earlier one's write has already replaced."""
+    own: dict[tuple[torch.device, int], str] = {}
+    for name, t in (*ensemble.named_parameters(), *ensemble.named_buffers()):
+        address = _address(t)
+        if address:
+            own.setdefault((t.device, address), name)
+    for i, state_dict in enumerate(state_dicts):
+        if not isinstance(state_dict, Mapping):
+            continue  # (refused by the checks that follow, naming the member)
+        for key, value in state_dict.items():
+            address = _address(value) if isinstance(value, Tensor) else 0
+            name = own.get((value.device, address)) if address else None
+            if name is not None:
+                raise ValueError(
+                    f"{where}: member {i}'s `{key}` shares memory with the ensemble's own "
+                    f"`{name}` (expected tensors of their own, such as "
+                    "fe.export_state_dicts gives; got a view of the ensemble's, e.g. a "
+                    "slice of ens.state_dict()). The members are written one after "
+                    "another, so a later member would read values an earlier write has "
+                    "already replaced. Clone the dicts first "
+                    "({k: v.clone() for k, v in d.items()}), or reorder or copy members "
+                    "with ens.copy_members_(destinations, sources)."
+                )
+
+
+def _address(t: Tensor) -> int:
+    """Where ``t``'s memory starts, or 0 where it has none to share (empty, meta)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a subclass or wrapper without storage
+        return 0
 
 
 # The tables of hooks that change what a state_dict holds or how it loads.
