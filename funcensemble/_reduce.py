@@ -79,7 +79,12 @@ def mean(values: Float[Tensor, " member *rest"]) -> Float[Tensor, "*rest"]:
     return _check("mean", values, floating=True).mean(dim=0)
 
 
-def _check_correction(where: str, correction: object, num_members: int) -> None:
+def _check_correction(where: str, correction: object, num_members: int) -> int | float:
+    """``correction`` checked, a NumPy number taken as Python's (as torch takes it)."""
+    if isinstance(correction, numbers.Integral) and not isinstance(correction, bool):
+        correction = int(correction)
+    elif isinstance(correction, numbers.Real) and not isinstance(correction, bool):
+        correction = float(correction)
     if isinstance(correction, bool) or not isinstance(correction, (int, float)):
         raise TypeError(
             f"{where}: correction must be an int or a float (expected e.g. 1, got "
@@ -97,6 +102,7 @@ def _check_correction(where: str, correction: object, num_members: int) -> None:
             "divides by N - correction <= 0, so it is undefined. Pass correction=0 for the "
             "population (biased) estimate, or use more members."
         )
+    return correction
 
 
 def var(
@@ -125,7 +131,7 @@ def var(
         ([2.0, 0.0], [1.0, 0.0])
     """
     values = _check("var", values, floating=True)
-    _check_correction("var", correction, values.shape[0])
+    correction = _check_correction("var", correction, values.shape[0])
     return torch.var(values, dim=0, correction=correction)
 
 
@@ -154,7 +160,7 @@ def std(
         [1.0, 0.0]
     """
     values = _check("std", values, floating=True)
-    _check_correction("std", correction, values.shape[0])
+    correction = _check_correction("std", correction, values.shape[0])
     variance = torch.var(values, dim=0, correction=correction)
     # sqrt has an infinite slope at 0; route zero variances around it so that agreeing
     # members get a zero gradient instead of 0 * inf = NaN. Only exact zeros: a NaN

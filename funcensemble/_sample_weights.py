@@ -1,5 +1,6 @@
 """Per-member sample weights in a shared batch: bootstrap masks and the weighted mean."""
 
+import numbers
 from typing import Literal
 
 import torch
@@ -80,6 +81,8 @@ def bootstrap_masks(
         )
     if p is None:
         p = 0.5
+    if isinstance(p, numbers.Real) and not isinstance(p, bool):
+        p = float(p)  # (a NumPy number too)
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(
             f"{where}: p must be a float in (0, 1] (expected a float, got {type(p).__name__}). "

@@ -574,3 +574,17 @@ def test_mutual_information_float32_error_for_logits_of_order_one() -> None:
         error = (fe.reduce.mutual_information(logits).double() - exact).abs().max().item()
         assert error < 2 * ulp, (spread, error)
     assert torch.equal(fe.reduce.mutual_information(base.float()), torch.zeros(256))
+
+
+def test_numpy_corrections_are_taken_as_torch_takes_them():
+    # Found by an audit: np.int64(1) was refused, where torch.var takes it.
+    import numpy as np
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with runtime_typecheck_off():
+        for correction in (np.int64(1), np.float32(0.5), np.float64(0.0)):
+            for fn, ref in ((fe.reduce.var, torch.var), (fe.reduce.std, torch.std)):
+                expected = ref(x, dim=0, correction=float(correction))
+                torch.testing.assert_close(fn(x, correction=correction), expected)
+        with pytest.raises(TypeError, match="correction must be an int or a float"):
+            fe.reduce.var(x, correction=np.bool_(True))

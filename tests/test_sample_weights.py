@@ -359,3 +359,14 @@ def test_values_of_another_kind_get_advice_that_converts_them(dtype):
         pytest.raises(TypeError, match=r"values must be a floating-point tensor .* a float dtype"),
     ):
         fe.weighted_mean(values, weights)
+
+
+def test_a_numpy_keep_probability_is_taken_as_a_float():
+    import numpy as np
+
+    with runtime_typecheck_off():
+        masks = fe.bootstrap_masks(
+            3, 50, p=np.float32(0.25), generator=torch.Generator().manual_seed(0)
+        )
+    expected = fe.bootstrap_masks(3, 50, p=0.25, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(masks, expected)
