@@ -816,6 +816,37 @@ def test_a_deque_and_a_bytearray_changed_in_forward_are_put_back_per_chunk():
     assert ens.stacked.recent == loop[0].recent and ens.stacked.marks == loop[0].marks
 
 
+class _Tally(nn.Module):
+    """Counts its calls in a NumPy array of ``size`` elements, read by forward."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.tally = np.zeros(size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tally += 1
+        return self.lin(x) * float(self.tally[0])
+
+
+@pytest.mark.parametrize("size", [10, 65536, 65537])
+def test_numpy_arrays_changed_in_forward_are_put_back_per_chunk_up_to_65536_elements(size):
+    # chunking.md: arrays of up to 65,536 elements are put back before each chunk (the
+    # module ends as each loop member); larger ones are compared by identity only, so
+    # forward's change counts once per chunk.
+    torch.manual_seed(0)
+    loop = [_Tally(size).double() for _ in range(N)]
+    ens = fe.Ensemble(copy.deepcopy(loop), chunk_size=1)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    out = ens(x)
+    want = torch.stack([m(x) for m in loop])
+    if size <= 65536:
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-14)
+        assert ens.stacked.tally[0] == loop[0].tally[0] == 1
+    else:
+        assert ens.stacked.tally[0] == N  # once per chunk, as documented
+
+
 class _Counting(nn.Module):
     def __init__(self) -> None:
         super().__init__()
