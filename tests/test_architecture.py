@@ -2078,6 +2078,27 @@ def test_numpy_arrays_held_once_or_interleaved_still_stack() -> None:
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
 
 
+class _ReadOnlyTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.table = np.arange(4.0)
+        self.table.flags.writeable = False
+        self.tail = self.table[1:]
+
+    def forward(self, x):
+        return self.lin(x) * float(self.table.sum() + self.tail[0])
+
+
+def test_a_read_only_numpy_table_and_a_view_of_it_still_stack() -> None:
+    # Nothing can write through either name, so the copy's two arrays stay alike.
+    torch.manual_seed(0)
+    members = [_ReadOnlyTable() for _ in range(3)]
+    ens = fe.Ensemble(members)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
 def test_a_constant_attribute_of_its_own_memory_still_stacks() -> None:
     torch.manual_seed(0)
     members = [_AliasNet(lambda m: torch.eye(4)) for _ in range(3)]

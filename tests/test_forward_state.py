@@ -832,19 +832,45 @@ class _Tally(nn.Module):
 @pytest.mark.parametrize("size", [10, 65536, 65537])
 def test_numpy_arrays_changed_in_forward_are_put_back_per_chunk_up_to_65536_elements(size):
     # chunking.md: arrays of up to 65,536 elements are put back before each chunk (the
-    # module ends as each loop member); larger ones are compared by identity only, so
-    # forward's change counts once per chunk.
+    # module ends as each loop member); a larger one is read-only while a chunked call
+    # runs, so a write raises rather than counting once per chunk (as it did, 3x the
+    # loop's count with 3 chunks, found by an audit of documented claims).
     torch.manual_seed(0)
     loop = [_Tally(size).double() for _ in range(N)]
     ens = fe.Ensemble(copy.deepcopy(loop), chunk_size=1)
     x = torch.randn(2, 4, dtype=torch.float64)
-    out = ens(x)
-    want = torch.stack([m(x) for m in loop])
     if size <= 65536:
-        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), rtol=1e-12, atol=0)
         assert ens.stacked.tally[0] == loop[0].tally[0] == 1
-    else:
-        assert ens.stacked.tally[0] == N  # once per chunk, as documented
+        return
+    with pytest.raises(ValueError, match=r"forward wrote to a NumPy array of more than 65,536"):
+        ens(x)
+    assert ens.stacked.tally[0] == 0 and ens.stacked.tally.flags.writeable
+    ens.chunk_size = None  # without chunks, forward runs once, as each loop member's
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), rtol=1e-12, atol=0)
+
+
+class _Table(nn.Module):
+    """Reads a large NumPy table through torch.from_numpy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.table = np.arange(70000, dtype=np.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.from_numpy(self.table)[:3] + float(self.table[10:20].sum())
+
+
+def test_a_large_numpy_table_read_in_chunks_matches_the_loop_and_stays_writable():
+    torch.manual_seed(0)
+    loop = [_Table().double() for _ in range(N)]
+    ens = fe.Ensemble([_Table().double() for _ in range(N)], chunk_size=1)
+    for m, twin in zip(loop, ens.unstack(), strict=True):
+        m.load_state_dict(twin.state_dict())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), rtol=1e-12, atol=0)
+    assert ens.stacked.table.flags.writeable
 
 
 class _Counting(nn.Module):

@@ -255,6 +255,8 @@ def _hold(value: Any, lo: int, hi: int, path: str, own: _Own) -> None:
         if isinstance(value, Tensor) and isinstance(other, Tensor):
             continue
         if isinstance(value, np.ndarray) and isinstance(other, np.ndarray):
+            if not (value.flags.writeable or other.flags.writeable):
+                continue  # nothing can write through either (a read-only table)
             try:
                 if not np.shares_memory(value, other, max_work=10_000):
                     continue  # interleaved, not overlapping (a[::2] and a[1::2])
