@@ -200,6 +200,8 @@ def disagree(rank: int, out: Path) -> None:
             action()
         except ValueError as error:
             messages[name] = str(error)
+        except TypeError as error:
+            messages[name] = f"TypeError: {error}"
         else:
             messages[name] = None  # the test fails on this
 
@@ -318,6 +320,69 @@ def disagree(rank: int, out: Path) -> None:
         lambda: fe.distributed.predict(
             lambda x: torch.zeros(n, x.shape[0], 2), replica, torch.randn(9, 3), reductions=["mean"]
         ),
+    )
+    # Other collectives, or other arguments, on the ranks: min and max make the same
+    # all-gather, so rank 0's min and rank 1's max combined values without a word.
+    values = torch.arange(float(shard.size))[:, None] + 10 * rank
+    expect_error(
+        "min or max",
+        lambda: (
+            fe.distributed.min(values, shard) if rank == 0 else fe.distributed.max(values, shard)
+        ),
+    )
+    # Each rank names its own function first; the rest is the same on every rank.
+    messages["min or max"] = messages["min or max"] and messages["min or max"].partition(": ")[2]
+    expect_error("var correction", lambda: fe.distributed.var(values, shard, correction=rank))
+    generator = torch.Generator().manual_seed
+    expect_error(
+        "subset k", lambda: fe.distributed.subset_min(q, shard, 2 + rank, generator=generator(0))
+    )
+    # Draws of other sizes ([N] and [batch, N]) were exchanged: gloo aborted a process.
+    expect_error(
+        "subset per_sample",
+        lambda: fe.distributed.subset_min(
+            q, shard, 2, generator=generator(0), per_sample=bool(rank)
+        ),
+    )
+    # predict with other reductions: mean's all-reduce met max's all-gather, and both
+    # ranks waited for the whole timeout.
+    expect_error(
+        "predict reductions",
+        lambda: fe.distributed.predict(
+            ens, shard, test_inputs(), reductions=["mean"] if rank == 0 else ["max"]
+        ),
+    )
+    expect_error("predict src", lambda: fe.distributed.predict(ens, shard, test_inputs(), src=rank))
+
+    # randomness="same" promises one draw for all N members; split over the ranks, each
+    # drew its own: members 0:3 shared one mask, members 3:5 another.
+    def dropped() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+
+    expect_error("same randomness", lambda: shard.from_factory(dropped, randomness="same"))
+    expect_error(
+        "same randomness select",
+        lambda: shard.select(
+            fe.Ensemble.from_factory(dropped, num_members=NUM_MEMBERS, seed=0, randomness="same")
+        ),
+    )
+    # With data replicas only, every rank holds every member: one draw for all is kept.
+    shared = replica.from_factory(dropped, seed=0, randomness="same")
+    masks = shared(torch.ones(3, 4)) == 0
+    messages["same on replicas"] = [torch.equal(masks[0], m) for m in masks]
+    # A replica that refused its own arguments: the other replica waited in the digest
+    # exchange and failed with a vague DistributedError (or went on to the next call).
+    w = torch.ones(n, 4)
+    if rank == 1:
+        w[0] = torch.tensor([1.0, -1.0, 0.0, 0.0])
+    expect_error(
+        "cancel on one replica",
+        lambda: fe.distributed.average_gradients({"w": torch.ones(n, 3)}, replica, weights=w),
+    )
+    dtype = torch.float32 if rank == 0 else torch.int64
+    expect_error(
+        "integer on one replica",
+        lambda: fe.distributed.average_gradients({"w": torch.ones(n, 3, dtype=dtype)}, replica),
     )
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)

@@ -6,7 +6,9 @@ launch it runs ``fe.distributed.predict`` with every reduction
 - on the default one-dimensional mesh, 7 members split 3 + 2 + 2, the batch broadcast
   from rank 0 (the other ranks pass empty tensors), in float64 and float32;
 - on a ``(1, 3)`` ``("member", "data")`` mesh: every rank holds all 7 members and runs a
-  third of the batch, the reduced parts gathered along ``"data"``;
+  third of the batch, the reduced parts gathered along ``"data"``; and reductions given
+  as functions that keep the member axis (``all_gather``) or return a dict, on a batch
+  whose third is N samples (each replica's ``[N, B/3]`` looks batch first);
 
 and writes each rank's results to OUTDIR. ``make_member``, ``batch`` and ``reductions``
 are also what the test uses for the single-process reference.
@@ -67,6 +69,17 @@ def reductions(reduce: Any) -> dict[str, Any]:
     return {**out, "subset_min": subset(False), "subset_min_per_sample": subset(True)}
 
 
+def custom_batch() -> Tensor:
+    """``3 * NUM_MEMBERS`` samples: each of 3 data replicas runs N of them."""
+    g = torch.Generator().manual_seed(4)
+    return torch.randn(3 * NUM_MEMBERS, FEATURES, generator=g, dtype=torch.float64)
+
+
+def extremes(local: Tensor, shard: fe.distributed.MemberShard) -> dict[str, Tensor]:
+    """A reduction returning a pytree."""
+    return {"min": fe.distributed.min(local, shard), "max": fe.distributed.max(local, shard)}
+
+
 def with_nans() -> Tensor:
     """Outputs ``[N, 8]`` with NaNs in members of every rank, in different columns."""
     values = torch.randn(NUM_MEMBERS, 8, generator=torch.Generator().manual_seed(2))
@@ -108,6 +121,12 @@ def main(out: Path) -> None:
         shard,
         batch(torch.float64),
         reductions=reductions(fe.distributed),
+    )
+    results["custom"] = fe.distributed.predict(
+        members(shard, torch.float64),
+        shard,
+        custom_batch(),
+        reductions={"all": fe.distributed.all_gather, "extremes": extremes},
     )
     torch.save(results, out / f"rank{rank}.pt")
     dist.destroy_process_group()

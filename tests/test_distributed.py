@@ -94,6 +94,27 @@ def test_from_factory_and_select_give_the_ranks_rows_of_the_whole(rank, world):
     assert torch.equal(shard.select({"i": indices, "tag": "kept"})["i"], indices[shard.members])
 
 
+def test_randomness_same_is_refused_with_the_members_split_over_ranks():
+    # Each rank draws for its own members: split 3 + 2, members 0:3 shared one dropout
+    # mask and members 3:5 another, where "same" promises one for all.
+    def dropped():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5))
+
+    same = fe.Ensemble.from_factory(dropped, num_members=5, seed=0, randomness="same")
+    split = fake_shard(5, 1, 2)
+    refused = r"randomness='same' shares one draw among all members, which members split over 2"
+    with pytest.raises(ValueError, match=rf"^MemberShard\.from_factory: {refused}"):
+        split.from_factory(dropped, randomness="same")
+    with pytest.raises(ValueError, match=rf"^MemberShard\.select: {refused}"):
+        split.select(same)
+    assert split.from_factory(dropped).randomness == "different"
+    # Every member on one rank: one draw for all, as in one process.
+    whole = MemberShard(5)
+    masks = whole.from_factory(dropped, randomness="same")(torch.ones(3, 4)) == 0
+    assert all(torch.equal(masks[0], m) for m in masks)
+    assert whole.select(same).randomness == "same"
+
+
 def test_select_copies_and_checks_the_member_axis():
     shard = MemberShard(3)
     t = torch.zeros(3, 2, requires_grad=True)
@@ -298,7 +319,7 @@ def _ranks_in_threads(monkeypatch, world: int, fn):
 
     barrier, slots = threading.Barrier(world), [None] * world
 
-    def all_reduce(where, shard, t, op):
+    def all_reduce(where, shard, t, op, *, args=None):
         assert op == dist.ReduceOp.SUM
         slots[shard.rank] = t.clone()
         barrier.wait()
@@ -1324,6 +1345,59 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         "subset_min: the ranks passed values (shape after the member axis) of different "
         "dtypes or shapes (rank 0: float32 (3,); rank 1: float32 (4,))"
     ), messages["subset batch"]
+    # Other collectives or arguments on the ranks, with tensors of one layout: rank 0's
+    # min and rank 1's max (the same all-gather) returned 0 and 12 without a word; var
+    # with correction 0 and 1 returned 1.25 and 1.67; predict with other reductions
+    # waited for the whole timeout; other per_sample aborted a process inside gloo.
+    calls = "the 2 ranks made different calls (expected the same function with the same "
+    advice = (
+        ", so one rank's values would be combined with another's by another operation. "
+        "Make every rank call the same fe.distributed functions, with the same arguments, "
+        "in the same order."
+    )
+    assert messages["min or max"] == (  # each rank's own name first: min, max
+        f"{calls}arguments on every rank): they differ in the collective (rank 0: min; "
+        f"rank 1: max){advice}"
+    )
+    for name, where, difference in (
+        ("var correction", "var", "correction (rank 0: 0.0; rank 1: 1.0)"),
+        ("subset k", "subset_min", "k (rank 0: 2; rank 1: 3)"),
+        ("subset per_sample", "subset_min", "per_sample (rank 0: False; rank 1: True)"),
+        ("predict src", "predict", "src (rank 0: 0; rank 1: 1)"),
+        (
+            "predict reductions",
+            "predict",
+            "reductions (rank 0: 'mean'; rank 1: 'max'); the collective (rank 0: mean; "
+            "rank 1: max)",
+        ),
+    ):
+        assert messages[name] == (
+            f"{where}: {calls}arguments on every rank): they differ in {difference}{advice}"
+        ), messages[name]
+    # randomness="same" split over the ranks: members 0:3 shared one dropout mask and
+    # members 3:5 another. With data replicas only, one draw for all members is kept.
+    for name, where in (
+        ("same randomness", "MemberShard.from_factory"),
+        ("same randomness select", "MemberShard.select"),
+    ):
+        assert messages[name] == (
+            f"{where}: randomness='same' shares one draw among all members, which members "
+            "split over 2 member ranks cannot: each rank draws for its own members from its "
+            "own generator (expected 'different' or 'error' with the members split, got "
+            "'same'). Pass randomness='different', or hold every member on each rank (a "
+            "mesh of one member rank, with only data replicas)."
+        )
+    assert messages["same on replicas"] == [True] * worker.NUM_MEMBERS
+    # A replica that refused its own arguments: the other waited in the digest exchange
+    # and failed with a vague DistributedError. Now both raise that replica's error.
+    assert messages["cancel on one replica"].startswith(
+        "average_gradients: member 0's weights on data replica 1 sum to 0 but are not all 0"
+    ), messages["cancel on one replica"]
+    assert messages["integer on one replica"] == (
+        "TypeError: average_gradients: leaf 0 has dtype torch.int64 on data replica 1 "
+        "(expected floating-point gradients, got torch.int64). Average other values "
+        "yourself (their mean is not of their dtype)."
+    )
 
 
 @pytest.fixture(scope="module")

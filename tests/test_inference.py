@@ -174,6 +174,15 @@ def test_predict_splits_the_batch_over_data_replicas():
         fe.distributed.predict(model, shard, x, torch.zeros(6))
     with pytest.raises(ValueError, match="cannot be split into 2 equal parts"):
         fe.distributed.predict(model, shard, torch.zeros(7, 1))
+    # A function as a reduction runs on the whole batch's outputs, joined along dim 1.
+    with pytest.raises(
+        ValueError,
+        match=r"^predict: the model's output has shape \(3, 1\) on this data replica's 4 "
+        r"samples \(expected this rank's members, then the batch: \(3, 4, \.\.\.\)\)",
+    ):
+        fe.distributed.predict(
+            lambda x: torch.zeros(3, 1), shard, x, reductions={"all": fe.distributed.all_gather}
+        )
 
 
 @pytest.mark.parametrize(("rank", "world"), [(0, 3), (2, 3)])
@@ -229,11 +238,24 @@ def test_three_ranks_reduce_as_one_process(tmp_path):
                 )
     want = _reference(torch.float64)
     assert sorted(r["data"]["data_rank"] for r in results) == [0, 1, 2]
-    # Drawing per sample on a third of the batch is another draw (documented).
-    del want["subset_min_per_sample"]
+    # subset_min_per_sample is a function, not a named reduction: it runs on the whole
+    # batch's outputs (gathered along "data"), so it makes one process's draw.
     for result in results:  # (1, 3): all members, a third of the batch each, joined
         for name, value in want.items():
             # Not bit for bit even where nothing is added across ranks: the members'
             # matrix products on a third of the batch may round otherwise.
             torch.testing.assert_close(result["data float64"][name], value, rtol=0, atol=1e-12)
+    # Functions that keep the member axis, or return a dict: each replica's [N, B/3]
+    # all_gather was joined as if batch first, [3 N, B/3] (garbled, no error), and the
+    # dict raised AttributeError. Now what each returns on the whole batch.
+    ens = worker.members(MemberShard(worker.NUM_MEMBERS), torch.float64)
+    with torch.no_grad():
+        outputs = ens(worker.custom_batch())
+    for result in results:
+        got = result["custom"]
+        assert got["all"].shape == outputs.shape == (7, 21, worker.CLASSES)
+        torch.testing.assert_close(got["all"], outputs, rtol=0, atol=1e-12)
+        for name in ("min", "max"):
+            want_extreme = getattr(fe.reduce, name)(outputs)
+            torch.testing.assert_close(got["extremes"][name], want_extreme, rtol=0, atol=1e-12)
     print(f"largest difference from the one-process fe.reduce: {worst}")

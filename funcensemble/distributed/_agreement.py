@@ -49,21 +49,27 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def compare(where: str, descriptions: list[Description], advice: str) -> None:
-    """Raise ``ValueError`` naming each entry on which the ranks' descriptions differ."""
+def differences(descriptions: list[Description]) -> str:
+    """Each entry on which the ranks' descriptions differ, with every rank's value
+    (``""`` when they are all alike)."""
     keys = list(dict.fromkeys(k for d in descriptions for k in d))
-    differences = []
+    found = []
     for key in keys:
         by_value: dict[str, list[int]] = {}
         for rank, description in enumerate(descriptions):
             by_value.setdefault(description.get(key, "(absent)"), []).append(rank)
         if len(by_value) > 1:
             parts = [f"{_ranks(ranks)}: {value}" for value, ranks in by_value.items()]
-            differences.append(f"{key} ({'; '.join(parts)})")
-    if not differences:
+            found.append(f"{key} ({'; '.join(parts)})")
+    more = len(found) - _SHOWN
+    return "; ".join(found[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+
+
+def compare(where: str, descriptions: list[Description], advice: str) -> None:
+    """Raise ``ValueError`` naming each entry on which the ranks' descriptions differ."""
+    shown = differences(descriptions)
+    if not shown:
         return
-    more = len(differences) - _SHOWN
-    shown = "; ".join(differences[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
     raise ValueError(
         f"{where}: the {len(descriptions)} ranks were not set up alike: they differ in "
         f"{shown}. {advice}"

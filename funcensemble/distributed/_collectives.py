@@ -2,18 +2,22 @@
 
 Each function takes this rank's outputs ``[n_r, ...]`` (its members first) and a
 ``MemberShard``, runs ``torch.distributed`` collectives, and returns on every rank
-what the single-process function returns for all N members. Every rank must call it,
-in the same order, with tensors of the same trailing shape and dtype (checked first,
-with one small exchange: ranks that differ all raise a ``ValueError`` naming them), and
-pytrees of the same structure (the structure's digest rides in the same exchange, so
-it costs nothing more; ranks whose keys differ all raise, naming the keys).
+what the single-process function returns for all N members. Every rank must call the
+same function, in the same order, with the same arguments (``correction``, ``k``, ...),
+tensors of the same trailing shape and dtype (checked first, with one small exchange:
+ranks that differ all raise a ``ValueError`` naming them), and pytrees of the same
+structure. The digests of the call (the function's name and its scalar arguments, and
+of an enclosing ``predict``'s) and of the pytree's structure ride in the same exchange,
+so they cost nothing more; ranks that differ all raise, naming what differs.
 Results carry no autograd history: members train independently, so nothing here is
 differentiated.
 """
 
 import builtins
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -24,7 +28,7 @@ from torch import Tensor
 from .. import _reduce, _tree
 from .._messages import expected_got
 from .._types import StackedTree
-from ._agreement import agree
+from ._agreement import Description, agree, differences, exchange
 from ._errors import failures
 from ._gather import all_gather_single
 from ._member_shard import MemberShard, rank_and_world
@@ -88,14 +92,48 @@ _DTYPES = (
 _MAX_DIMS = 16
 
 
-def _layout_row(shape: tuple[int, ...], dtype: torch.dtype, structure: int) -> list[int]:
+def _digest(text: str) -> int:
+    """A nonzero signed 64-bit digest of ``text`` (0 stands for "nothing to compare")."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
+
+
+# The public call a collective runs inside (``predict``): its name and what every rank
+# must pass it alike, compared with the collective's own call.
+_OUTER: ContextVar[tuple[str, Description] | None] = ContextVar(
+    "funcensemble_distributed_call", default=None
+)
+
+
+@contextmanager
+def calling(where: str, description: Description) -> Iterator[None]:
+    """Compare ``description`` (the arguments of ``where``, a call made of several
+    collectives) across the ranks at every collective inside, at no extra cost."""
+    token = _OUTER.set((where, description))
+    try:
+        yield
+    finally:
+        _OUTER.reset(token)
+
+
+def _call(where: str, args: Description | None) -> tuple[str, Description]:
+    """Who reports a mismatch (``where``, or the enclosing call), and what the ranks'
+    calls must agree on: the enclosing call's arguments, the collective and its own."""
+    outer = _OUTER.get()
+    description = {} if outer is None else dict(outer[1])
+    description["the collective"] = where
+    description.update(args or {})
+    return (where if outer is None else outer[0]), description
+
+
+def _layout_row(shape: tuple[int, ...], dtype: torch.dtype, structure: int, call: int) -> list[int]:
     code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     dims = list(shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - len(shape[:_MAX_DIMS]))
-    return [structure, len(shape), code, *dims]
+    return [structure, call, len(shape), code, *dims]
 
 
 def _layout_text(row: list[int]) -> str:
-    _, ndim, code, *dims = row
+    _, _, ndim, code, *dims = row
     dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "other dtype"
     shown = tuple(dims[: builtins.min(ndim, _MAX_DIMS)])
     return f"{dtype} {shown}" + (" ..." if ndim > _MAX_DIMS else "")
@@ -121,8 +159,7 @@ class _Tree:
             )
         # Which leaves are tensors matters too (broadcast keeps the others as they are).
         kinds = "".join("t" if isinstance(x, Tensor) else "o" for x in leaves)
-        digest = hashlib.blake2b(f"{spec}|{kinds}|{also}".encode(), digest_size=8).digest()
-        self.digest = int.from_bytes(digest, "little", signed=True) or 1
+        self.digest = _digest(f"{spec}|{kinds}|{also}")
         self.advice = advice
 
     def check_empty(self, where: str, rank: int, world: int, group: Any) -> None:
@@ -143,31 +180,41 @@ def _check_layout(
     shape: tuple[int, ...],
     what: str,
     tree: _Tree | None = None,
+    *,
+    args: Description | None = None,
 ) -> None:
     """Every rank's ``shape`` and dtype, compared before the collective that needs them equal.
 
     Collectives of tensors with other shapes either combine values of different
     meanings without a word (same element count) or abort the process inside gloo.
+    The row also carries a digest of the call: ``where`` (the collective), its scalar
+    ``args`` (``correction``, ``k``, ...) and those of an enclosing ``predict``, so
+    that ranks calling ``min`` here and ``max`` there (the same all-gather) or passing
+    other arguments are refused instead of combining values of different meanings.
     With ``tree``, the row also carries a digest of the pytree the tensor belongs to,
     so that ranks passing pytrees of other structures (other keys) are refused at the
     first leaf's check, at no extra cost.
     """
     structure = 0 if tree is None else tree.digest
-    row = _layout_row(shape, t.dtype, structure)
+    name, call = _call(where, args)
+    row = _layout_row(shape, t.dtype, structure, _digest(repr(sorted(call.items()))))
     mine = torch.tensor(row, dtype=torch.int64, device=t.device)
     rows = mine.new_empty(world * mine.numel())
 
-    def exchange() -> list[list[int]]:
+    def gather_rows() -> list[list[int]]:
         all_gather_single(rows, mine, group=group)
         # Read inside the wrapped block: with NCCL the collective only queues work, and
         # a failure may surface when its result reaches the host.
         return [r.tolist() for r in rows.view(world, -1).cpu()]
 
-    layouts = _collective(where, rank, world, exchange, group)
+    layouts = _collective(where, rank, world, gather_rows, group)
     if all(r == layouts[0] for r in layouts):
         return
+    # Every rank sees the same rows, so every rank takes the same branches below, which
+    # exchange what the digests stand for to name what differs (collectives).
+    if any(r[1] != layouts[0][1] for r in layouts):
+        _refuse_calls(name, call, rank, world, group)
     if tree is not None and any(r[0] != layouts[0][0] for r in layouts):
-        # Every rank sees the same rows, so every rank takes this branch: a collective.
         agree(where, tree.description, rank, world, group, tree.advice)
     by_layout: dict[str, list[int]] = {}
     for r, row in enumerate(layouts):
@@ -183,9 +230,31 @@ def _check_layout(
     )
 
 
-def _all_reduce(where: str, shard: MemberShard, t: Tensor, op: Any) -> Tensor:
+def _refuse_calls(name: str, call: Description, rank: int, world: int, group: Any) -> None:
+    """Raise on every rank, naming each rank's call, when the ranks' calls differ."""
+    shown = differences(exchange(name, call, rank, world, group))
+    if not shown:  # digests of equal calls never differ; nothing to name
+        return
+    raise ValueError(
+        f"{name}: the {world} ranks made different calls (expected the same function with "
+        f"the same arguments on every rank): they differ in {shown}, so one rank's values "
+        "would be combined with another's by another operation. Make every rank call the "
+        "same fe.distributed functions, with the same arguments, in the same order."
+    )
+
+
+def _all_reduce(
+    where: str, shard: MemberShard, t: Tensor, op: Any, *, args: Description | None = None
+) -> Tensor:
     _check_layout(
-        where, shard.rank, shard.world_size, shard.group, t, tuple(t.shape), "reduced outputs"
+        where,
+        shard.rank,
+        shard.world_size,
+        shard.group,
+        t,
+        tuple(t.shape),
+        "reduced outputs",
+        args=args,
     )
     _collective(
         where,
@@ -377,9 +446,11 @@ def _var(where: str, local: Tensor, shard: MemberShard, correction: int | float)
         # sum of the deviations rides along and corrects for what rounding is left in
         # the mean (the corrected two-pass algorithm: sum d^2 - (sum d)^2 / N).
         x = values.to(_var_dtype(values))
-        centred = x - _all_reduce(where, shard, x.sum(dim=0), dist.ReduceOp.SUM) / n
+        args = {"correction": repr(float(correction))}
+        total = _all_reduce(where, shard, x.sum(dim=0), dist.ReduceOp.SUM, args=args)
+        centred = x - total / n
         sums = torch.stack([(centred * centred).sum(dim=0), centred.sum(dim=0)])
-        squares, deviations = _all_reduce(where, shard, sums, dist.ReduceOp.SUM)
+        squares, deviations = _all_reduce(where, shard, sums, dist.ReduceOp.SUM, args=args)
         total = squares - deviations * deviations / n
         return (total / (n - correction)).to(values.dtype)
 
@@ -519,6 +590,7 @@ def subset_min(
             values,
             tuple(values.shape[1:]),
             "values (shape after the member axis)",
+            args={"k": repr(k), "per_sample": repr(per_sample)},
         )
     with torch.no_grad():
         # The same draws as fe.reduce.subset_min, turned into a mask over all N members.
@@ -561,11 +633,11 @@ def _check_same_draw(where: str, shard: MemberShard, mask: Tensor) -> None:
     mine = mask.to(torch.uint8).reshape(-1)
     rows = mine.new_empty(shard.world_size * mine.numel())
 
-    def exchange() -> Tensor:
+    def gather_draws() -> Tensor:
         all_gather_single(rows, mine, group=shard.group)
         return rows.view(shard.world_size, -1).cpu()
 
-    drawn = _collective(where, shard.rank, shard.world_size, exchange, shard.group)
+    drawn = _collective(where, shard.rank, shard.world_size, gather_draws, shard.group)
     differ = [r for r in range(1, shard.world_size) if not torch.equal(drawn[r], drawn[0])]
     if not differ:
         return

@@ -8,7 +8,9 @@ own weight sum: with the weights given, the replicas' gradients are averaged wei
 by those sums instead, which is the whole batch's weighted mean's gradient. Every
 tensor is packed into one flat buffer per dtype and device, so a step costs one
 all-reduce (two for mixed dtypes), not one per parameter, after one small exchange
-that checks the replicas passed alike trees.
+that checks the replicas passed alike trees, and carries a flag for a replica that
+refused its own arguments (an integer gradient, weights that cancel), so that every
+replica raises that replica's error instead of waiting for it.
 """
 
 import hashlib
@@ -35,6 +37,22 @@ def _check_shard(where: str, shard: object) -> MemberShard:
     return shard
 
 
+def _here(shard: MemberShard) -> str:
+    """This replica, as the other replicas' messages name it too."""
+    return "this replica" if shard.data_size == 1 else f"data replica {shard.data_rank}"
+
+
+def _check_floating(where: str, leaves: list[Any], shard: MemberShard) -> None:
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and not leaf.is_floating_point():
+            on = "" if shard.data_size == 1 else f" on {_here(shard)}"
+            raise TypeError(
+                f"{where}: leaf {i} has dtype {leaf.dtype}{on} (expected floating-point "
+                f"gradients, got {leaf.dtype}). Average other values yourself (their "
+                "mean is not of their dtype)."
+            )
+
+
 def _replica_weights(where: str, weights: object, shard: MemberShard, leaves: list[Any]) -> Tensor:
     """Each member's total weight on this replica, ``[n_r]``, from its sample weights."""
     if not isinstance(weights, Tensor) or not weights.is_floating_point():
@@ -58,11 +76,11 @@ def _replica_weights(where: str, weights: object, shard: MemberShard, leaves: li
     cancelled = ((totals == 0) & (flat != 0).any(dim=1)).nonzero().flatten().tolist()
     if cancelled:
         raise ValueError(
-            f"{where}: member {shard.members.start + cancelled[0]}'s weights on this "
-            "replica sum to 0 but are not all 0 (expected weights >= 0, or a nonzero sum "
-            "on every replica): its weighted mean is 0 here, so its samples would drop "
-            "out of the average. Scale each replica's sum(w * loss) by the all-reduced "
-            "total weight instead (see the scale-out guide)."
+            f"{where}: member {shard.members.start + cancelled[0]}'s weights on "
+            f"{_here(shard)} sum to 0 but are not all 0 (expected weights >= 0, or a "
+            "nonzero sum on every replica): its weighted mean is 0 there, so its samples "
+            "would drop out of the average. Scale each replica's sum(w * loss) by the "
+            "all-reduced total weight instead (see the scale-out guide)."
         )
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != shard.size):
@@ -121,10 +139,13 @@ def average_gradients(grads: Any, shard: MemberShard, *, weights: Tensor | None 
 
     Raises:
         TypeError: A tensor that is not floating-point (an average of integers is
-            not an integer).
+            not an integer), or ``weights`` that are not.
         ValueError: The data replicas passed trees of different structures, leaf
             dtypes or shapes (raised on every replica, naming what differs), or
-            ``weights`` not member-first, or cancelling on a replica.
+            ``weights`` not member-first, or cancelling on a replica. With data
+            replicas, a replica's refusal of its own gradients or weights is raised
+            on every replica, naming that replica (the flag rides in the digest
+            exchange), so the others do not wait for it.
         DistributedError: The collective failed (another rank crashed or timed out).
 
     Example:
@@ -138,14 +159,16 @@ def average_gradients(grads: Any, shard: MemberShard, *, weights: Tensor | None 
     shard = _check_shard(where, shard)
     leaves, spec = _tree.flatten(grads)
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
-    for i in tensors:
-        if not leaves[i].is_floating_point():
-            raise TypeError(
-                f"{where}: leaf {i} has dtype {leaves[i].dtype} (expected floating-point "
-                f"gradients, got {leaves[i].dtype}). Average other values yourself (their "
-                "mean is not of their dtype)."
-            )
-    totals = None if weights is None else _replica_weights(where, weights, shard, leaves)
+    refused, totals = None, None
+    try:
+        _check_floating(where, leaves, shard)
+        totals = None if weights is None else _replica_weights(where, weights, shard, leaves)
+    except (TypeError, ValueError) as error:
+        if shard.data_size == 1:
+            raise
+        # The other replicas would wait in the exchange below for this one: the flag in
+        # it makes every replica raise this error.
+        refused = error
     out = list(leaves)
     with torch.no_grad():
         if shard.data_size == 1:
@@ -153,7 +176,10 @@ def average_gradients(grads: Any, shard: MemberShard, *, weights: Tensor | None 
                 out[i] = leaves[i].detach().clone()
             return _tree.unflatten(spec, out)
         _check_replicas_alike(
-            where, grads if weights is None else {"grads": grads, "weights": weights}, shard
+            where,
+            grads if weights is None else {"grads": grads, "weights": weights},
+            shard,
+            refused,
         )
         buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i in tensors:
@@ -231,26 +257,31 @@ def _nccl(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
 
 
-def _check_replicas_alike(where: str, grads: Any, shard: MemberShard) -> None:
-    """Refuse, on every data replica, trees that differ in structure, dtypes or shapes.
+def _check_replicas_alike(
+    where: str, grads: Any, shard: MemberShard, refused: Exception | None = None
+) -> None:
+    """Refuse, on every data replica, trees that differ in structure, dtypes or shapes,
+    and a replica's own refusal of its arguments (``refused``).
 
     The all-reduce sums flat buffers element by element: trees of another structure or
     leaf shapes with the same number of elements would be averaged without a word,
-    mixing values of different parameters. One 8-byte digest per replica is gathered;
-    only when they differ are the descriptions exchanged, to name what differs.
+    mixing values of different parameters. One 8-byte digest per replica is gathered,
+    with a flag saying whether the replica refused its arguments; only when a flag is
+    set are the refusals exchanged (every replica raises the first one), and only when
+    the digests differ are the descriptions exchanged, to name what differs.
     """
     layout = _layout(grads)
     digest = hashlib.blake2b(repr(sorted(layout.items())).encode(), digest_size=8).digest()
     mine = torch.tensor(
-        [int.from_bytes(digest, "little", signed=True)],
+        [int.from_bytes(digest, "little", signed=True), int(refused is not None)],
         dtype=torch.int64,
         device="cuda" if _nccl(shard.data_group) else "cpu",
     )
-    digests = mine.new_empty(shard.data_size)
+    rows = mine.new_empty(2 * shard.data_size)
 
-    def exchange() -> list[int]:
-        all_gather_single(digests, mine, group=shard.data_group)
-        return digests.tolist()  # read inside the block: NCCL may fail only here
+    def exchange() -> list[list[int]]:
+        all_gather_single(rows, mine, group=shard.data_group)
+        return rows.view(shard.data_size, 2).tolist()  # read inside: NCCL may fail here
 
     with failures(
         where,
@@ -260,7 +291,9 @@ def _check_replicas_alike(where: str, grads: Any, shard: MemberShard) -> None:
         group=shard.data_group,
     ):
         found = exchange()
-    if all(d == found[0] for d in found):
+    if any(flag for _, flag in found):
+        _raise_refusal(where, shard, refused)
+    if all(d == found[0][0] for d, _ in found):
         return
     advice = (
         "Every data replica must pass gradients of the same members: the same pytree, "
@@ -269,3 +302,19 @@ def _check_replicas_alike(where: str, grads: Any, shard: MemberShard) -> None:
     )
     agree(where, layout, shard.data_rank, shard.data_size, shard.data_group, advice)
     raise ValueError(f"{where}: the data replicas passed different pytrees. {advice}")
+
+
+def _raise_refusal(where: str, shard: MemberShard, refused: Exception | None) -> None:
+    """Raise, on every data replica, the first replica's refusal of its own arguments."""
+    mine = None if refused is None else (type(refused).__name__, str(refused))
+    refusals: list[Any] = [None] * shard.data_size
+    with failures(
+        where,
+        f"exchanging the refusals of {shard.data_size} data replicas",
+        shard.data_rank,
+        shard.data_size,
+        group=shard.data_group,
+    ):
+        dist.all_gather_object(refusals, mine, group=shard.data_group)
+    kind, message = next(r for r in refusals if r is not None)
+    raise (TypeError if kind == "TypeError" else ValueError)(message)

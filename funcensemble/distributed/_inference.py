@@ -4,9 +4,13 @@ Inference of a sharded ensemble in one call: the batch is broadcast from one ran
 already the same on every rank), split along the mesh's ``"data"`` axis when there is
 one, run through this rank's members, and reduced over the members of every rank by the
 ``fe.distributed`` reductions, which all-reduce per-rank sums, maxima or minima instead
-of gathering the members' outputs. With data replicas, the reduced results of the
-replicas' parts of the batch are then gathered along ``"data"``, so that every rank
-returns the results for the whole batch.
+of gathering the members' outputs. With data replicas, the named reductions' results
+on the replicas' parts of the batch (batch first) are then gathered along ``"data"``,
+so that every rank returns the results for the whole batch; a custom reduction, whose
+result's batch axis cannot be known (it may keep the member axis, or be a pytree),
+runs on the members' outputs for the whole batch, gathered along ``"data"`` first.
+The reductions' names and ``src`` ride in every collective's layout check (the
+enclosing call's digest), so ranks that pass other ones all raise at the first.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from .. import _tree
 from .._messages import submodule
-from ._collectives import _check_layout, _check_shard, _collective, broadcast
+from ._collectives import _check_layout, _check_shard, _collective, _Tree, broadcast, calling
 from ._collectives import max as max_
 from ._collectives import mean as mean_
 from ._collectives import min as min_
@@ -86,6 +90,17 @@ def _reductions(where: str, reductions: object) -> dict[str, Reduction]:
     return chosen
 
 
+def _describe(chosen: dict[str, Reduction], src: int | None) -> dict[str, str]:
+    """What every rank must pass ``predict`` alike: the reductions, in order, and ``src``."""
+    parts = [
+        repr(name)
+        if REDUCTIONS.get(name) is fn
+        else f"{name!r}: {getattr(fn, '__qualname__', type(fn).__qualname__)}"
+        for name, fn in chosen.items()
+    ]
+    return {"the call": "predict", "reductions": ", ".join(parts), "src": repr(src)}
+
+
 def _batch_size(where: str, leaves: list[Any]) -> int:
     sizes = {tuple(x.shape[:1]) for x in leaves if isinstance(x, Tensor)}
     if len(sizes) != 1 or () in sizes:
@@ -126,6 +141,57 @@ def _gather_batch(where: str, name: str, part: Tensor, shard: MemberShard, rows:
         shard.data_group,
     )
     return out
+
+
+def _gather_outputs(where: str, outputs: Any, shard: MemberShard, rows: int) -> Any:
+    """The members' outputs ``[n_r, rows, ...]`` of every data replica, joined along the
+    batch (dim 1) into this rank's members' outputs on the whole batch."""
+    paths, leaves, spec = _tree.flatten_with_paths(outputs)
+    described = _Tree(
+        outputs,
+        "Every data replica's model must return the same structure, with tensors of the "
+        "same dtypes and shapes.",
+        member_first=True,
+    )
+    if not any(isinstance(x, Tensor) for x in leaves):
+        described.check_empty(where, shard.data_rank, shard.data_size, shard.data_group)
+    out = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, Tensor):
+            out.append(leaf)
+            continue
+        if leaf.dim() < 2 or leaf.shape[1] != rows:
+            label = "the model's output" + (f" leaf `{path}`" if path else "")
+            raise ValueError(
+                f"{where}: {label} has shape {tuple(leaf.shape)} on this data replica's "
+                f"{rows} samples (expected this rank's members, then the batch: "
+                f"({shard.size}, {rows}, ...)); with data replicas, a custom reduction runs "
+                "on the whole batch, the replicas' outputs joined along dim 1. Return the "
+                "batch after the member axis, or predict on a shard without a data axis."
+            )
+        part = leaf.transpose(0, 1)  # the batch first: the replicas' parts join along it
+        part = (part.to(torch.uint8) if leaf.dtype == torch.bool else part).contiguous()
+        _check_layout(
+            where,
+            shard.data_rank,
+            shard.data_size,
+            shard.data_group,
+            part,
+            tuple(part.shape),
+            "model outputs (batch first)",
+            described,
+        )
+        whole = part.new_empty((shard.data_size * rows, *part.shape[1:]))
+        _collective(
+            where,
+            shard.data_rank,
+            shard.data_size,
+            lambda w=whole, p=part: all_gather_single(w, p, group=shard.data_group),
+            shard.data_group,
+        )
+        whole = whole.transpose(0, 1).contiguous()
+        out.append(whole.bool() if leaf.dtype == torch.bool else whole)
+    return _tree.unflatten(spec, out)
 
 
 def _check_outputs(where: str, outputs: object, shard: MemberShard) -> None:
@@ -194,10 +260,13 @@ def predict(
     reductions: Sequence[str] | Mapping[str, Reduction] = ("mean",),
     src: int | None = None,
     **kwargs: Any,
-) -> dict[str, Tensor]:
+) -> dict[str, Any]:
     """Run a batch through every rank's members and reduce over all N members.
 
-    A collective: every rank calls it with its own members. The batch is
+    A collective: every rank calls it with its own members, and the same
+    ``reductions`` (the same names, in the same order) and ``src``: these ride in the
+    first collective's check, and ranks that pass other ones all raise a
+    ``ValueError`` naming each rank's, before any value is combined. The batch is
 
     1. broadcast from rank ``src`` of the ranks holding this ensemble when ``src``
        is given (the other ranks pass tensors of the same shapes and dtypes, e.g.
@@ -215,7 +284,13 @@ def predict(
     4. reduced over all N members by each reduction, which all-reduces per-rank sums,
        maxima or minima (the members' outputs never leave their rank);
     5. with data replicas, the reduced parts are gathered along ``"data"`` so that
-       every rank returns the results for the whole batch.
+       every rank returns the results for the whole batch. A reduction given as a
+       function may return anything (the members kept, as ``all_gather`` does, or a
+       pytree), so ``predict`` cannot know its result's batch axis: it runs on this
+       rank's members' outputs for the whole batch instead, ``[n_r, B, ...]``, gathered
+       along ``"data"`` first (each output's dim 1 must be the batch). Its result is
+       then exactly the function's on the whole batch; the gather moves ``n_r`` times
+       more than a reduced part.
 
     Named reductions: ``"mean"``, ``"var"``, ``"std"``, ``"min"``, ``"max"`` (any
     outputs), ``"mean_probs"``, ``"mean_log_probs"``, ``"predictive_entropy"``,
@@ -229,12 +304,13 @@ def predict(
     to rounding (see "Inference at scale" in the scale-out guide for measured
     figures). On one rank of the member axis every result is ``fe.reduce``'s, bit for
     bit. With data replicas, the members run on parts of the batch (their kernels may
-    round otherwise than on the whole batch) and each reduction sees its replica's
-    part: a reduction that draws per sample (``subset_min(..., per_sample=True)``)
-    draws for that part, so it is not the draw one process makes on the whole batch.
-    For the same reason a ``model`` with a BatchNorm in train mode (or another norm
-    layer updating running statistics) is refused with data replicas, before anything
-    runs: each replica would normalize by its own part's statistics. Call
+    round otherwise than on the whole batch); a function given as a reduction sees the
+    whole batch (5. above), so one that draws per sample
+    (``subset_min(..., per_sample=True)``) makes the draw one process makes. The
+    members run on each replica's own part, so a ``model`` with a BatchNorm in train
+    mode (or another norm layer updating running statistics) is refused with data
+    replicas, before anything runs: each replica would normalize by its own part's
+    statistics. Call
     ``model.eval()`` first. A model that is not an ``nn.Module`` (a function calling
     one) cannot be looked into: put its modules in eval mode yourself.
 
@@ -252,14 +328,18 @@ def predict(
 
     Returns:
         ``{name: result}``, the same on every rank; each result is what the reduction
-        returns for all N members on the whole batch.
+        returns for all N members on the whole batch (a pytree where the function
+        returns one).
 
     Raises:
         ValueError: An unknown reduction name, no reductions, a ``src`` that is not
             a rank of the shard's group (checked before any communication), a model
             with a train-mode BatchNorm on a shard with data replicas, inputs
             of different batch sizes (or one not divisible by the data axis's size),
-            or a model output whose leading size is not this rank's member count.
+            a model output whose leading size is not this rank's member count (or,
+            for a reduction given as a function with data replicas, whose dim 1 is
+            not this replica's part of the batch), or ranks that passed other
+            ``reductions`` or ``src`` (raised on every rank, naming each rank's).
         TypeError: ``shard`` is not a ``MemberShard``, or ``reductions`` is malformed.
         DistributedError: A collective failed (another rank crashed or timed out).
 
@@ -287,7 +367,7 @@ def predict(
     if shard.data_size > 1:
         _check_no_batch_statistics(where, model, shard)
     if src is not None:
-        _, world, group = shard._all_ranks()
+        _, world, _ = shard._all_ranks()
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
             raise ValueError(
                 f"{where}: src must be a rank in 0..{world - 1} (expected an int rank of "
@@ -296,7 +376,22 @@ def predict(
                 "not in the default group: with MemberShard(N, group=...) the group's "
                 "first rank is 0, whatever its global rank."
             )
-        inputs = broadcast(inputs, src=src, group=group)
+    with torch.no_grad(), calling(where, _describe(chosen, src)):
+        return _run(where, model, shard, inputs, kwargs, chosen, src)
+
+
+def _run(
+    where: str,
+    model: Callable[..., Any],
+    shard: MemberShard,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    chosen: dict[str, Reduction],
+    src: int | None,
+) -> dict[str, Any]:
+    """``predict`` after its checks: broadcast, split, run, reduce, gather."""
+    if src is not None:
+        inputs = broadcast(inputs, src=src, group=shard._all_ranks()[2])
     rows = None
     if shard.data_size > 1:
         leaves, spec = _tree.flatten(inputs)
@@ -312,13 +407,16 @@ def predict(
         mine = shard.batch_slice(size)
         rows = mine.stop - mine.start
         inputs = _tree.unflatten(spec, [x[mine] if isinstance(x, Tensor) else x for x in leaves])
-    with torch.no_grad():
-        outputs = model(*inputs, **kwargs)
-        _check_outputs(where, outputs, shard)
-        results = {name: fn(outputs, shard) for name, fn in chosen.items()}
-        if rows is not None:
-            results = {
-                name: _gather_batch(where, name, value, shard, rows)
-                for name, value in results.items()
-            }
+    outputs = model(*inputs, **kwargs)
+    _check_outputs(where, outputs, shard)
+    if rows is None:
+        return {name: fn(outputs, shard) for name, fn in chosen.items()}
+    results, whole = {}, None
+    for name, fn in chosen.items():
+        if fn in REDUCTIONS.values():  # batch first: reduce this part, join the parts
+            results[name] = _gather_batch(where, name, fn(outputs, shard), shard, rows)
+            continue
+        if whole is None:
+            whole = _gather_outputs(where, outputs, shard, rows)
+        results[name] = fn(whole, shard)
     return results

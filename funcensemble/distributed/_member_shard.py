@@ -283,6 +283,24 @@ class MemberShard:
         rank, world, group = self._all_ranks()
         agree(where, description, rank, world, group, advice)
 
+    def _check_randomness(self, where: str, randomness: object) -> None:
+        """Refuse ``randomness="same"`` with the members split over several ranks.
+
+        ``"same"`` promises one draw shared by all N members; each member rank draws
+        for its own members from its own generators, which no vmap option can share
+        across processes (``ShardedEnsemble`` refuses it across devices alike). Data
+        replicas hold every member of their slice, so a mesh of one member rank is fine.
+        """
+        if randomness == "same" and self.world_size > 1:
+            raise ValueError(
+                f"{where}: randomness='same' shares one draw among all members, which "
+                f"members split over {self.world_size} member ranks cannot: each rank "
+                "draws for its own members from its own generator (expected 'different' "
+                "or 'error' with the members split, got 'same'). Pass "
+                "randomness='different', or hold every member on each rank (a mesh of one "
+                "member rank, with only data replicas)."
+            )
+
     def batch_slice(self, batch_size: int) -> slice:
         """This data replica's samples of a batch of ``batch_size``: its equal part.
 
@@ -348,7 +366,9 @@ class MemberShard:
             cut to this rank's rows (copies; non-tensor leaves as they are).
 
         Raises:
-            ValueError: A tensor with dimensions but without N rows.
+            ValueError: A tensor with dimensions but without N rows, or an
+                ``Ensemble`` with ``randomness="same"`` while the members are split
+                over several ranks (one draw cannot be shared across them).
 
         Example:
             >>> import torch, funcensemble as fe
@@ -375,6 +395,7 @@ class MemberShard:
             return out.requires_grad_(True) if t.requires_grad else out
 
         if isinstance(tree, Ensemble):
+            self._check_randomness(where, tree.randomness)
             params = {k: cut(f"parameter `{k}`", v) for k, v in tree.stacked_params().items()}
             buffers = {k: cut(f"buffer `{k}`", v) for k, v in tree.stacked_buffers().items()}
             return Ensemble._from_stacked(
@@ -401,6 +422,16 @@ class MemberShard:
         in the whole ensemble, so this rank's ensemble equals rows ``members`` of
         ``fe.Ensemble.from_factory(factory, num_members=N, seed=seed)`` at every world
         size, without building the other ranks' members.
+
+        ``randomness="same"`` (one draw shared by all members) is refused when the
+        members are split over several member ranks: each rank draws for its own
+        members from its own generator, so no draw is shared across ranks. With one
+        member rank (every member on each rank, data replicas only) it is kept.
+
+        Raises:
+            ValueError: The ranks differ in factory, seed or options (raised on
+                every rank, naming what differs), or ``randomness="same"`` with the
+                members split over several ranks (raised on every rank).
 
         Example:
             >>> import torch, funcensemble as fe
@@ -443,6 +474,9 @@ class MemberShard:
             "Every rank must build its members with the same factory, seed and options "
             "(the same classes, settings, dtypes and parameter names).",
         )
+        # After the ranks agreed (randomness is part of the description): every rank
+        # refuses alike, none waits in the exchange for a rank that refused alone.
+        self._check_randomness("MemberShard.from_factory", randomness)
         return ens
 
     def check_agreement(self, state: Any = None, *, optimizer: Any = None, **settings: Any) -> None:
