@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .._checkpoint import torch_optim as _torch_optim
 from .._checkpoint.counts import count_paths, layout_as_saved
 from .._checkpoint.extra_state import refuse_extra_state
 from .._checkpoint.paths import dotted_key, flatten_by_key
@@ -125,6 +126,64 @@ def _flatten(where: str, obj: Any) -> _Flat:
     return _Flat(leaves, treedef, {})
 
 
+def _torch_optim_template(
+    where: str, path: str | os.PathLike, opt: torch.optim.Optimizer, shard: MemberShard | None
+) -> dict[str, Any]:
+    """``opt.state_dict()`` with each parameter's state as the checkpoint holds it (this
+    rank's rows), checked as ``fe.load`` checks a torch.optim file: a fresh optimizer has
+    no state until its first step, so its own state_dict cannot be the template."""
+    name = os.fspath(path)
+    saved = dict(_metadata(where, path)[0].state_dict_metadata)
+    if not any(k.startswith("param_groups.") for k in saved):
+        raise ValueError(
+            f"{where}: '{name}' holds no torch.optim optimizer's state_dict (expected "
+            f"param_groups, as fe.distributed.save(path, opt) writes them, to load into "
+            f"this {type(opt).__name__}; got an ensemble's or an EnsembleOptimizer's). "
+            "Load it into what saved it."
+        )
+    sizes = {
+        md.size[0]
+        for k, md in saved.items()
+        if k.startswith("state.") and isinstance(md, TensorStorageMetadata) and len(md.size)
+    }
+    if shard is None:
+        shard = MemberShard(max(sizes) if sizes else 1)
+    rows = _check_shard(where, shard).size
+    own = opt.state_dict()
+    tensors: dict[str, Tensor] = {}
+    values: dict[str, Any] = {}
+    for key, md in saved.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue  # (refused by the load that follows, naming it)
+        parts = key.split(".")
+        at = "".join(f"[{int(p)}]" if p.isdigit() else f"[{p!r}]" for p in parts)
+        size, dtype = tuple(md.size), md.properties.dtype
+        mine = _own_value(own, parts)
+        if parts[0] == "param_groups" and not isinstance(mine, Tensor) and dtype in _PYTHON:
+            values[at] = _PYTHON[dtype]  # a Python number saved as a 0-dim tensor
+        else:
+            shape = (rows, *size[1:]) if parts[0] == "state" and size else size
+            tensors[at] = torch.zeros(shape, dtype=dtype)
+    return _torch_optim.template(where, name, opt, tensors, values)
+
+
+# What a group's Python value was saved as (a 0-dim tensor of this dtype), and a stand-in
+# of its type for the template; the loaded value replaces it.
+_PYTHON: dict[torch.dtype, Any] = {torch.bool: False, torch.int64: 0, torch.float64: 0.0}
+
+
+def _own_value(tree: Any, parts: list[str]) -> Any:
+    """The value at a dotted path of an optimizer's own state_dict, or None."""
+    for part in parts:
+        if isinstance(tree, dict):
+            tree = tree.get(int(part) if part.isdigit() and int(part) in tree else part)
+        elif isinstance(tree, (list, tuple)) and part.isdigit() and int(part) < len(tree):
+            tree = tree[int(part)]
+        else:
+            return None
+    return tree
+
+
 def _record(opt: EnsembleOptimizer) -> list[int]:
     """The SHA-256 of the optimizer's transform record, as four int64 values."""
     digest = hashlib.sha256(opt._described.encode()).digest()
@@ -210,7 +269,8 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             "opt": opt_state, "step": 10}``, or this rank's
             [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] (stored as its
             ``state_dict()``, as [`fe.save`][funcensemble.save] stores it, its
-            transform's record as its SHA-256, which ``load`` compares).
+            transform's record as its SHA-256, which ``load`` compares), or a
+            ``torch.optim`` optimizer over this rank's ensemble (its ``state_dict()``).
         shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
             Optional in a single process, where ``obj`` holds all members.
 
@@ -236,6 +296,8 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
     """
     where = "distributed.save"
     name = os.fspath(path)
+    if isinstance(obj, torch.optim.Optimizer):
+        obj = obj.state_dict()  # (what load puts back with its load_state_dict)
     flat = _flatten(where, obj)
     keys = flat.sharded()
     if shard is None:
@@ -468,7 +530,10 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             whether the checkpoint holds one shared by the members (0-dim) or one per
             member (``[N]``, after members joined by ``concat``), as in
             [`fe.load`][funcensemble.load]: each rank reads its members' counts, and
-            the loaded state takes the checkpoint's layout.
+            the loaded state takes the checkpoint's layout. Or a ``torch.optim``
+            optimizer over this rank's ensemble, fresh or stepped, loaded in place
+            through its ``load_state_dict`` (its state built from the checkpoint's
+            entries and checked first, as [`fe.load`][funcensemble.load] does).
         shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard];
             by default one for the saved member count over the default group.
 
@@ -496,6 +561,10 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     """
     where = "distributed.load"
     name = os.fspath(path)
+    if isinstance(obj, torch.optim.Optimizer):
+        template = _torch_optim_template(where, path, obj, shard)
+        obj.load_state_dict(load(path, template, shard))
+        return obj
     flat = _flatten(where, obj)
     metadata, checksums = _metadata(where, path)
     saved = dict(metadata.state_dict_metadata)
