@@ -1546,7 +1546,18 @@ def _captures_as_default() -> nn.Module:
     return m
 
 
+def _captures_in_state_dict_hook() -> nn.Module:
+    m = lin(3, 3)
+    m.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: m.weight.sum())
+    return m
+
+
 _CAPTURES = {
+    "state-dict hook": (
+        _captures_in_state_dict_hook,
+        r"`state-dict pre-hook 0 \(its captured variable m\)`.*state_dict\(\) and "
+        r"load_state_dict\(\) would run it on member 0's original",
+    ),
     "hook": (
         _captures_in_hook,
         r"`forward hook 0 \(its captured variable m\)`",

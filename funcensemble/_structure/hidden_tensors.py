@@ -315,16 +315,24 @@ def _error(
             "(object.__setattr__(self, name, module)), or reach the module through the tree."
         )
     if isinstance(value, _CapturedOwn):
+        state_dicts = "state-dict" in found.path
+        effect = (
+            "the ensemble's state_dict() and load_state_dict() would run it on member 0's "
+            "original module, not on the ensemble's stacked tensors. Use the module the "
+            "hook is given (hook(module, state_dict, prefix, ...))"
+            if state_dicts
+            else "every member would compute with member 0's tensors. Use the module a "
+            "hook is given (hook(module, args, output))"
+        )
         return ValueError(
             f"{where}: {holder} holds a function that captures its own "
             f"{type(value.module).__name__} in `{found.path}` (a closure's variable, a "
             "default argument or an attribute of the function; expected functions to reach "
             "the module through their arguments). Copying a module does not copy "
             "functions, so in the one copy every member runs through, the function would "
-            "still reach member 0's original module, and every member would compute with "
-            "member 0's tensors. Use the module a hook is given (hook(module, args, "
-            "output)), self in a method of the module's class, or a bound method "
-            "(module.method), which the copy rebinds to itself."
+            f"still reach member 0's original module, and {effect}, self in a method of "
+            "the module's class, or a bound method (module.method), which the copy "
+            "rebinds to itself."
         )
     if isinstance(value, _SharedArray):
         return ValueError(
