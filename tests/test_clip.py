@@ -312,3 +312,13 @@ def test_an_integer_gradient_inside_a_chain_is_refused_before_any_step(transform
         getattr(t, form)(grads, state, params)
     for k, v in params.items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_meta_gradient_beside_real_ones_is_named():
+    # Found by an audit: torch's "Cannot copy out of meta tensor" from the norm.
+    grads = {"w": torch.ones(3, 4), "d": torch.ones(3, 2, device="meta")}
+    clip = fe.optim.clip_by_global_norm(1.0)
+    with pytest.raises(
+        ValueError, match=r"params\['d'\] is on the meta device.*unlike params\['w'\]"
+    ):
+        clip.update(grads, clip.init(grads))

@@ -44,6 +44,14 @@ def _member_norms(
                 f"{leaf_name(spec, active[0])} (expected leading size {first.shape[0]}, got "
                 f"{got}). Every gradient needs the member axis first."
             )
+        if g.is_meta != first.is_meta:
+            meta, other = (i, active[0]) if g.is_meta else (active[0], i)
+            raise ValueError(
+                f"{where}: {leaf_name(spec, meta)} is on the meta device, which holds no "
+                f"values, unlike {leaf_name(spec, other)} (expected every gradient with "
+                "values, on the devices of the parameters). Compute the gradients on the "
+                "parameters' device."
+            )
         if norm_type in _BATCHED_NORMS:
             per_member = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), norm_type, dim=1)
         else:
