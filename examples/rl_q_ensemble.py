@@ -547,7 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"a seconds-long smoke run that checks that learning starts ({quick})",
+        help=f"a seconds-long smoke run that checks that learning starts ({quick}; "
+        "options set to other than their defaults are kept)",
     )
     p.add_argument("--no-plot", action="store_true", help=f"do not save {FIGURE}")
     _cli.add_common_options(p, NAME)
@@ -558,17 +559,24 @@ def main(argv: Sequence[str] | None = None) -> Log:
     parser = build_parser()
     args = parser.parse_args(argv)
     values = {k: getattr(args, k) for k in vars(Config())}
-    if args.quick:
-        values.update(QUICK)
+    if args.quick:  # its settings, except those given on the command line
+        defaults = vars(Config())
+        values.update({k: v for k, v in QUICK.items() if values[k] == defaults[k]})
     cfg = Config(**values)
     if (
         not 1 <= cfg.subset <= cfg.critics
+        or cfg.critics < 2
         or cfg.utd < 1
         or cfg.warmup >= cfg.steps
         or cfg.threads < 1
+        or cfg.eval_every < 1
+        or cfg.eval_episodes < 1
+        or not 0 <= cfg.tau <= 1
     ):
         raise SystemExit(
-            "need 1 <= --subset <= --critics, --utd >= 1, --warmup < --steps and --threads >= 1"
+            "need --critics >= 2 (the logged Q standard deviation is over critics), "
+            "1 <= --subset <= --critics, --utd >= 1, --warmup < --steps, --threads >= 1, "
+            "--eval-every >= 1, --eval-episodes >= 1 and 0 <= --tau <= 1"
         )
     _cli.require(
         parser.prog, *_cli.needs(quiet=args.quiet, plot=not args.no_plot, also=["gymnasium"])

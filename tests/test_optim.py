@@ -1050,3 +1050,24 @@ def test_apply_updates_inside_torch_func_transforms():
         torch.func.grad(lambda p: fe.optim.apply_updates(p, {"w": torch.ones(3, 4)})["w"].sum())(
             trainable
         )
+
+
+def test_numpy_hyperparameters_are_taken_as_torch_optim_takes_them():
+    # Found by an audit: np.float32 values (from a config or an array) were refused,
+    # where torch.optim and Tensor.lerp_ take them; np.float64 passed as a float.
+    import numpy as np
+
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 4, dtype=torch.float64)}
+    grads = {"w": torch.randn(3, 4, dtype=torch.float64)}
+    lr, tau = np.float32(1e-3), np.float32(0.005)
+    with runtime_typecheck_off():
+        numpy_adam = fe.optim.adam(lr=lr, betas=(np.float32(0.8), 0.99), weight_decay=np.int64(0))
+        moved = fe.optim.polyak_update(params, grads, tau)
+    plain = fe.optim.adam(lr=float(lr), betas=(float(np.float32(0.8)), 0.99), weight_decay=0.0)
+    ours, _ = numpy_adam.update(grads, numpy_adam.init(params), params)
+    theirs, _ = plain.update(grads, plain.init(params), params)
+    assert torch.equal(ours["w"], theirs["w"])
+    assert torch.equal(moved["w"], params["w"].lerp(grads["w"], float(tau)))
+    with runtime_typecheck_off(), pytest.raises(TypeError, match="lr must be a float"):
+        fe.optim.adam(lr=np.bool_(True))

@@ -101,12 +101,28 @@ def test_same_seed_same_run():
         ["--subset", "-1"],  # was the min over N - 1 critics, silently
         ["--utd", "0"],
         ["--threads", "0"],
+        # Found by an audit: one critic failed at the first update (no standard
+        # deviation over one critic), after the warm-up; eval-every 0 with a bare
+        # ZeroDivisionError; tau 1.5 at the first update.
+        ["--critics", "1", "--subset", "1"],
+        ["--eval-every", "0"],
+        ["--eval-episodes", "0"],
+        ["--tau", "1.5"],
     ],
 )
 def test_rejects_inconsistent_options(options):
     ex = load()
-    with pytest.raises(SystemExit, match=r"need 1 <= --subset <= --critics"):
+    with pytest.raises(SystemExit, match=r"need --critics >= 2 .*1 <= --subset <= --critics"):
         ex.main(options)
+
+
+def test_quick_keeps_the_options_given(monkeypatch):
+    ex = load()
+    seen = {}
+    monkeypatch.setattr(ex, "train", lambda cfg, **kw: seen.setdefault("cfg", cfg) and 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        ex.main(["--quick", "--hidden", "64", "--no-plot"])
+    assert seen["cfg"].hidden == 64 and seen["cfg"].steps == ex.QUICK["steps"]
 
 
 def copy_params(modules: list[nn.Module]) -> dict[str, torch.Tensor]:

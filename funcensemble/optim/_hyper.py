@@ -1,6 +1,7 @@
 """Hyperparameters that are one number for all members or a ``[N]`` tensor, one per member."""
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -175,6 +176,9 @@ def hyperparameter(
     """
     below = "<=" if upper_closed else "<"
     constraint = f"0 <= {name}" + (f" {below} {upper:g}" if upper is not None else "")
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        # A NumPy number (from a config or an array), as torch.optim takes it.
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
         raise TypeError(
             f"{where}: {name} must be a float"
