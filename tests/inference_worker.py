@@ -128,6 +128,25 @@ def main(out: Path) -> None:
         custom_batch(),
         reductions={"all": fe.distributed.all_gather, "extremes": extremes},
     )
+    # A pytree output with a leaf without a batch axis: kept where every replica holds
+    # the same (a review found it refused), refused where it came from the replica's
+    # part of the batch (one process would compute it from the whole batch).
+    ens = members(shard, torch.float64)
+
+    def with_weights(x: Tensor) -> tuple[Tensor, Tensor]:
+        return ens(x), ens.stacked[0].weight.sum(dim=(1, 2))
+
+    def with_batch_means(x: Tensor) -> tuple[Tensor, Tensor]:
+        out = ens(x)
+        return out, out.mean(dim=(1, 2))
+
+    first = {"first": lambda out, s: fe.distributed.mean(out[0], s)}
+    results["aux"] = fe.distributed.predict(with_weights, shard, custom_batch(), reductions=first)
+    try:
+        fe.distributed.predict(with_batch_means, shard, custom_batch(), reductions=first)
+        results["batch aux"] = None
+    except ValueError as error:
+        results["batch aux"] = str(error)
     torch.save(results, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 

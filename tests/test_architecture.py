@@ -2053,6 +2053,15 @@ def test_numpy_memory_held_under_two_names_is_refused(window, other) -> None:
     match = rf"member 0 \(_WindowNet\) holds NumPy memory under two names, `hist` and `{other}`"
     with pytest.raises(ValueError, match=match):
         fe.Ensemble(members)
+    # In two submodules: each named from the member's root.
+    nested = []
+    for _ in range(3):
+        root = nn.Sequential(_WindowNet(lambda a: a), _WindowNet(lambda a: a))
+        root[1].hist = window(root[0].hist)
+        nested.append(root)
+    match = r"member 0 \(Sequential\) holds NumPy memory under two names, `0.hist` and `1.hist"
+    with pytest.raises(ValueError, match=match):
+        fe.Ensemble(nested)
 
 
 class _TwoNames(nn.Module):

@@ -322,3 +322,18 @@ def test_a_meta_gradient_beside_real_ones_is_named():
         ValueError, match=r"params\['d'\] is on the meta device.*unlike params\['w'\]"
     ):
         clip.update(grads, clip.init(grads))
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0])
+def test_clip_runs_under_vmap_as_it_runs_eagerly(norm_type):
+    # A review found norm_type 1 and 3 failing under vmap after the per-member norms
+    # moved to torch._foreach_norm, which has no batching rule.
+    torch.manual_seed(5)
+    grads = {"w": torch.randn(2, 4, 30, 7), "b": torch.randn(2, 4, 7)}  # 2 seeds x 4 members
+    clip = fe.optim.clip_by_global_norm(0.5, norm_type=norm_type)
+    mapped = torch.func.vmap(lambda g: clip.update(g, fe.optim.EmptyState())[0])(grads)
+    for seed in range(2):
+        one = {k: v[seed] for k, v in grads.items()}
+        eager, _ = clip.update(one, fe.optim.EmptyState())
+        for k in grads:
+            assert torch.equal(mapped[k][seed], eager[k])

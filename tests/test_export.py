@@ -216,6 +216,14 @@ def test_import_refuses_views_of_the_ensembles_own_tensors(hetero: bool) -> None
     ):
         fe.import_state_dicts(ens, views)
     assert_trees_equal(snapshot(ens), before)
+    if not hetero:  # new storage objects inside the ensemble's memory (found by a review)
+        inside = [
+            {k: torch.from_numpy(v.detach().numpy()[perm[i]]) for k, v in stacked.items()}
+            for i in range(3)
+        ]
+        with pytest.raises(ValueError, match=r"member 0's `0.weight` shares memory"):
+            fe.import_state_dicts(ens, inside)
+        assert_trees_equal(snapshot(ens), before)
     # Cloned first, they are imported as the loop's load_state_dict of each would.
     fe.import_state_dicts(ens, [{k: v.clone() for k, v in d.items()} for d in views])
     expected = [exported[perm[i]] for i in range(3)] if not hetero else exported

@@ -258,4 +258,9 @@ def test_three_ranks_reduce_as_one_process(tmp_path):
         for name in ("min", "max"):
             want_extreme = getattr(fe.reduce, name)(outputs)
             torch.testing.assert_close(got["extremes"][name], want_extreme, rtol=0, atol=1e-12)
+        torch.testing.assert_close(result["aux"]["first"], outputs.mean(0), rtol=0, atol=1e-12)
+        assert (
+            "leaf `[1]` has shape (7,), no batch axis after the members, and differs"
+            in (result["batch aux"])
+        )
     print(f"largest difference from the one-process fe.reduce: {worst}")

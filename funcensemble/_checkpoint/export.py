@@ -171,17 +171,23 @@ def _refuse_own_memory(
     """Refuse dicts holding the ensemble's own memory (``ens.state_dict()`` sliced per
     member): the members are written one after another, so a later member's dict would
     read what an earlier one's write has already replaced."""
-    own: dict[tuple[torch.device, int], str] = {}
+    own: list[tuple[torch.device, int, int, str]] = []  # (device, start, end, name)
     for name, t in (*ensemble.named_parameters(), *ensemble.named_buffers()):
-        address = _address(t)
-        if address:
-            own.setdefault((t.device, address), name)
+        start = _address(t)
+        if start:
+            own.append((t.device, start, start + t.untyped_storage().nbytes(), name))
     for i, state_dict in enumerate(state_dicts):
         if not isinstance(state_dict, Mapping):
             continue  # (refused by the checks that follow, naming the member)
         for key, value in state_dict.items():
-            address = _address(value) if isinstance(value, Tensor) else 0
-            name = own.get((value.device, address)) if address else None
+            start = _address(value) if isinstance(value, Tensor) else 0
+            if not start:
+                continue  # (not a tensor with memory: the checks that follow say so)
+            end = start + value.untyped_storage().nbytes()
+            name = next(
+                (n for d, lo, hi, n in own if d == value.device and lo < end and start < hi),
+                None,
+            )
             if name is not None:
                 raise ValueError(
                     f"{where}: member {i}'s `{key}` shares memory with the ensemble's own "

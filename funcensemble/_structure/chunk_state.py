@@ -19,8 +19,7 @@ value), and put back in place, so every object stays the object it was (a refere
 user keeps still reaches the ensemble's). Modules and tensors are not followed; nor are
 the items of a collection of more than 4,096 (data such as a replay buffer: the
 collection itself is still put back); NumPy arrays of more than 65,536 elements (tables
-forward reads) are compared by identity only, and read-only while the call runs, so
-that a write raises rather than counting once per chunk. NumPy's generators (``Generator``,
+forward reads) are compared by identity only. NumPy's generators (``Generator``,
 ``RandomState``, bit generators) are put back by their state. Other C objects that
 reduce themselves for pickling (an ``itertools.count``) cannot be put back: a change
 in what they reduce to is seen, and the call refused (unless they hold more than 4,096
@@ -37,7 +36,6 @@ import operator
 import random
 import sys
 import types
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,7 +70,6 @@ _NOT_FOLLOWED = (
 _NO_STATE = (tuple, frozenset, types.MethodType, types.FunctionType)
 _ARRAY_ELEMENTS = 65536  # NumPy arrays up to this size are recorded and put back
 _FOLLOWED_ITEMS = 4096  # the items of larger collections are not followed
-_READ_ONLY_WARNING = "The given NumPy array is not writable"
 
 # id -> (the object, its kind, its shallow state)
 Record = dict[int, tuple[Any, str, Any]]
@@ -161,9 +158,8 @@ def _parts(obj: Any) -> list[Any]:
     return []
 
 
-def _record(roots: list[Any], large: list[Any] | None = None) -> Record:
-    """The shallow state of every mutable object ``roots`` reach; the writable NumPy
-    arrays too large to record are added to ``large``."""
+def _record(roots: list[Any]) -> Record:
+    """The shallow state of every mutable object ``roots`` reach."""
     out: Record = {}
     seen: set[int] = set()
     stack = list(roots)
@@ -174,8 +170,6 @@ def _record(roots: list[Any], large: list[Any] | None = None) -> Record:
         seen.add(id(obj))
         found = _shallow(obj)
         if found is None:
-            if large is not None and _large_array(obj):
-                large.append(obj)
             stack.extend(_parts(obj))
             continue
         kind, state, refers = found
@@ -185,41 +179,6 @@ def _record(roots: list[Any], large: list[Any] | None = None) -> Record:
             if isinstance(obj, dict):
                 stack.extend(_parts(tuple(obj.keys())))
     return out
-
-
-def _large_array(obj: Any) -> bool:
-    numpy = sys.modules.get("numpy")
-    return (
-        numpy is not None
-        and isinstance(obj, numpy.ndarray)
-        and obj.size > _ARRAY_ELEMENTS
-        and obj.flags.writeable
-    )
-
-
-def _lock(arrays: list[Any]) -> list[Any]:
-    """Make ``arrays`` read-only for the chunked call; return those it changed."""
-    locked = []
-    for a in arrays:
-        if a.flags.writeable:
-            a.flags.writeable = False
-            locked.append(a)
-    return locked
-
-
-def _unlock(arrays: list[Any]) -> None:
-    """Make ``arrays`` writable again (a view only once its base is: a few passes)."""
-    left = list(arrays)
-    while left:
-        still = []
-        for a in left:
-            try:
-                a.flags.writeable = True
-            except ValueError:  # its base is still read-only
-                still.append(a)
-        if len(still) == len(left):
-            return  # (cannot happen for arrays that were writable; never loop forever)
-        left = still
 
 
 def _same_state(a: Any, b: Any, strict: SameValue) -> bool:
@@ -293,9 +252,7 @@ class _State:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.attributes = {id(m): _attributes(m) for m in modules}
-        self.large: list[Any] = []  # writable NumPy arrays too large to put back
-        roots = [v for table in self.attributes.values() for v in table.values()]
-        self.reached = _record(roots, self.large)
+        self.reached = _record([v for table in self.attributes.values() for v in table.values()])
 
     def restore(self, modules: dict[int, nn.Module]) -> None:
         for key, table in self.attributes.items():
@@ -344,19 +301,13 @@ class _Call:
         self.before: list[_State] = []  # one per skeleton, as its forward first ran
         self.first_end: _State | None = None
         self.skeletons: list[nn.Module] = []
-        # Arrays too large to put back between chunks, read-only while the call runs: a
-        # write would change them once per chunk where the loop's members each change
-        # their own once, so it raises instead (see ``chunked``).
-        self.locked: list[Any] = []
 
     def seen(self, skeleton: nn.Module) -> None:
         new = [m for m in skeleton.modules() if id(m) not in self.modules]
         if new:
             self.modules.update((id(m), m) for m in new)
-            state = _State(new)
-            self.before.append(state)
+            self.before.append(_State(new))
             self.skeletons.append(skeleton)
-            self.locked += _lock(state.large)
 
     def _turn(self) -> contextlib.ExitStack:
         """The skeletons' locks (see ``_core.turns``), in one order for every thread:
@@ -429,26 +380,11 @@ def chunked(where: str) -> Iterator[_Call]:
     call = _Call(where)
     token = _current.set(call)
     try:
-        with warnings.catch_warnings():
-            # torch.from_numpy of an array made read-only here warns that it is: it is
-            # the user's writable array, read-only for this call only.
-            warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
-            yield call
+        yield call
         call.finish()
     except BaseException as error:
         if not _torch_compat.ends_recomputation(type(error)):  # (not a failure)
             call.put_back()
-        if call.locked and isinstance(error, ValueError) and "read-only" in str(error):
-            raise ValueError(
-                f"{where}: forward wrote to a NumPy array of more than "
-                f"{_ARRAY_ELEMENTS:,} elements held by the module (expected such arrays "
-                "read only, in a call with chunk_size): forward runs once per chunk on "
-                "the one module every member runs through, and an array this large is "
-                "not put back between chunks, so the write would count once per chunk "
-                "where each loop member writes its own once. Call without chunk_size, "
-                "or keep the values in a buffer (register_buffer)."
-            ) from error
         raise
     finally:
-        _unlock(call.locked)
         _current.reset(token)

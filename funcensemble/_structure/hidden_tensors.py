@@ -26,6 +26,7 @@ copied.
 """
 
 import functools
+import operator
 import types
 import weakref
 from typing import Any, NamedTuple
@@ -88,10 +89,18 @@ def check_no_hidden_tensors(where: str, index: int, module: nn.Module) -> None:
         for attribute, value in entries:
             if isinstance(value, _SKIP):
                 continue
+            start = len(own.held)
             try:
                 _visit(value, attribute, own, set(), 0)
             except _Found as found:
                 raise _error(where, index, path, sub, found, registered) from None
+            if path:  # named from the member's root, for the check after the walk
+                own.held[start:] = [(*h[:3], f"{path}.{h[3]}") for h in own.held[start:]]
+    linked = _shared_memory(own.held)
+    if linked is not None:
+        first, second = linked
+        found = _Found(second, _SharedArray(first))
+        raise _error(where, index, "", module, found, registered)
 
 
 class _Own(NamedTuple):
@@ -101,7 +110,8 @@ class _Own(NamedTuple):
     modules: set[int]
     dicts: set[int]  # its modules' __dict__s
     storages: dict[int, tuple[int, str, str]]  # its tensors' memory: address -> (end, noun, name)
-    held: list[tuple[Any, int, int, str]]  # unregistered arrays and tensors: (it, lo, hi, path)
+    # Unregistered arrays and tensors: (it, lo, hi, its path from the member's root).
+    held: list[tuple[Any, int, int, str]]
 
 
 def _storage_address(t: Tensor) -> int:
@@ -141,7 +151,8 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
         if address and address in own.storages:
             raise _Found(path, _Alias(value, own.storages[address][1:]))
         if address and value.device.type == "cpu":
-            _hold(value, address, address + value.untyped_storage().nbytes(), path, own)
+            end = address + value.untyped_storage().nbytes()
+            own.held.append((value, address, end, path))
         return
     if isinstance(value, np.ndarray):
         # A NumPy view of a member's tensor (t.numpy()): memory inside one of its storages.
@@ -150,7 +161,7 @@ def _visit(value: Any, path: str, own: _Own, seen: set, depth: int, captured: bo
             if value.nbytes and base <= start < end:
                 raise _Found(path, _Alias(value, (noun, name)))
         if value.size:
-            _hold(value, *_byte_bounds(value), path, own)
+            own.held.append((value, *_byte_bounds(value), path))
         return
     if isinstance(value, nn.Module):
         if id(value) in own.modules:
@@ -244,26 +255,38 @@ def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
     return lo, hi + a.itemsize
 
 
-def _hold(value: Any, lo: int, hi: int, path: str, own: _Own) -> None:
-    """Record an unregistered array or tensor; raise where it shares memory with another
-    one held elsewhere and either is a NumPy array: ``copy.deepcopy`` copies arrays one
-    by one (a tensor's views keep their link), so a write through one would no longer
-    reach the other in the copy every member runs through, where it does in the loop."""
-    for other, start, end, where in own.held:
-        if other is value or not (start < hi and lo < end):
-            continue
-        if isinstance(value, Tensor) and isinstance(other, Tensor):
-            continue
-        if isinstance(value, np.ndarray) and isinstance(other, np.ndarray):
-            if not (value.flags.writeable or other.flags.writeable):
-                continue  # nothing can write through either (a read-only table)
-            try:
-                if not np.shares_memory(value, other, max_work=10_000):
-                    continue  # interleaved, not overlapping (a[::2] and a[1::2])
-            except _TOO_HARD:
-                pass  # could not tell: refused as sharing
-        raise _Found(path, _SharedArray(where))
-    own.held.append((value, lo, hi, path))
+def _shared_memory(held: list[tuple[Any, int, int, str]]) -> tuple[str, str] | None:
+    """The paths of two held arrays (or an array and a tensor) that share memory, if any.
+
+    ``copy.deepcopy`` copies arrays one by one (a tensor's views keep their link), so a
+    write through one would no longer reach the other in the copy every member runs
+    through, where it does in the loop. One sweep over the memory ranges in address
+    order: only ranges that overlap are compared.
+    """
+    active: list[tuple[Any, int, int, str]] = []
+    for item in sorted(held, key=operator.itemgetter(1)):
+        value, lo, _, path = item
+        active = [a for a in active if a[2] > lo]
+        for other in active:
+            if _linked(value, other[0]):
+                return other[3], path
+        active.append(item)
+    return None
+
+
+def _linked(a: Any, b: Any) -> bool:
+    """Whether a write through one of two objects whose memory ranges overlap can reach
+    the other's elements (and so would not, in a copy)."""
+    if a is b or (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        return False  # one object; or tensors, whose views a copy keeps linked
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if not (a.flags.writeable or b.flags.writeable):
+            return False  # nothing can write through either (a read-only table)
+        try:
+            return bool(np.shares_memory(a, b, max_work=10_000))  # not a[::2] and a[1::2]
+        except _TOO_HARD:
+            return True  # could not tell: taken as sharing
+    return True
 
 
 class _SharedArray(NamedTuple):

@@ -160,7 +160,13 @@ def _gather_outputs(where: str, outputs: Any, shard: MemberShard, rows: int) -> 
         if not isinstance(leaf, Tensor):
             out.append(leaf)
             continue
-        if leaf.dim() < 2 or leaf.shape[1] != rows:
+        if leaf.dim() < 2:
+            # No batch axis after the members ([n_r], a value per member): kept as it
+            # is where every replica holds the same; one made from this replica's part
+            # of the batch would not be the whole batch's, and is refused.
+            out.append(_same_on_replicas(where, path, leaf, shard, described))
+            continue
+        if leaf.shape[1] != rows:
             label = "the model's output" + (f" leaf `{path}`" if path else "")
             raise ValueError(
                 f"{where}: {label} has shape {tuple(leaf.shape)} on this data replica's "
@@ -192,6 +198,44 @@ def _gather_outputs(where: str, outputs: Any, shard: MemberShard, rows: int) -> 
         whole = whole.transpose(0, 1).contiguous()
         out.append(whole.bool() if leaf.dtype == torch.bool else whole)
     return _tree.unflatten(spec, out)
+
+
+def _same_on_replicas(
+    where: str, path: str, leaf: Tensor, shard: MemberShard, described: "_Tree"
+) -> Tensor:
+    """``leaf``, checked to be the same on every data replica (raised on every one)."""
+    part = (leaf.to(torch.uint8) if leaf.dtype == torch.bool else leaf).contiguous()
+    _check_layout(
+        where,
+        shard.data_rank,
+        shard.data_size,
+        shard.data_group,
+        part,
+        tuple(part.shape),
+        "model outputs without a batch axis",
+        described,
+    )
+    flat = part.reshape(-1)
+    every = flat.new_empty(shard.data_size * flat.numel())
+    _collective(
+        where,
+        shard.data_rank,
+        shard.data_size,
+        lambda: all_gather_single(every, flat, group=shard.data_group),
+        shard.data_group,
+    )
+    rows = every.view(shard.data_size, -1)
+    if not all(torch.equal(rows[0], x) for x in rows[1:]):
+        label = "the model's output" + (f" leaf `{path}`" if path else "")
+        raise ValueError(
+            f"{where}: {label} has shape {tuple(leaf.shape)}, no batch axis after the "
+            "members, and differs between the data replicas (expected the same on every "
+            "replica, or the batch after the member axis): computed from each replica's "
+            "part of the batch, it is not what one process computes from the whole "
+            "batch. Return it per sample ([members, batch, ...]), or predict on a shard "
+            "without a data axis."
+        )
+    return leaf
 
 
 def _check_outputs(where: str, outputs: object, shard: MemberShard) -> None:
@@ -288,7 +332,8 @@ def predict(
        function may return anything (the members kept, as ``all_gather`` does, or a
        pytree), so ``predict`` cannot know its result's batch axis: it runs on this
        rank's members' outputs for the whole batch instead, ``[n_r, B, ...]``, gathered
-       along ``"data"`` first (each output's dim 1 must be the batch). Its result is
+       along ``"data"`` first (each output's dim 1 must be the batch; a leaf with no
+       dimension after the members is kept where every replica holds the same). Its result is
        then exactly the function's on the whole batch; the gather moves ``n_r`` times
        more than a reduced part.
 

@@ -5,6 +5,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _torch_compat
 from ._hyper import Hyper, PerMember, check_members, hyperparameter
 from ._protocol import (
     EmptyState,
@@ -59,7 +60,11 @@ def _member_norms(
             # member's tensor (7e-6 off in float32 for p=1 on a 300x257 leaf, and member
             # 0's norm would depend on N): the norm of each member's slice, as the loop's
             # clip_grad_norm_ takes it of a contiguous .grad (_foreach_norm on CUDA).
-            per_member = torch.stack(torch._foreach_norm(list(g.contiguous().unbind(0)), norm_type))
+            rows = g.contiguous().unbind(0)
+            if _torch_compat.inside_transform():  # (vmap has no rule for _foreach_norm)
+                per_member = torch.stack([torch.linalg.vector_norm(r, norm_type) for r in rows])
+            else:
+                per_member = torch.stack(torch._foreach_norm(list(rows), norm_type))
         norms.append(per_member.to(first.device))
     return torch.linalg.vector_norm(torch.stack(norms), norm_type, dim=0)
 
