@@ -311,6 +311,15 @@ def functional_mlp_vmap() -> None:
     backward through the compiled forward equals the loop's (per-member inputs too)."""
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         _functional_mlp_vmap_case(dtype, tol)
+    # fe.vmap(fmodel) built inside the compiled function (found by an audit:
+    # functools.wraps read the FunctionalModule's missing __name__, whose AttributeError
+    # Dynamo could not trace under fullgraph).
+    members = mlp_members(3, torch.float64)
+    fmodel, params, buffers = fe.stack(copy.deepcopy(members))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    run = torch.compile(lambda p, b, x: fe.vmap(fmodel)(p, b, x), fullgraph=True, backend="eager")
+    want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(run(params, buffers, x), want, rtol=1e-10, atol=1e-10)
 
 
 def _functional_mlp_vmap_case(dtype: torch.dtype, tol: float) -> None:

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import re
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -293,10 +294,14 @@ def vmap(
     _in_dims.check_type("vmap", in_dims)
     run = mapped_call(fn, randomness, chunk_size, where="vmap")
 
-    @functools.wraps(fn)
     def mapped(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         n = _num_members("vmap", params, buffers, computing=True)
         return run(params, buffers, args, kwargs, _in_dims.per_argument(in_dims, args, n))
+
+    if isinstance(fn, types.FunctionType) or not torch.compiler.is_compiling():
+        # (A FunctionalModule's missing __name__ raises an AttributeError that Dynamo
+        # cannot trace: fe.vmap(fmodel) built inside a fullgraph function failed.)
+        mapped = functools.wraps(fn)(mapped)
 
     return mapped
 

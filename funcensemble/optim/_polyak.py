@@ -231,7 +231,9 @@ def polyak_update_(
     ``num_batches_tracked``) cannot be averaged: they are copied from ``online``,
     whatever ``tau``; complex leaves are averaged. Everything is checked before anything
     changes (a target that cannot be written in place, such as an expanded view or an
-    inference tensor, is refused); no autograd history is recorded. Under
+    inference tensor, is refused; so, eagerly, is a target sharing memory with its
+    online leaf or another target leaf, a check ``torch.compile`` skips: see the
+    compile guide); no autograd history is recorded. Under
     ``torch.func.vmap`` (e.g. over seeds) it runs one op per leaf, with the same
     numbers; a target leaf must be mapped wherever its online leaf or ``tau`` is.
 
