@@ -71,8 +71,9 @@ def test_a_failed_nccl_exchange_of_layouts_is_a_distributed_error(monkeypatch):
 
 
 def _replicas_agree(out, mine, group=None):
-    """The replicas' tree digests, as a replica that agrees with this one sends them."""
-    out.copy_(mine.expand(out.numel()))
+    """The replicas' tree digests (and refusal flags), as a replica that agrees with this
+    one sends them."""
+    out.copy_(mine.repeat(out.numel() // mine.numel()))
 
 
 def test_a_failed_nccl_gradient_average_is_a_distributed_error(monkeypatch):
