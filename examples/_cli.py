@@ -13,7 +13,7 @@ own folder on ``sys.path``), so that each one:
 
 import argparse
 import importlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,38 @@ def require(prog: str, *modules: str) -> None:
         raise SystemExit(
             f"{prog}: needs {names}, not installed; install the examples' extra: {INSTALL}"
         )
+
+
+def apply_quick(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    settings: dict[str, Any],
+) -> None:
+    """Under ``--quick``, set each of ``settings`` the command line did not give.
+
+    An option given (``--quick --steps 500``) is kept, even where its value is the
+    default: the smoke run is a starting point, not a cage.
+    """
+    if not args.quick:
+        return
+    given = given_options(parser, argv)
+    for name, value in settings.items():
+        if name not in given:
+            setattr(args, name, value)
+
+
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The destinations of the options ``argv`` gives (``None``: this process's arguments)."""
+    not_given = object()  # a default no command line can produce
+    dests = {action.dest for action in parser._actions if action.dest != argparse.SUPPRESS}
+    saved = {dest: parser.get_default(dest) for dest in dests}
+    parser.set_defaults(**dict.fromkeys(dests, not_given))
+    try:
+        parsed = vars(parser.parse_args(argv))
+    finally:
+        parser.set_defaults(**saved)
+    return {dest for dest, value in parsed.items() if value is not not_given}
 
 
 def needs(*, quiet: bool, plot: bool, also: Iterable[str] = ()) -> list[str]:

@@ -38,6 +38,7 @@ import funcensemble as fe
 
 NAME = "deep_ensemble_regression"
 FIGURE = "deep_ensemble.png"  # the name of the figure in docs/img (make figures)
+QUICK = {"members": 5, "steps": 150}  # --quick: a seconds-long smoke run
 TRAIN_RANGE = (-1.0, 1.0)
 PLOT_RANGE = (-3.0, 3.0)
 NOISE = 0.1
@@ -204,7 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "aleatoric and epistemic parts",
     )
     parser.add_argument("--no-plot", action="store_true", help=f"do not save {FIGURE}")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 5 members, 150 steps")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps "
+        "(options given are kept)",
+    )
     _cli.add_common_options(parser, NAME)
     return parser
 
@@ -212,8 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> Result:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.members, args.steps = 5, 150
+    _cli.apply_quick(parser, args, argv, QUICK)
     if args.members < 2 or args.samples < 1 or args.steps < 1:
         parser.error("--members must be at least 2; --samples and --steps positive")
     _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=not args.no_plot))

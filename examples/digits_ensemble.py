@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke run: {QUICK['members']} members, {QUICK['epochs']} epochs",
+        help=f"smoke run: {QUICK['members']} members, {QUICK['epochs']} epochs "
+        "(options given are kept)",
     )
     _cli.add_common_options(parser, NAME)
     return parser
@@ -397,8 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> Result:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.members, args.epochs = QUICK["members"], QUICK["epochs"]
+    _cli.apply_quick(parser, args, argv, QUICK)
     if args.members < 2 or min(args.hidden, args.epochs, args.batch) < 1:
         parser.error("--members must be at least 2; --hidden, --epochs and --batch positive")
     if not 0 <= args.ood_digit <= 9:

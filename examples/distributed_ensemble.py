@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps (in place of "
-        "--members and --steps)",
+        help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps (options given "
+        "are kept)",
     )
     _cli.add_common_options(parser, NAME)
     return parser
@@ -87,8 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.members, args.steps = QUICK["members"], QUICK["steps"]
+    _cli.apply_quick(parser, args, argv, QUICK)
     if args.members < 1 or args.steps < 1 or args.data_parallel < 1 or args.batch < 1:
         parser.error("--members, --steps, --batch and --data-parallel must be positive")
     if args.members < 2:  # (the spread reported at the end needs two)

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps, "
-        f"a checkpoint every {QUICK['every']} (in place of --members, --steps and --every)",
+        f"a checkpoint every {QUICK['every']} (options given are kept)",
     )
     _cli.add_common_options(parser, NAME)
     return parser
@@ -108,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.members, args.steps, args.every = QUICK["members"], QUICK["steps"], QUICK["every"]
+    _cli.apply_quick(parser, args, argv, QUICK)
     if min(args.members, args.steps, args.every, args.keep, args.batch) < 1:
         parser.error("--members, --steps, --every, --keep and --batch must be positive")
     if args.crash_after is not None and not 1 <= args.crash_after < args.steps:

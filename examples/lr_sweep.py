@@ -33,6 +33,7 @@ import funcensemble as fe
 
 NAME = "lr_sweep"
 FIGURE = "lr_sweep.png"  # the name of the figure in docs/img (make figures)
+QUICK = {"members": 6, "steps": 60}  # --quick: a seconds-long smoke run
 IN, HIDDEN = 8, 64
 # The best member is re-trained alone with torch.optim.Adam; its final training loss
 # must match the ensemble member's to this relative tolerance. Both run the same
@@ -152,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=512, help="training points (512)")
     parser.add_argument("--seed", type=int, default=0, help="seed for data and weights (0)")
     parser.add_argument("--no-plot", action="store_true", help=f"do not save {FIGURE}")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 6 members, 60 steps")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['members']} members, {QUICK['steps']} steps "
+        "(options given are kept)",
+    )
     _cli.add_common_options(parser, NAME)
     return parser
 
@@ -160,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> Result:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.members, args.steps = 6, 60
+    _cli.apply_quick(parser, args, argv, QUICK)
     if args.members < 1 or args.steps < 1 or args.samples < 1:
         parser.error("--members, --steps and --samples must be positive")
     _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=not args.no_plot))

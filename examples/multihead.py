@@ -30,6 +30,7 @@ from torch import Tensor, nn
 import funcensemble as fe
 
 NAME = "multihead"
+QUICK = {"heads": 16, "steps": 20}  # --quick: a seconds-long smoke run
 
 IN, HIDDEN, OUT = 8, 32, 4
 LR = 3e-3
@@ -199,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=256, help="shared batch size (256)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (0)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (torch's default)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 16 heads, 20 steps")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK['heads']} heads, {QUICK['steps']} steps (options given are kept)",
+    )
     _cli.add_common_options(parser, NAME, out=False)  # it writes no files
     return parser
 
@@ -207,8 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> list[Result]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.heads, args.steps = 16, 20
+    _cli.apply_quick(parser, args, argv, QUICK)
     if min(args.heads, args.steps, args.batch, args.threads or 1) < 1:
         parser.error("--heads, --steps, --batch and --threads must be positive")
     _cli.require(parser.prog, *_cli.needs(quiet=args.quiet, plot=False))

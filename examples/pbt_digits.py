@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help=f"smoke run: {QUICK['members']} members, {QUICK['rounds']} rounds of "
-        f"{QUICK['interval']} steps",
+        f"{QUICK['interval']} steps (options given are kept)",
     )
     _cli.add_common_options(parser, NAME)
     return parser
@@ -200,12 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> Result:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.members, args.rounds, args.interval = (
-            QUICK["members"],
-            QUICK["rounds"],
-            QUICK["interval"],
-        )
+    _cli.apply_quick(parser, args, argv, QUICK)
     if args.members < 4 or min(args.hidden, args.rounds, args.interval, args.batch) < 1:
         parser.error(
             "--members must be at least 4; --hidden, --rounds, --interval, --batch positive"

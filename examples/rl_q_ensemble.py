@@ -548,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help=f"a seconds-long smoke run that checks that learning starts ({quick}; "
-        "options set to other than their defaults are kept)",
+        "options given are kept)",
     )
     p.add_argument("--no-plot", action="store_true", help=f"do not save {FIGURE}")
     _cli.add_common_options(p, NAME)
@@ -558,10 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> Log:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _cli.apply_quick(parser, args, argv, QUICK)  # its settings, except options given
     values = {k: getattr(args, k) for k in vars(Config())}
-    if args.quick:  # its settings, except those given on the command line
-        defaults = vars(Config())
-        values.update({k: v for k, v in QUICK.items() if values[k] == defaults[k]})
     cfg = Config(**values)
     if (
         not 1 <= cfg.subset <= cfg.critics

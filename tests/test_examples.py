@@ -71,6 +71,36 @@ def test_every_example_is_tested():
     assert not untested, f"examples without a test running them: {untested}"
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_quick_keeps_the_options_given(name, monkeypatch):
+    # Found by an audit: --quick overwrote --members, --steps and the like when given
+    # with it. Options given are kept, even at their default value.
+    ex = load(name)
+    first, second, *rest = ex.QUICK
+    given = {first: ex.QUICK[first] + 1, second: ex.build_parser().get_default(second)}
+    assert given[second] != ex.QUICK[second]
+    real, seen = ex._cli.apply_quick, {}
+
+    def apply_and_stop(parser, args, argv, settings):
+        real(parser, args, argv, settings)
+        seen["args"] = args
+        raise _Stop
+
+    monkeypatch.setattr(ex._cli, "apply_quick", apply_and_stop)
+    argv = ["--quick"]
+    for key, value in given.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    with pytest.raises(_Stop):
+        ex.main(argv)
+    values = vars(seen["args"])
+    assert {key: values[key] for key in given} == given
+    assert {key: values[key] for key in rest} == {key: ex.QUICK[key] for key in rest}
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_option_has_a_help_text(name):
     parser = load(name).build_parser()
