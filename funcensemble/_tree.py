@@ -4,6 +4,7 @@
 ``None`` or an input of ``None`` keeps its place, as in ``torch.func``'s own trees.
 """
 
+import functools
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,31 @@ def flatten_with_paths(tree: Any, root: str = "") -> tuple[list[str], list[Any],
     """Leaves with readable paths (``root['x'][0]``), and the structure."""
     accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, none_is_leaf=True)
     return [a.codify(root) for a in accessors], leaves, spec
+
+
+@functools.lru_cache(maxsize=64)
+def insertion_order(spec: PyTreeSpec) -> tuple[int, ...]:
+    """The leaves' indices in ``flatten``'s order, listed as the tree's dicts were filled.
+
+    optree flattens a ``dict`` by sorted key (``'p10'`` before ``'p2'``), a module's
+    ``named_parameters()`` come in registration order: a reduction over leaves that
+    must round as torch's loop over ``parameters()`` takes them in this order.
+    """
+    tree = optree.tree_unflatten(spec, list(range(spec.num_leaves)))  # insertion order
+    order: list[int] = []
+
+    def walk(node: Any) -> None:
+        if type(node) is int:
+            order.append(node)
+        elif type(node) in (dict, defaultdict):
+            for child in node.values():
+                walk(child)
+        else:
+            for child in optree.tree_flatten_one_level(node, none_is_leaf=True)[0]:
+                walk(child)
+
+    walk(tree)
+    return tuple(order)
 
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:

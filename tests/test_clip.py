@@ -1,6 +1,7 @@
 """fe.optim.clip_by_global_norm against torch.nn.utils.clip_grad_norm_ run per member."""
 
 import copy
+import math
 
 import optree
 import pytest
@@ -286,6 +287,34 @@ def test_float32_norms_of_large_leaves_are_clip_grad_norm_s_bit_for_bit(norm_typ
             assert torch.equal(clipped[k][i], p.grad), (k, i)
     for k in grads:
         assert torch.equal(first[k][0], clipped[k][0])
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, 0.5, math.inf])
+@pytest.mark.parametrize("leaves,n", [(3, 6), (40, 16)])
+def test_float32_norms_over_several_leaves_are_clip_grad_norm_s_bit_for_bit(norm_type, leaves, n):
+    # Found by an audit: the leaves' norms were reduced across a strided axis, so for
+    # p=2 some members' total norm (4 of 120) rounded otherwise than clip_grad_norm_'s.
+    # Then: summed in optree's sorted key order ('p10' before 'p2'), not in the order
+    # of the loop's parameters(), and a transposed leaf's rows read strided.
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        grads = {
+            f"p{j}": torch.randn(
+                n, *[int(s) for s in torch.randint(1, 9, (j % 3,), generator=g)], generator=g
+            )
+            * 3
+            for j in range(leaves)
+        }
+        grads["p1"] = torch.randn(50, n, generator=g).t() * 3  # rows not contiguous
+        clip = fe.optim.clip_by_global_norm(0.1, norm_type=norm_type)
+        clipped, _ = clip.update(grads, clip.init(grads))
+        for i in range(n):
+            params = [nn.Parameter(v[i].clone()) for v in grads.values()]
+            for p, v in zip(params, grads.values(), strict=True):
+                p.grad = v[i].clone()
+            torch.nn.utils.clip_grad_norm_(params, 0.1, norm_type=norm_type)
+            for k, p in zip(grads, params, strict=True):
+                assert torch.equal(clipped[k][i], p.grad), (seed, k, i)
 
 
 @pytest.mark.parametrize(

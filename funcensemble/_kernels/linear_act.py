@@ -90,9 +90,17 @@ class LinearAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: Tensor, w: Tensor, b: Tensor | None, act: str | None) -> Tensor:  # type: ignore[override]
         z = layer(h, w, b, act)
-        # The output only where the activation's derivative needs it: like the plain
-        # baddbmm, a bare layer's output stays free for the caller's in-place ops.
-        ctx.save_for_backward(h, w, z if act is not None else None)
+        # Only what the gradients asked for need, as torch's addmm saves: the weight for
+        # the input's gradient, the input for the weight's, and the output where the
+        # activation's derivative reads it. A tensor not saved stays free for the
+        # caller's in-place ops between forward and backward, as in the loop (the
+        # first layer's weight stepped between two backward passes, a bare layer's
+        # output changed in place).
+        need_h, need_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(
+            h if need_w else None, w if need_h else None, z if act is not None else None
+        )
+        ctx.shapes = (tuple(h.shape), tuple(w.shape))
         ctx.act = act
         ctx.has_bias = b is not None
         return z
@@ -100,7 +108,7 @@ class LinearAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         h, w, y = ctx.saved_tensors
-        n, d_out, d_in = w.shape
+        h_shape, (n, d_out, d_in) = ctx.shapes
         # With create_graph, fresh tensors only: the graph built here keeps them. Under a
         # transform (is_grads_batched, vectorized jacobians run the backward in vmap) the
         # out= kernels have no batching rule: fresh tensors too.
@@ -117,19 +125,19 @@ class LinearAct(torch.autograd.Function):
             )
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = gw = gb = None
-        if h.dim() == 2:
-            w2 = w.reshape(n * d_out, d_in)
+        if len(h_shape) == 2:
             if need_h:
+                w2 = w.reshape(n * d_out, d_in)
                 gh = (
                     w2.t().mm(gz)
                     if not reuse
-                    else torch.mm(w2.t(), gz, out=_workspace.empty(tuple(h.shape), h))
+                    else torch.mm(w2.t(), gz, out=_workspace.empty(h_shape, gz))
                 )
             if need_w:
                 gw = (
                     gz.mm(h.t())
                     if not reuse
-                    else torch.mm(gz, h.t(), out=_workspace.empty((n * d_out, d_in), w))
+                    else torch.mm(gz, h.t(), out=_workspace.empty((n * d_out, d_in), gz))
                 ).view(n, d_out, d_in)
             if need_b and ctx.has_bias:
                 gb = gz.sum(1).view(n, d_out)
@@ -138,13 +146,15 @@ class LinearAct(torch.autograd.Function):
                 gh = (
                     w.transpose(1, 2).bmm(gz)
                     if not reuse
-                    else torch.bmm(w.transpose(1, 2), gz, out=_workspace.empty(tuple(h.shape), h))
+                    else torch.bmm(w.transpose(1, 2), gz, out=_workspace.empty(h_shape, gz))
                 )
             if need_w:
                 gw = (
                     gz.bmm(h.transpose(1, 2))
                     if not reuse
-                    else torch.bmm(gz, h.transpose(1, 2), out=_workspace.empty(tuple(w.shape), w))
+                    else torch.bmm(
+                        gz, h.transpose(1, 2), out=_workspace.empty((n, d_out, d_in), gz)
+                    )
                 )
             if need_b and ctx.has_bias:
                 gb = gz.sum(2)

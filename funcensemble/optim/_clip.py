@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import _torch_compat
+from .._tree import insertion_order
 from ._hyper import Hyper, PerMember, check_members, hyperparameter
 from ._protocol import (
     EmptyState,
@@ -36,7 +37,11 @@ def _member_norms(
     """
     first = leaves[active[0]]
     norms = []
-    for i in active:
+    # The leaves as the loop's parameters() lists them (optree sorts a dict's keys):
+    # the norm of the leaves' norms sums them in that order, as clip_grad_norm_ does.
+    order = insertion_order(spec)
+    taken = set(active)
+    for i in [i for i in order if i in taken]:
         g = leaves[i]
         if g.dim() == 0 or g.shape[0] != first.shape[0]:
             got = "no member axis (0-dim)" if g.dim() == 0 else f"leading size {g.shape[0]}"
@@ -54,7 +59,10 @@ def _member_norms(
                 "parameters' device."
             )
         if norm_type in _BATCHED_NORMS:
-            per_member = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), norm_type, dim=1)
+            # Rows read in order, as the loop's contiguous .grad is: across a strided
+            # row (a transposed leaf) the float32 sum rounds otherwise.
+            rows = g.reshape(g.shape[0], -1).contiguous()
+            per_member = torch.linalg.vector_norm(rows, norm_type, dim=1)
         else:
             # A batched reduction sums p-th powers in another order than one over each
             # member's tensor (7e-6 off in float32 for p=1 on a 300x257 leaf, and member
@@ -66,7 +74,10 @@ def _member_norms(
             else:
                 per_member = torch.stack(torch._foreach_norm(list(rows), norm_type))
         norms.append(per_member.to(first.device))
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type, dim=0)
+    # Each member's leaf norms contiguous, reduced along the last axis as the loop's
+    # clip_grad_norm_ reduces its 1-d stack: across a strided axis ([L, N], dim 0) the
+    # float32 sum rounds otherwise (a relative 1e-7 for some members, from N >= 2).
+    return torch.linalg.vector_norm(torch.stack(norms, dim=1), norm_type, dim=1)
 
 
 @rebuildable
