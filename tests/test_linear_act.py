@@ -254,6 +254,37 @@ def test_in_place_on_the_output_as_with_the_plain_ops():
 
 
 @pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
+def test_a_first_layer_stepped_between_two_backward_passes_as_in_the_loop(
+    per_member, every_buffer_kept
+):
+    # Found by an audit: the kept-buffer route saved every layer's weight, the first
+    # layer's too, whose input needs no gradient; stepping it between two backward
+    # passes of one graph raised autograd's in-place error, where the loop (whose
+    # addmm saves the weight only for the input's gradient) runs.
+    torch.manual_seed(5)
+    loop = [nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 2)).double() for _ in range(3)]
+    ens = fe.Ensemble(copy.deepcopy(loop))
+    x = torch.randn(*([3] if per_member else []), 10, 6, dtype=torch.float64)
+    outs = {
+        "ensemble": (ens(x, in_dims=0 if per_member else None), [ens.stacked[0].weight]),
+        "loop": (
+            torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)]),
+            [m[0].weight for m in loop],
+        ),
+    }
+    assert every_buffer_kept["apply"] == 2  # both layers took the route under test
+    for out, first_weights in outs.values():
+        out.pow(2).sum().backward(retain_graph=True)
+        with torch.no_grad():
+            for w in first_weights:
+                w.sub_(0.1 * w.grad)
+        out.abs().sum().backward()
+    for name, p in ens.stacked_params().items():
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in loop])
+        torch.testing.assert_close(p.grad, want, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
 def test_batched_gradients_through_kept_buffers_match_the_loop(per_member):
     # torch's legacy vmap runs the backward of is_grads_batched and of vectorized
     # jacobians: the kept buffers' out= kernels have no batching rule there, so fresh
