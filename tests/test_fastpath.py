@@ -498,20 +498,29 @@ def test_an_input_of_another_dtype_names_the_input_and_the_layer(dtype):
         members[0](x)
 
 
+@pytest.mark.parametrize("fan_in", [16, 300])
 @pytest.mark.parametrize("per_member", [False, True], ids=["shared", "per-member"])
-def test_autocast_gradients_of_the_mlp_against_the_loop(per_member):
-    """Shared input: outputs and gradients bit for bit the loop's. Per-member inputs:
-    outputs bit for bit, weight gradients to one rounding of bfloat16 (one batched
-    matmul for all members' weight gradients)."""
+def test_autocast_gradients_of_the_mlp_against_the_loop(per_member, fan_in):
+    """Shared input: outputs bit for bit the loop's, with grad and without, and
+    gradients too at 16 inputs (at 300, a few of the first layer's weight gradients
+    round otherwise: the matmul sums over the 600 rows in another order). Per-member
+    inputs: outputs bit for bit, weight gradients to one rounding of bfloat16 (one
+    batched matmul for all members' weight gradients)."""
     torch.manual_seed(0)
-    members = [nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3)) for _ in range(4)]
+    members = [nn.Sequential(nn.Linear(fan_in, 64), nn.Tanh(), nn.Linear(64, 3)) for _ in range(4)]
     loop = copy.deepcopy(members)
-    x = torch.randn(*((4,) if per_member else ()), 600, 16)
+    x = torch.randn(*((4,) if per_member else ()), 600, fan_in)
     ens = fe.Ensemble(members)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = ens(x, in_dims=0 if per_member else None)
+        with torch.no_grad():
+            inferred = ens(x, in_dims=0 if per_member else None)
         want = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)])
+    # Found by an audit: at 300 inputs the shared input, made row-major for the
+    # backward's speed, gave the first layer's bfloat16 matmul another summation
+    # order: 13 outputs of 153,600 off by a rounding, and other than without grad.
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(inferred, want, rtol=0, atol=0)
     out.float().square().mean((1, 2)).sum().backward()
     want.float().square().mean((1, 2)).sum().backward()
     for name, p in ens.stacked_params().items():
@@ -519,7 +528,8 @@ def test_autocast_gradients_of_the_mlp_against_the_loop(per_member):
         expected = torch.stack([m.get_parameter(name).grad for m in loop])
         exact = {"rtol": 0, "atol": 0}
         one_rounding = {"rtol": 2**-7, "atol": 2**-7 * expected.abs().max().item()}
-        torch.testing.assert_close(got, expected, **(one_rounding if per_member else exact))
+        exactly = not per_member and (fan_in == 16 or name != "0.weight")
+        torch.testing.assert_close(got, expected, **(exact if exactly else one_rounding))
 
 
 @pytest.mark.filterwarnings("ignore:Complex modules are a new feature")

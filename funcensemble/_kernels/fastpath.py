@@ -315,7 +315,7 @@ def run(
     if member_dim is None:
         lead = x.shape[:-1]
         h = x.reshape(-1, x.shape[-1]).t()  # shared by all members: [in, rows]
-        if torch.is_grad_enabled() or torch.jit.is_tracing():
+        if (torch.is_grad_enabled() or torch.jit.is_tracing()) and not autocast:
             # (torch.jit.trace checks its trace by tracing again without grad: one
             # graph either way.) Row-major [in, rows] (a copy of x, small next to the
             # layer): autograd then computes the first layer's dW = g @ h^T and dx = W^T @ g in the
