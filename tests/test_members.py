@@ -7,6 +7,7 @@ optimizer's ``state_dict`` loaded into a new optimizer (hyperparameters included
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from helpers import (
@@ -305,6 +306,40 @@ def test_copy_takes_index_tensors_as_argsort_gives_them():
     opt.copy_members_(ranked[0], ranked[1])
     loop.copy([2], [0])
     assert_same(ens, opt, loop)
+
+
+def test_numpy_indices_and_argmin_pick_members_as_ints_do():
+    # Found by a new-user audit: ens.member(losses.argmin()), ens.member(np.int64),
+    # ens.select(np.argsort(...)[:2]) and copy_members_ of NumPy integers were refused.
+    ens, opt, loop = start("sgd", torch.float64)
+    ensemble_step(ens, opt, 0)
+    loop.step(0)
+    scores = np.array([0.3, 0.1, 0.5, 0.2])
+    best = np.argsort(scores)[:2]  # [1, 3], int64
+    for index in (best[0], torch.tensor(scores).argmin(), np.array(1), torch.tensor(-3)):
+        for name, p in ens.member(index).named_parameters():
+            assert torch.equal(p, ens.stacked_params()[name][1])
+    kept, ints = ens.select(best), ens.select([1, 3])
+    assert_trees_equal(kept.stacked_params(), ints.stacked_params())
+    assert_trees_equal(opt.select(best, kept).state, opt.select([1, 3], ints).state)
+    assert_trees_equal(fe.select(opt.state, best.astype(np.uint8)), fe.select(opt.state, [1, 3]))
+    ens.copy_members_(best[0], np.int32(0))
+    opt.copy_members_(best[:1], np.array([0]))
+    loop.copy([1], [0])
+    assert_same(ens, opt, loop)
+    hens = fe.HeteroEnsemble([nn.Linear(2, 1), nn.Linear(2, 3)])
+    assert hens.member(np.int64(1)).out_features == 3
+    with runtime_typecheck_off():
+        for bad, match in [
+            (np.array([True, False, True, False]), r"NumPy array must be 1-D of integers.*mask"),
+            (np.array([[0]]), r"NumPy array must be 1-D of integers, got shape \(1, 1\)"),
+            (np.array([0.0]), r"NumPy array must be 1-D of integers.*float64"),
+        ]:
+            with pytest.raises(TypeError, match=match):
+                ens.select(bad)
+        for bad in (np.bool_(True), torch.tensor(True), torch.tensor(1.0), np.array([1])):
+            with pytest.raises(TypeError, match=r"index must be an int \(expected a member"):
+                ens.member(bad)
 
 
 def test_copy_swaps_and_leaves_grads_alone():

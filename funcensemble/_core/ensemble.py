@@ -3,7 +3,7 @@
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, SupportsIndex, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,15 @@ from . import turns as _turns
 from .fresh_outputs import not_saved
 from .functional_module import FunctionalModule
 from .in_dims import InDims
-from .members import Indices, check_indices, copy_leaves_, copy_mapping, join, take
+from .members import (
+    Indices,
+    check_indices,
+    checked_member_index,
+    copy_leaves_,
+    copy_mapping,
+    join,
+    take,
+)
 from .seeding import build_seeded, check_seed, global_rng_restored_on_error, member_seed
 from .skeleton import (
     Location,
@@ -380,8 +388,9 @@ class Ensemble(nn.Module):
         return mapped(params, buffers, args, kwargs, dims)
 
     @_taking_turns
-    def member(self, index: int) -> nn.Module:
-        """An independent ordinary module holding member ``index`` (negative counts back);
+    def member(self, index: SupportsIndex) -> nn.Module:
+        """An independent ordinary module holding member ``index`` (negative counts back;
+        a NumPy integer or a 0-d integer tensor such as ``losses.argmin()`` works too);
         objects of your own classes that every member holds stay shared, as in the loop.
 
         Example:
@@ -390,21 +399,10 @@ class Ensemble(nn.Module):
             >>> torch.equal(ens.member(-1).weight, ens.stacked.weight[3])
             True
         """
-        n = self._checked_num_members("Ensemble.member")
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(
-                f"Ensemble.member: index must be an int (expected a member index, got "
-                f"{type(index).__name__}). Pass an int in range(num_members)."
-            )
-        if not -n <= index < n:
-            raise IndexError(
-                f"Ensemble.member: index {index} is out of range for an ensemble of {n} "
-                f"members (valid: {-n} to {n - 1})."
-            )
-        _weight_transforms.check_unchanged(
-            "Ensemble.member", self.stacked, self.fmodel._weight_transforms
-        )
-        return member_module(self.stacked, self.stacked_params(), self.stacked_buffers(), index % n)
+        where = "Ensemble.member"
+        i = checked_member_index(where, index, self._checked_num_members(where))
+        _weight_transforms.check_unchanged(where, self.stacked, self.fmodel._weight_transforms)
+        return member_module(self.stacked, self.stacked_params(), self.stacked_buffers(), i)
 
     @_taking_turns
     def unstack(self) -> list[nn.Module]:
@@ -507,7 +505,7 @@ class Ensemble(nn.Module):
         )
 
     @_taking_turns
-    def copy_members_(self, src: int | Indices, dst: int | Indices) -> None:
+    def copy_members_(self, src: SupportsIndex | Indices, dst: SupportsIndex | Indices) -> None:
         """Copy member ``src`` over member ``dst`` in place: parameters and buffers.
 
         The exploit step of population-based training. ``src`` and ``dst`` are ints or

@@ -7,8 +7,9 @@ step count, a schedule's count) or a non-tensor leaf is one value shared by all 
 import operator
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -16,7 +17,42 @@ from .. import _tree
 from .._messages import a
 
 PyTree = Any
-Indices = Sequence[int] | Tensor
+Indices = Sequence[int] | Tensor | np.ndarray
+
+
+def member_index(value: object) -> int | None:
+    """``value`` as one member index: an int, a NumPy integer or a 0-d integer tensor
+    (``losses.argmin()``); None for anything else, bools included."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, Tensor):
+        integer = (
+            not (value.is_floating_point() or value.is_complex()) and value.dtype != torch.bool
+        )
+        return int(value) if value.dim() == 0 and integer else None
+    if isinstance(value, np.ndarray) and (value.ndim != 0 or value.dtype.kind not in "iu"):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def checked_member_index(where: str, index: SupportsIndex, n: int) -> int:
+    """One member index in ``[0, n)`` (negative ones count back), or a clear error."""
+    i = member_index(index)
+    if i is None:
+        raise TypeError(
+            f"{where}: index must be an int (expected a member index, got "
+            f"{type(index).__name__}). Pass an int in range(num_members); a NumPy integer "
+            "or a 0-d integer tensor (losses.argmin()) works too."
+        )
+    if not -n <= i < n:
+        raise IndexError(
+            f"{where}: index {i} is out of range for an ensemble of {n} members (valid: "
+            f"{-n} to {n - 1})."
+        )
+    return i % n
 
 
 def check_indices(
@@ -34,10 +70,18 @@ def check_indices(
                 "pass mask.nonzero().squeeze(1)."
             )
         out = [int(i) for i in indices.tolist()]
+    elif isinstance(indices, np.ndarray):
+        if indices.ndim != 1 or indices.dtype.kind not in "iu":
+            raise TypeError(
+                f"{where}: {what} as a NumPy array must be 1-D of integers, got shape "
+                f"{indices.shape} and dtype {indices.dtype}. For a boolean mask pass "
+                "mask.nonzero()[0]."
+            )
+        out = [int(i) for i in indices.tolist()]
     elif isinstance(indices, (str, bytes)) or not isinstance(indices, Sequence):
         raise TypeError(
-            f"{where}: {what} must be a sequence of ints or a 1-D integer tensor, got "
-            f"{type(indices).__name__}."
+            f"{where}: {what} must be a sequence of ints or a 1-D integer tensor or "
+            f"NumPy array, got {type(indices).__name__}."
         )
     else:
         out = []
@@ -165,13 +209,14 @@ def select(tree: PyTree, indices: Indices) -> PyTree:
 
     Args:
         tree: A pytree whose tensors have the member axis first, e.g. ``params``.
-        indices: Member indices: a sequence of ints or a 1-D integer tensor.
+        indices: Member indices: a sequence of ints, or a 1-D integer tensor or NumPy
+            array.
 
     Returns:
         A pytree shaped like ``tree`` with ``len(indices)`` members.
 
     Raises:
-        TypeError: ``indices`` is not a sequence of ints or a 1-D integer tensor.
+        TypeError: ``indices`` is not a sequence of ints or a 1-D integer array.
         ValueError: ``indices`` is empty, or the leaves' leading sizes differ.
         IndexError: An index out of range (checked before anything is built).
 
@@ -305,15 +350,14 @@ def concat(trees: Sequence[PyTree]) -> PyTree:
     return join("concat", trees)
 
 
-def copy_mapping(where: str, src: int | Indices, dst: int | Indices, n: int) -> list[int]:
+def copy_mapping(
+    where: str, src: SupportsIndex | Indices, dst: SupportsIndex | Indices, n: int
+) -> list[int]:
     """``list(range(n))`` with ``dst[k]`` replaced by ``src[k]``, after checking both."""
 
     def as_list(what: str, value: Any) -> list[int]:
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = [value]
-        elif isinstance(value, Tensor) and value.dim() == 0:
-            value = value.reshape(1)
-        return check_indices(where, value, n, what=what)
+        one = member_index(value)
+        return check_indices(where, value if one is None else [one], n, what=what)
 
     s, d = as_list("src", src), as_list("dst", dst)
     if len(s) != len(d):

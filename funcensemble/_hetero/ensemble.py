@@ -2,7 +2,7 @@
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,7 @@ from .._core import in_dims as _in_dims
 from .._core import own_keywords, wrapper_call
 from .._core.ensemble import Ensemble, check_no_swap
 from .._core.in_dims import InDims
+from .._core.members import checked_member_index
 from .._core.own_keywords import OWN
 from .._core.rollback import rollback_on_error
 from .._core.stack import member_list
@@ -385,8 +386,9 @@ class HeteroEnsemble(nn.Module):
 
     # -- members -----------------------------------------------------------------------
 
-    def member(self, index: int) -> nn.Module:
-        """An independent ordinary module holding member ``index`` (negative counts back).
+    def member(self, index: SupportsIndex) -> nn.Module:
+        """An independent ordinary module holding member ``index`` (negative counts back;
+        a NumPy integer or a 0-d integer tensor works too).
 
         Example:
             >>> import torch, funcensemble as fe
@@ -394,18 +396,8 @@ class HeteroEnsemble(nn.Module):
             >>> hens.member(1).weight.shape
             torch.Size([4, 3])
         """
-        n = self.num_members
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(
-                f"HeteroEnsemble.member: index must be an int (expected a member index, got "
-                f"{type(index).__name__}). Pass an int in range(num_members)."
-            )
-        if not -n <= index < n:
-            raise IndexError(
-                f"HeteroEnsemble.member: index {index} is out of range for an ensemble of "
-                f"{n} members (valid: {-n} to {n - 1})."
-            )
-        g, position = self._position[index % n]
+        i = checked_member_index("HeteroEnsemble.member", index, self.num_members)
+        g, position = self._position[i]
         return self.groups[g].member(position)
 
     def unstack(self) -> list[nn.Module]:

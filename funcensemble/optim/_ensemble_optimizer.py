@@ -2,7 +2,7 @@
 
 import copy
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, SupportsIndex
 
 import optree
 import torch
@@ -619,8 +619,8 @@ class EnsembleOptimizer:
 
     def copy_members_(
         self,
-        src: int | Indices,
-        dst: int | Indices,
+        src: SupportsIndex | Indices,
+        dst: SupportsIndex | Indices,
         *,
         transform: GradientTransformation | None = None,
     ) -> None:
