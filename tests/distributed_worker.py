@@ -379,6 +379,27 @@ def disagree(rank: int, out: Path) -> None:
         "cancel on one replica",
         lambda: fe.distributed.average_gradients({"w": torch.ones(n, 3)}, replica, weights=w),
     )
+    # Data replicas of the same members (a 1 x 2 mesh) calling min here and max there,
+    # another correction, or drawing subsets from generators seeded by rank: each went
+    # on with its own result, no one process's (found by an audit).
+    values = torch.arange(n * 3.0).view(n, 3) - 4
+    expect_error(
+        "replicas min or max",
+        lambda: (fe.distributed.min if rank == 0 else fe.distributed.max)(values, replica),
+    )
+    name = "replicas min or max"
+    messages[name] = messages[name] and messages[name].partition(": ")[2]  # (its own name)
+    expect_error(
+        "replicas correction",
+        lambda: fe.distributed.var(values, replica, correction=rank),
+    )
+    expect_error(
+        "replicas subset",
+        lambda: fe.distributed.subset_min(values, replica, 2, generator=generator(2 * rank)),
+    )
+    messages["replicas same subset"] = fe.distributed.subset_min(
+        values, replica, 2, generator=generator(7)
+    ).tolist()
     dtype = torch.float32 if rank == 0 else torch.int64
     expect_error(
         "integer on one replica",

@@ -1393,6 +1393,22 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     assert messages["cancel on one replica"].startswith(
         "average_gradients: member 0's weights on data replica 1 sum to 0 but are not all 0"
     ), messages["cancel on one replica"]
+    replicas = "the 2 data replicas (counted along the mesh's data axis)"
+    assert messages["replicas min or max"].startswith(
+        f"{replicas} made different calls (expected the "
+        "same function with the same arguments on every replica of these members): they "
+        "differ in the collective (rank 0: min; rank 1: max)"
+    ), messages["replicas min or max"]
+    assert "correction (rank 0: 0.0; rank 1: 1.0)" in messages["replicas correction"]
+    assert messages["replicas subset"].startswith(
+        f"subset_min: {replicas} drew different subsets of members"
+    ), messages["replicas subset"]
+    want = fe.reduce.subset_min(
+        torch.arange(worker.NUM_MEMBERS * 3.0).view(-1, 3) - 4,
+        2,
+        generator=torch.Generator().manual_seed(7),
+    )
+    assert messages["replicas same subset"] == want.tolist()
     assert messages["integer on one replica"] == (
         "TypeError: average_gradients: leaf 0 has dtype torch.int64 on data replica 1 "
         "(expected floating-point gradients, got torch.int64). Average other values "

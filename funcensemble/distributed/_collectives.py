@@ -49,6 +49,13 @@ def _collective(where: str, rank: int, world: int, op: Callable[[], Any], group:
         return op()
 
 
+def _device(shard: MemberShard) -> torch.device:
+    """Where a small exchange over the shard's groups runs (CUDA under NCCL)."""
+    if dist.is_initialized() and dist.get_backend(shard.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _check_shard(where: str, shard: object) -> MemberShard:
     if not isinstance(shard, MemberShard):
         raise TypeError(
@@ -230,6 +237,65 @@ def _check_layout(
     )
 
 
+def _check_replicas(
+    where: str,
+    shard: MemberShard,
+    device: torch.device,
+    *,
+    args: Description | None = None,
+    draw: Tensor | None = None,
+) -> None:
+    """Refuse, on every data replica of these members, calls that differ between them.
+
+    A collective combines this rank's members with the other member ranks' (its member
+    group); the data replicas holding the same members each run their own. Replicas
+    calling ``min`` here and ``max`` there, with another ``correction``, or drawing
+    another subset (generators seeded per data rank) would go on with results no one
+    process gives: one 16-byte row per replica (the call's digest, and the drawn
+    subset's) is gathered along the data axis, and only where they differ are the
+    calls exchanged, to name what differs.
+    """
+    if shard.data_size <= 1:
+        return
+    name, call = _call(where, args)
+    drawn = 0 if draw is None else _digest(draw.to(torch.uint8).cpu().numpy().tobytes().hex())
+    mine = torch.tensor([_digest(repr(sorted(call.items()))), drawn], device=device)
+    rows = mine.new_empty(2 * shard.data_size)
+
+    def gather_rows() -> list[list[int]]:
+        all_gather_single(rows, mine, group=shard.data_group)
+        return rows.view(shard.data_size, 2).tolist()  # read inside: NCCL may fail here
+
+    with failures(
+        where,
+        f"comparing the calls of {shard.data_size} data replicas",
+        shard.data_rank,
+        shard.data_size,
+        group=shard.data_group,
+    ):
+        found = gather_rows()
+    if all(row == found[0] for row in found):
+        return
+    replicas = "data replicas (counted along the mesh's data axis)"
+    if any(row[0] != found[0][0] for row in found):
+        calls = exchange(name, call, shard.data_rank, shard.data_size, shard.data_group)
+        raise ValueError(
+            f"{name}: the {shard.data_size} {replicas} made different calls (expected the "
+            f"same function with the same arguments on every replica of these members): "
+            f"they differ in {differences(calls)}, so the replicas would go on with "
+            "results of different meanings. Make every rank call the same fe.distributed "
+            "functions, with the same arguments, in the same order."
+        )
+    raise ValueError(
+        f"{where}: the {shard.data_size} {replicas} drew different subsets of members "
+        "(expected one draw, from generators in the same state on every rank; with "
+        "per_sample, replicas holding other batch sizes draw other subsets), so their "
+        "results would be minima over different members. Pass "
+        "generator=torch.Generator().manual_seed(step), the same seed on every rank "
+        "(not seeded by rank), or use predict, which gathers the batch first."
+    )
+
+
 def _refuse_calls(name: str, call: Description, rank: int, world: int, group: Any) -> None:
     """Raise on every rank, naming each rank's call, when the ranks' calls differ."""
     shown = differences(exchange(name, call, rank, world, group))
@@ -374,6 +440,7 @@ def all_gather(local: StackedTree, shard: MemberShard) -> StackedTree:
         member_first=True,
     )
     with torch.no_grad():
+        _check_replicas(where, shard, checked[0].device if checked else _device(shard))
         if shard.world_size > 1 and not checked:
             tree.check_empty(where, shard.rank, shard.world_size, shard.group)
         out = [_gather_one(where, shard, t, tree) for t in checked]
@@ -420,6 +487,7 @@ def mean(local: Float[Tensor, " member *rest"], shard: MemberShard) -> Float[Ten
     where = "mean"
     shard = _check_shard(where, shard)
     values = _reduce.check_floating(where, _check_local(where, "local", local, shard))
+    _check_replicas(where, shard, values.device)
     if shard.world_size == 1:
         return _reduce.mean(values)
     with torch.no_grad():
@@ -434,6 +502,7 @@ def _var_dtype(values: Tensor) -> torch.dtype:
 def _var(where: str, local: Tensor, shard: MemberShard, correction: int | float) -> Tensor:
     values = _reduce.check_floating(where, _check_local(where, "local", local, shard))
     _reduce._check_correction(where, correction, shard.num_members)
+    _check_replicas(where, shard, values.device, args={"correction": repr(float(correction))})
     if shard.world_size == 1:
         return torch.var(values, dim=0, correction=correction)
     n = shard.num_members
@@ -496,6 +565,7 @@ def _extreme(where: str, local: Tensor, shard: MemberShard, largest: bool) -> Te
     shard = _check_shard(where, shard)
     values = _check_local(where, "local", local, shard)
     _real(where, values)
+    _check_replicas(where, shard, values.device)
     with torch.no_grad():
         out = values.amax(dim=0) if largest else values.amin(dim=0)
         if shard.world_size == 1:
@@ -607,6 +677,13 @@ def subset_min(
             mask.scatter_(1, chosen, True)
             mine = mask[:, shard.members].T.to(values.device)
             mine = mine.reshape(*mine.shape, *[1] * (values.dim() - 2))
+        _check_replicas(
+            where,
+            shard,
+            values.device,
+            args={"k": repr(k), "per_sample": repr(per_sample)},
+            draw=mask,
+        )
         if shard.world_size > 1:
             _check_same_draw(where, shard, mask.to(values.device))
         if values.is_floating_point():

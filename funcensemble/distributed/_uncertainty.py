@@ -24,14 +24,16 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .. import _reduce
-from ._collectives import _all_reduce, _check_local, _check_shard, wide
+from ._collectives import _all_reduce, _check_local, _check_replicas, _check_shard, wide
 from ._member_shard import MemberShard
 
 
 def _local_log_probs(where: str, local: object, shard: object) -> tuple[Tensor, MemberShard]:
     shard = _check_shard(where, shard)
     logits = _check_local(where, "local", local, shard)
-    return _reduce._log_probs(where, logits), shard
+    log_probs = _reduce._log_probs(where, logits)
+    _check_replicas(where, shard, log_probs.device)
+    return log_probs, shard
 
 
 def _log_mean(where: str, log_probs: Tensor, shard: MemberShard) -> Tensor:
