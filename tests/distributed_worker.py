@@ -366,6 +366,13 @@ def disagree(rank: int, out: Path) -> None:
             fe.Ensemble.from_factory(dropped, num_members=NUM_MEMBERS, seed=0, randomness="same")
         ),
     )
+    # An ensemble built directly (or given randomness="same" after): check_agreement
+    # and predict passed it (found by an audit).
+    direct = fe.Ensemble([dropped() for _ in range(shard.size)], randomness="same")
+    expect_error("same randomness agreement", lambda: shard.check_agreement(direct))
+    expect_error(
+        "same randomness predict", lambda: fe.distributed.predict(direct, shard, torch.ones(2, 4))
+    )
     # With data replicas only, every rank holds every member: one draw for all is kept.
     shared = replica.from_factory(dropped, seed=0, randomness="same")
     masks = shared(torch.ones(3, 4)) == 0

@@ -1379,6 +1379,8 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     for name, where in (
         ("same randomness", "MemberShard.from_factory"),
         ("same randomness select", "MemberShard.select"),
+        ("same randomness agreement", "MemberShard.check_agreement"),
+        ("same randomness predict", "predict"),
     ):
         assert messages[name] == (
             f"{where}: randomness='same' shares one draw among all members, which members "

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from .. import _tree
+from .._core.ensemble import Ensemble
 from .._messages import submodule
 from ._collectives import _check_layout, _check_shard, _collective, _Tree, broadcast, calling
 from ._collectives import max as max_
@@ -409,6 +410,8 @@ def predict(
             f"{type(model).__name__}). Pass this rank's ensemble or a function calling it."
         )
     chosen = _reductions(where, reductions)
+    if isinstance(model, Ensemble):
+        shard._check_randomness(where, model.randomness)
     if shard.data_size > 1:
         _check_no_batch_statistics(where, model, shard)
     if src is not None:

@@ -528,6 +528,9 @@ class MemberShard:
             description,
             "Set up every rank alike: the same architecture, dtypes, optimizer and settings.",
         )
+        # After the exchange (which compares randomness too): every rank raises alike.
+        if isinstance(state, Ensemble):
+            self._check_randomness(where, state.randomness)
 
     def __repr__(self) -> str:
         return (
