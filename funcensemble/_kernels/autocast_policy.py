@@ -78,6 +78,25 @@ def _inner(input: Any, other: Any) -> str | None:
     return "lower" if cast else "off"
 
 
+# Whether eager CPU autocast's transposed convolutions round once from float32, per
+# autocast dtype: they do where oneDNN runs them in bfloat16 (AVX-512 CPUs); on CPUs
+# without it torch's own kernel adds the overlapping patches in bfloat16 (col2im),
+# rounding each sum, which the same kernel under vmap repeats bit for bit. Asked once,
+# eagerly, on a case whose sums round otherwise (see CpuAutocastPolicy.__init__).
+_TRANSPOSED_ROUND_ONCE: dict[torch.dtype, bool] = {}
+
+
+def _probe_transposed(dtype: torch.dtype) -> None:
+    if dtype not in _TRANSPOSED_ROUND_ONCE:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(2, 8, 6, 6, generator=g), torch.randn(8, 4, 3, 3, generator=g)
+        with torch.autocast("cpu", dtype=dtype):
+            eager = F.conv_transpose2d(x, w)
+        with torch.autocast("cpu", enabled=False):
+            once = F.conv_transpose2d(x.to(dtype).float(), w.to(dtype).float()).to(dtype)
+        _TRANSPOSED_ROUND_ONCE[dtype] = torch.equal(eager, once)
+
+
 # The convolutions, on autocast's lower-precision list (rewrites.py casts them too).
 CONVOLUTIONS = (
     F.conv1d,
@@ -87,6 +106,7 @@ CONVOLUTIONS = (
     F.conv_transpose2d,
     F.conv_transpose3d,
 )
+_TRANSPOSED = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
 _LOWER = (
     torch.linalg.vecdot,
     torch.prelu,  # F.prelu
@@ -158,6 +178,7 @@ class CpuAutocastPolicy(TorchFunctionMode):
         super().__init__()
         self.where = where
         _probe_inner(_torch_compat.autocast_dtype("cpu"))
+        _probe_transposed(_torch_compat.autocast_dtype("cpu"))
 
     @staticmethod
     def _eligible(t: Any) -> bool:
@@ -211,6 +232,8 @@ class CpuAutocastPolicy(TorchFunctionMode):
         if policy == "rounded" and dtype != torch.bfloat16:
             # The one rounding from float32 was checked against bfloat16 kernels only.
             policy = "lower"
+        if policy == "rounded" and func in _TRANSPOSED and not _TRANSPOSED_ROUND_ONCE[dtype]:
+            policy = "lower"  # the loop's kernel rounds each sum: its own, under vmap
         if policy in ("lower", "rounded"):
             args, kwargs = self._cast_all(args, kwargs, dtype)
         if policy in ("rounded", "fp32"):
