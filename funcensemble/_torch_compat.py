@@ -398,6 +398,7 @@ _NO_RULE = re.compile(
     r"Batching rule not implemented for (\S+?)\.? We could not generate"
     r"|(\S+) hit the vmap fallback which is currently disabled"
     r"|we do not yet support (\S+?)\. Please file"
+    r"|Batching rule not implemented for (\S+?); the fallback path doesn't work on out="
 )
 
 
@@ -407,7 +408,8 @@ def missing_batching_rule(message: str) -> str | None:
     match = _NO_RULE.search(message)
     if match is None:
         return None
-    return (match.group(1) or match.group(2) or match.group(3)).removesuffix(".")
+    found = match.group(1) or match.group(2) or match.group(3) or match.group(4)
+    return found.removesuffix(".")
 
 
 # ---- autograd, hooks, kernels ---------------------------------------------------------------

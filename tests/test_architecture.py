@@ -439,6 +439,33 @@ def test_op_vmap_does_not_support_gets_the_same_clear_error() -> None:
         fe.Ensemble(modules)(torch.randn(2, 3))
 
 
+class RunningMax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = lin(3, 4)
+        self.register_buffer("top", torch.full((4,), -1e9))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.lin(x)
+        torch.maximum(self.top, y.detach().amax(0), out=self.top)
+        return y - self.top
+
+
+def test_an_out_call_in_forward_gets_a_clear_error_and_the_batching_form() -> None:
+    # Found by an audit: torch's raw "Batching rule not implemented for
+    # aten::maximum.out; the fallback path doesn't work on out= or view ops" came out.
+    modules = [RunningMax() for _ in range(3)]
+    fmodel, params, buffers = fe.stack(modules)
+    pattern = (
+        r": the operator aten::maximum\.out \(a call with out=\) has no vmap batching "
+        r"rule.*Write buf\.copy_\(torch\.maximum\(buf, value\)\)"
+    )
+    with pytest.raises(RuntimeError, match="vmap" + pattern):
+        fe.vmap(fmodel)(params, buffers, torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="Ensemble" + pattern):
+        fe.Ensemble(modules)(torch.randn(2, 3))
+
+
 # --- Ensemble.member, load_state_dict, from_factory, unstack ---------------------------
 
 

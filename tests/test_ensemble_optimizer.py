@@ -550,6 +550,39 @@ def test_a_transform_keeping_another_kind_of_state_says_how_to_go_on():
     assert_trees_equal((ens.state_dict(), opt.state), kept)
 
 
+def test_a_clip_put_in_front_mid_run_says_how_to_keep_the_moments():
+    # Found by an audit: the chain's own words came out ("Pass the state that init
+    # returned", "got EmptyState"), which an EnsembleOptimizer's user never passes.
+    torch.manual_seed(0)
+    loop = [nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double() for _ in range(N)]
+    ens = fe.Ensemble(copy.deepcopy(loop))
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    torch_opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in loop]
+    for step in range(5):
+        x = torch.randn(6, 3, dtype=torch.float64)
+        if step == 2:
+            opt.transform = fe.optim.chain(fe.optim.clip_by_global_norm(0.05), fe.optim.adam(1e-2))
+        opt.zero_grad()
+        ens(x).pow(2).mean(dim=(1, 2)).sum().backward()
+        if step == 2:
+            kept = copy.deepcopy((ens.state_dict(), opt.state))
+            with pytest.raises(ValueError, match=r"EnsembleOptimizer\.step: .*chain") as error:
+                opt.step()
+            assert "opt.state = (fe.optim.EmptyState(), opt.state)" in str(error.value)
+            assert_trees_equal((ens.state_dict(), opt.state), kept)
+            opt.state = (fe.optim.EmptyState(), opt.state)  # as it advises
+        opt.step()
+        for m, o in zip(loop, torch_opts, strict=True):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            if step >= 2:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+    for name, p in ens.stacked_params().items():
+        want = torch.stack([m.get_parameter(name) for m in loop])
+        torch.testing.assert_close(p, want, rtol=1e-12, atol=1e-14)
+
+
 def test_copy_members_with_a_transform_of_another_kind_is_refused_before_copying():
     """Its docstring: everything is checked before anything is written. Member 2's Adam
     moments were overwritten, then the next step refused the sgd transform."""

@@ -142,6 +142,15 @@ def _on_cpu(params: Any, buffers: Any) -> bool:
 def _explain(error: RuntimeError | ValueError, randomness: str, where: str) -> Exception | None:
     message = str(error)
     op = _torch_compat.missing_batching_rule(message)
+    if op is not None and op.endswith(".out"):
+        return RuntimeError(
+            f"{where}: the operator {op} (a call with out=) has no vmap batching rule, "
+            "so the members cannot run as one vectorized call (expected in-place updates "
+            "written without out=, got a call writing into out=). Write "
+            "buf.copy_(torch.maximum(buf, value)) for torch.maximum(buf, value, out=buf), "
+            "or an in-place method (buf.add_(value) for torch.add(buf, value, out=buf)): "
+            "the same values, and they batch."
+        )
     if op is not None:
         return RuntimeError(
             f"{where}: the operator {op} has no vmap batching rule, so the members "

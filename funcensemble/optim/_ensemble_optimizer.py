@@ -334,7 +334,18 @@ class EnsembleOptimizer:
                 where="EnsembleOptimizer.step",
                 grads_root=None,
             )
-        except TypeError as error:
+        except (TypeError, ValueError) as error:
+            if isinstance(error, ValueError) and "the state is not this chain's" in str(error):
+                raise ValueError(
+                    "EnsembleOptimizer.step: the transform assigned since this optimizer's "
+                    "state was made is a chain of another length (expected a transform "
+                    "whose state is this optimizer's, got one that needs "
+                    f"another: {error}). Nothing was changed. Build a new "
+                    "EnsembleOptimizer with it (its state starts afresh); to keep the "
+                    "moments when you put a stateless transform in front "
+                    "(chain(clip_by_global_norm(c), adam(lr))), assign "
+                    "opt.state = (fe.optim.EmptyState(), opt.state) with it."
+                ) from error
             if "the state is not this transform's" not in str(error):
                 raise
             told = str(error).replace(" Pass the state that this transform's init returned.", "")
