@@ -83,6 +83,25 @@ def test_single_module_instead_of_a_sequence(build) -> None:
         build(nn.Sequential(lin(), lin(2, 2)))
 
 
+@pytest.mark.parametrize("build", [fe.stack, fe.Ensemble, fe.HeteroEnsemble])
+def test_an_ensemble_instead_of_modules_points_to_its_parts(build) -> None:
+    # Found by a new-user audit: "Wrap it in a list", then fe.stack([ens]) refused too.
+    ens = fe.Ensemble([lin() for _ in range(3)])
+    hens = fe.HeteroEnsemble([lin(), lin(3, 4)])
+    with runtime_typecheck_off():
+        with pytest.raises(
+            TypeError,
+            match=r"modules is an fe\.Ensemble, already stacked .* ens\.fmodel, "
+            r"ens\.stacked_params\(\) and ens\.stacked_buffers\(\); ens\.unstack\(\)",
+        ):
+            build(ens)
+        with pytest.raises(
+            TypeError,
+            match=r"modules is an fe\.HeteroEnsemble, already stacked .*\)\. ens\.unstack",
+        ):
+            build(hens)
+
+
 @pytest.mark.parametrize("build", [fe.stack, fe.Ensemble])
 def test_non_module_member(build) -> None:
     with pytest.raises(

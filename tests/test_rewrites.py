@@ -178,6 +178,25 @@ def test_global_average_pool_of_channels_last_matches_the_loop(
     _train_both(modules, inputs, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("layout", ["both", "weights", "input"])
+def test_group_norm_after_a_channels_last_conv_matches_the_loop(groups: int, layout: str) -> None:
+    # Found by an audit: a UNet's Conv2d -> GroupNorm in channels_last raised torch's
+    # "NYI: querying is_contiguous inside of vmap", where the loop runs.
+    torch.manual_seed(0)
+    modules = [
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(groups, 4), nn.SiLU(), nn.Flatten()).double()
+        for _ in range(3)
+    ]
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(2, 3, 6, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+    if layout in ("weights", "both"):
+        modules = [m.to(memory_format=torch.channels_last) for m in modules]
+    if layout in ("input", "both"):
+        inputs = [x.to(memory_format=torch.channels_last) for x in inputs]
+    _train_both(modules, inputs, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("rank", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("pool", [nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d])
 def test_global_average_pool_takes_the_input_ranks_the_loop_takes(pool: type, rank: int) -> None:

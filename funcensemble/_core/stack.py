@@ -74,6 +74,19 @@ def member_list(
 
     ``sequences`` names what ``where`` accepts in the error message.
     """
+    if type(modules).__name__ in ("Ensemble", "HeteroEnsemble") and isinstance(
+        modules, nn.Module
+    ):  # (by name: the ensemble classes import this module)
+        parts = (
+            "Its functional parts are ens.fmodel, ens.stacked_params() and ens.stacked_buffers(); "
+            if type(modules).__name__ == "Ensemble"
+            else ""
+        )
+        raise TypeError(
+            f"{where}: modules is an fe.{type(modules).__name__}, already stacked "
+            f"(expected a sequence of ordinary modules, got an ensemble). {parts}"
+            "ens.unstack() gives its members as ordinary modules."
+        )
     if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
         raise TypeError(
             f"{where}: modules is a single module (expected a sequence of modules such as "

@@ -25,6 +25,8 @@ functional calls:
   parameters or statistics of another dtype than the input, where torch's kernels (the
   loop) refuse them or, for float32 ones with a float16/bfloat16 input, return the
   input's dtype; here they are refused, or computed, as the kernels do;
+- ``F.group_norm`` on a ``channels_last`` input: its kernel asks the input's memory
+  format, which vmap cannot answer; the input is made contiguous first (the same values);
 - ``F.embedding`` of an ``nn.Embedding``: vmap's rule checks no index against the
   member's own table (one member's out-of-range index reads another member's row),
   keeps only member 0's padding row out of the gradient and cannot renormalise in
@@ -243,6 +245,8 @@ class VmapRewrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         func = _torch_functions.original(func)  # (a user's replacement runs once)
+        if func is F.group_norm:
+            args, kwargs = _row_major_input(args, kwargs)
         if self.check_dtypes and func in _NORMS:
             return self._in_kernel_dtypes(func, args, kwargs)
         return self._rewritten(func, args, kwargs)
@@ -286,6 +290,17 @@ class VmapRewrites(TorchFunctionMode):
             if pooled is not None:
                 return pooled
         return func(*args, **kwargs)
+
+
+def _row_major_input(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``F.group_norm``'s input made contiguous: on a ``channels_last`` input (a UNet's
+    convolutions) its kernel asks the input's memory format, which vmap cannot answer
+    ("NYI: querying is_contiguous inside of vmap"); the values are the same."""
+    if args and isinstance(args[0], Tensor):
+        return (args[0].contiguous(), *args[1:]), kwargs
+    if isinstance(kwargs.get("input"), Tensor):
+        return args, {**kwargs, "input": kwargs["input"].contiguous()}
+    return args, kwargs
 
 
 def _refuse_under_a_users_mode(func: Any) -> None:
@@ -373,7 +388,9 @@ def vmap_rewrites(skeleton: nn.Module, tensors: Any = ()) -> contextlib.Abstract
     norms = _batchnorm.norm_layers(skeleton)
     rule = _batchnorm.BatchNormRule(_batchnorm.cumulative(norms))
     fold = _batchnorm.has_batch_norm(norms)
-    other = embedding or any(isinstance(m, _POOL_LAYERS + _NORM_LAYERS) for m in skeleton.modules())
+    other = embedding or any(
+        isinstance(m, _POOL_LAYERS + _NORM_LAYERS + (nn.GroupNorm,)) for m in skeleton.modules()
+    )
     # A grad transform inside the vmap: LayerNorm and BatchNorm as elementary ops.
     decompose = _torch_compat.grad_innermost() and any(
         isinstance(m, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm)) for m in skeleton.modules()
