@@ -272,6 +272,8 @@ class VmapRewrites(TorchFunctionMode):
                 return count
         elif func is F.embedding:
             return embedding_per_member(*args, **kwargs)
+        elif func is F.binary_cross_entropy_with_logits:
+            _refuse_mixed_logits(*args, **kwargs)
         elif func in _AUTOCAST_CAST and self.autocast:
             return _autocast_cast(self.autocast, func, args, kwargs)
         elif func is F.multi_head_attention_forward and self.autocast:
@@ -290,6 +292,23 @@ class VmapRewrites(TorchFunctionMode):
             if pooled is not None:
                 return pooled
         return func(*args, **kwargs)
+
+
+def _refuse_mixed_logits(input: Any, target: Any, *args: Any, **kwargs: Any) -> None:
+    """Refuse ``F.binary_cross_entropy_with_logits`` of two floating dtypes: torch's
+    kernel computes the loss in place in a tensor of the target's dtype (a float64
+    input with a float32 target, as ``(h > 0).float()`` gives, returns float32), which
+    its vmap rule does not (float64): the loop's dtype, and its values to a rounding."""
+    kinds = [t.dtype for t in (input, target) if isinstance(t, Tensor) and t.is_floating_point()]
+    if len(kinds) == 2 and kinds[0] != kinds[1]:
+        raise TypeError(
+            "binary_cross_entropy_with_logits: the input is "
+            f"{str(kinds[0]).removeprefix('torch.')} and the target "
+            f"{str(kinds[1]).removeprefix('torch.')} (expected one dtype: the loop's kernel "
+            "rounds the loss to the target's dtype, which the members' vectorized call "
+            f"cannot repeat, got {kinds[0]} and {kinds[1]}). Cast the target: "
+            "target.to(input.dtype)."
+        )
 
 
 def _row_major_input(args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -389,7 +408,8 @@ def vmap_rewrites(skeleton: nn.Module, tensors: Any = ()) -> contextlib.Abstract
     rule = _batchnorm.BatchNormRule(_batchnorm.cumulative(norms))
     fold = _batchnorm.has_batch_norm(norms)
     other = embedding or any(
-        isinstance(m, _POOL_LAYERS + _NORM_LAYERS + (nn.GroupNorm,)) for m in skeleton.modules()
+        isinstance(m, _POOL_LAYERS + _NORM_LAYERS + (nn.GroupNorm, nn.BCEWithLogitsLoss))
+        for m in skeleton.modules()
     )
     # A grad transform inside the vmap: LayerNorm and BatchNorm as elementary ops.
     decompose = _torch_compat.grad_innermost() and any(

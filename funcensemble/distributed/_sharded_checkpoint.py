@@ -43,6 +43,7 @@ from .._hetero.ensemble import HeteroEnsemble
 from .._messages import key_difference, pytree_leaf, tensor_spec
 from .._torch_compat import DCP_NO_PROCESS_GROUP_WARNING, dcp_save_planner_to_lowest_rank
 from ..optim._ensemble_optimizer import EnsembleOptimizer
+from ..optim._recipes import _PARTS, Recipe, describe, recipe_of
 from ._agreement import agree_to_write
 from ._dcp_checksums import (
     CHECKSUM_FILE,
@@ -64,6 +65,11 @@ T = TypeVar("T")
 # it), stored as the SHA-256 of its text in four int64 values written once: DCP's
 # shards hold tensors, and a string would be a pickle to read back.
 _RECORD = "transform_sha256"
+# Its per-member hyperparameters (``[n]`` tensors of its n members, such as
+# adam(lr=LR[shard.members])), stored as member-sharded rows like its state: each rank
+# holds other values, so the record written once describes each by its dtype alone
+# (see ``_transform_apart``); the values are compared member by member on load.
+_PER_MEMBER = "transform_per_member"
 _VALUE_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 _NO_DIST_WARNING = DCP_NO_PROCESS_GROUP_WARNING
 
@@ -107,8 +113,16 @@ def _refuse_hetero(where: str, obj: Any) -> None:
 def _flatten(where: str, obj: Any) -> _Flat:
     _refuse_hetero(where, obj)
     if isinstance(obj, EnsembleOptimizer):
-        # Its state_dict()'s state, as fe.save stores it, and its transform's record.
-        return _flatten(where, {"state": obj.state_dict()["state"], _RECORD: _record(obj)})
+        # Its state_dict()'s state, as fe.save stores it, its transform's record, and
+        # its per-member hyperparameters, by member.
+        record, hypers = _transform_apart(obj)
+        tree: dict[str, Any] = {"state": obj.state_dict()["state"], _RECORD: _digest(record)}
+        if hypers:
+            device = _device(obj)
+            tree[_PER_MEMBER] = [value.detach().to(device) for _, value in hypers]
+        flat = _flatten(where, tree)
+        labels = {f"{_PER_MEMBER}.{i}": _hyper_label(label) for i, (label, _) in enumerate(hypers)}
+        return replace(flat, labels={**flat.labels, **labels})
     if isinstance(obj, Ensemble):
         refuse_extra_state(where, obj.stacked, "stacked.")
         kinds = {id(t): "parameter" for t in obj.stacked_params().values()}
@@ -184,10 +198,75 @@ def _own_value(tree: Any, parts: list[str]) -> Any:
     return tree
 
 
-def _record(opt: EnsembleOptimizer) -> list[int]:
-    """The SHA-256 of the optimizer's transform record, as four int64 values."""
-    digest = hashlib.sha256(opt._described.encode()).digest()
+def _digest(record: str) -> list[int]:
+    """The SHA-256 of a transform record, as four int64 values."""
+    digest = hashlib.sha256(record.encode()).digest()
     return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+
+def _device(opt: EnsembleOptimizer) -> torch.device:
+    """Where the optimizer's parameters (and state) are."""
+    return next((p.device for p in opt.params.values()), torch.device("cpu"))
+
+
+def _hyper_label(label: str) -> str:
+    return f"per-member hyperparameter `{label}`"
+
+
+def _transform_apart(opt: EnsembleOptimizer) -> tuple[str, list[tuple[str, Tensor]]]:
+    """The optimizer's transform record without its per-member values, and those.
+
+    The record is ``describe``'s text of the transform (what ``state_dict()`` records
+    and ``fe.load`` compares), with each per-member hyperparameter (a 1-dim tensor of
+    one value per member of this optimizer, as ``fe.optim.select`` counts them) shown
+    by its dtype alone: the same on every rank and on every mesh, where the full text
+    holds each rank's own values. The per-member tensors come with a label naming
+    them (``adam(lr=...)``), in the record's order. Without any, the record is the
+    full text, as saved before per-member values were kept apart.
+    """
+    n = opt._num_members() if opt.params else None
+    found: list[tuple[str, Tensor]] = []
+    record = _apart(opt.transform, n, found, "transform")
+    return (record, found) if found else (opt._described, [])
+
+
+def _apart(value: Any, n: int | None, found: list[tuple[str, Tensor]], label: str) -> str:
+    """``describe(value)``, each per-member tensor of ``n`` values put in ``found``."""
+    if hasattr(value, "update") and hasattr(value, "init"):
+        recipe = recipe_of(value.update)
+        if recipe is None or _PARTS.get(value.update) is not None:
+            return describe(value)
+        return _call_apart(recipe, n, found)
+    if isinstance(value, Tensor):
+        if value.dim() == 1 and n is not None and value.shape[0] == n:
+            found.append((label, value))
+            return f"tensor(<one per member>, {str(value.dtype).removeprefix('torch.')})"
+        return describe(value)
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_apart(v, n, found, f"{label}[{k}]") for k, v in enumerate(value))
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):  # in key order, as describe
+        items = sorted(value.items(), key=lambda kv: repr(kv[0]))
+        shown = (f"{k!r}: {_apart(v, n, found, f'{label}[{k!r}]')}" for k, v in items)
+        return "{" + ", ".join(shown) + "}"
+    if callable(value):  # a schedule, whose values may be per member too
+        recipe = recipe_of(value)
+        return describe(value) if recipe is None else _call_apart(recipe, n, found)
+    return describe(value)
+
+
+def _call_apart(recipe: Recipe, n: int | None, found: list[tuple[str, Tensor]]) -> str:
+    """``describe``'s text of a recorded call, each per-member tensor put in ``found``."""
+    build, args, kwargs = recipe
+    try:  # one description however the arguments were passed, as describe
+        bound = inspect.signature(build).bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+    except (TypeError, ValueError):
+        named = {**dict(enumerate(args)), **kwargs}
+    name = getattr(build, "__name__", "transform")
+    shown = ", ".join(f"{k}={_apart(v, n, found, f'{name}({k}=...)')}" for k, v in named.items())
+    return f"{name}({shown})"
 
 
 def _spread(shard: MemberShard) -> bool:
@@ -451,6 +530,85 @@ def _counts_as_saved(
     return replace(flat, leaves=leaves)
 
 
+def _hypers_as_saved(where: str, obj: EnsembleOptimizer, saved: dict[str, Any]) -> _Flat:
+    """``obj``'s leaves to read, its per-member hyperparameters as the checkpoint holds
+    them (this optimizer's rows, in the saved dtypes), whatever its own: they are
+    compared with its own once read, after the record, as fe.load compares the
+    transform first (another transform has other per-member values)."""
+    prefix = f"{_PER_MEMBER}."
+    count = sum(1 for k in saved if k.startswith(prefix) and k[len(prefix) :].isdigit())
+    tree: dict[str, Any] = {"state": obj.state_dict()["state"], _RECORD: _digest("")}
+    if count == 0:  # saved without per-member values (none, or before they were kept)
+        return _flatten(where, tree)
+    rows = obj._num_members() if obj.params else 0
+    values = []
+    for i in range(count):
+        md = saved.get(f"{prefix}{i}")
+        if isinstance(md, TensorStorageMetadata) and len(md.size) > 0:
+            shape, dtype = (rows, *md.size[1:]), md.properties.dtype
+        else:  # (refused by _check, naming it)
+            shape, dtype = (rows,), torch.float32
+        values.append(torch.zeros(shape, dtype=dtype, device=_device(obj)))
+    tree[_PER_MEMBER] = values
+    flat = _flatten(where, tree)
+    _, hypers = _transform_apart(obj)
+    labels = {f"{prefix}{i}": _hyper_label(label) for i, (label, _) in enumerate(hypers)}
+    return replace(flat, labels={**flat.labels, **labels})
+
+
+def _transform_difference(
+    obj: EnsembleOptimizer, loaded: dict[str, Any], shard: MemberShard
+) -> str | None:
+    """How the checkpoint's transform differs from ``obj``'s, or None, as ``fe.load``
+    compares them: the record (without per-member values where the checkpoint keeps
+    them apart, else the whole text as saved before), then this rank's members' values."""
+    record, hypers = _transform_apart(obj)
+    saved = loaded.get(_PER_MEMBER)
+    if saved is None:
+        record = obj._described  # every value in the record, as fe.load compares it
+    if loaded.get(_RECORD) is not None and loaded[_RECORD] != _digest(record):
+        return (
+            f"whose transform or hyperparameters differ from this one's,\n  {record}\n"
+            "(expected the same transform and hyperparameters; the checkpoint records "
+            "them by their SHA-256)"
+        )
+    for (label, mine), theirs in zip(hypers, saved or [], strict=True):
+        mine = mine.detach().cpu().contiguous()
+        theirs = theirs.detach().cpu().contiguous()
+        # Bit by bit, as fe.load compares their text (-0.0 is not 0.0).
+        differ = mine.view(torch.uint8).reshape(len(mine), -1) != theirs.view(torch.uint8).reshape(
+            len(theirs), -1
+        )
+        rows = differ.any(dim=1).nonzero().flatten().tolist()
+        if rows:
+            first, start = rows[0], shard.members.start
+            members = ", ".join(str(start + j) for j in rows[:8])
+            more = f" and {len(rows) - 8} more" if len(rows) > 8 else ""
+            return (
+                f"whose {_hyper_label(label)} differs from this one's at member"
+                f"{'s' if len(rows) > 1 else ''} {members}{more} (expected the saved "
+                f"{theirs[first].item()!r} for member {start + first}, got "
+                f"{mine[first].item()!r})"
+            )
+    return None
+
+
+def _shared(where: str, name: str, found: str | None, shard: MemberShard) -> str | None:
+    """What any rank found (the lowest rank's, naming it), on every rank; ``found``
+    itself in one process."""
+    rank, world, group = shard._all_ranks()
+    if world == 1 or _alone():
+        return found
+    findings: list[str | None] = [None] * world
+    what = f"exchanging what it found comparing the optimizer with '{name}'"
+    with failures(where, what, rank, world, group=group):
+        dist.all_gather_object(findings, found, group=group)
+    for by, finding in enumerate(findings):
+        if finding is not None:
+            return f"{finding} (found by rank {by} of {world})"
+    return None
+
+
 def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: MemberShard) -> None:
     difference = key_difference(
         flat.leaves.keys() - saved.keys(), saved.keys() - flat.leaves.keys(), label=flat.label
@@ -568,11 +726,13 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     flat = _flatten(where, obj)
     metadata, checksums = _metadata(where, path)
     saved = dict(metadata.state_dict_metadata)
-    recorded = [k for k in saved if k.startswith(f"{_RECORD}.")]
+    recorded = [k for k in saved if k.startswith((f"{_RECORD}.", f"{_PER_MEMBER}."))]
     if isinstance(obj, EnsembleOptimizer) and not recorded:
         # Saved before the record was kept (or as a pytree of the state): not compared.
         flat = _flatten(where, {"state": obj.state_dict()["state"]})
-    elif not isinstance(obj, EnsembleOptimizer) and f"{_RECORD}.0" not in flat.leaves:
+    elif isinstance(obj, EnsembleOptimizer):
+        flat = _hypers_as_saved(where, obj, saved)
+    elif f"{_RECORD}.0" not in flat.leaves:
         for key in recorded:  # an optimizer's checkpoint into a template of its state
             del saved[key]
     num_members = _saved_members(where, name, flat, saved)
@@ -664,18 +824,17 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             out.append(type(leaf)(value.item()))
     loaded = flat.treedef.unflatten(out)
     if isinstance(obj, EnsembleOptimizer):
-        record = _record(obj)
-        if loaded.get(_RECORD, record) != record:
+        # Before anything changes, on every rank: a rank alone may find a member's
+        # hyperparameter that differs.
+        found = _shared(where, name, _transform_difference(obj, loaded, shard), shard)
+        if found is not None:
             raise ValueError(
-                f"{where}: '{name}' was saved by an optimizer whose transform or "
-                f"hyperparameters differ from this one's,\n  {obj._described}\n(expected "
-                "the same transform and hyperparameters; the checkpoint records them by "
-                "their SHA-256): torch.optim's load_state_dict would put the saved "
-                "hyperparameters back, while this state holds none and would continue "
-                "with these. Build the optimizer with the saved transform and load; to "
-                "change hyperparameters on purpose, assign the new one afterwards "
-                "(opt.transform = ..., as torch.optim users set param_groups after "
-                "loading)."
+                f"{where}: '{name}' was saved by an optimizer {found}: torch.optim's "
+                "load_state_dict would put the saved hyperparameters back, while this "
+                "state holds none and would continue with these. Build the optimizer "
+                "with the saved transform and load; to change hyperparameters on purpose, "
+                "assign the new one afterwards (opt.transform = ..., as torch.optim users "
+                "set param_groups after loading)."
             )
         obj.load_state_dict({"state": loaded["state"]})
         return obj  # type: ignore[return-value]
