@@ -36,7 +36,6 @@ import _cli
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import funcensemble as fe
 
@@ -132,9 +131,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         # The ranks as a (members, data) mesh: members split over the first axis, each
         # member's batch over the second.
         d = args.data_parallel
-        mesh = init_device_mesh(
-            device.type, (dist.get_world_size() // d, d), mesh_dim_names=("member", "data")
-        )
+        # (fe.distributed.init_mesh: the mesh's groups keep the process group's timeout)
+        mesh = fe.distributed.init_mesh(dist.get_world_size() // d, d)
         shard = fe.distributed.MemberShard(args.members, mesh=mesh)  # this rank's members
         first = dist.get_rank() == 0
     else:

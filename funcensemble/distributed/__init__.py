@@ -31,6 +31,7 @@ from ._collectives import var as var
 from ._data_parallel import average_gradients as average_gradients
 from ._errors import DistributedError as DistributedError
 from ._inference import predict as predict
+from ._init_mesh import init_mesh as init_mesh
 from ._member_shard import MemberShard as MemberShard
 from ._member_shard import init_process_group as init_process_group
 from ._per_shard import PerShard as PerShard
@@ -53,6 +54,7 @@ __all__ = [
     "average_gradients",
     "broadcast",
     "expected_entropy",
+    "init_mesh",
     "init_process_group",
     "load",
     "max",

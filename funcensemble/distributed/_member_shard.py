@@ -177,9 +177,10 @@ class MemberShard:
     ranks on it, member rank r owns ``member_slices(num_members, M)[r]`` (sizes differ
     by at most one; uneven splits are fine, more ranks than members are refused).
     Without ``mesh``, the mesh is one-dimensional over ``group``: every rank holds
-    other members. A mesh from ``init_device_mesh(device_type, (M, D),
-    mesh_dim_names=("member", "data"))`` adds D data-parallel replicas of each member
-    slice: each replica is fed its part of every batch
+    other members. A mesh from [`init_mesh(M, D)`][funcensemble.distributed.init_mesh]
+    (or torch's ``init_device_mesh(device_type, (M, D), mesh_dim_names=("member",
+    "data"))``, whose groups get torch's default timeout) adds D data-parallel replicas
+    of each member slice: each replica is fed its part of every batch
     ([`batch_slice`][funcensemble.distributed.MemberShard.batch_slice]) and the
     gradients are averaged over the ``"data"`` axis
     ([`average_gradients`][funcensemble.distributed.average_gradients]), as
