@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sharded_checkpoint_worker as worker
 import torch
 from helpers import assert_trees_equal, dcp_load_alone, dcp_save_alone
 from torch import nn
@@ -317,16 +318,8 @@ def test_entries_stored_as_pickled_objects_are_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
-    """Rank 1 alone reads the damaged file; rank 0 must fail too, not wait inside DCP.
-    Then ranks loading two different intact checkpoints (steps 6 and 3, same structure)
-    are refused on every rank: each loaded its own without a word. And ranks saving to
-    different paths fail on every rank, leaving no .metadata, with a message that says
-    so (it blamed an unshared filesystem alone)."""
-    import sharded_checkpoint_worker as worker
-
+def run_two_ranks(*args: str) -> list[str]:
+    """Each rank's output of ``sharded_checkpoint_worker.py *args`` on 2 gloo ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -340,7 +333,7 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
     }
     ranks = [
         subprocess.Popen(
-            [sys.executable, worker.__file__, str(tmp_path / "ckpt")],
+            [sys.executable, worker.__file__, *args],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -356,6 +349,18 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
         for rank in ranks:
             rank.kill()
             rank.wait()
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    """Rank 1 alone reads the damaged file; rank 0 must fail too, not wait inside DCP.
+    Then ranks loading two different intact checkpoints (steps 6 and 3, same structure)
+    are refused on every rank: each loaded its own without a word. And ranks saving to
+    different paths fail on every rank, leaving no .metadata, with a message that says
+    so (it blamed an unshared filesystem alone)."""
+    outputs = run_two_ranks(str(tmp_path / "ckpt"))
     for output in outputs:
         assert (
             "ERROR distributed.load: checkpoint '" in output
@@ -374,3 +379,184 @@ def test_damage_found_by_one_rank_fails_every_rank(tmp_path: Path) -> None:
             and "or were given different paths (pass every rank the same directory)" in output
             and "metadata=False" in output
         ), output
+
+
+# --- an EnsembleOptimizer with per-member hyperparameters ----------------------------------
+
+
+def fake_shard(num_members: int, rank: int, world_size: int) -> fe.distributed.MemberShard:
+    """The MemberShard that rank ``rank`` of ``world_size`` would hold, in this process:
+    without a process group, load reads all members and keeps this rank's rows."""
+    shard = fe.distributed.MemberShard(num_members)
+    shard.rank, shard.world_size = rank, world_size
+    shard.slices = tuple(fe.distributed.member_slices(num_members, world_size))
+    shard.members = shard.slices[rank]
+    return shard
+
+
+def clone(value: Any) -> Any:
+    return None if value is None else value.clone()
+
+
+def rows_of(state: dict[str, Any], rows: slice) -> dict[str, Any]:
+    """An optimizer state_dict's state at members ``rows`` (shared step counts as they are)."""
+    return {k: v if v is None or v.dim() == 0 else v[rows] for k, v in state["state"].items()}
+
+
+def one_process_run(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The reference: all members in one process, saved after 2 steps to ``path/one-ens``
+    and ``path/one-opt``; the optimizer state then, and the ensemble and optimizer
+    states after 3 steps more."""
+    every = slice(None)
+    ens, opt = worker.opt_run(every)
+    worker.opt_steps(ens, opt, every, 0, 2)
+    fe.distributed.save(path / "one-ens", ens)
+    fe.distributed.save(path / "one-opt", opt)
+    fe.save(path / "one-opt.fe", opt)
+    after_two = {"state": {k: clone(v) for k, v in opt.state_dict()["state"].items()}}
+    worker.opt_steps(ens, opt, every, 2, 3)
+    return after_two, ens.state_dict(), opt.state_dict()
+
+
+def resume_on(path: Path, rank: int, world: int) -> tuple[slice, Any, Any, dict[str, Any]]:
+    """Rank ``rank`` of ``world`` loads ``path/*-ens`` and ``path/*-opt`` (``path`` names
+    the pair) into fresh members of its own and steps 3 times."""
+    shard = fake_shard(worker.OPT_MEMBERS, rank, world)
+    rows = shard.members
+    ens, opt = worker.opt_run(rows, seed=1)
+    fe.distributed.load(f"{path}-ens", ens, shard)
+    assert fe.distributed.load(f"{path}-opt", opt, shard) is opt
+    loaded = {"state": {k: clone(v) for k, v in opt.state_dict()["state"].items()}}
+    worker.opt_steps(ens, opt, rows, 2, 3)
+    return rows, ens, opt, loaded
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_per_member_hyperparameters_load_on_any_rank_and_step_as_one_process(
+    tmp_path: Path, world: int
+) -> None:
+    """adam(lr=LR[rows], weight_decay=WD[rows]) saved in one process was refused on 2
+    ranks (its record held every member's values, each rank's its own); now the record
+    leaves them out and each rank compares its members' values, then steps as the one
+    process does, bit for bit."""
+    after_two, ens_ref, opt_ref = one_process_run(tmp_path)
+    for rank in range(world):
+        rows, ens, opt, loaded = resume_on(tmp_path / "one", rank, world)
+        assert_trees_equal(rows_of(loaded, slice(None)), rows_of(after_two, rows))
+        assert_trees_equal(opt.state_dict()["state"], rows_of(opt_ref, rows))
+        assert_trees_equal(ens.state_dict(), {k: v[rows] for k, v in ens_ref.items()})
+        assert opt.state_dict()["transform"] == worker.opt_run(rows)[1].state_dict()["transform"]
+
+
+def test_a_per_member_hyperparameter_that_differs_is_refused_as_fe_load_refuses(
+    tmp_path: Path,
+) -> None:
+    """fe.load refuses an optimizer whose per-member lr differs from the saved one's;
+    so does fe.distributed.load, naming the hyperparameter and the member, on the rank
+    that holds it, before anything changes. A rank without that member loads (it
+    steps as saved); another transform is refused by its record."""
+    one_process_run(tmp_path)
+    lr = worker.LR.clone()
+    lr[4] = 7e-3
+    _, other = worker.opt_run(slice(None), lr)
+    with pytest.raises(ValueError, match=r"^load: the state was saved by an optimizer whose"):
+        fe.load(tmp_path / "one-opt.fe", other)
+    member = (
+        r"whose per-member hyperparameter `adam\(lr=\.\.\.\)` differs from this one's at "
+        r"member 4 \(expected the saved 0\.005 for member 4, got 0\.007\): torch\.optim's "
+    )
+    for shard in (None, fake_shard(5, 1, 2)):
+        rows = slice(None) if shard is None else shard.members
+        _, other = worker.opt_run(rows, lr)
+        before = {k: clone(v) for k, v in other.state_dict()["state"].items()}
+        with pytest.raises(
+            ValueError, match=rf"^distributed.load: '.*one-opt' was saved by an optimizer {member}"
+        ):
+            fe.distributed.load(tmp_path / "one-opt", other, shard)
+        assert_trees_equal(other.state_dict()["state"], before)
+    _, other = worker.opt_run(slice(0, 3), lr)
+    fe.distributed.load(tmp_path / "one-opt", other, fake_shard(5, 0, 2))
+    ens = fe.Ensemble.from_factory(worker.opt_member, num_members=5)
+    for transform in (
+        fe.optim.adam(1e-3),
+        fe.optim.adam(worker.LR.float(), weight_decay=worker.WD),
+    ):
+        with pytest.raises(
+            ValueError, match=r"whose transform or hyperparameters differ from this one's,\n"
+        ):
+            fe.distributed.load(tmp_path / "one-opt", fe.optim.EnsembleOptimizer(ens, transform))
+
+
+def test_optimizer_checkpoints_without_per_member_values_load_as_before(tmp_path: Path) -> None:
+    """A transform without per-member values is recorded as before (the SHA-256 of its
+    whole record, no other leaf); a checkpoint saved before per-member values were kept
+    apart (the whole record, every member's values in it) loads in one process as
+    before, and is refused for other values. A template of the state alone reads the
+    state of either."""
+    import hashlib
+
+    import torch.distributed.checkpoint as dcp_module
+
+    def sha(text: str) -> list[int]:
+        digest = hashlib.sha256(text.encode()).digest()
+        return [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8, 16, 24)]
+
+    ens = fe.Ensemble.from_factory(worker.opt_member, num_members=5, seed=0)
+    opt = fe.optim.EnsembleOptimizer(ens, fe.optim.adam(1e-2))
+    worker.opt_steps(ens, opt, slice(None), 0, 1)
+    fe.distributed.save(tmp_path / "scalar", opt)
+    keys = dcp_module.FileSystemReader(tmp_path / "scalar").read_metadata().state_dict_metadata
+    assert not any(k.startswith("transform_per_member") for k in keys)
+    template = {"state": opt.state_dict()["state"], "transform_sha256": [0] * 4}
+    back = fe.distributed.load(tmp_path / "scalar", template)
+    assert back["transform_sha256"] == sha(opt.state_dict()["transform"])
+
+    every = slice(None)
+    ens, opt = worker.opt_run(every)
+    worker.opt_steps(ens, opt, every, 0, 1)
+    old = {"state": opt.state_dict()["state"], "transform_sha256": sha(opt._described)}
+    fe.distributed.save(tmp_path / "old", old)
+    _, same = worker.opt_run(every)
+    fe.distributed.load(tmp_path / "old", same)
+    assert_trees_equal(same.state_dict(), opt.state_dict())
+    _, other = worker.opt_run(every, worker.LR * 2)
+    with pytest.raises(ValueError, match=r"whose transform or hyperparameters differ"):
+        fe.distributed.load(tmp_path / "old", other)
+
+    fe.distributed.save(tmp_path / "new", opt)
+    keys = dcp_module.FileSystemReader(tmp_path / "new").read_metadata().state_dict_metadata
+    assert {"transform_per_member.0", "transform_per_member.1"} <= set(keys)
+    for path in ("old", "new"):
+        template = {"state": worker.opt_run(every)[1].state_dict()["state"]}
+        back = fe.distributed.load(tmp_path / path, template)
+        assert_trees_equal(back["state"], opt.state_dict()["state"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_per_member_hyperparameters_on_two_ranks_resume_as_one_process(tmp_path: Path) -> None:
+    """Saved on 2 ranks, every rank refused (the ranks' records differed, each holding
+    its own members' values). Now a 2-rank checkpoint loads in one process and on 3
+    ranks, a one-process checkpoint loads on 2 ranks, and each steps on as the one
+    process does; a member's lr that differs on rank 1 is refused on both ranks."""
+    after_two, ens_ref, opt_ref = one_process_run(tmp_path)
+    outputs = run_two_ranks(str(tmp_path), "optimizer")
+    member = (
+        "MISMATCH distributed.load: '{}' was saved by an optimizer whose per-member "
+        "hyperparameter `adam(lr=...)` differs from this one's at member 4 (expected the "
+        "saved 0.005 for member 4, got 0.007) (found by rank 1 of 2): torch.optim's "
+    ).format(tmp_path / "one-opt")
+    for output in outputs:
+        assert "resumed" in output and member in output, output
+        assert "untouched=True" in output, output
+    for world in (1, 3):
+        for rank in range(world):
+            rows, ens, opt, loaded = resume_on(tmp_path / "two", rank, world)
+            assert_trees_equal(rows_of(loaded, slice(None)), rows_of(after_two, rows))
+            assert_trees_equal(opt.state_dict()["state"], rows_of(opt_ref, rows))
+            assert_trees_equal(ens.state_dict(), {k: v[rows] for k, v in ens_ref.items()})
+    ens, opt = worker.opt_run(slice(None), seed=1)
+    fe.distributed.load(tmp_path / "resumed-ens", ens)
+    fe.distributed.load(tmp_path / "resumed-opt", opt)
+    assert_trees_equal(opt.state_dict(), opt_ref)
+    assert_trees_equal(ens.state_dict(), ens_ref)

@@ -261,7 +261,7 @@ def _call_apart(recipe: Recipe, n: int | None, found: list[tuple[str, Tensor]]) 
     try:  # one description however the arguments were passed, as describe
         bound = inspect.signature(build).bind(*args, **kwargs)
         bound.apply_defaults()
-        named = dict(bound.arguments)
+        named: dict[Any, Any] = dict(bound.arguments)
     except (TypeError, ValueError):
         named = {**dict(enumerate(args)), **kwargs}
     name = getattr(build, "__name__", "transform")
@@ -348,8 +348,11 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             "opt": opt_state, "step": 10}``, or this rank's
             [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer] (stored as its
             ``state_dict()``, as [`fe.save`][funcensemble.save] stores it, its
-            transform's record as its SHA-256, which ``load`` compares), or a
-            ``torch.optim`` optimizer over this rank's ensemble (its ``state_dict()``).
+            transform's record as its SHA-256, which ``load`` compares; per-member
+            hyperparameters, such as ``adam(lr=LR[shard.members])``, are written as
+            rows by member like the state, each rank its members' values, and the
+            record describes them by their dtype), or a ``torch.optim`` optimizer over
+            this rank's ensemble (its ``state_dict()``).
         shard: This rank's [`MemberShard`][funcensemble.distributed.MemberShard].
             Optional in a single process, where ``obj`` holds all members.
 
@@ -556,9 +559,7 @@ def _hypers_as_saved(where: str, obj: EnsembleOptimizer, saved: dict[str, Any]) 
     return replace(flat, labels={**flat.labels, **labels})
 
 
-def _transform_difference(
-    obj: EnsembleOptimizer, loaded: dict[str, Any], shard: MemberShard
-) -> str | None:
+def _transform_difference(obj: EnsembleOptimizer, loaded: Any, shard: MemberShard) -> str | None:
     """How the checkpoint's transform differs from ``obj``'s, or None, as ``fe.load``
     compares them: the record (without per-member values where the checkpoint keeps
     them apart, else the whole text as saved before), then this rank's members' values."""
@@ -572,14 +573,10 @@ def _transform_difference(
             "(expected the same transform and hyperparameters; the checkpoint records "
             "them by their SHA-256)"
         )
-    for (label, mine), theirs in zip(hypers, saved or [], strict=True):
-        mine = mine.detach().cpu().contiguous()
-        theirs = theirs.detach().cpu().contiguous()
-        # Bit by bit, as fe.load compares their text (-0.0 is not 0.0).
-        differ = mine.view(torch.uint8).reshape(len(mine), -1) != theirs.view(torch.uint8).reshape(
-            len(theirs), -1
-        )
-        rows = differ.any(dim=1).nonzero().flatten().tolist()
+    if saved is None:
+        return None  # (its record held every value)
+    for (label, mine), theirs in zip(hypers, saved, strict=True):
+        rows = _differing_rows(mine, theirs)
         if rows:
             first, start = rows[0], shard.members.start
             members = ", ".join(str(start + j) for j in rows[:8])
@@ -591,6 +588,14 @@ def _transform_difference(
                 f"{mine[first].item()!r})"
             )
     return None
+
+
+def _differing_rows(mine: Tensor, theirs: Tensor) -> list[int]:
+    """The rows where two [n] tensors of one dtype differ, bit by bit, as fe.load
+    compares their text (-0.0 is not 0.0)."""
+    mine = mine.detach().cpu().contiguous().view(torch.uint8).reshape(len(mine), -1)
+    theirs = theirs.detach().cpu().contiguous().view(torch.uint8).reshape(len(theirs), -1)
+    return (mine != theirs).any(dim=1).nonzero().flatten().tolist()
 
 
 def _shared(where: str, name: str, found: str | None, shard: MemberShard) -> str | None:
@@ -684,7 +689,11 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
             saved values is returned, each tensor on its template's device with its
             ``requires_grad``; or this rank's
             [`EnsembleOptimizer`][funcensemble.optim.EnsembleOptimizer], loaded in place
-            (through its ``load_state_dict``) and returned. Optimizer step counts load
+            (through its ``load_state_dict``) and returned; as
+            [`fe.load`][funcensemble.load], one built with another transform or other
+            hyperparameters is refused, per-member ones compared at this rank's
+            members (the message names the hyperparameter and the member, on every
+            rank). Optimizer step counts load
             whether the checkpoint holds one shared by the members (0-dim) or one per
             member (``[N]``, after members joined by ``concat``), as in
             [`fe.load`][funcensemble.load]: each rank reads its members' counts, and
@@ -826,10 +835,10 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     if isinstance(obj, EnsembleOptimizer):
         # Before anything changes, on every rank: a rank alone may find a member's
         # hyperparameter that differs.
-        found = _shared(where, name, _transform_difference(obj, loaded, shard), shard)
-        if found is not None:
+        differs = _shared(where, name, _transform_difference(obj, loaded, shard), shard)
+        if differs is not None:
             raise ValueError(
-                f"{where}: '{name}' was saved by an optimizer {found}: torch.optim's "
+                f"{where}: '{name}' was saved by an optimizer {differs}: torch.optim's "
                 "load_state_dict would put the saved hyperparameters back, while this "
                 "state holds none and would continue with these. Build the optimizer "
                 "with the saved transform and load; to change hyperparameters on purpose, "
