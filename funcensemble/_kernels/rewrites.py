@@ -299,6 +299,8 @@ def _refuse_mixed_logits(input: Any, target: Any, *args: Any, **kwargs: Any) -> 
     kernel computes the loss in place in a tensor of the target's dtype (a float64
     input with a float32 target, as ``(h > 0).float()`` gives, returns float32), which
     its vmap rule does not (float64): the loop's dtype, and its values to a rounding."""
+    if isinstance(input, Tensor) and _torch_compat.autocast_enabled(input.device.type):
+        return  # (on autocast's float32 list: both operands float32, in the loop as here)
     kinds = [t.dtype for t in (input, target) if isinstance(t, Tensor) and t.is_floating_point()]
     if len(kinds) == 2 and kinds[0] != kinds[1]:
         raise TypeError(
