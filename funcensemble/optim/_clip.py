@@ -39,7 +39,9 @@ def _member_norms(
     norms = []
     # The leaves as the loop's parameters() lists them (optree sorts a dict's keys):
     # the norm of the leaves' norms sums them in that order, as clip_grad_norm_ does.
-    order = insertion_order(spec)
+    # (Compiled, in flatten's order: Dynamo cannot trace rebuilding the tree, and
+    # inductor's kernels sum in orders of their own anyway.)
+    order = range(len(leaves)) if torch.compiler.is_compiling() else insertion_order(spec)
     taken = set(active)
     for i in [i for i in order if i in taken]:
         g = leaves[i]
