@@ -30,7 +30,7 @@ from .._messages import expected_got
 from .._types import StackedTree
 from ._agreement import Description, agree, differences, exchange
 from ._errors import failures
-from ._gather import all_gather_single
+from ._gather import gather_rows, gather_stacked
 from ._member_shard import MemberShard, rank_and_world
 
 # " member *rest" starts with a space so that linters do not parse it as the Python
@@ -206,15 +206,7 @@ def _check_layout(
     name, call = _call(where, args)
     row = _layout_row(shape, t.dtype, structure, _digest(repr(sorted(call.items()))))
     mine = torch.tensor(row, dtype=torch.int64, device=t.device)
-    rows = mine.new_empty(world * mine.numel())
-
-    def gather_rows() -> list[list[int]]:
-        all_gather_single(rows, mine, group=group)
-        # Read inside the wrapped block: with NCCL the collective only queues work, and
-        # a failure may surface when its result reaches the host.
-        return [r.tolist() for r in rows.view(world, -1).cpu()]
-
-    layouts = _collective(where, rank, world, gather_rows, group)
+    layouts = _collective(where, rank, world, lambda: gather_rows(mine, world, group), group)
     if all(r == layouts[0] for r in layouts):
         return
     # Every rank sees the same rows, so every rank takes the same branches below, which
@@ -260,12 +252,6 @@ def _check_replicas(
     name, call = _call(where, args)
     drawn = 0 if draw is None else _digest(draw.to(torch.uint8).cpu().numpy().tobytes().hex())
     mine = torch.tensor([_digest(repr(sorted(call.items()))), drawn], device=device)
-    rows = mine.new_empty(2 * shard.data_size)
-
-    def gather_rows() -> list[list[int]]:
-        all_gather_single(rows, mine, group=shard.data_group)
-        return rows.view(shard.data_size, 2).tolist()  # read inside: NCCL may fail here
-
     with failures(
         where,
         f"comparing the calls of {shard.data_size} data replicas",
@@ -273,7 +259,7 @@ def _check_replicas(
         shard.data_size,
         group=shard.data_group,
     ):
-        found = gather_rows()
+        found = gather_rows(mine, shard.data_size, shard.data_group)
     if all(row == found[0] for row in found):
         return
     replicas = "data replicas (counted along the mesh's data axis)"
@@ -354,16 +340,13 @@ def _all_extreme(
             tuple(partial.shape),
             "reduced outputs",
         )
-    flat = partial.contiguous().view(-1)
-    out = flat.new_empty(shard.world_size * flat.numel())
-    _collective(
+    ranks = _collective(
         where,
         shard.rank,
         shard.world_size,
-        lambda: all_gather_single(out, flat, group=shard.group),
+        lambda: gather_stacked(partial, shard.world_size, shard.group),
         shard.group,
     )
-    ranks = out.view(shard.world_size, *partial.shape)
     return ranks.amax(dim=0) if largest else ranks.amin(dim=0)
 
 
@@ -390,12 +373,11 @@ def _gather_checked(where: str, shard: MemberShard, t: Tensor) -> Tensor:
     rest = t.shape[1:]
     if t.shape[0] < rows:  # uneven shards: pad to equal sizes, cut the padding afterwards
         t = torch.cat([t, t.new_zeros((rows - t.shape[0], *rest))])
-    out = t.new_empty((shard.world_size * rows, *rest))
-    _collective(
+    out = _collective(
         where,
         shard.rank,
         shard.world_size,
-        lambda: all_gather_single(out, t.contiguous(), group=shard.group),
+        lambda: gather_stacked(t, shard.world_size, shard.group).flatten(0, 1),
         shard.group,
     )
     if all(size == rows for size in shard.sizes):
@@ -708,13 +690,13 @@ def _check_same_draw(where: str, shard: MemberShard, mask: Tensor) -> None:
     The drawn masks are gathered and compared, on every rank alike.
     """
     mine = mask.to(torch.uint8).reshape(-1)
-    rows = mine.new_empty(shard.world_size * mine.numel())
-
-    def gather_draws() -> Tensor:
-        all_gather_single(rows, mine, group=shard.group)
-        return rows.view(shard.world_size, -1).cpu()
-
-    drawn = _collective(where, shard.rank, shard.world_size, gather_draws, shard.group)
+    drawn = _collective(  # read inside: under NCCL a failure may surface at the copy
+        where,
+        shard.rank,
+        shard.world_size,
+        lambda: gather_stacked(mine, shard.world_size, shard.group).cpu(),
+        shard.group,
+    )
     differ = [r for r in range(1, shard.world_size) if not torch.equal(drawn[r], drawn[0])]
     if not differ:
         return

@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import _tree
 from ._agreement import agree
 from ._errors import failures
-from ._gather import all_gather_single
+from ._gather import gather_rows
 from ._member_shard import MemberShard
 
 
@@ -277,12 +277,6 @@ def _check_replicas_alike(
         dtype=torch.int64,
         device="cuda" if _nccl(shard.data_group) else "cpu",
     )
-    rows = mine.new_empty(2 * shard.data_size)
-
-    def exchange() -> list[list[int]]:
-        all_gather_single(rows, mine, group=shard.data_group)
-        return rows.view(shard.data_size, 2).tolist()  # read inside: NCCL may fail here
-
     with failures(
         where,
         f"checking the trees of {shard.data_size} data replicas",
@@ -290,7 +284,7 @@ def _check_replicas_alike(
         shard.data_size,
         group=shard.data_group,
     ):
-        found = exchange()
+        found = gather_rows(mine, shard.data_size, shard.data_group)
     if any(flag for _, flag in found):
         _raise_refusal(where, shard, refused)
     if all(d == found[0][0] for d, _ in found):

@@ -29,7 +29,7 @@ from ._collectives import mean as mean_
 from ._collectives import min as min_
 from ._collectives import std as std_
 from ._collectives import var as var_
-from ._gather import all_gather_single
+from ._gather import gather_stacked
 from ._member_shard import MemberShard
 from ._uncertainty import (
     expected_entropy,
@@ -133,15 +133,13 @@ def _gather_batch(where: str, name: str, part: Tensor, shard: MemberShard, rows:
         tuple(part.shape),
         f"reduction {name!r} results",
     )
-    out = part.new_empty((shard.data_size * rows, *part.shape[1:]))
-    _collective(
+    return _collective(
         where,
         shard.data_rank,
         shard.data_size,
-        lambda: all_gather_single(out, part, group=shard.data_group),
+        lambda: gather_stacked(part, shard.data_size, shard.data_group).flatten(0, 1),
         shard.data_group,
     )
-    return out
 
 
 def _gather_outputs(where: str, outputs: Any, shard: MemberShard, rows: int) -> Any:
@@ -188,12 +186,11 @@ def _gather_outputs(where: str, outputs: Any, shard: MemberShard, rows: int) -> 
             "model outputs (batch first)",
             described,
         )
-        whole = part.new_empty((shard.data_size * rows, *part.shape[1:]))
-        _collective(
+        whole = _collective(
             where,
             shard.data_rank,
             shard.data_size,
-            lambda w=whole, p=part: all_gather_single(w, p, group=shard.data_group),
+            lambda p=part: gather_stacked(p, shard.data_size, shard.data_group).flatten(0, 1),
             shard.data_group,
         )
         whole = whole.transpose(0, 1).contiguous()
@@ -216,16 +213,13 @@ def _same_on_replicas(
         "model outputs without a batch axis",
         described,
     )
-    flat = part.reshape(-1)
-    every = flat.new_empty(shard.data_size * flat.numel())
-    _collective(
+    rows = _collective(
         where,
         shard.data_rank,
         shard.data_size,
-        lambda: all_gather_single(every, flat, group=shard.data_group),
+        lambda: gather_stacked(part, shard.data_size, shard.data_group),
         shard.data_group,
-    )
-    rows = every.view(shard.data_size, -1)
+    ).view(shard.data_size, -1)
     if not all(torch.equal(rows[0], x) for x in rows[1:]):
         label = "the model's output" + (f" leaf `{path}`" if path else "")
         raise ValueError(
