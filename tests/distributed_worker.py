@@ -200,8 +200,8 @@ def disagree(rank: int, out: Path) -> None:
             action()
         except ValueError as error:
             messages[name] = str(error)
-        except TypeError as error:
-            messages[name] = f"TypeError: {error}"
+        except (TypeError, OSError) as error:
+            messages[name] = f"{type(error).__name__}: {error}"
         else:
             messages[name] = None  # the test fails on this
 
@@ -353,6 +353,14 @@ def disagree(rank: int, out: Path) -> None:
         ),
     )
     expect_error("predict src", lambda: fe.distributed.predict(ens, shard, test_inputs(), src=rank))
+    # A rank that refused its own arguments before the first collective: the other
+    # waited in it for the whole timeout (found by an audit).
+    expect_error(
+        "predict refused on one rank",
+        lambda: fe.distributed.predict(
+            ens, shard, test_inputs(), reductions=["mean"] if rank == 0 else ["meen"]
+        ),
+    )
 
     # randomness="same" promises one draw for all N members; split over the ranks, each
     # drew its own: members 0:3 shared one mask, members 3:5 another.
@@ -386,6 +394,12 @@ def disagree(rank: int, out: Path) -> None:
         "cancel on one replica",
         lambda: fe.distributed.average_gradients({"w": torch.ones(n, 3)}, replica, weights=w),
     )
+    expect_error(
+        "predict uneven batch on one replica",
+        lambda: fe.distributed.predict(
+            lambda x: torch.zeros(n, x.shape[0], 2), replica, torch.ones(4 + rank, 3)
+        ),
+    )
     # Data replicas of the same members (a 1 x 2 mesh) calling min here and max there,
     # another correction, or drawing subsets from generators seeded by rank: each went
     # on with its own result, no one process's (found by an audit).
@@ -412,6 +426,18 @@ def disagree(rank: int, out: Path) -> None:
         "integer on one replica",
         lambda: fe.distributed.average_gradients({"w": torch.ones(n, 3, dtype=dtype)}, replica),
     )
+    # Sharded checkpoints refused by one rank alone, before the first exchange: the
+    # other rank waited in it for the whole timeout (found by an audit).
+    rows = {"w": torch.ones(shard.size + rank, 2)}
+    expect_error("save refused on one rank", lambda: fe.distributed.save(out / "r", rows, shard))
+    wide = fe.distributed.MemberShard(NUM_MEMBERS + 2)
+    fe.distributed.save(out / "ck5", {"w": torch.ones(shard.size, 2)}, shard)
+    fe.distributed.save(out / "ck7", {"w": torch.ones(wide.size, 2)}, wide)
+    template = {"w": torch.zeros(shard.size, 2)}
+    where = out / ("ck5" if rank == 0 else "nowhere")
+    expect_error("load missing on one rank", lambda: fe.distributed.load(where, template, shard))
+    where = out / ("ck5" if rank == 0 else "ck7")
+    expect_error("load other N on one rank", lambda: fe.distributed.load(where, template, shard))
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)
     messages["gathered"] = got.shape

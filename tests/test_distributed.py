@@ -1140,9 +1140,9 @@ def test_a_rank_that_stops_answering_times_out_with_an_error(tmp_path):
     ranks = launch(2, [str(tmp_path), "--fail", "hang"], tmp_path, grace=1.0)
     assert ranks[0].returncode not in (None, 0), report(ranks)
     assert re.search(
-        r"DistributedError: distributed\.save: rank 0 of 2 failed while exchanging its set-up "
-        r"with the other ranks, after \d+\.\d s \(timeout 3 s\)\. Another rank has probably "
-        r"crashed, or has not reached this call",
+        r"DistributedError: distributed\.save: rank 0 of 2 failed while comparing its "
+        r"arguments with the other ranks', after \d+\.\d s \(timeout 3 s\)\. Another rank "
+        r"has probably crashed, or has not reached this call",
         ranks[0].output,
     ), report(ranks)
     assert not (tmp_path / "late" / ".metadata").exists()
@@ -1243,6 +1243,9 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     check_all_succeeded(ranks)
     got = [torch.load(tmp_path / f"disagree{r}.pt") for r in range(2)]
     for name in got[0]:  # every rank raised the same error
+        if name == "load other N on one rank":  # but for the path each rank was given
+            assert got[0][name].rpartition(" for '")[0] == got[1][name].rpartition(" for '")[0]
+            continue
         assert got[0][name] == got[1][name], name
     messages = got[0]
     start = "the 2 ranks were not set up alike: they differ in "
@@ -1367,8 +1370,7 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         (
             "predict reductions",
             "predict",
-            "reductions (rank 0: 'mean'; rank 1: 'max'); the collective (rank 0: mean; "
-            "rank 1: max)",
+            "reductions (rank 0: 'mean'; rank 1: 'max')",
         ),
     ):
         assert messages[name] == (
@@ -1395,6 +1397,21 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     assert messages["cancel on one replica"].startswith(
         "average_gradients: member 0's weights on data replica 1 sum to 0 but are not all 0"
     ), messages["cancel on one replica"]
+    # predict on a rank that refused its own arguments: the other rank waited in the
+    # first collective for the whole timeout. Now every rank raises that rank's error.
+    assert messages["predict refused on one rank"].startswith(
+        "predict: unknown reduction 'meen'"
+    ), messages["predict refused on one rank"]
+    assert messages["predict uneven batch on one replica"].startswith(
+        "predict: a batch of 5 samples cannot be split into 2 equal parts"
+    ), messages["predict uneven batch on one replica"]
+    assert messages["save refused on one rank"].startswith(
+        "distributed.save: leaf `w` has leading size 3, but rank 1 holds 2 of the 5 members"
+    ), messages["save refused on one rank"]
+    assert messages["load missing on one rank"].startswith(
+        "FileNotFoundError: distributed.load: no checkpoint directory at "
+    ), messages["load missing on one rank"]
+    assert "holds 7 members; the shard describes 5" in messages["load other N on one rank"]
     replicas = "the 2 data replicas (counted along the mesh's data axis)"
     assert messages["replicas min or max"].startswith(
         f"{replicas} made different calls (expected the "

@@ -25,6 +25,7 @@ from ._agreement import agree
 from ._errors import failures
 from ._gather import gather_rows
 from ._member_shard import MemberShard
+from ._refusal import raise_refusal
 
 
 def _check_shard(where: str, shard: object) -> MemberShard:
@@ -286,7 +287,7 @@ def _check_replicas_alike(
     ):
         found = gather_rows(mine, shard.data_size, shard.data_group)
     if any(flag for _, flag in found):
-        _raise_refusal(where, shard, refused)
+        raise_refusal(where, refused, shard.data_rank, shard.data_size, shard.data_group)
     if all(d == found[0][0] for d, _ in found):
         return
     advice = (
@@ -296,19 +297,3 @@ def _check_replicas_alike(
     )
     agree(where, layout, shard.data_rank, shard.data_size, shard.data_group, advice)
     raise ValueError(f"{where}: the data replicas passed different pytrees. {advice}")
-
-
-def _raise_refusal(where: str, shard: MemberShard, refused: Exception | None) -> None:
-    """Raise, on every data replica, the first replica's refusal of its own arguments."""
-    mine = None if refused is None else (type(refused).__name__, str(refused))
-    refusals: list[Any] = [None] * shard.data_size
-    with failures(
-        where,
-        f"exchanging the refusals of {shard.data_size} data replicas",
-        shard.data_rank,
-        shard.data_size,
-        group=shard.data_group,
-    ):
-        dist.all_gather_object(refusals, mine, group=shard.data_group)
-    kind, message = next(r for r in refusals if r is not None)
-    raise (TypeError if kind == "TypeError" else ValueError)(message)

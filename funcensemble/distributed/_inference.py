@@ -23,7 +23,14 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from .. import _tree
 from .._core.ensemble import Ensemble
 from .._messages import submodule
-from ._collectives import _check_layout, _check_shard, _collective, _Tree, broadcast, calling
+from ._collectives import (
+    _check_layout,
+    _check_shard,
+    _collective,
+    _Tree,
+    broadcast,
+    calling,
+)
 from ._collectives import max as max_
 from ._collectives import mean as mean_
 from ._collectives import min as min_
@@ -31,6 +38,7 @@ from ._collectives import std as std_
 from ._collectives import var as var_
 from ._gather import gather_stacked
 from ._member_shard import MemberShard
+from ._refusal import agree_to_start, ranks
 from ._uncertainty import (
     expected_entropy,
     mean_log_probs,
@@ -398,6 +406,28 @@ def predict(
     """
     where = "predict"
     shard = _check_shard(where, shard)
+    chosen, refused = {}, None
+    try:
+        chosen = _check_arguments(where, model, shard, inputs, reductions, src)
+    except (TypeError, ValueError) as error:
+        # The other ranks would wait in the first collective for this one: the flag in
+        # the exchange below makes every rank raise this error.
+        refused = error
+    call = {} if refused else _describe(chosen, src)
+    agree_to_start(where, call, refused, *ranks(shard))
+    with torch.no_grad(), calling(where, call):
+        return _run(where, model, shard, inputs, kwargs, chosen, src)
+
+
+def _check_arguments(
+    where: str,
+    model: object,
+    shard: MemberShard,
+    inputs: tuple[Any, ...],
+    reductions: object,
+    src: object,
+) -> dict[str, Reduction]:
+    """``predict``'s checks of this rank's own arguments, made before any exchange."""
     if not callable(model):
         raise TypeError(
             f"{where}: model must be callable (expected a function of the inputs, got "
@@ -408,6 +438,8 @@ def predict(
         shard._check_randomness(where, model.randomness)
     if shard.data_size > 1:
         _check_no_batch_statistics(where, model, shard)
+        if src is None:  # this rank's own batch: with src, every rank splits src's
+            _check_split(where, _batch_size(where, _tree.leaves(inputs)), shard)
     if src is not None:
         _, world, _ = shard._all_ranks()
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
@@ -418,8 +450,18 @@ def predict(
                 "not in the default group: with MemberShard(N, group=...) the group's "
                 "first rank is 0, whatever its global rank."
             )
-    with torch.no_grad(), calling(where, _describe(chosen, src)):
-        return _run(where, model, shard, inputs, kwargs, chosen, src)
+    return chosen
+
+
+def _check_split(where: str, size: int, shard: MemberShard) -> None:
+    if size % shard.data_size:
+        raise ValueError(
+            f"{where}: a batch of {size} samples cannot be split into "
+            f"{shard.data_size} equal parts, one per data replica (expected a multiple "
+            f"of {shard.data_size}): the replicas' results are gathered in equal "
+            f"parts. Pad the batch to a multiple of {shard.data_size} and drop the "
+            "padded rows' results, or predict on a shard without a data axis."
+        )
 
 
 def _run(
@@ -438,14 +480,7 @@ def _run(
     if shard.data_size > 1:
         leaves, spec = _tree.flatten(inputs)
         size = _batch_size(where, leaves)
-        if size % shard.data_size:
-            raise ValueError(
-                f"{where}: a batch of {size} samples cannot be split into "
-                f"{shard.data_size} equal parts, one per data replica (expected a multiple "
-                f"of {shard.data_size}): the replicas' results are gathered in equal "
-                f"parts. Pad the batch to a multiple of {shard.data_size} and drop the "
-                "padded rows' results, or predict on a shard without a data axis."
-            )
+        _check_split(where, size, shard)  # src's batch: the same on every rank
         mine = shard.batch_slice(size)
         rows = mine.stop - mine.start
         inputs = _tree.unflatten(spec, [x[mine] if isinstance(x, Tensor) else x for x in leaves])

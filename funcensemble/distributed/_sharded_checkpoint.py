@@ -58,6 +58,7 @@ from ._dcp_checksums import (
 from ._errors import CHECKPOINT_HINT, failures
 from ._member_shard import MemberShard, rank_and_world
 from ._mesh import member_dtensor
+from ._refusal import agree_to_start, ranks
 from ._slices import narrow_members
 
 T = TypeVar("T")
@@ -391,33 +392,21 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
             )
         shard = MemberShard(flat.leaves[keys[0]].shape[0] if keys else 1)
     shard = _check_shard(where, shard)
-    for key in keys:
-        size = flat.leaves[key].shape[0]
-        if size != shard.size:
-            raise ValueError(
-                f"{where}: {flat.label(key)} has leading size {size}, but rank {shard.rank} "
-                f"holds {shard.size} of the {shard.num_members} members. Every tensor with "
-                "dimensions is saved as this rank's members (first axis); save other "
-                "tensors separately, or as 0-dim tensors."
-            )
-    if os.path.isfile(path):
-        raise NotADirectoryError(
-            f"{where}: '{os.fspath(path)}' is a file; a sharded checkpoint is a directory."
-        )
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        raise FileExistsError(
-            f"{where}: '{os.fspath(path)}' already holds a checkpoint. Write each "
-            "checkpoint to a new directory (e.g. one per step) and delete old ones once "
-            "the new one is complete: overwriting in place, a save that dies half-way "
-            "would leave the old .metadata describing half-written files."
-        )
+    try:
+        _check_save(where, path, flat, keys, shard)
+        refused = None
+    except (ValueError, OSError) as error:
+        # The other ranks would wait for this one in the exchange below: the flag in
+        # the first one makes every rank raise this error.
+        refused = error
     spread = _spread(shard)
-    if shard.world_size > 1 and not spread:
+    if refused is None and shard.world_size > 1 and not spread:
         raise ValueError(
             f"{where}: the shard describes rank {shard.rank} of {shard.world_size}, but "
             "torch.distributed is not running, so the other ranks' members cannot be "
             "written with these. Save from every rank, after init_process_group."
         )
+    agree_to_start(where, {}, refused, *ranks(shard))
     sharded = set(keys)
     state = {}
     for key, leaf in flat.leaves.items():
@@ -663,6 +652,32 @@ def _check(where: str, name: str, flat: _Flat, saved: dict[str, Any], shard: Mem
             )
 
 
+def _check_save(
+    where: str, path: str | os.PathLike, flat: _Flat, keys: list[str], shard: MemberShard
+) -> None:
+    """``save``'s checks of this rank's own arguments, made before any exchange."""
+    for key in keys:
+        size = flat.leaves[key].shape[0]
+        if size != shard.size:
+            raise ValueError(
+                f"{where}: {flat.label(key)} has leading size {size}, but rank {shard.rank} "
+                f"holds {shard.size} of the {shard.num_members} members. Every tensor with "
+                "dimensions is saved as this rank's members (first axis); save other "
+                "tensors separately, or as 0-dim tensors."
+            )
+    if os.path.isfile(path):
+        raise NotADirectoryError(
+            f"{where}: '{os.fspath(path)}' is a file; a sharded checkpoint is a directory."
+        )
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileExistsError(
+            f"{where}: '{os.fspath(path)}' already holds a checkpoint. Write each "
+            "checkpoint to a new directory (e.g. one per step) and delete old ones once "
+            "the new one is complete: overwriting in place, a save that dies half-way "
+            "would leave the old .metadata describing half-written files."
+        )
+
+
 def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T:
     """Read a checkpoint written by [`save`][funcensemble.distributed.save], at any world size.
 
@@ -733,7 +748,16 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
         obj.load_state_dict(load(path, template, shard))
         return obj
     flat = _flatten(where, obj)
-    metadata, checksums = _metadata(where, path)
+    if shard is not None:
+        shard = _check_shard(where, shard)
+    try:
+        metadata, checksums = _metadata(where, path)
+        refused = None
+    except (ValueError, OSError) as error:
+        # The other ranks would wait for this one in the exchanges below: the flag in
+        # the first one makes every rank raise this error.
+        refused = error
+    agree_to_start(where, {}, refused, *ranks(shard))
     saved = dict(metadata.state_dict_metadata)
     recorded = [k for k in saved if k.startswith((f"{_RECORD}.", f"{_PER_MEMBER}."))]
     if isinstance(obj, EnsembleOptimizer) and not recorded:
@@ -747,15 +771,13 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     num_members = _saved_members(where, name, flat, saved)
     if shard is None:
         shard = MemberShard(1 if num_members is None else num_members)
-    else:
-        shard = _check_shard(where, shard)
+    flat = _counts_as_saved(where, obj, flat, saved, shard)
+    try:
         if num_members is not None and shard.num_members != num_members:
             raise ValueError(
                 f"{where}: '{name}' holds {num_members} members; the shard describes "
                 f"{shard.num_members}. Pass MemberShard({num_members})."
             )
-    flat = _counts_as_saved(where, obj, flat, saved, shard)
-    try:
         _check(where, name, flat, saved, shard)
         refused = None
     except ValueError as error:
