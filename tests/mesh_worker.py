@@ -124,6 +124,17 @@ def main(out: Path) -> None:
                     fe.distributed.MemberShard(NUM_MEMBERS + shard.data_rank, mesh=mesh)
                 except ValueError as error:
                     results["disagree"] = str(error)
+                # Member groups passing predict other src or reductions: every rank raises
+                # (the ranks of one group agreed, and waited for the timeout).
+                model = lambda x, n=shard.size: torch.zeros(n, x.shape[0], 2)  # noqa: E731
+                for key, kwargs in (
+                    ("src", {"src": shard.rank}),
+                    ("reductions", {"reductions": ["mean"] if shard.rank else ["max"]}),
+                ):
+                    try:
+                        fe.distributed.predict(model, shard, torch.ones(4, 3), **kwargs)
+                    except ValueError as error:
+                        results[f"predict {key}"] = str(error)
             else:
                 loaded = fe.distributed.load(out / "ckpt_2x2", template(shard), shard)
                 results[name]["loaded"] = {

@@ -125,6 +125,14 @@ def test_members_times_data_equals_one_process_on_the_whole_batch(tmp_path):
     # after 30 minutes); init_mesh's keep it.
     for result in results:
         assert result["timeouts"] == [60.0, 60.0]
+    # Member groups of a 2 x 2 mesh passing predict other arguments: each group agreed
+    # within itself, and waited for the timeout (found by an audit). Every rank raises.
+    for key in ("src", "reductions"):
+        for result in results:
+            assert result[f"predict {key}"].startswith(
+                f"predict: the 4 ranks made different calls (expected the same function with "
+                f"the same arguments on every rank): they differ in {key} (ranks 0, 1: "
+            ), result[f"predict {key}"]
     saved = {name: results[0][name]["params"] for name in ("2x2",)}
     for name in ("1x4", "4x1"):  # the (2, 2) checkpoint, read on other meshes
         for result in results:
