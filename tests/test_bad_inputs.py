@@ -721,6 +721,22 @@ register_simple(
     r"vmap: fn is an fe.Ensemble, which runs every member itself",
     lambda: fe.vmap(_MyEnsemble(mlps()))({}, {}, x(5, 3)),
 )
+# An ordinary module whose forward takes only inputs: the mapped function's bare
+# "missing 1 required positional argument: 'buffers'" said nothing (found by an audit).
+register_simple(
+    "vmap-module-of-inputs-as-fn",
+    TypeError,
+    r"vmap: fn is an nn.Module \(Linear\) whose forward takes \(input: torch.Tensor\) "
+    r"\(expected a function of ONE member's parameters, called as fn\(params, buffers, "
+    r"\*inputs\)\). To run N such modules as one, build fe.Ensemble",
+    lambda: fe.vmap(torch.nn.Linear(3, 2)),
+)
+register_simple(
+    "value_and_grad-module-of-inputs-as-loss",
+    TypeError,
+    r"value_and_grad: loss_fn is an nn.Module \(Sequential\) whose forward takes \(input\)",
+    lambda: fe.value_and_grad(mlp(0)),
+)
 register_simple(
     "HeteroEnsemble.value_and_grad-ensemble-as-loss",
     TypeError,

@@ -57,6 +57,29 @@ def refuse_an_ensemble(where: str, name: str, fn: Any, *, with_fmodel: bool = Fa
         )
 
 
+def refuse_a_module_of_inputs(where: str, name: str, fn: Any) -> None:
+    """Refuse an ordinary ``nn.Module`` whose ``forward`` takes only inputs (such as
+    ``nn.Linear(3, 2)``) where a function of one member's ``(params, buffers, *inputs)``
+    is expected: it would be called with the member's parameters as its inputs."""
+    if not isinstance(fn, nn.Module):
+        return
+    signature = _signature(fn.forward)
+    if signature is None:
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        module = type(fn).__name__
+        takes = signature.replace(return_annotation=inspect.Signature.empty)
+        raise TypeError(
+            f"{where}: {name} is an nn.Module ({module}) whose forward takes "
+            f"{takes} (expected a function of ONE member's parameters, called as "
+            f"{name}(params, buffers, *inputs)). To run N such modules as one, build "
+            f"fe.Ensemble([...]) of them and call it, or map the fmodel fe.stack gives: "
+            f"fmodel, params, buffers = fe.stack(modules); fe.vmap(fmodel)(params, buffers, x)."
+        ) from None
+
+
 def arguments_error(
     where: str,
     fn: Any,

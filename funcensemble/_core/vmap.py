@@ -19,7 +19,7 @@ from .._structure import chunk_state as _chunk_state
 from . import entry as _entry
 from . import in_dims as _in_dims
 from . import member_offset as _member_offset
-from .call_arguments import arguments_error, refuse_an_ensemble
+from .call_arguments import arguments_error, refuse_a_module_of_inputs, refuse_an_ensemble
 from .fresh_outputs import not_saved, unbatched_copied
 from .functional_module import FunctionalModule, check_given, keys_differ
 from .in_dims import InDims
@@ -326,6 +326,7 @@ def check_options(
             f"{type(fn).__name__}). Pass the function to map over members."
         )
     refuse_an_ensemble(where, name, fn)
+    refuse_a_module_of_inputs(where, name, fn)
     if randomness not in ("different", "same", "error"):
         raise ValueError(
             f"{where}: randomness must be 'different', 'same' or 'error' (expected one of "
