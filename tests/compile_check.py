@@ -1,6 +1,6 @@
 """Run by tests/test_compile.py in a fresh interpreter.
 
-The test run wraps every funcensemble function in jaxtyping+beartype checkers, which
+The test run wraps funcensemble's public functions in jaxtyping+beartype checkers, which
 Dynamo cannot trace; users compile the plain library, as this script does.
 """
 

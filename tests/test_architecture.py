@@ -1,6 +1,6 @@
 """Every bad input to the core: a clear error, of the right type, raised before any mutation.
 
-In the test run jaxtyping+beartype check every annotated funcensemble function, so a
+In the test run jaxtyping+beartype check every public funcensemble function, so a
 wrong-typed argument is rejected by beartype before funcensemble's own check runs.
 Tests of wrong *types* therefore check both: a ``TypeError`` in the test run, and
 funcensemble's own message with the runtime checker off (what users see).
