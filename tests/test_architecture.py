@@ -403,7 +403,22 @@ def test_vmap_non_callable_and_bad_state() -> None:
         ValueError, match=r"the module has no state to map over \(expected .* got none\)"
     ):
         fe.vmap(lambda p, b, x: x)({}, {}, torch.ones(2))
-    with pytest.raises(ValueError, match=r"`b` has leading size 2, but `a` has 3"):
+    with pytest.raises(ValueError, match=r"`c` has leading size 2, but `a` has 3"):
+        fe.vmap(lambda p, b: p)(
+            {"a": torch.ones(3, 1), "b": torch.ones(3), "c": torch.ones(2, 1)}, {}
+        )
+    # Most tensors share N: the odd one is named, wherever it comes (the first tensor
+    # was taken as N, so a forgotten member axis on a weight blamed its bias).
+    with pytest.raises(ValueError, match=r"`a` has leading size 2, but `b` has 3"):
+        fe.vmap(lambda p, b: p)(
+            {"a": torch.ones(2, 1), "b": torch.ones(3), "c": torch.ones(3, 1)}, {}
+        )
+    # Two tensors, two sizes: neither is blamed.
+    with pytest.raises(
+        ValueError,
+        match=r"vmap: the stacked tensors' leading sizes disagree \(`a`: 3; `b`: 2\), and no "
+        r"size is shared by most of them",
+    ):
         fe.vmap(lambda p, b: p)({"a": torch.ones(3, 1), "b": torch.ones(2, 1)}, {})
     with pytest.raises(ValueError, match=r"`b` has leading size None, but `a` has 3"):
         fe.vmap(lambda p, b: p)({"a": torch.ones(3)}, {"b": torch.tensor(1.0)})
@@ -623,7 +638,7 @@ def test_unstack_bad_inputs() -> None:
         r"`bias`\. Pass the parameters that fe.stack returned",
     ):
         fe.unstack(fmodel, {"weight": params["weight"]}, buffers)
-    with pytest.raises(ValueError, match=r"`bias` has leading size 3, but `weight` has 2"):
+    with pytest.raises(ValueError, match=r"leading sizes disagree \(`weight`: 2; `bias`: 3\)"):
         fe.unstack(fmodel, {"weight": params["weight"], "bias": torch.ones(3, 2)}, buffers)
 
 

@@ -1,5 +1,6 @@
 """Stacking N same-architecture modules into one stateless function plus stacked state."""
 
+import collections
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -207,6 +208,21 @@ def _num_members(
             "buffers that fe.stack returned."
         )
     first_name, n = next(iter(sizes.items()))
+    counts = collections.Counter(size for size in sizes.values() if size is not None)
+    ranked = counts.most_common(2)
+    if len(ranked) == 2 and ranked[0][1] == ranked[1][1]:
+        # No size is shared by most tensors: naming one as N would blame the other.
+        listed = "; ".join(f"`{name}`: {size}" for name, size in list(sizes.items())[:6])
+        raise ValueError(
+            f"{where}: the stacked tensors' leading sizes disagree ({listed}"
+            f"{'; ...' if len(sizes) > 6 else ''}), and no size is shared by most of them "
+            "(expected one member axis of one size N first in every tensor). A tensor "
+            "of one member's shape lacks the member axis: pass the params and buffers "
+            "fe.stack returned, or stack that tensor's members along a new first axis."
+        )
+    if ranked and ranked[0][0] != n:  # most tensors agree: theirs is N
+        n = ranked[0][0]
+        first_name = next(name for name, size in sizes.items() if size == n)
     for name, size in sizes.items():
         if size != n or size is None:
             raise ValueError(
