@@ -438,6 +438,16 @@ def disagree(rank: int, out: Path) -> None:
     expect_error("load missing on one rank", lambda: fe.distributed.load(where, template, shard))
     where = out / ("ck5" if rank == 0 else "ck7")
     expect_error("load other N on one rank", lambda: fe.distributed.load(where, template, shard))
+    # Refusals of other kinds on one rank (found by an audit): a leaf save cannot write,
+    # no shard, and a torch.optim optimizer's checkpoint missing on one rank.
+    leaves = {"w": torch.ones(shard.size, 2), "tag": "run-1" if rank else 1}
+    expect_error("save leaf on one rank", lambda: fe.distributed.save(out / "t", leaves, shard))
+    mine = None if rank else shard
+    expect_error("save no shard on one rank", lambda: fe.distributed.save(out / "s", rows, mine))
+    ens_opt = torch.optim.Adam(ens.parameters())
+    fe.distributed.save(out / "opt", ens_opt, shard)
+    where = out / ("opt" if rank == 0 else "nowhere")
+    expect_error("load optimizer missing", lambda: fe.distributed.load(where, ens_opt, shard))
     # Mismatched collectives are not reached: every rank raised above, and goes on in step.
     got = fe.distributed.all_gather(torch.full((shard.size, 2), float(rank)), shard)
     messages["gathered"] = got.shape

@@ -1242,6 +1242,13 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     ranks = launch(2, [str(tmp_path), "--disagree"], tmp_path)
     check_all_succeeded(ranks)
     got = [torch.load(tmp_path / f"disagree{r}.pt") for r in range(2)]
+    messages = got[0]  # rank 0's, before the suffix is removed below
+    refused_by_1 = " (Refused on rank 1 of 2; every rank raises it.)"
+    for name in ("save leaf on one rank", "load optimizer missing", "integer on one replica"):
+        assert messages[name].endswith(refused_by_1), (name, messages[name])
+    refused_on = re.compile(r" \(Refused on rank \d of 2; every rank raises it\.\)$")
+    for r in range(2):  # (the refusing rank raises its own error, without the suffix)
+        got[r] = {k: refused_on.sub("", v) if isinstance(v, str) else v for k, v in got[r].items()}
     for name in got[0]:  # every rank raised the same error
         if name == "load other N on one rank":  # but for the path each rank was given
             assert got[0][name].rpartition(" for '")[0] == got[1][name].rpartition(" for '")[0]
@@ -1412,6 +1419,14 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
         "FileNotFoundError: distributed.load: no checkpoint directory at "
     ), messages["load missing on one rank"]
     assert "holds 7 members; the shard describes 5" in messages["load other N on one rank"]
+    assert messages["save leaf on one rank"].startswith("TypeError: distributed.save: ")
+    assert messages["save no shard on one rank"] == (
+        "distributed.save: with 2 ranks, pass shard=fe.distributed.MemberShard(N) so that "
+        "each rank's rows are placed among all N members."
+    )
+    assert messages["load optimizer missing"].startswith(
+        "FileNotFoundError: distributed.load: no checkpoint directory at "
+    ), messages["load optimizer missing"]
     replicas = "the 2 data replicas (counted along the mesh's data axis)"
     assert messages["replicas min or max"].startswith(
         f"{replicas} made different calls (expected the "

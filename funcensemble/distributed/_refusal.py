@@ -7,6 +7,7 @@ first, and its first exchange carries a flag saying whether this rank refused th
 where one did, its error is sent to every rank, and every rank raises it.
 """
 
+import builtins
 from typing import Any, NoReturn
 
 import torch
@@ -17,12 +18,6 @@ from ._collectives import _digest, _refuse_calls
 from ._errors import failures
 from ._gather import gather_rows
 from ._member_shard import MemberShard
-
-# The errors a call's own checks raise, rebuilt by name on the ranks that did not refuse.
-_KINDS: dict[str, type[Exception]] = {
-    kind.__name__: kind
-    for kind in (TypeError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError)
-}
 
 
 def ranks(shard: MemberShard | None) -> tuple[int, int, Any, torch.device]:
@@ -42,14 +37,22 @@ def ranks(shard: MemberShard | None) -> tuple[int, int, Any, torch.device]:
 def raise_refusal(
     where: str, refused: Exception | None, rank: int, world: int, group: Any
 ) -> NoReturn:
-    """Raise, on every rank of ``group``, the first refusing rank's error (every rank
-    calls this once one of them refused)."""
+    """Raise, on every rank of ``group`` (every rank calls this once one of them refused),
+    a refusal: a refusing rank its own error; the others the first refusing rank's, of
+    its type, naming that rank."""
     mine = None if refused is None else (type(refused).__name__, str(refused))
     refusals: list[Any] = [None] * world
     with failures(where, f"exchanging the refusals of {world} ranks", rank, world, group=group):
         dist.all_gather_object(refusals, mine, group=group)
-    kind, message = next(r for r in refusals if r is not None)
-    raise _KINDS.get(kind, ValueError)(message)
+    if refused is not None:
+        raise refused  # this rank's own error, as it raised it
+    first = next(r for r, found in enumerate(refusals) if found is not None)
+    kind, message = refusals[first]
+    error = getattr(builtins, kind, None)
+    if not (isinstance(error, type) and issubclass(error, Exception)):
+        error = ValueError  # a library's own error class: its message says what it is
+    said = f"{message} (Refused on rank {first} of {world}; every rank raises it.)"
+    raise error(said)
 
 
 def agree_to_start(

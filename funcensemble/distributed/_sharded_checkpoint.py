@@ -141,29 +141,38 @@ def _flatten(where: str, obj: Any) -> _Flat:
     return _Flat(leaves, treedef, {})
 
 
-def _torch_optim_template(
-    where: str, path: str | os.PathLike, opt: torch.optim.Optimizer, shard: MemberShard | None
+def _torch_optim_saved(
+    where: str, path: str | os.PathLike, opt: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """``opt.state_dict()`` with each parameter's state as the checkpoint holds it (this
-    rank's rows), checked as ``fe.load`` checks a torch.optim file: a fresh optimizer has
-    no state until its first step, so its own state_dict cannot be the template."""
-    name = os.fspath(path)
+    """The checkpoint's entries, checked to hold a torch.optim optimizer's state_dict."""
     saved = dict(_metadata(where, path)[0].state_dict_metadata)
     if not any(k.startswith("param_groups.") for k in saved):
         raise ValueError(
-            f"{where}: '{name}' holds no torch.optim optimizer's state_dict (expected "
-            f"param_groups, as fe.distributed.save(path, opt) writes them, to load into "
-            f"this {type(opt).__name__}; got an ensemble's or an EnsembleOptimizer's). "
-            "Load it into what saved it."
+            f"{where}: '{os.fspath(path)}' holds no torch.optim optimizer's state_dict "
+            f"(expected param_groups, as fe.distributed.save(path, opt) writes them, to "
+            f"load into this {type(opt).__name__}; got an ensemble's or an "
+            "EnsembleOptimizer's). Load it into what saved it."
         )
+    return saved
+
+
+def _saved_rows(saved: dict[str, Any]) -> int:
+    """The member count of a torch.optim optimizer's saved state (1 without state)."""
     sizes = {
         md.size[0]
         for k, md in saved.items()
         if k.startswith("state.") and isinstance(md, TensorStorageMetadata) and len(md.size)
     }
-    if shard is None:
-        shard = MemberShard(max(sizes) if sizes else 1)
-    rows = _check_shard(where, shard).size
+    return max(sizes) if sizes else 1
+
+
+def _torch_optim_template(
+    where: str, name: str, saved: dict[str, Any], opt: torch.optim.Optimizer, shard: MemberShard
+) -> dict[str, Any]:
+    """``opt.state_dict()`` with each parameter's state as the checkpoint holds it (this
+    rank's rows), checked as ``fe.load`` checks a torch.optim file: a fresh optimizer has
+    no state until its first step, so its own state_dict cannot be the template."""
+    rows = shard.size
     own = opt.state_dict()
     tensors: dict[str, Tensor] = {}
     values: dict[str, Any] = {}
@@ -381,32 +390,34 @@ def save(path: str | os.PathLike, obj: Any, shard: MemberShard | None = None) ->
     name = os.fspath(path)
     if isinstance(obj, torch.optim.Optimizer):
         obj = obj.state_dict()  # (what load puts back with its load_state_dict)
-    flat = _flatten(where, obj)
-    keys = flat.sharded()
-    if shard is None:
-        _, world = rank_and_world(where)
-        if world > 1:
-            raise ValueError(
-                f"{where}: with {world} ranks, pass shard=fe.distributed.MemberShard(N) so "
-                "that each rank's rows are placed among all N members."
-            )
-        shard = MemberShard(flat.leaves[keys[0]].shape[0] if keys else 1)
-    shard = _check_shard(where, shard)
+    if shard is not None:
+        shard = _check_shard(where, shard)
     try:
+        # The other ranks would wait for this one in the exchange below: the flag in
+        # the first one makes every rank raise this rank's refusal.
+        flat = _flatten(where, obj)
+        keys = flat.sharded()
+        if shard is None:
+            _, world = rank_and_world(where)
+            if world > 1:
+                raise ValueError(
+                    f"{where}: with {world} ranks, pass shard=fe.distributed.MemberShard(N) "
+                    "so that each rank's rows are placed among all N members."
+                )
+            shard = MemberShard(flat.leaves[keys[0]].shape[0] if keys else 1)
         _check_save(where, path, flat, keys, shard)
         refused = None
-    except (ValueError, OSError) as error:
-        # The other ranks would wait for this one in the exchange below: the flag in
-        # the first one makes every rank raise this error.
+    except (TypeError, ValueError, OSError) as error:
         refused = error
-    spread = _spread(shard)
-    if refused is None and shard.world_size > 1 and not spread:
+    if refused is None and shard is not None and shard.world_size > 1 and not _spread(shard):
         raise ValueError(
             f"{where}: the shard describes rank {shard.rank} of {shard.world_size}, but "
             "torch.distributed is not running, so the other ranks' members cannot be "
             "written with these. Save from every rank, after init_process_group."
         )
     agree_to_start(where, {}, refused, *ranks(shard))
+    assert shard is not None
+    spread = _spread(shard)
     sharded = set(keys)
     state = {}
     for key, leaf in flat.leaves.items():
@@ -743,21 +754,31 @@ def load(path: str | os.PathLike, obj: T, shard: MemberShard | None = None) -> T
     """
     where = "distributed.load"
     name = os.fspath(path)
-    if isinstance(obj, torch.optim.Optimizer):
-        template = _torch_optim_template(where, path, obj, shard)
-        obj.load_state_dict(load(path, template, shard))
-        return obj
-    flat = _flatten(where, obj)
     if shard is not None:
         shard = _check_shard(where, shard)
     try:
-        metadata, checksums = _metadata(where, path)
-        refused = None
-    except (ValueError, OSError) as error:
         # The other ranks would wait for this one in the exchanges below: the flag in
-        # the first one makes every rank raise this error.
+        # the first one makes every rank raise this rank's refusal.
+        if isinstance(obj, torch.optim.Optimizer):
+            saved = _torch_optim_saved(where, path, obj)
+        else:
+            flat = _flatten(where, obj)
+            metadata, checksums = _metadata(where, path)
+        refused = None
+    except (TypeError, ValueError, OSError) as error:
         refused = error
     agree_to_start(where, {}, refused, *ranks(shard))
+    if isinstance(obj, torch.optim.Optimizer):
+        if shard is None:  # (an exchange of N among the ranks, all of them here)
+            shard = MemberShard(_saved_rows(saved))
+        try:
+            template = _torch_optim_template(where, name, saved, obj, shard)
+            refused = None
+        except (TypeError, ValueError) as error:
+            refused = error
+        agree_to_start(where, {}, refused, *ranks(shard))
+        obj.load_state_dict(load(path, template, shard))
+        return obj
     saved = dict(metadata.state_dict_metadata)
     recorded = [k for k in saved if k.startswith((f"{_RECORD}.", f"{_PER_MEMBER}."))]
     if isinstance(obj, EnsembleOptimizer) and not recorded:
