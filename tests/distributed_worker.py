@@ -200,7 +200,7 @@ def disagree(rank: int, out: Path) -> None:
             action()
         except ValueError as error:
             messages[name] = str(error)
-        except (TypeError, OSError) as error:
+        except (TypeError, OSError, RuntimeError) as error:
             messages[name] = f"{type(error).__name__}: {error}"
         else:
             messages[name] = None  # the test fails on this
@@ -393,6 +393,22 @@ def disagree(rank: int, out: Path) -> None:
     expect_error(
         "cancel on one replica",
         lambda: fe.distributed.average_gradients({"w": torch.ones(n, 3)}, replica, weights=w),
+    )
+
+    def fails_on_rank_1(x: Tensor) -> Tensor:
+        if rank == 1:
+            raise RuntimeError("the model failed on purpose")
+        return torch.zeros(n, x.shape[0], 2)
+
+    expect_error(
+        "predict model fails on one rank",
+        lambda: fe.distributed.predict(fails_on_rank_1, replica, torch.ones(4, 3)),
+    )
+    expect_error(
+        "predict output wrong on one rank",
+        lambda: fe.distributed.predict(
+            lambda x: torch.zeros(n + rank, x.shape[0], 2), replica, torch.ones(4, 3)
+        ),
     )
     expect_error(
         "predict uneven batch on one replica",

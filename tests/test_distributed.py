@@ -1244,7 +1244,13 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
     got = [torch.load(tmp_path / f"disagree{r}.pt") for r in range(2)]
     messages = got[0]  # rank 0's, before the suffix is removed below
     refused_by_1 = " (Refused on rank 1 of 2; every rank raises it.)"
-    for name in ("save leaf on one rank", "load optimizer missing", "integer on one replica"):
+    for name in (
+        "save leaf on one rank",
+        "load optimizer missing",
+        "integer on one replica",
+        "predict model fails on one rank",
+        "predict output wrong on one rank",
+    ):
         assert messages[name].endswith(refused_by_1), (name, messages[name])
     refused_on = re.compile(r" \(Refused on rank \d of 2; every rank raises it\.\)$")
     for r in range(2):  # (the refusing rank raises its own error, without the suffix)
@@ -1421,6 +1427,8 @@ def test_ranks_that_disagree_all_raise_naming_the_ranks_and_the_difference(tmp_p
             "FileNotFoundError: distributed.load: no checkpoint directory at ",
         ),
         ("save leaf on one rank", "TypeError: distributed.save: "),
+        ("predict model fails on one rank", "RuntimeError: the model failed on purpose"),
+        ("predict output wrong on one rank", "predict: the model's output has leading size 6"),
         (
             "load optimizer missing",
             "FileNotFoundError: distributed.load: no checkpoint directory at ",

@@ -484,8 +484,14 @@ def _run(
         mine = shard.batch_slice(size)
         rows = mine.stop - mine.start
         inputs = _tree.unflatten(spec, [x[mine] if isinstance(x, Tensor) else x for x in leaves])
-    outputs = model(*inputs, **kwargs)
-    _check_outputs(where, outputs, shard)
+    try:
+        outputs = model(*inputs, **kwargs)
+        _check_outputs(where, outputs, shard)
+        refused = None
+    except Exception as error:  # the model's own, or the check of its outputs
+        # The other ranks would wait for this one in the reductions' exchanges.
+        refused = error
+    agree_to_start(where, {}, refused, *ranks(shard))
     if rows is None:
         return {name: fn(outputs, shard) for name, fn in chosen.items()}
     results, whole = {}, None
