@@ -10,7 +10,7 @@ import torch.distributed as dist
 from test_distributed import fake_shard
 
 import funcensemble as fe
-from funcensemble.distributed import _data_parallel
+from funcensemble.distributed import _gather
 from funcensemble.distributed._backend_errors import backend_hint
 
 WATCHDOG = (
@@ -79,7 +79,7 @@ def _replicas_agree(out, mine, group=None):
 def test_a_failed_nccl_gradient_average_is_a_distributed_error(monkeypatch):
     shard = fe.distributed.MemberShard(3)
     shard.data_rank, shard.data_size = 0, 2  # replica 0 of 2
-    monkeypatch.setattr(_data_parallel, "all_gather_single", _replicas_agree)
+    monkeypatch.setattr(_gather, "all_gather_single", _replicas_agree)
     monkeypatch.setattr(dist, "all_reduce", _raise(ABORTED))
     with pytest.raises(fe.distributed.DistributedError) as info:
         fe.distributed.average_gradients({"w": torch.ones(3, 2)}, shard)
@@ -91,7 +91,7 @@ def test_a_failed_nccl_gradient_average_is_a_distributed_error(monkeypatch):
 def test_a_failed_nccl_check_of_the_replicas_trees_is_a_distributed_error(monkeypatch):
     shard = fe.distributed.MemberShard(3)
     shard.data_rank, shard.data_size = 0, 2
-    monkeypatch.setattr(_data_parallel, "all_gather_single", _raise(ABORTED))
+    monkeypatch.setattr(_gather, "all_gather_single", _raise(ABORTED))
     with pytest.raises(fe.distributed.DistributedError) as info:
         fe.distributed.average_gradients({"w": torch.ones(3, 2)}, shard)
     assert re.match(

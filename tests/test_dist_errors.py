@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 import funcensemble as fe
+from funcensemble.distributed import _sharded_checkpoint
 from funcensemble.distributed._dcp_checksums import CHECKSUM_FILE, ChecksummingWriter
 from funcensemble.distributed._errors import cause_text
 
@@ -129,6 +130,15 @@ def test_a_rank_that_does_not_see_the_checkpoint_says_which_rank_it_is(tmp_path,
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+
+    def refused_here(where, call, refused, *ranks):
+        # The exchange that carries a refusal to the other ranks needs a real group
+        # (tests/test_distributed.py runs it on two): this rank raises its own error.
+        if refused is not None:
+            raise refused
+
+    monkeypatch.setattr(_sharded_checkpoint, "agree_to_start", refused_here)
+    monkeypatch.setattr(_sharded_checkpoint, "ranks", lambda shard: (1, 2, None, "cpu"))
     seen = (
         r" \(as rank 1 of 2 sees it: on several machines, a checkpoint must be on a "
         r"filesystem all ranks share\)"

@@ -1115,7 +1115,7 @@ def test_options_set_after_building_are_checked_and_member_checks_leading_sizes(
     assert ens.chunk_size is None and ens.randomness == "different"
     ens.chunk_size = 2  # a valid one is taken
     ens.stacked.bias = nn.Parameter(torch.zeros(6))  # one member's shape
-    with pytest.raises(ValueError, match=r"`bias` has leading size 6, but `weight` has 3"):
+    with pytest.raises(ValueError, match=r"leading sizes disagree \(`weight`: 3; `bias`: 6\)"):
         ens.member(1)
 
 
@@ -1126,7 +1126,7 @@ def test_select_concat_and_copy_members_check_leading_sizes():
     ens = fe.Ensemble([nn.Linear(3, 6) for _ in range(3)])
     bias = torch.arange(6.0)
     ens.stacked.bias = nn.Parameter(bias.clone())  # one member's shape
-    message = r"`bias` has leading size 6, but `weight` has 3"
+    message = r"the stacked tensors' leading sizes disagree \(`weight`: 3; `bias`: 6\)"
     with pytest.raises(ValueError, match=r"Ensemble.select: " + message):
         ens.select([0, 2])
     with pytest.raises(ValueError, match=r"Ensemble.copy_members_: " + message):
